@@ -1,0 +1,8 @@
+//! Provider adapters: one module per provider API and version (`openai_chat/v1`, …), each with
+//! `render` (graph → exact request bytes), `import` (provider request → graph, for proxy and
+//! shadow modes), `decode` (stream bytes → normalized events) and its token counter.
+//!
+//! Placement and role rules of a provider live in its adapter and nowhere else. A block kind an
+//! adapter version cannot represent pauses the conversation; it is never degraded into text.
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]

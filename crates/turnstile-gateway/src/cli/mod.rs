@@ -1,0 +1,52 @@
+//! Subcommands and the one table that maps outcomes to exit statuses
+//! (`shared/spec/conversation-v1.md` §3).
+
+pub mod validate;
+
+use std::io::Read;
+use std::process::ExitCode;
+use turnstile_core::limits;
+
+/// Every exit status the CLI uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// Ready / rendered / committed.
+    Ok,
+    /// Rejected by the validator.
+    Rejected,
+    /// Unreadable input or a usage error.
+    Usage,
+    /// Waiting for tool results.
+    Waiting,
+}
+
+impl From<Exit> for ExitCode {
+    fn from(exit: Exit) -> ExitCode {
+        ExitCode::from(match exit {
+            Exit::Ok => 0,
+            Exit::Rejected => 1,
+            Exit::Usage => 2,
+            Exit::Waiting => 3,
+        })
+    }
+}
+
+/// Read a file argument (`-` is standard input), refusing more than `FILE_BYTES_MAX` bytes
+/// without reading them all.
+pub fn read_input(path: &str) -> Result<Vec<u8>, String> {
+    let limit = limits::FILE_BYTES_MAX as u64 + 1;
+    let mut bytes = Vec::new();
+    let result = if path == "-" {
+        std::io::stdin().lock().take(limit).read_to_end(&mut bytes)
+    } else {
+        std::fs::File::open(path).and_then(|file| file.take(limit).read_to_end(&mut bytes))
+    };
+    result.map_err(|error| format!("cannot read {path}: {error}"))?;
+    if bytes.len() > limits::FILE_BYTES_MAX {
+        return Err(format!(
+            "{path}: limit exceeded: FILE_BYTES_MAX is {} bytes",
+            limits::FILE_BYTES_MAX
+        ));
+    }
+    Ok(bytes)
+}

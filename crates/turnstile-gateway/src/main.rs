@@ -1,0 +1,42 @@
+//! The `turnstile` binary: command-line entry point. Each subcommand lives in its own module
+//! under `cli/`; exit statuses come from one table, [`cli::Exit`].
+#![forbid(unsafe_code)]
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Turnstile: every request to a model provider legal and complete; every response committed
+/// at most once per conversation revision.
+#[derive(Parser)]
+#[command(name = "turnstile", version, about)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a turnstile.conversation.v1 file (exit 0 ready, 3 waiting, 1 rejected, 2 unreadable).
+    Validate(cli::validate::ValidateArgs),
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(error) => {
+            // clap prints help/version to stdout with success; usage errors exit 2 (spec).
+            let _ = error.print();
+            return if error.use_stderr() {
+                cli::Exit::Usage.into()
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let exit = match args.command {
+        Command::Validate(args) => cli::validate::run(&args),
+    };
+    exit.into()
+}
