@@ -17,6 +17,7 @@ pub mod conversation;
 pub mod digest;
 pub mod ids;
 pub mod limits;
+pub mod manifest;
 pub mod parse;
 pub mod sequence;
 pub mod validate;
