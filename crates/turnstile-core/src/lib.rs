@@ -15,6 +15,7 @@
 
 pub mod conversation;
 pub mod digest;
+pub mod dispatch;
 pub mod ids;
 pub mod limits;
 pub mod manifest;
