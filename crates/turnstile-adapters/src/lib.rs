@@ -6,3 +6,21 @@
 //! adapter version cannot represent pauses the conversation; it is never degraded into text.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+
+pub mod anthropic_messages;
+pub mod call_ids;
+pub mod catalog;
+pub mod gemini;
+pub mod openai_chat;
+pub mod openai_responses;
+pub mod prepare;
+#[doc(hidden)]
+pub mod probe;
+pub mod registry;
+pub mod render;
+pub mod tokens;
+
+pub use catalog::Catalog;
+pub use prepare::{PrepareOutcome, PrepareRequest, Prepared, prepare};
+pub use registry::{AdapterId, Api};
+pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered};

@@ -20,6 +20,8 @@ struct Args {
 enum Command {
     /// Validate a turnstile.conversation.v1 file (exit 0 ready, 3 waiting, 1 rejected, 2 unreadable).
     Validate(cli::validate::ValidateArgs),
+    /// Render the request an adapter would send (exit 0 rendered, 3 waiting, 1 rejected, 4 paused, 5 over budget, 2 usage).
+    Render(cli::render::RenderArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +39,7 @@ fn main() -> ExitCode {
     };
     let exit = match args.command {
         Command::Validate(args) => cli::validate::run(&args),
+        Command::Render(args) => cli::render::run(&args),
     };
     exit.into()
 }

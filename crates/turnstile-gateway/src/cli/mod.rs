@@ -1,6 +1,7 @@
 //! Subcommands and the one table that maps outcomes to exit statuses
 //! (`shared/spec/conversation-v1.md` §3).
 
+pub mod render;
 pub mod validate;
 
 use std::io::Read;
@@ -18,6 +19,10 @@ pub enum Exit {
     Usage,
     /// Waiting for tool results.
     Waiting,
+    /// `render`: the adapter version cannot represent a block kind (never a lossy fallback).
+    Paused,
+    /// `render`: prompt tokens plus the output cap exceed the model's context window.
+    OverBudget,
 }
 
 impl From<Exit> for ExitCode {
@@ -27,6 +32,8 @@ impl From<Exit> for ExitCode {
             Exit::Rejected => 1,
             Exit::Usage => 2,
             Exit::Waiting => 3,
+            Exit::Paused => 4,
+            Exit::OverBudget => 5,
         })
     }
 }

@@ -1,0 +1,415 @@
+//! Anthropic Messages (`POST /v1/messages`): the rules shared by every version; a version is
+//! an [`AnthropicVersion`] value.
+//!
+//! Placement (`shared/reference/provider-rules.md` §3.1, quoting the Anthropic docs and SDK):
+//! - system turns go to the top-level `system` array, each block its own text block;
+//! - "Consecutive `user` or `assistant` turns in your request will be combined into a single
+//!   turn": we merge them ourselves, so the bytes say what the model sees;
+//! - all results for one assistant turn go in ONE user message, `tool_result` blocks FIRST
+//!   ("In the user message containing tool results, the tool_result blocks must come FIRST in
+//!   the content array. Any text must come AFTER all tool results."), in call order; a user
+//!   turn that follows merges in after them;
+//! - `is_error: true` for error and cancel results (a cancel also gets a status text part);
+//! - `tool_use.id` must match `^[a-zA-Z0-9_-]+$`; other ids are mapped;
+//! - thinking blocks with their signature (or `redacted_thinking` with its data) go back
+//!   unchanged to Anthropic and are omitted for everyone else;
+//! - empty or whitespace-only text blocks are rejected by the API ("text content blocks must
+//!   contain non-whitespace text"); they carry nothing, so they are left out and the policy
+//!   lists them.
+
+pub mod v1;
+pub mod v2;
+
+use crate::call_ids::CallIdRule;
+use crate::render::{
+    Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment, Writer, inline_len,
+    reasoning_for, segments, status_note, wrap_context,
+};
+use crate::tokens;
+use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ResultStatus};
+
+/// What differs between Messages versions.
+pub(crate) struct AnthropicVersion {
+    /// Whether `document` blocks render (@2).
+    pub documents: bool,
+}
+
+pub(crate) const CALL_ID_RULE: CallIdRule = CallIdRule::AsciiWordOrDash;
+
+/// `anthropic-version` is required on every request (Anthropic "Versions" page; SDK
+/// `_client.py` sends `2023-06-01`).
+pub(crate) const HEADERS: &[(&str, &str)] = &[
+    ("content-type", "application/json"),
+    ("anthropic-version", "2023-06-01"),
+];
+
+const TAG_SYSTEM: u8 = 1;
+const TAG_CONTENT: u8 = 2;
+const TAG_RESULT: u8 = 3;
+const TAG_TOOLS: u8 = 4;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MessageRole {
+    User,
+    Assistant,
+}
+
+enum Item<'a> {
+    Content(&'a Block),
+    Result(&'a Block),
+}
+
+struct Message<'a> {
+    role: MessageRole,
+    items: Vec<Item<'a>>,
+}
+
+fn push<'a>(messages: &mut Vec<Message<'a>>, role: MessageRole, item: Item<'a>) {
+    match messages.last_mut() {
+        Some(last) if last.role == role => last.items.push(item),
+        _ => messages.push(Message {
+            role,
+            items: vec![item],
+        }),
+    }
+}
+
+fn is_blank(block: &Block) -> bool {
+    matches!(&block.body, BlockBody::Text { text } if text.trim().is_empty())
+}
+
+pub(crate) fn render(
+    version: &AnthropicVersion,
+    graph: Graph<'_>,
+    options: &RenderOptions,
+    ctx: &mut Ctx<'_>,
+) -> RenderOutcome {
+    let conversation = graph.conversation();
+    ctx.pause_unrepresentable_kinds(conversation);
+    ctx.map_call_ids(conversation, CALL_ID_RULE);
+    let tokenizer = ctx.tokenizer;
+
+    // Plan: messages with consecutive same-role turns merged.
+    let mut system: Vec<&Block> = Vec::new();
+    let mut messages: Vec<Message<'_>> = Vec::new();
+    debug_assert_eq!(version.documents, ctx.adapter.represents("document"));
+    for segment in segments(conversation) {
+        match segment {
+            Segment::System(turn) => {
+                for block in &turn.blocks {
+                    if is_blank(block) {
+                        ctx.omit(block, "", "empty_text_rejected_by_api");
+                    } else {
+                        system.push(block);
+                    }
+                }
+            }
+            Segment::User(turn) => {
+                for block in &turn.blocks {
+                    if !ctx.adapter.represents(block.body.kind()) {
+                        continue;
+                    }
+                    if is_blank(block) {
+                        ctx.omit(block, "", "empty_text_rejected_by_api");
+                        continue;
+                    }
+                    if let BlockBody::Document { source, .. } = &block.body {
+                        if document_source(source).is_none() {
+                            ctx.pause(
+                                Some(block),
+                                "document.media_type",
+                                PauseReason::UnrepresentablePart,
+                            );
+                            continue;
+                        }
+                    }
+                    push(&mut messages, MessageRole::User, Item::Content(block));
+                }
+            }
+            Segment::Assistant { turn, results } => {
+                for block in &turn.blocks {
+                    if let Some(Reasoning::Omit { provider, reason }) =
+                        reasoning_for(ctx.adapter, &block.body)
+                    {
+                        ctx.omit(block, provider, reason);
+                        continue;
+                    }
+                    if is_blank(block) {
+                        ctx.omit(block, "", "empty_text_rejected_by_api");
+                        continue;
+                    }
+                    push(&mut messages, MessageRole::Assistant, Item::Content(block));
+                }
+                for result in results {
+                    // A results message always starts a new user message: the previous
+                    // message is the assistant one holding the calls.
+                    push(&mut messages, MessageRole::User, Item::Result(result));
+                }
+            }
+        }
+    }
+    if messages.is_empty() {
+        ctx.pause(None, "messages", PauseReason::UnrepresentableSequence);
+    }
+
+    let mut out = Vec::with_capacity(4096);
+    out.extend_from_slice(b"{\"model\":");
+    crate::render::push_json_string(&mut out, &options.model);
+    out.extend_from_slice(b",\"max_tokens\":");
+    out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    if !system.is_empty() {
+        out.extend_from_slice(b",\"system\":[");
+        for (index, block) in system.iter().enumerate() {
+            if index > 0 {
+                out.push(b',');
+            }
+            ctx.fragment(&mut out, TAG_SYSTEM, &block.digest, |w| content_block(block, w));
+        }
+        out.push(b']');
+        ctx.tokens += tokenizer.message_overhead();
+    }
+    out.extend_from_slice(b",\"messages\":[");
+    for (index, message) in messages.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(match message.role {
+            MessageRole::User => b"{\"role\":\"user\",\"content\":[",
+            MessageRole::Assistant => b"{\"role\":\"assistant\",\"content\":[",
+        });
+        ctx.tokens += tokenizer.message_overhead();
+        for (item_index, item) in message.items.iter().enumerate() {
+            if item_index > 0 {
+                out.push(b',');
+            }
+            match item {
+                Item::Content(block) => {
+                    ctx.fragment(&mut out, TAG_CONTENT, &block.digest, |w| content_block(block, w))
+                }
+                Item::Result(block) => {
+                    ctx.fragment(&mut out, TAG_RESULT, &block.digest, |w| result_block(block, w))
+                }
+            }
+        }
+        out.extend_from_slice(b"]}");
+    }
+    out.push(b']');
+    if !conversation.tools.is_empty() {
+        out.extend_from_slice(b",\"tools\":[");
+        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+            for (index, tool) in conversation.tools.iter().enumerate() {
+                if index > 0 {
+                    w.raw(",");
+                }
+                let start = w.out.len();
+                w.raw("{\"name\":").string(&tool.name);
+                if let Some(description) = &tool.description {
+                    w.raw(",\"description\":").string(description);
+                }
+                w.raw(",\"input_schema\":").canonical(&tool.input_schema).raw("}");
+                let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
+                w.count(&written);
+            }
+            w.charge(w.tokenizer.tools_overhead());
+        });
+        out.push(b']');
+    }
+    if options.stream {
+        out.extend_from_slice(b",\"stream\":true");
+    }
+    out.push(b'}');
+    ctx.tokens += tokenizer.request_overhead();
+    ctx.finish(
+        Body {
+            body: out,
+            path: "/v1/messages".to_owned(),
+        },
+        HEADERS,
+    )
+}
+
+/// The source object of a document, or None when Anthropic has no form for it: PDFs go as
+/// `base64` or `url` sources, `text/plain` as a `text` source holding the decoded text.
+fn document_source(source: &MediaSource) -> Option<DocumentSource<'_>> {
+    match source {
+        MediaSource::Url { url, .. } => Some(DocumentSource::Url(url)),
+        MediaSource::Base64 { media_type, data } if media_type == "application/pdf" => {
+            Some(DocumentSource::Pdf(data))
+        }
+        MediaSource::Base64 { media_type, data } if media_type.starts_with("text/plain") => {
+            let bytes = crate::render::base64_decode(data)?;
+            String::from_utf8(bytes).ok().map(DocumentSource::Text)
+        }
+        MediaSource::Base64 { .. } => None,
+    }
+}
+
+enum DocumentSource<'a> {
+    Url(&'a str),
+    Pdf(&'a str),
+    Text(String),
+}
+
+fn media_source(source: &MediaSource, w: &mut Writer) {
+    match source {
+        MediaSource::Base64 { media_type, data } => {
+            w.raw("{\"type\":\"base64\",\"media_type\":")
+                .string(media_type)
+                .raw(",\"data\":")
+                .string(data)
+                .raw("}");
+        }
+        MediaSource::Url { url, .. } => {
+            w.raw("{\"type\":\"url\",\"url\":").string(url).raw("}");
+        }
+    }
+}
+
+fn content_block(block: &Block, w: &mut Writer) {
+    match &block.body {
+        BlockBody::Text { text } => {
+            w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
+        }
+        BlockBody::Context { source, trust, text } => {
+            let wrapped = wrap_context(source.as_deref(), *trust, text);
+            w.raw("{\"type\":\"text\",\"text\":").text(&wrapped).raw("}");
+        }
+        BlockBody::Image { source } => {
+            w.raw("{\"type\":\"image\",\"source\":");
+            media_source(source, w);
+            w.raw("}").charge_image();
+        }
+        BlockBody::Document { source, title } => {
+            w.raw("{\"type\":\"document\",\"source\":");
+            match document_source(source) {
+                Some(DocumentSource::Url(url)) => {
+                    w.raw("{\"type\":\"url\",\"url\":").string(url).raw("}");
+                    w.charge(tokens::document_tokens(None));
+                }
+                Some(DocumentSource::Pdf(data)) => {
+                    w.raw("{\"type\":\"base64\",\"media_type\":\"application/pdf\",\"data\":")
+                        .string(data)
+                        .raw("}");
+                    w.charge(tokens::document_tokens(inline_len(source)));
+                }
+                Some(DocumentSource::Text(text)) => {
+                    w.raw("{\"type\":\"text\",\"media_type\":\"text/plain\",\"data\":")
+                        .text(&text)
+                        .raw("}");
+                }
+                // Paused in the plan; never reached.
+                None => {
+                    w.raw("null");
+                }
+            }
+            if let Some(title) = title {
+                w.raw(",\"title\":").text(title);
+            }
+            w.raw("}");
+        }
+        BlockBody::ToolCall {
+            call_id,
+            tool,
+            arguments,
+        } => {
+            let id = crate::call_ids::map(call_id.as_str(), CALL_ID_RULE);
+            w.raw("{\"type\":\"tool_use\",\"id\":")
+                .string(&id)
+                .raw(",\"name\":")
+                .text(tool);
+            w.raw(",\"input\":");
+            match arguments {
+                // The model's own JSON text, embedded verbatim: validation parsed it as one
+                // complete object with nothing after it, so it is a well-formed JSON value.
+                Arguments::Closed { raw: Some(raw), .. } => {
+                    w.raw(raw).count(raw);
+                }
+                Arguments::Closed { value, .. } => {
+                    let text = turnstile_core::digest::canonical_bytes(value);
+                    w.count(&String::from_utf8_lossy(&text));
+                    w.out.extend_from_slice(&text);
+                }
+                Arguments::Unclosed { .. } => {
+                    w.raw("{}");
+                }
+            }
+            w.raw("}").charge(3);
+        }
+        BlockBody::Reasoning {
+            signature,
+            encrypted,
+            text,
+            ..
+        } => match (signature, encrypted) {
+            (Some(signature), _) => {
+                w.raw("{\"type\":\"thinking\",\"thinking\":")
+                    .text(text.as_deref().unwrap_or(""))
+                    .raw(",\"signature\":")
+                    .string(signature)
+                    .raw("}");
+            }
+            (None, Some(data)) => {
+                w.raw("{\"type\":\"redacted_thinking\",\"data\":")
+                    .string(data)
+                    .count(data)
+                    .raw("}");
+            }
+            // The decoder rejects reasoning with neither.
+            (None, None) => {}
+        },
+        _ => {}
+    }
+}
+
+fn result_block(block: &Block, w: &mut Writer) {
+    let BlockBody::ToolResult {
+        call_id,
+        status,
+        content,
+        ..
+    } = &block.body
+    else {
+        return;
+    };
+    let id = crate::call_ids::map(call_id.as_str(), CALL_ID_RULE);
+    w.raw("{\"type\":\"tool_result\",\"tool_use_id\":").string(&id);
+    if *status != ResultStatus::Success {
+        w.raw(",\"is_error\":true");
+    }
+    // `is_error` already says "error"; a cancel also says it did not complete.
+    let note = match status {
+        ResultStatus::Cancel => status_note(*status),
+        _ => None,
+    };
+    let parts: Vec<&ResultPart> = content.iter().filter(|part| !is_blank_part(part)).collect();
+    if note.is_some() || !parts.is_empty() {
+        w.raw(",\"content\":[");
+        let mut first = true;
+        if let Some(note) = note {
+            w.raw("{\"type\":\"text\",\"text\":").text(note).raw("}");
+            first = false;
+        }
+        for part in parts {
+            if !first {
+                w.raw(",");
+            }
+            first = false;
+            match part {
+                ResultPart::Text(text) => {
+                    w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
+                }
+                ResultPart::Image(source) => {
+                    w.raw("{\"type\":\"image\",\"source\":");
+                    media_source(source, w);
+                    w.raw("}").charge_image();
+                }
+            }
+        }
+        w.raw("]");
+    }
+    w.raw("}");
+}
+
+fn is_blank_part(part: &ResultPart) -> bool {
+    matches!(part, ResultPart::Text(text) if text.trim().is_empty())
+}

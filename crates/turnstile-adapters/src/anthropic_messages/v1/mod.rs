@@ -1,0 +1,3 @@
+//! `anthropic_messages/v1`: see `render.rs`.
+
+pub mod render;

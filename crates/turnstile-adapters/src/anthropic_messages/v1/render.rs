@@ -1,0 +1,35 @@
+//! `anthropic-messages@1`: no `document` blocks (they pause). Placement is shared with @2 in
+//! `anthropic_messages/mod.rs`.
+
+use crate::anthropic_messages::{AnthropicVersion, HEADERS};
+use crate::registry::RulesDescriptor;
+use crate::render::{CONTEXT_WRAPPING, Ctx, Graph, RenderOptions, RenderOutcome};
+
+const VERSION: AnthropicVersion = AnthropicVersion { documents: false };
+
+/// Declared rules of `anthropic-messages@1`.
+pub static RULES: RulesDescriptor = RulesDescriptor {
+    adapter: "anthropic-messages@1",
+    rules_revision: 1,
+    endpoint: "POST /v1/messages",
+    representable_kinds: &[
+        "text",
+        "image",
+        "tool_call",
+        "tool_result",
+        "context",
+        "reasoning",
+    ],
+    unrepresentable_parts: &[],
+    system_placement: "top-level system array, each block a text block",
+    max_output_tokens_field: "max_tokens",
+    result_placement: "all results of one assistant turn in ONE user message, tool_result blocks first in call order, is_error for error and cancel; consecutive same-role turns merged",
+    call_id_rule: "^[a-zA-Z0-9_-]+$, else tc_<sha256 hex 32>",
+    reasoning: "anthropic thinking (signature) / redacted_thinking (encrypted) replayed; foreign omitted with policy",
+    context_wrapping: CONTEXT_WRAPPING,
+    headers: HEADERS,
+};
+
+pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_>) -> RenderOutcome {
+    crate::anthropic_messages::render(&VERSION, graph, options, ctx)
+}

@@ -1,0 +1,3 @@
+//! `anthropic_messages/v2`: see `render.rs`.
+
+pub mod render;

@@ -1,0 +1,4 @@
+//! Google Gemini `generateContent` (Gemini API, `v1beta`). One version so far; see
+//! `v1/render.rs`.
+
+pub mod v1;

@@ -1,0 +1,3 @@
+//! `gemini/v1`: see `render.rs`.
+
+pub mod render;

@@ -1,0 +1,389 @@
+//! `gemini@1`: Gemini API `streamGenerateContent` (`generateContent` without streaming).
+//!
+//! Placement (`shared/reference/provider-rules.md` §4.1, python-genai `types.py`):
+//! - system turns go to `systemInstruction.parts`, each block its own part;
+//! - `contents` strictly alternate `user` / `model` ("Please ensure that multiturn requests
+//!   alternate between user and model"): consecutive same-role turns are merged;
+//! - the results of one model turn are ONE user content with exactly as many
+//!   `functionResponse` parts as the model turn had `functionCall` parts, in call order ("the
+//!   number of function response parts is equal to the number of function call parts"); a user
+//!   turn that follows merges in after them;
+//! - ids are optional and absent from recorded streams: calls and responses pair by position
+//!   and name, so no id is sent (and none needs mapping);
+//! - `functionResponse.response` is `{"output": …}` for success and `{"error": …}` for error
+//!   and cancel (the keys the SDK documents);
+//! - tool schemas go in `parametersJsonSchema`: the plain `parameters` field takes an OpenAPI
+//!   subset that rejects `additionalProperties`, `$ref` and more;
+//! - Gemini reasoning blocks carry a `thoughtSignature`, which is returned on the part that
+//!   followed it in the model turn (the next block of the same turn: "replay the model's parts
+//!   verbatim, with `thoughtSignature` in its original part"), or on an empty text part when
+//!   nothing follows, as the model itself sends it; foreign reasoning is omitted;
+//! - the request must end with a user content or function responses ("multiturn requests
+//!   ends with a user role or a function response"), and a function call turn must follow a
+//!   user turn: graphs that break either pause;
+//! - images inside tool results have no `functionResponse` form in v1beta: they pause.
+
+use crate::registry::RulesDescriptor;
+use crate::render::{
+    Body, CONTEXT_WRAPPING, Ctx, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment,
+    Writer, inline_len, reasoning_for, segments, status_note, wrap_context,
+};
+use crate::tokens;
+use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ResultStatus};
+
+const HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+
+const TAG_PART: u8 = 1;
+const TAG_RESPONSE: u8 = 2;
+const TAG_TOOLS: u8 = 3;
+
+/// Declared rules of `gemini@1`.
+pub static RULES: RulesDescriptor = RulesDescriptor {
+    adapter: "gemini@1",
+    rules_revision: 1,
+    endpoint: "POST /v1beta/models/{model}:streamGenerateContent?alt=sse",
+    representable_kinds: &[
+        "text",
+        "image",
+        "tool_call",
+        "tool_result",
+        "context",
+        "reasoning",
+        "document",
+    ],
+    unrepresentable_parts: &["tool_result.image"],
+    system_placement: "systemInstruction.parts, each block a part",
+    max_output_tokens_field: "generationConfig.maxOutputTokens",
+    result_placement: "ONE user content per model turn with exactly one functionResponse per functionCall, in call order; strict user/model alternation by merging",
+    call_id_rule: "no ids sent; pairing by position",
+    reasoning: "gemini thoughtSignature returned on the part that followed it; foreign omitted with policy",
+    context_wrapping: CONTEXT_WRAPPING,
+    headers: HEADERS,
+};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ContentRole {
+    User,
+    Model,
+}
+
+enum Item<'a> {
+    Part {
+        block: &'a Block,
+        signature: Option<&'a str>,
+    },
+    SignatureOnly(&'a str),
+    Response(&'a Block),
+}
+
+struct Content<'a> {
+    role: ContentRole,
+    items: Vec<Item<'a>>,
+    calls: usize,
+}
+
+fn push<'a>(contents: &mut Vec<Content<'a>>, role: ContentRole, item: Item<'a>) {
+    match contents.last_mut() {
+        Some(last) if last.role == role => last.items.push(item),
+        _ => contents.push(Content {
+            role,
+            items: vec![item],
+            calls: 0,
+        }),
+    }
+}
+
+pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_>) -> RenderOutcome {
+    let conversation = graph.conversation();
+    ctx.pause_unrepresentable_kinds(conversation);
+    let tokenizer = ctx.tokenizer;
+
+    let mut system: Vec<&Block> = Vec::new();
+    let mut contents: Vec<Content<'_>> = Vec::new();
+    for segment in segments(conversation) {
+        match segment {
+            Segment::System(turn) => system.extend(turn.blocks.iter()),
+            Segment::User(turn) => {
+                for block in &turn.blocks {
+                    if ctx.adapter.represents(block.body.kind()) {
+                        push(
+                            &mut contents,
+                            ContentRole::User,
+                            Item::Part {
+                                block,
+                                signature: None,
+                            },
+                        );
+                    }
+                }
+            }
+            Segment::Assistant { turn, results } => {
+                let mut signature: Option<&str> = None;
+                for block in &turn.blocks {
+                    match reasoning_for(ctx.adapter, &block.body) {
+                        Some(Reasoning::Omit { provider, reason }) => ctx.omit(block, provider, reason),
+                        Some(Reasoning::Keep {
+                            signature: Some(next),
+                            ..
+                        }) => {
+                            if let Some(previous) = signature.replace(next) {
+                                push(&mut contents, ContentRole::Model, Item::SignatureOnly(previous));
+                            }
+                        }
+                        Some(Reasoning::Keep { .. }) => {
+                            ctx.omit(block, "gemini", "gemini_takes_signatures_only")
+                        }
+                        None => {
+                            let signature = signature.take();
+                            push(&mut contents, ContentRole::Model, Item::Part { block, signature });
+                            if matches!(block.body, BlockBody::ToolCall { .. }) {
+                                if let Some(last) = contents.last_mut() {
+                                    last.calls += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+                if let Some(signature) = signature {
+                    push(&mut contents, ContentRole::Model, Item::SignatureOnly(signature));
+                }
+                for result in results {
+                    if let BlockBody::ToolResult { content, .. } = &result.body {
+                        if content.iter().any(|part| matches!(part, ResultPart::Image(_))) {
+                            ctx.pause(
+                                Some(result),
+                                "tool_result.image",
+                                PauseReason::UnrepresentablePart,
+                            );
+                        }
+                    }
+                    push(&mut contents, ContentRole::User, Item::Response(result));
+                }
+            }
+        }
+    }
+    match contents.last() {
+        None => ctx.pause(None, "contents", PauseReason::UnrepresentableSequence),
+        Some(last) if last.role == ContentRole::Model => ctx.pause(
+            None,
+            "contents.last_model_turn",
+            PauseReason::UnrepresentableSequence,
+        ),
+        Some(_) => {}
+    }
+    if let Some(first) = contents.first() {
+        if first.role == ContentRole::Model && first.calls > 0 {
+            ctx.pause(
+                None,
+                "contents.first_function_call_turn",
+                PauseReason::UnrepresentableSequence,
+            );
+        }
+    }
+
+    let mut out = Vec::with_capacity(4096);
+    out.extend_from_slice(b"{\"contents\":[");
+    for (index, content) in contents.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(match content.role {
+            ContentRole::User => b"{\"role\":\"user\",\"parts\":[",
+            ContentRole::Model => b"{\"role\":\"model\",\"parts\":[",
+        });
+        ctx.tokens += tokenizer.message_overhead();
+        for (item_index, item) in content.items.iter().enumerate() {
+            if item_index > 0 {
+                out.push(b',');
+            }
+            out.push(b'{');
+            match item {
+                Item::Part { block, signature } => {
+                    ctx.fragment(&mut out, TAG_PART, &block.digest, |w| part_fields(block, w));
+                    if let Some(signature) = signature {
+                        out.extend_from_slice(b",\"thoughtSignature\":");
+                        crate::render::push_json_string(&mut out, signature);
+                    }
+                }
+                Item::SignatureOnly(signature) => {
+                    out.extend_from_slice(b"\"text\":\"\",\"thoughtSignature\":");
+                    crate::render::push_json_string(&mut out, signature);
+                }
+                Item::Response(block) => {
+                    ctx.fragment(&mut out, TAG_RESPONSE, &block.digest, |w| {
+                        response_fields(block, w)
+                    });
+                }
+            }
+            out.push(b'}');
+        }
+        out.extend_from_slice(b"]}");
+    }
+    out.push(b']');
+    if !system.is_empty() {
+        out.extend_from_slice(b",\"systemInstruction\":{\"parts\":[");
+        for (index, block) in system.iter().enumerate() {
+            if index > 0 {
+                out.push(b',');
+            }
+            out.push(b'{');
+            ctx.fragment(&mut out, TAG_PART, &block.digest, |w| part_fields(block, w));
+            out.push(b'}');
+        }
+        out.extend_from_slice(b"]}");
+        ctx.tokens += tokenizer.message_overhead();
+    }
+    if !conversation.tools.is_empty() {
+        out.extend_from_slice(b",\"tools\":[{\"functionDeclarations\":[");
+        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+            for (index, tool) in conversation.tools.iter().enumerate() {
+                if index > 0 {
+                    w.raw(",");
+                }
+                let start = w.out.len();
+                w.raw("{\"name\":").string(&tool.name);
+                if let Some(description) = &tool.description {
+                    w.raw(",\"description\":").string(description);
+                }
+                w.raw(",\"parametersJsonSchema\":")
+                    .canonical(&tool.input_schema)
+                    .raw("}");
+                let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
+                w.count(&written);
+            }
+            w.charge(w.tokenizer.tools_overhead());
+        });
+        out.extend_from_slice(b"]}]");
+    }
+    out.extend_from_slice(b",\"generationConfig\":{\"maxOutputTokens\":");
+    out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    out.extend_from_slice(b"}}");
+    ctx.tokens += tokenizer.request_overhead();
+    let method = if options.stream {
+        ":streamGenerateContent?alt=sse"
+    } else {
+        ":generateContent"
+    };
+    let path = format!("/v1beta/models/{}{method}", path_segment(&options.model));
+    ctx.finish(Body { body: out, path }, HEADERS)
+}
+
+/// Percent-encode a model name for use as one path segment (RFC 3986 unreserved kept).
+fn path_segment(model: &str) -> String {
+    let mut out = String::with_capacity(model.len());
+    for byte in model.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn media(source: &MediaSource, w: &mut Writer) {
+    match source {
+        MediaSource::Base64 { media_type, data } => {
+            w.raw("\"inlineData\":{\"mimeType\":")
+                .string(media_type)
+                .raw(",\"data\":")
+                .string(data)
+                .raw("}");
+        }
+        MediaSource::Url { url, media_type } => {
+            w.raw("\"fileData\":{");
+            if let Some(media_type) = media_type {
+                w.raw("\"mimeType\":").string(media_type).raw(",");
+            }
+            w.raw("\"fileUri\":").string(url).raw("}");
+        }
+    }
+}
+
+/// The fields of one part, without the enclosing braces (a thought signature may be added).
+fn part_fields(block: &Block, w: &mut Writer) {
+    match &block.body {
+        BlockBody::Text { text } => {
+            w.raw("\"text\":").text(text);
+        }
+        BlockBody::Context { source, trust, text } => {
+            let wrapped = wrap_context(source.as_deref(), *trust, text);
+            w.raw("\"text\":").text(&wrapped);
+        }
+        BlockBody::Image { source } => {
+            media(source, w);
+            w.charge_image();
+        }
+        BlockBody::Document { source, .. } => {
+            media(source, w);
+            w.charge(tokens::document_tokens(inline_len(source)));
+        }
+        BlockBody::ToolCall { tool, arguments, .. } => {
+            w.raw("\"functionCall\":{\"name\":").text(tool).raw(",\"args\":");
+            match arguments {
+                // Verbatim model JSON: validation parsed it as one complete object.
+                Arguments::Closed { raw: Some(raw), .. } => {
+                    w.raw(raw).count(raw);
+                }
+                Arguments::Closed { value, .. } => {
+                    let text = turnstile_core::digest::canonical_bytes(value);
+                    w.count(&String::from_utf8_lossy(&text));
+                    w.out.extend_from_slice(&text);
+                }
+                Arguments::Unclosed { .. } => {
+                    w.raw("{}");
+                }
+            }
+            w.raw("}").charge(3);
+        }
+        _ => {}
+    }
+}
+
+fn response_fields(block: &Block, w: &mut Writer) {
+    let BlockBody::ToolResult {
+        tool,
+        status,
+        content,
+        ..
+    } = &block.body
+    else {
+        return;
+    };
+    let key = match status {
+        ResultStatus::Success => "output",
+        ResultStatus::Error | ResultStatus::Cancel => "error",
+    };
+    w.raw("\"functionResponse\":{\"name\":")
+        .text(tool)
+        .raw(",\"response\":{\"")
+        .raw(key)
+        .raw("\":");
+    let texts: Vec<&str> = status_note(*status)
+        .filter(|_| *status == ResultStatus::Cancel)
+        .into_iter()
+        .chain(content.iter().filter_map(|part| match part {
+            ResultPart::Text(text) => Some(text.as_str()),
+            ResultPart::Image(_) => None,
+        }))
+        .collect();
+    match texts.as_slice() {
+        [] => {
+            w.raw("\"\"");
+        }
+        [one] => {
+            w.text(one);
+        }
+        many => {
+            w.raw("[");
+            for (index, text) in many.iter().enumerate() {
+                if index > 0 {
+                    w.raw(",");
+                }
+                w.text(text);
+            }
+            w.raw("]");
+        }
+    }
+    w.raw("}}");
+}

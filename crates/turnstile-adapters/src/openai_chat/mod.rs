@@ -1,0 +1,402 @@
+//! OpenAI Chat Completions (`POST /v1/chat/completions`): the rules shared by every version.
+//! A version is a [`ChatVersion`] value (system role, output-cap field, documents); the
+//! placement code below is written once.
+//!
+//! Placement (OpenAPI spec `CreateChatCompletionRequest`, l.33105; rules and the 400s they
+//! avoid in `shared/reference/provider-rules.md` §1.1):
+//! - system turns become `system` (@1) or `developer` (@2) messages, one per turn, each block
+//!   its own text part;
+//! - all calls of an assistant turn go in ONE assistant message's `tool_calls`, arguments as a
+//!   JSON string (the model's raw text when we have it);
+//! - right after it, one `tool` message per call, in call order ("An assistant message with
+//!   'tool_calls' must be followed by tool messages responding to each 'tool_call_id'");
+//! - tool messages carry text parts only ("For tool messages, only type `text` is supported"),
+//!   so an image inside a tool result pauses;
+//! - Chat has no reasoning input: reasoning blocks are omitted, and the policy says why.
+
+pub mod v1;
+pub mod v2;
+
+use crate::call_ids::CallIdRule;
+use crate::registry::AdapterId;
+use crate::render::{
+    Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
+    reasoning_for, segments, status_note, wrap_context,
+};
+use crate::tokens::{self, Tokenizer};
+use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ToolDef, Turn};
+
+/// What differs between Chat versions.
+pub(crate) struct ChatVersion {
+    pub adapter: AdapterId,
+    /// `system` or `developer`.
+    pub system_role: &'static str,
+    /// `max_tokens` or `max_completion_tokens`.
+    pub max_tokens_field: &'static str,
+    /// Whether `document` blocks render as `file` parts.
+    pub documents: bool,
+}
+
+/// Call-id rule: at most 40 characters.
+pub(crate) const CALL_ID_RULE: CallIdRule = CallIdRule::LengthMax(40);
+
+pub(crate) const HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+
+// Fragment tags.
+const TAG_CONTENT_PART: u8 = 1;
+const TAG_TOOL_CALL: u8 = 2;
+const TAG_TOOL_MESSAGE: u8 = 3;
+const TAG_TOOLS: u8 = 4;
+
+pub(crate) fn render(
+    version: &ChatVersion,
+    graph: Graph<'_>,
+    options: &RenderOptions,
+    ctx: &mut Ctx<'_>,
+) -> crate::render::RenderOutcome {
+    debug_assert_eq!(version.adapter, ctx.adapter);
+    let conversation = graph.conversation();
+    ctx.pause_unrepresentable_kinds(conversation);
+    ctx.map_call_ids(conversation, CALL_ID_RULE);
+    let tokenizer = ctx.tokenizer;
+    let role_tokens = RoleTokens::new(tokenizer, version.system_role);
+
+    let mut out = Vec::with_capacity(4096);
+    let mut w = Writer::new(tokenizer);
+    w.raw("{\"model\":").string(&options.model).raw(",\"messages\":[");
+    out.append(&mut w.out);
+    let mut first_message = true;
+    for segment in segments(conversation) {
+        match segment {
+            Segment::System(turn) => {
+                open_message(&mut out, &mut first_message, version.system_role);
+                ctx.tokens += role_tokens.system;
+                content_parts(version, turn, &mut out, ctx);
+                out.push(b'}');
+            }
+            Segment::User(turn) => {
+                open_message(&mut out, &mut first_message, "user");
+                ctx.tokens += role_tokens.user;
+                content_parts(version, turn, &mut out, ctx);
+                out.push(b'}');
+            }
+            Segment::Assistant { turn, results } => {
+                assistant_message(turn, &mut out, &mut first_message, ctx, role_tokens.assistant);
+                for result in results {
+                    if !first_message {
+                        out.push(b',');
+                    }
+                    first_message = false;
+                    ctx.tokens += role_tokens.tool;
+                    tool_message(result, &mut out, ctx);
+                }
+            }
+        }
+    }
+    out.extend_from_slice(b"],\"");
+    out.extend_from_slice(version.max_tokens_field.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    if options.stream {
+        out.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
+    }
+    if !conversation.tools.is_empty() {
+        out.extend_from_slice(b",\"tools\":[");
+        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+            for (index, tool) in conversation.tools.iter().enumerate() {
+                if index > 0 {
+                    w.raw(",");
+                }
+                w.raw("{\"type\":\"function\",\"function\":{\"name\":")
+                    .string(&tool.name);
+                if let Some(description) = &tool.description {
+                    w.raw(",\"description\":").string(description);
+                }
+                w.raw(",\"parameters\":").canonical(&tool.input_schema).raw("}}");
+                w.charge(openai_tool_tokens(w.tokenizer, tool));
+            }
+        });
+        out.push(b']');
+    }
+    out.push(b'}');
+    ctx.tokens += tokenizer.request_overhead();
+    let headers = HEADERS;
+    ctx.finish(
+        Body {
+            body: out,
+            path: "/v1/chat/completions".to_owned(),
+        },
+        headers,
+    )
+}
+
+struct RoleTokens {
+    system: u64,
+    user: u64,
+    assistant: u64,
+    tool: u64,
+}
+
+impl RoleTokens {
+    fn new(tokenizer: Tokenizer, system_role: &str) -> RoleTokens {
+        let overhead = tokenizer.message_overhead();
+        RoleTokens {
+            system: overhead + tokenizer.count(system_role),
+            user: overhead + tokenizer.count("user"),
+            assistant: overhead + tokenizer.count("assistant"),
+            tool: overhead + tokenizer.count("tool"),
+        }
+    }
+}
+
+fn open_message(out: &mut Vec<u8>, first: &mut bool, role: &str) {
+    if !*first {
+        out.push(b',');
+    }
+    *first = false;
+    out.extend_from_slice(b"{\"role\":\"");
+    out.extend_from_slice(role.as_bytes());
+    out.extend_from_slice(b"\"");
+}
+
+/// `,"content":[…]` of a system or user message: each block its own part.
+fn content_parts(version: &ChatVersion, turn: &Turn, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
+    out.extend_from_slice(b",\"content\":[");
+    let mut first = true;
+    for block in &turn.blocks {
+        if !ctx.adapter.represents(block.body.kind()) {
+            continue;
+        }
+        if let BlockBody::Document {
+            source: MediaSource::Url { .. },
+            ..
+        } = &block.body
+        {
+            // Chat `file` parts take `file_data` or `file_id`, never a URL.
+            ctx.pause(Some(block), "document.url", PauseReason::UnrepresentablePart);
+            continue;
+        }
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        ctx.fragment(out, TAG_CONTENT_PART, &block.digest, |w| {
+            content_part(version, block, w)
+        });
+    }
+    out.push(b']');
+}
+
+fn content_part(version: &ChatVersion, block: &Block, w: &mut Writer) {
+    match &block.body {
+        BlockBody::Text { text } => {
+            w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
+        }
+        BlockBody::Context { source, trust, text } => {
+            let wrapped = wrap_context(source.as_deref(), *trust, text);
+            w.raw("{\"type\":\"text\",\"text\":").text(&wrapped).raw("}");
+        }
+        BlockBody::Image { source } => {
+            w.raw("{\"type\":\"image_url\",\"image_url\":{\"url\":");
+            match source {
+                MediaSource::Base64 { media_type, data } => w.string(&data_url(media_type, data)),
+                MediaSource::Url { url, .. } => w.string(url),
+            };
+            w.raw("}}").charge_image();
+        }
+        BlockBody::Document { source, title } if version.documents => {
+            // `ChatCompletionRequestMessageContentPartFile`: {type: file, file: {file_data, filename}}.
+            let MediaSource::Base64 { media_type, data } = source else {
+                return;
+            };
+            w.raw("{\"type\":\"file\",\"file\":{\"filename\":")
+                .text(title.as_deref().unwrap_or("document"))
+                .raw(",\"file_data\":")
+                .string(&data_url(media_type, data))
+                .raw("}}")
+                .charge(tokens::document_tokens(inline_len(source)));
+        }
+        _ => {}
+    }
+}
+
+fn assistant_message(
+    turn: &Turn,
+    out: &mut Vec<u8>,
+    first_message: &mut bool,
+    ctx: &mut Ctx<'_>,
+    role_tokens: u64,
+) {
+    let mut has_text = false;
+    let mut has_calls = false;
+    for block in &turn.blocks {
+        match &block.body {
+            BlockBody::Text { .. } => has_text = true,
+            BlockBody::ToolCall { .. } => has_calls = true,
+            BlockBody::Reasoning { .. } => match reasoning_for(ctx.adapter, &block.body) {
+                Some(Reasoning::Omit { provider, reason }) => ctx.omit(block, provider, reason),
+                Some(Reasoning::Keep { .. }) => ctx.omit(block, "openai", "chat_has_no_reasoning_input"),
+                None => {}
+            },
+            _ => {}
+        }
+    }
+    if !has_text && !has_calls {
+        // Only reasoning, all omitted: an empty assistant message would be a 400.
+        return;
+    }
+    open_message(out, first_message, "assistant");
+    ctx.tokens += role_tokens;
+    if has_text {
+        out.extend_from_slice(b",\"content\":[");
+        let mut first = true;
+        for block in &turn.blocks {
+            if let BlockBody::Text { text } = &block.body {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                ctx.fragment(out, TAG_CONTENT_PART, &block.digest, |w| {
+                    w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
+                });
+            }
+        }
+        out.push(b']');
+    }
+    if has_calls {
+        out.extend_from_slice(b",\"tool_calls\":[");
+        let mut first = true;
+        for block in &turn.blocks {
+            if let BlockBody::ToolCall {
+                call_id,
+                tool,
+                arguments,
+            } = &block.body
+            {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                ctx.fragment(out, TAG_TOOL_CALL, &block.digest, |w| {
+                    let id = crate::call_ids::map(call_id.as_str(), CALL_ID_RULE);
+                    let arguments = arguments_text(arguments);
+                    w.raw("{\"id\":")
+                        .string(&id)
+                        .raw(",\"type\":\"function\",\"function\":{\"name\":")
+                        .text(tool)
+                        .raw(",\"arguments\":")
+                        .text(&arguments)
+                        .raw("}}")
+                        .charge(3);
+                });
+            }
+        }
+        out.push(b']');
+    }
+    out.push(b'}');
+}
+
+fn tool_message(result: &Block, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
+    let BlockBody::ToolResult {
+        call_id,
+        status,
+        content,
+        ..
+    } = &result.body
+    else {
+        return;
+    };
+    if content.iter().any(|part| matches!(part, ResultPart::Image(_))) {
+        ctx.pause(
+            Some(result),
+            "tool_result.image",
+            PauseReason::UnrepresentablePart,
+        );
+    }
+    ctx.fragment(out, TAG_TOOL_MESSAGE, &result.digest, |w| {
+        let id = crate::call_ids::map(call_id.as_str(), CALL_ID_RULE);
+        w.raw("{\"role\":\"tool\",\"tool_call_id\":")
+            .string(&id)
+            .count(&id)
+            .raw(",\"content\":");
+        let note = status_note(*status);
+        let texts: Vec<&str> = note
+            .into_iter()
+            .chain(content.iter().filter_map(|part| match part {
+                ResultPart::Text(text) => Some(text.as_str()),
+                ResultPart::Image(_) => None,
+            }))
+            .collect();
+        if texts.is_empty() {
+            w.raw("\"\"");
+        } else {
+            w.raw("[");
+            for (index, text) in texts.iter().enumerate() {
+                if index > 0 {
+                    w.raw(",");
+                }
+                w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
+            }
+            w.raw("]");
+        }
+        w.raw("}");
+    });
+}
+
+/// Arguments as the JSON text sent: the model's raw text when we have it (byte-exact replay,
+/// which also keeps provider prompt caches warm), else the RFC 8785 form of the object.
+pub(crate) fn arguments_text(arguments: &Arguments) -> std::borrow::Cow<'_, str> {
+    match arguments {
+        Arguments::Closed { raw: Some(raw), .. } => std::borrow::Cow::Borrowed(raw.as_str()),
+        Arguments::Closed { value, .. } => std::borrow::Cow::Owned(
+            String::from_utf8(turnstile_core::digest::canonical_bytes(value))
+                // Invariant: RFC 8785 output is UTF-8 JSON text.
+                .expect("canonical JSON is UTF-8"),
+        ),
+        // Invariant: validation rejects unclosed arguments, so a Graph never holds them.
+        Arguments::Unclosed { raw, .. } => std::borrow::Cow::Borrowed(raw.as_str()),
+    }
+}
+
+/// Tool-definition tokens per the OpenAI cookbook (§7 of `How_to_count_tokens_with_tiktoken`):
+/// `func_init + len(name:description) + prop_init + Σ(prop_key + enum costs +
+/// len(name:type:description)) + func_end`, with the gpt-4o constants (func_init 7, prop_init
+/// 3, prop_key 3, enum_init −3, enum_item 3, func_end 12). The cookbook does not cover nested
+/// objects, `anyOf` or arrays of objects; for those the whole property schema's canonical JSON
+/// is counted as well, which over-counts rather than under-counts.
+pub(crate) fn openai_tool_tokens(tokenizer: Tokenizer, tool: &ToolDef) -> u64 {
+    use serde_json::Value;
+    let description = tool.description.as_deref().unwrap_or("").trim_end_matches('.');
+    let mut tokens = 7 + tokenizer.count(&format!("{}:{}", tool.name, description));
+    if let Some(Value::Object(properties)) = tool.input_schema.get("properties") {
+        if !properties.is_empty() {
+            tokens += 3;
+        }
+        for (key, schema) in properties {
+            tokens += 3;
+            let kind = schema.get("type").and_then(Value::as_str).unwrap_or("object");
+            let property_description = schema
+                .get("description")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .trim_end_matches('.');
+            if let Some(Value::Array(items)) = schema.get("enum") {
+                tokens = tokens.saturating_sub(3);
+                for item in items {
+                    tokens += 3 + tokenizer.count(&item.to_string());
+                }
+            }
+            tokens += tokenizer.count(&format!("{key}:{kind}:{property_description}"));
+            let nested = schema.get("properties").is_some()
+                || schema.get("items").is_some()
+                || schema.get("anyOf").is_some()
+                || schema.get("oneOf").is_some()
+                || schema.get("$ref").is_some();
+            if nested {
+                let text = turnstile_core::digest::canonical_bytes(schema);
+                tokens += tokenizer.count(&String::from_utf8_lossy(&text));
+            }
+        }
+    }
+    tokens + 12
+}

@@ -1,0 +1,3 @@
+//! `openai_chat/v1`: see `render.rs`.
+
+pub mod render;

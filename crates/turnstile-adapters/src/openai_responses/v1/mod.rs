@@ -1,0 +1,3 @@
+//! `openai_responses/v1`: see `render.rs`.
+
+pub mod render;

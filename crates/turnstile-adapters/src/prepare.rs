@@ -1,0 +1,112 @@
+//! Prepare one dispatch: render → count → admit → manifest, all before any I/O.
+//!
+//! This is the only way to obtain a [`turnstile_core::manifest::DispatchManifest`] from a
+//! graph: the manifest's `request_digest` is computed here over the exact body bytes returned
+//! beside it, `prompt_tokens` is the count of those same bytes, and admission has already
+//! passed. Credentials never enter: the adapters render no auth header and the manifest has
+//! no field for one.
+
+use crate::catalog::{Catalog, Match, ModelInfo};
+use crate::registry::AdapterId;
+use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
+use turnstile_core::Digest;
+use turnstile_core::admission::{Admission, OverBudget, admit};
+use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
+
+/// What to prepare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrepareRequest {
+    /// Client-chosen operation id.
+    pub operation_id: String,
+    /// Adapter version.
+    pub adapter: AdapterId,
+    /// Provider name for the manifest (defaults to the adapter's API provider).
+    pub provider: Option<String>,
+    /// Model name.
+    pub model: String,
+    /// Output cap (defaults to the catalog's per-model default).
+    pub max_output_tokens: Option<u64>,
+    /// Ask the provider for a stream.
+    pub stream: bool,
+}
+
+/// A prepared dispatch: bytes, manifest and the policy the manifest pins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prepared {
+    /// The rendered request (body, path, non-secret headers, policy).
+    pub rendered: Rendered,
+    /// The sealed manifest.
+    pub manifest: DispatchManifest,
+    /// The catalog facts used for admission.
+    pub model: ModelInfo,
+    /// How the model was found in the catalog.
+    pub model_match: Match,
+    /// Unused window after prompt and output cap.
+    pub headroom: u64,
+}
+
+/// Outcome of preparing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum PrepareOutcome {
+    /// Ready to dispatch.
+    Prepared(Box<Prepared>),
+    /// The adapter cannot represent the graph.
+    Paused(Vec<Pause>),
+    /// Refused by admission (no manifest: nothing will be sent).
+    OverBudget(OverBudget),
+}
+
+/// Render, count, admit and seal the manifest.
+pub fn prepare(
+    graph: Graph<'_>,
+    request: &PrepareRequest,
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+) -> PrepareOutcome {
+    let (model, model_match) = catalog.lookup(request.adapter.api(), &request.model);
+    let max_output_tokens = request
+        .max_output_tokens
+        .unwrap_or(model.max_output_tokens_default);
+    let options = RenderOptions {
+        model: request.model.clone(),
+        max_output_tokens,
+        stream: request.stream,
+    };
+    let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
+        RenderOutcome::Rendered(rendered) => rendered,
+        RenderOutcome::Paused(pauses) => return PrepareOutcome::Paused(pauses),
+    };
+    let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
+        Admission::Admitted { headroom } => headroom,
+        Admission::Refused(over) => return PrepareOutcome::OverBudget(over),
+    };
+    let conversation = graph.conversation();
+    let manifest = ManifestBody {
+        format: MANIFEST_FORMAT_V1.to_owned(),
+        operation_id: request.operation_id.clone(),
+        conversation_id: conversation.conversation_id.clone(),
+        conversation_revision: conversation.revision,
+        sequence_digest: graph.sequence().sequence_digest.clone(),
+        adapter: request.adapter.as_str().to_owned(),
+        adapter_digest: request.adapter.adapter_digest().clone(),
+        provider: request
+            .provider
+            .clone()
+            .unwrap_or_else(|| request.adapter.provider().to_owned()),
+        model: request.model.clone(),
+        toolset_digest: conversation.toolset_digest.clone(),
+        policy_digest: rendered.policy.digest(),
+        max_output_tokens,
+        prompt_tokens: rendered.prompt_tokens,
+        request_digest: Digest::of_bytes(&rendered.body),
+    }
+    .seal();
+    PrepareOutcome::Prepared(Box::new(Prepared {
+        rendered,
+        manifest,
+        model,
+        model_match,
+        headroom,
+    }))
+}

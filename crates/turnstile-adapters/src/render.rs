@@ -1,0 +1,691 @@
+//! What every renderer shares: the render entry point, its outcome types, the placement plan
+//! (results gathered per assistant turn), the fragment cache and the JSON writer.
+//!
+//! Renderers write the request body by hand into one byte buffer, as a sequence of
+//! *fragments*. A fragment is the rendered JSON of one block (or of the tool list) and is a
+//! pure function of (adapter, tokenizer, fragment tag, block content digest): call-id mapping
+//! is a pure function of the id, and nothing about a block's neighbours goes into its own
+//! fragment. So fragments and their token counts are cached by block digest
+//! ([`RenderCache`]), and rendering turn N+1 costs work for the new turn plus a copy of the
+//! cached bytes. Output never goes through `serde_json::Value` maps, so the bytes do not depend
+//! on serde_json's `preserve_order` feature; values we do not own (tool schemas, argument
+//! objects without raw text) are written in RFC 8785 canonical form.
+
+use crate::call_ids::{self, CallIdRule};
+use crate::registry::AdapterId;
+use crate::tokens::Tokenizer;
+use serde::Serialize;
+use std::collections::{HashMap, HashSet};
+use turnstile_core::conversation::{Block, BlockBody, Conversation, MediaSource, Role, RoleField, Turn};
+use turnstile_core::{CallId, Digest, MessageSequence, Validated};
+
+/// Format string of the render policy document.
+pub const POLICY_FORMAT_V1: &str = "turnstile.render-policy.v1";
+
+/// Request parameters that are not part of the conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RenderOptions {
+    /// Model name (in the body, or in the path for Gemini).
+    pub model: String,
+    /// Output cap sent in the API's own field.
+    pub max_output_tokens: u64,
+    /// Whether to ask for a streamed response (the gateway always streams upstream).
+    pub stream: bool,
+}
+
+/// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
+/// can be rendered: the graph is ready by construction.
+#[derive(Clone, Copy, Debug)]
+pub struct Graph<'a> {
+    conversation: &'a Conversation,
+    sequence: &'a MessageSequence,
+}
+
+/// Why a validated conversation cannot be rendered.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotRenderable {
+    /// Tool results are pending: no request is built.
+    #[error("waiting for tool results: {pending:?}")]
+    Waiting {
+        /// Unanswered call ids, in call order.
+        pending: Vec<CallId>,
+    },
+    /// The sequence was built from another conversation or revision.
+    #[error("the message sequence does not belong to this conversation revision")]
+    SequenceMismatch,
+}
+
+impl<'a> Graph<'a> {
+    /// Pair a validated conversation with the sequence built from it.
+    pub fn new(validated: Validated<'a>, sequence: &'a MessageSequence) -> Result<Graph<'a>, NotRenderable> {
+        let conversation = validated.conversation();
+        if validated.is_waiting() {
+            let pending = sequence
+                .edges
+                .iter()
+                .filter(|edge| edge.result.is_none())
+                .map(|edge| edge.call_id.clone())
+                .collect();
+            return Err(NotRenderable::Waiting { pending });
+        }
+        let block_count: usize = conversation.turns.iter().map(|turn| turn.blocks.len()).sum();
+        if sequence.conversation_id != conversation.conversation_id
+            || sequence.revision != conversation.revision
+            || sequence.blocks.len() != block_count
+        {
+            return Err(NotRenderable::SequenceMismatch);
+        }
+        Ok(Graph {
+            conversation,
+            sequence,
+        })
+    }
+
+    /// The conversation.
+    pub fn conversation(&self) -> &'a Conversation {
+        self.conversation
+    }
+
+    /// The message sequence.
+    pub fn sequence(&self) -> &'a MessageSequence {
+        self.sequence
+    }
+}
+
+/// Why a conversation is paused for an adapter: something in it this adapter version cannot
+/// represent. Never rendered lossily instead.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Pause {
+    /// The block concerned (None for a rule about the whole request).
+    pub block: Option<String>,
+    /// Its v1 kind (or part, e.g. `tool_result.image`).
+    pub kind: String,
+    /// Machine-readable reason.
+    pub reason: PauseReason,
+}
+
+/// Reason codes of a pause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum PauseReason {
+    /// The adapter version does not represent this block kind.
+    UnrepresentableKind,
+    /// The kind is representable but this part or source of it is not.
+    UnrepresentablePart,
+    /// Mapping a call id for this API collided with another id of the conversation.
+    CallIdCollision,
+    /// The sequence has a shape the API cannot express (e.g. Gemini ending on a model turn).
+    UnrepresentableSequence,
+}
+
+/// One call id rewritten for the target API.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CallIdMapping {
+    /// Our id (in the conversation and the ledger).
+    pub call_id: String,
+    /// The id sent to the provider.
+    pub provider_call_id: String,
+}
+
+/// One block left out of the request, with the reason.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Omission {
+    /// Block id.
+    pub block: String,
+    /// Its kind (`reasoning`; `text` for an empty text block an API rejects).
+    pub kind: &'static str,
+    /// Provider that produced it (empty for non-reasoning blocks).
+    pub provider: String,
+    /// Why.
+    pub reason: &'static str,
+}
+
+/// The rendering policy of one request: everything a reader of the manifest needs to know
+/// about choices the adapter made that are not visible in the graph. The manifest's
+/// `policy_digest` is the digest of this document; it is stored beside the manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RenderPolicy {
+    /// Always [`POLICY_FORMAT_V1`].
+    pub format: &'static str,
+    /// Adapter id.
+    pub adapter: AdapterId,
+    /// Whether the request asks for a stream.
+    pub stream: bool,
+    /// How context blocks were wrapped.
+    pub context_wrapping: &'static str,
+    /// Call ids rewritten to satisfy the API's id rules.
+    pub call_ids: Vec<CallIdMapping>,
+    /// Blocks omitted (foreign or non-replayable reasoning).
+    pub omitted: Vec<Omission>,
+}
+
+impl RenderPolicy {
+    /// `sha256:` over the canonical form of the policy.
+    pub fn digest(&self) -> Digest {
+        Digest::of_canonical(self)
+    }
+}
+
+/// A rendered request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendered {
+    /// Exact body bytes.
+    pub body: Vec<u8>,
+    /// HTTP method.
+    pub method: &'static str,
+    /// Path and query, relative to the provider's base URL.
+    pub path: String,
+    /// Non-secret headers. Credentials are added by the transport and never appear here.
+    pub headers: Vec<(&'static str, &'static str)>,
+    /// Admission count of the body, tool definitions included.
+    pub prompt_tokens: u64,
+    /// The policy (call-id mapping, omissions).
+    pub policy: RenderPolicy,
+}
+
+/// The outcome of rendering.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum RenderOutcome {
+    /// The request.
+    Rendered(Rendered),
+    /// Every block (or rule) the adapter cannot represent.
+    Paused(Vec<Pause>),
+}
+
+/// Render a graph with one adapter version.
+pub fn render(
+    adapter: AdapterId,
+    graph: Graph<'_>,
+    options: &RenderOptions,
+    tokenizer: Tokenizer,
+    cache: &mut RenderCache,
+) -> RenderOutcome {
+    let mut ctx = Ctx::new(adapter, tokenizer, cache, options.stream);
+    match adapter {
+        AdapterId::OpenaiChatV1 => crate::openai_chat::v1::render::render(graph, options, &mut ctx),
+        AdapterId::OpenaiChatV2 => crate::openai_chat::v2::render::render(graph, options, &mut ctx),
+        AdapterId::OpenaiResponsesV1 => crate::openai_responses::v1::render::render(graph, options, &mut ctx),
+        AdapterId::AnthropicMessagesV1 => {
+            crate::anthropic_messages::v1::render::render(graph, options, &mut ctx)
+        }
+        AdapterId::AnthropicMessagesV2 => {
+            crate::anthropic_messages::v2::render::render(graph, options, &mut ctx)
+        }
+        AdapterId::GeminiV1 => crate::gemini::v1::render::render(graph, options, &mut ctx),
+    }
+}
+
+/// Output of a renderer function before the shared epilogue.
+pub(crate) struct Body {
+    pub body: Vec<u8>,
+    pub path: String,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fragment cache.
+
+/// A cached rendered fragment and its token count.
+#[derive(Clone, Debug)]
+struct Fragment {
+    bytes: Box<[u8]>,
+    tokens: u64,
+}
+
+/// Cache of rendered fragments by (adapter, tokenizer, tag, content digest). Keep one per
+/// conversation (or share one: keys are content-addressed, so sharing is always correct).
+/// Bounded by [`RenderCache::FRAGMENTS_MAX`]; when full it is cleared, never wrong.
+#[derive(Debug, Default)]
+pub struct RenderCache {
+    fragments: HashMap<Digest, Vec<(FragmentKey, Fragment)>>,
+    len: usize,
+    hits: u64,
+    misses: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FragmentKey {
+    adapter: AdapterId,
+    tokenizer: Tokenizer,
+    tag: u8,
+}
+
+impl RenderCache {
+    /// Most fragments kept before the cache is cleared.
+    pub const FRAGMENTS_MAX: usize = 1_000_000;
+
+    /// An empty cache.
+    pub fn new() -> RenderCache {
+        RenderCache::default()
+    }
+
+    /// (hits, misses) since creation: tests use it to prove incremental work.
+    pub fn stats(&self) -> (u64, u64) {
+        (self.hits, self.misses)
+    }
+
+    /// Number of cached fragments.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Render context: cache access, pauses, policy.
+
+/// Mutable state of one render.
+pub(crate) struct Ctx<'c> {
+    pub adapter: AdapterId,
+    pub tokenizer: Tokenizer,
+    cache: &'c mut RenderCache,
+    pub pauses: Vec<Pause>,
+    pub call_ids: Vec<CallIdMapping>,
+    pub omitted: Vec<Omission>,
+    pub tokens: u64,
+    stream: bool,
+}
+
+impl<'c> Ctx<'c> {
+    fn new(adapter: AdapterId, tokenizer: Tokenizer, cache: &'c mut RenderCache, stream: bool) -> Ctx<'c> {
+        Ctx {
+            adapter,
+            tokenizer,
+            cache,
+            pauses: Vec::new(),
+            call_ids: Vec::new(),
+            omitted: Vec::new(),
+            tokens: 0,
+            stream,
+        }
+    }
+
+    /// Append the fragment for `digest`/`tag` to `out`, building it on a miss. Counts its
+    /// tokens into the request total.
+    pub fn fragment(&mut self, out: &mut Vec<u8>, tag: u8, digest: &Digest, build: impl FnOnce(&mut Writer)) {
+        let key = FragmentKey {
+            adapter: self.adapter,
+            tokenizer: self.tokenizer,
+            tag,
+        };
+        if let Some(slot) = self.cache.fragments.get(digest) {
+            if let Some((_, fragment)) = slot.iter().find(|(existing, _)| *existing == key) {
+                out.extend_from_slice(&fragment.bytes);
+                self.tokens += fragment.tokens;
+                self.cache.hits += 1;
+                return;
+            }
+        }
+        self.cache.misses += 1;
+        let mut writer = Writer::new(self.tokenizer);
+        build(&mut writer);
+        out.extend_from_slice(&writer.out);
+        self.tokens += writer.tokens;
+        if self.cache.len >= RenderCache::FRAGMENTS_MAX {
+            self.cache.fragments.clear();
+            self.cache.len = 0;
+        }
+        self.cache.len += 1;
+        self.cache.fragments.entry(digest.clone()).or_default().push((
+            key,
+            Fragment {
+                bytes: writer.out.into_boxed_slice(),
+                tokens: writer.tokens,
+            },
+        ));
+    }
+
+    /// Record a pause.
+    pub fn pause(&mut self, block: Option<&Block>, kind: &str, reason: PauseReason) {
+        self.pauses.push(Pause {
+            block: block.and_then(|block| block.id.clone()),
+            kind: kind.to_owned(),
+            reason,
+        });
+    }
+
+    /// Pause every block whose kind this adapter version does not declare. Returns whether
+    /// anything paused.
+    pub fn pause_unrepresentable_kinds(&mut self, conversation: &Conversation) -> bool {
+        let adapter = self.adapter;
+        for turn in &conversation.turns {
+            for block in &turn.blocks {
+                let kind = block.body.kind();
+                if !adapter.represents(kind) {
+                    self.pause(Some(block), kind, PauseReason::UnrepresentableKind);
+                }
+            }
+        }
+        !self.pauses.is_empty()
+    }
+
+    /// Map every call id of the conversation under `rule`, recording rewritten ones in the
+    /// policy and pausing on a collision. Returns the (pure) mapping function's results.
+    pub fn map_call_ids(&mut self, conversation: &Conversation, rule: CallIdRule) {
+        let mut ours: HashSet<&str> = HashSet::new();
+        for turn in &conversation.turns {
+            for block in &turn.blocks {
+                if let BlockBody::ToolCall { call_id, .. } = &block.body {
+                    ours.insert(call_id.as_str());
+                }
+            }
+        }
+        let mut theirs: HashSet<String> = HashSet::new();
+        for turn in &conversation.turns {
+            for block in &turn.blocks {
+                let BlockBody::ToolCall { call_id, .. } = &block.body else {
+                    continue;
+                };
+                let mapped = call_ids::map(call_id.as_str(), rule);
+                if mapped != call_id.as_str() {
+                    if ours.contains(mapped.as_ref()) || !theirs.insert(mapped.to_string()) {
+                        self.pause(Some(block), "tool_call", PauseReason::CallIdCollision);
+                        continue;
+                    }
+                    self.call_ids.push(CallIdMapping {
+                        call_id: call_id.0.clone(),
+                        provider_call_id: mapped.into_owned(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Record an omitted block.
+    pub fn omit(&mut self, block: &Block, provider: &str, reason: &'static str) {
+        self.omitted.push(Omission {
+            block: block.id.clone().unwrap_or_default(),
+            kind: if matches!(block.body, BlockBody::Text { .. }) {
+                "text"
+            } else {
+                "reasoning"
+            },
+            provider: provider.to_owned(),
+            reason,
+        });
+    }
+
+    /// Finish: pauses win; otherwise the rendered request with its policy.
+    pub fn finish(&mut self, body: Body, headers: &[(&'static str, &'static str)]) -> RenderOutcome {
+        if !self.pauses.is_empty() {
+            return RenderOutcome::Paused(std::mem::take(&mut self.pauses));
+        }
+        RenderOutcome::Rendered(Rendered {
+            body: body.body,
+            method: "POST",
+            path: body.path,
+            headers: headers.to_vec(),
+            prompt_tokens: self.tokens,
+            policy: RenderPolicy {
+                format: POLICY_FORMAT_V1,
+                adapter: self.adapter,
+                stream: self.stream,
+                context_wrapping: self.adapter.rules().context_wrapping,
+                call_ids: std::mem::take(&mut self.call_ids),
+                omitted: std::mem::take(&mut self.omitted),
+            },
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON writer.
+
+/// Writes JSON into a buffer and counts tokens of the model-visible strings.
+pub(crate) struct Writer {
+    pub out: Vec<u8>,
+    pub tokens: u64,
+    pub tokenizer: Tokenizer,
+}
+
+impl Writer {
+    pub fn new(tokenizer: Tokenizer) -> Writer {
+        Writer {
+            out: Vec::new(),
+            tokens: 0,
+            tokenizer,
+        }
+    }
+
+    /// Raw JSON syntax.
+    pub fn raw(&mut self, text: &str) -> &mut Writer {
+        self.out.extend_from_slice(text.as_bytes());
+        self
+    }
+
+    /// A JSON string the model does not see as text (ids, types, media data).
+    pub fn string(&mut self, text: &str) -> &mut Writer {
+        push_json_string(&mut self.out, text);
+        self
+    }
+
+    /// A JSON string the model reads: written and counted.
+    pub fn text(&mut self, text: &str) -> &mut Writer {
+        push_json_string(&mut self.out, text);
+        self.tokens += self.tokenizer.count(text);
+        self
+    }
+
+    /// Count tokens without writing.
+    pub fn count(&mut self, text: &str) -> &mut Writer {
+        self.tokens += self.tokenizer.count(text);
+        self
+    }
+
+    /// Add a fixed token charge.
+    pub fn charge(&mut self, tokens: u64) -> &mut Writer {
+        self.tokens += tokens;
+        self
+    }
+
+    /// Charge one image (see [`crate::tokens::image_tokens`]).
+    pub fn charge_image(&mut self) -> &mut Writer {
+        self.tokens += crate::tokens::image_tokens(self.tokenizer);
+        self
+    }
+
+    /// A value in RFC 8785 canonical form (deterministic whatever serde_json's features).
+    pub fn canonical<T: Serialize + ?Sized>(&mut self, value: &T) -> &mut Writer {
+        self.out
+            .extend_from_slice(&turnstile_core::digest::canonical_bytes(value));
+        self
+    }
+}
+
+/// Append `text` as a JSON string literal.
+pub(crate) fn push_json_string(out: &mut Vec<u8>, text: &str) {
+    // Invariant: writing a `str` into a `Vec<u8>` can fail neither in serialisation (any str
+    // is a valid JSON string) nor in I/O (Vec's Write is infallible).
+    serde_json::to_writer(&mut *out, text).expect("a str always serialises into a Vec");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Placement plan shared by all APIs.
+
+/// A stretch of the conversation as the APIs see it: tool turns are folded into the
+/// assistant turn whose calls they answer, with the results in call order.
+pub(crate) enum Segment<'a> {
+    System(&'a Turn),
+    User(&'a Turn),
+    Assistant { turn: &'a Turn, results: Vec<&'a Block> },
+}
+
+/// Fold the conversation into segments. Results spread over several consecutive tool turns,
+/// in any order, are gathered and put in the order of the calls they answer.
+pub(crate) fn segments(conversation: &Conversation) -> Vec<Segment<'_>> {
+    let turns = &conversation.turns;
+    let mut segments = Vec::with_capacity(turns.len());
+    let mut index = 0;
+    while index < turns.len() {
+        let turn = &turns[index];
+        index += 1;
+        let RoleField::Known(role) = turn.role else {
+            continue;
+        };
+        match role {
+            Role::System => segments.push(Segment::System(turn)),
+            Role::User => segments.push(Segment::User(turn)),
+            // Unreachable in a validated graph (tool turns always follow an assistant turn);
+            // skipped rather than rendered anywhere else.
+            Role::Tool => {}
+            Role::Assistant => {
+                let mut by_call: HashMap<&str, &Block> = HashMap::new();
+                while index < turns.len() && turns[index].role == RoleField::Known(Role::Tool) {
+                    for block in &turns[index].blocks {
+                        if let BlockBody::ToolResult { call_id, .. } = &block.body {
+                            by_call.insert(call_id.as_str(), block);
+                        }
+                    }
+                    index += 1;
+                }
+                let results = turn
+                    .blocks
+                    .iter()
+                    .filter_map(|block| match &block.body {
+                        BlockBody::ToolCall { call_id, .. } => by_call.get(call_id.as_str()).copied(),
+                        _ => None,
+                    })
+                    .collect();
+                segments.push(Segment::Assistant { turn, results });
+            }
+        }
+    }
+    segments
+}
+
+/// The readable text of a `context` block as rendered: wrapped so its provenance and trust
+/// are explicit, with `&`, `<` and `>` escaped inside so the text cannot close the wrapper.
+/// Text that reads like `assistant:` or `\n\nHuman:` stays text inside its own block.
+pub(crate) fn wrap_context(
+    source: Option<&str>,
+    trust: turnstile_core::conversation::Trust,
+    text: &str,
+) -> String {
+    let trust = match trust {
+        turnstile_core::conversation::Trust::Trusted => "trusted",
+        turnstile_core::conversation::Trust::Untrusted => "untrusted",
+    };
+    let mut wrapped = String::with_capacity(text.len() + 64);
+    wrapped.push_str("<context source=\"");
+    escape_markup(&mut wrapped, source.unwrap_or("unspecified"), true);
+    wrapped.push_str("\" trust=\"");
+    wrapped.push_str(trust);
+    wrapped.push_str("\">\n");
+    escape_markup(&mut wrapped, text, false);
+    wrapped.push_str("\n</context>");
+    wrapped
+}
+
+/// The wrapping rule, as declared in every adapter's rules descriptor.
+pub(crate) const CONTEXT_WRAPPING: &str = "own text part: <context source=\"S\" trust=\"T\">\\nTEXT\\n</context>, with & < > (and \" in S) escaped as XML entities";
+
+fn escape_markup(out: &mut String, text: &str, attribute: bool) {
+    for character in text.chars() {
+        match character {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' if attribute => out.push_str("&quot;"),
+            other => out.push(other),
+        }
+    }
+}
+
+/// A `data:` URL for inline media.
+pub(crate) fn data_url(media_type: &str, data: &str) -> String {
+    let mut url = String::with_capacity(media_type.len() + data.len() + 13);
+    url.push_str("data:");
+    url.push_str(media_type);
+    url.push_str(";base64,");
+    url.push_str(data);
+    url
+}
+
+/// Base64 length of an inline source (for token charges).
+pub(crate) fn inline_len(source: &MediaSource) -> Option<usize> {
+    match source {
+        MediaSource::Base64 { data, .. } => Some(data.len()),
+        MediaSource::Url { .. } => None,
+    }
+}
+
+/// Note put before a tool result's content where the API has no status field, so an error or
+/// a cancellation is never indistinguishable from success.
+pub(crate) fn status_note(status: turnstile_core::conversation::ResultStatus) -> Option<&'static str> {
+    use turnstile_core::conversation::ResultStatus;
+    match status {
+        ResultStatus::Success => None,
+        ResultStatus::Error => Some("[tool result status: error]"),
+        ResultStatus::Cancel => Some("[tool result status: cancelled; the call did not complete]"),
+    }
+}
+
+/// What to do with a reasoning block for an adapter.
+pub(crate) enum Reasoning<'a> {
+    /// Render it back to its own provider.
+    Keep {
+        signature: Option<&'a str>,
+        encrypted: Option<&'a str>,
+    },
+    /// Leave it out, for this reason.
+    Omit { provider: &'a str, reason: &'static str },
+}
+
+/// The affinity rule: provider-affine reasoning goes back unchanged to the provider that
+/// produced it, and is omitted (with the reason in the policy) everywhere else.
+pub(crate) fn reasoning_for<'a>(adapter: AdapterId, body: &'a BlockBody) -> Option<Reasoning<'a>> {
+    let BlockBody::Reasoning {
+        provider,
+        signature,
+        encrypted,
+        ..
+    } = body
+    else {
+        return None;
+    };
+    if provider != adapter.provider() {
+        return Some(Reasoning::Omit {
+            provider,
+            reason: "foreign_provider",
+        });
+    }
+    Some(Reasoning::Keep {
+        signature: signature.as_deref(),
+        encrypted: encrypted.as_deref(),
+    })
+}
+
+/// Decode standard base64 (RFC 4648 §4, padding optional, no whitespace). None when malformed.
+pub(crate) fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    fn value(byte: u8) -> Option<u32> {
+        Some(match byte {
+            b'A'..=b'Z' => byte - b'A',
+            b'a'..=b'z' => byte - b'a' + 26,
+            b'0'..=b'9' => byte - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    let trimmed = text.trim_end_matches('=');
+    if text.len() - trimmed.len() > 2 || trimmed.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(trimmed.len() / 4 * 3 + 2);
+    for chunk in trimmed.as_bytes().chunks(4) {
+        let mut accumulator = 0u32;
+        for &byte in chunk {
+            accumulator = (accumulator << 6) | value(byte)?;
+        }
+        accumulator <<= 6 * (4 - chunk.len() as u32);
+        let bytes = accumulator.to_be_bytes();
+        out.extend_from_slice(&bytes[1..chunk.len()]);
+    }
+    Some(out)
+}
