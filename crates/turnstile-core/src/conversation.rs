@@ -164,7 +164,7 @@ impl Arguments {
         }
         match serde_json::from_str::<Value>(&text) {
             Ok(Value::Object(value)) => {
-                let digest = Digest::of_canonical(&value);
+                let digest = Digest::of_map(&value);
                 Arguments::Closed {
                     value,
                     raw: Some(text),
@@ -188,7 +188,7 @@ impl Arguments {
 
     /// Arguments given as an already-parsed object.
     pub fn from_object(value: Map<String, Value>) -> Arguments {
-        let digest = Digest::of_canonical(&value);
+        let digest = Digest::of_map(&value);
         Arguments::Closed {
             value,
             raw: None,
@@ -411,7 +411,7 @@ impl Conversation {
             }
         };
         let tools_value = top.remove("tools").unwrap_or(Value::Array(Vec::new()));
-        let toolset_digest = Digest::of_canonical(&tools_value);
+        let toolset_digest = Digest::of_value(&tools_value);
         let tools = decoder.tools(tools_value)?;
 
         let turn_values = match top.remove("turns") {
@@ -532,7 +532,7 @@ impl Decoder {
                     continue;
                 }
             };
-            let schema_digest = Digest::of_canonical(&input_schema);
+            let schema_digest = Digest::of_value(&input_schema);
             tools.push(ToolDef {
                 name,
                 description,
@@ -632,7 +632,7 @@ impl Decoder {
             return Block {
                 id: None,
                 state: BlockState::Committed,
-                digest: Digest::of_canonical(&value),
+                digest: Digest::of_value(&value),
                 body: BlockBody::Malformed,
             };
         };
@@ -653,7 +653,7 @@ impl Decoder {
             }
         };
         // The digest covers the content only: `id` and `state` are already removed.
-        let digest = Digest::of_canonical(&map);
+        let digest = Digest::of_map(&map);
         let body = match map.remove("kind") {
             Some(Value::String(kind)) => match block_body(&kind, map) {
                 Ok(body) => body,

@@ -1,13 +1,27 @@
 //! Content digests: `sha256:` + lowercase hex of SHA-256 over RFC 8785 (JCS) canonical JSON.
 //!
-//! Canonicalisation is done by the maintained `serde_jcs` crate (streamed straight into the
-//! hasher, no intermediate buffer); `tests/it/digest.rs` checks it against the RFC 8785
-//! examples and against a second implementation (`serde_json_canonicalizer`).
+//! The canonical writer here works on `serde_json::Value` and streams straight into the hasher.
+//! It is ours (not `serde_jcs`) for speed: `serde_jcs` buffers and re-sorts every object through
+//! a formatter, which made digesting 6× slower than parsing (see `docs/benchmarks.md`). It
+//! stays honest through tests: `tests/it/digest.rs` checks the RFC 8785 examples (§3.2.2,
+//! §3.2.3, Appendix B numbers) and a property test compares its bytes with both `serde_jcs`
+//! and `serde_json_canonicalizer` on arbitrary values.
+//!
+//! The rules it implements (RFC 8785 §3.2):
+//! - no whitespace; literals as `null`/`true`/`false`;
+//! - strings escaped exactly as serde_json does (`\"`, `\\`, `\b \t \n \f \r`, other controls
+//!   as `\u00xx` lowercase), everything else literal UTF-8 — the same set RFC 8785 §3.2.2.2
+//!   requires;
+//! - numbers as ECMAScript `Number.prototype.toString` of the IEEE-754 double (`ryu-js`);
+//! - object members sorted by the UTF-16 code units of their names. serde_json maps iterate in
+//!   UTF-8 byte order, which equals UTF-16 order unless a name holds a character ≥ U+E000, so
+//!   the writer re-sorts only then (or if the map is not sorted at all, e.g. with serde_json's
+//!   `preserve_order` feature switched on by some other crate).
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Number, Value};
 use sha2::{Digest as _, Sha256};
 use std::fmt;
-use std::io;
 
 /// A `sha256:<64 lowercase hex>` digest.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -17,19 +31,37 @@ pub struct Digest(String);
 impl Digest {
     /// Digest of raw bytes (used for exact request bodies).
     pub fn of_bytes(bytes: &[u8]) -> Digest {
-        let hash = Sha256::digest(bytes);
-        Digest::from_hash(&hash)
+        Digest::from_hash(&Sha256::digest(bytes))
     }
 
-    /// Digest of the RFC 8785 canonical form of a serialisable value.
-    ///
-    /// Serialising a `serde_json::Value` or a plain derived struct cannot fail: JCS only
-    /// rejects non-finite floats, which serde_json values cannot hold.
+    /// Digest of the RFC 8785 canonical form of a JSON value.
+    pub fn of_value(value: &Value) -> Digest {
+        let mut hasher = Sha256::new();
+        write_value(value, &mut hasher);
+        Digest::from_hash(&hasher.finalize())
+    }
+
+    /// Digest of the canonical form of a JSON object.
+    pub fn of_map(map: &Map<String, Value>) -> Digest {
+        let mut hasher = Sha256::new();
+        write_object(map, &mut hasher);
+        Digest::from_hash(&hasher.finalize())
+    }
+
+    /// Digest of the RFC 8785 canonical form of any serialisable value (through a
+    /// `serde_json::Value`).
     pub fn of_canonical<T: Serialize + ?Sized>(value: &T) -> Digest {
+        Digest::of_value(&to_value(value))
+    }
+
+    /// Digest of a value whose compact serde_json serialisation is already canonical: struct
+    /// fields declared in sorted order, only strings, integers up to 2^53, booleans and nulls.
+    /// The caller promises that; a test per caller compares with [`Digest::of_canonical`].
+    pub fn of_sorted_serialization<T: Serialize + ?Sized>(value: &T) -> Digest {
         let mut writer = HashWriter(Sha256::new());
-        // Invariant: our values are JSON-representable (no NaN/inf, string keys), so JCS
-        // serialisation into an infallible writer does not fail.
-        serde_jcs::to_writer(&mut writer, value).expect("JCS of a JSON value is infallible");
+        // Invariant: as in `to_value`, digested types serialise to JSON, and the hash writer
+        // never fails.
+        serde_json::to_writer(&mut writer, value).expect("digested types serialise to JSON");
         Digest::from_hash(&writer.0.finalize())
     }
 
@@ -62,20 +94,145 @@ impl fmt::Display for Digest {
     }
 }
 
-/// RFC 8785 canonical bytes of a value (for tests, manifests and debugging).
+/// RFC 8785 canonical bytes of a serialisable value.
 pub fn canonical_bytes<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    // Invariant: see `Digest::of_canonical`.
-    serde_jcs::to_vec(value).expect("JCS of a JSON value is infallible")
+    let mut out = Vec::with_capacity(256);
+    write_value(&to_value(value), &mut out);
+    out
+}
+
+fn to_value<T: Serialize + ?Sized>(value: &T) -> Value {
+    // Invariant: every type we digest serialises to JSON (string keys, finite numbers); a type
+    // that does not is a programming error caught by the tests that pin its digest.
+    serde_json::to_value(value).expect("digested types serialise to JSON")
 }
 
 struct HashWriter(Sha256);
 
-impl io::Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.0.update(buf);
         Ok(buf.len())
     }
-    fn flush(&mut self) -> io::Result<()> {
+    fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// Where canonical bytes go: a buffer or straight into a hasher.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Sink for Sha256 {
+    fn put(&mut self, bytes: &[u8]) {
+        self.update(bytes);
+    }
+}
+
+fn write_value(value: &Value, out: &mut impl Sink) {
+    match value {
+        Value::Null => out.put(b"null"),
+        Value::Bool(true) => out.put(b"true"),
+        Value::Bool(false) => out.put(b"false"),
+        Value::Number(number) => write_number(number, out),
+        Value::String(text) => write_string(text, out),
+        Value::Array(items) => {
+            out.put(b"[");
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.put(b",");
+                }
+                write_value(item, out);
+            }
+            out.put(b"]");
+        }
+        Value::Object(map) => write_object(map, out),
+    }
+}
+
+fn write_object(map: &Map<String, Value>, out: &mut impl Sink) {
+    out.put(b"{");
+    let mut previous: Option<&str> = None;
+    let mut in_utf16_order = true;
+    for key in map.keys() {
+        if key.bytes().any(|b| b >= 0xEE) || previous.is_some_and(|p| p >= key.as_str()) {
+            in_utf16_order = false;
+            break;
+        }
+        previous = Some(key);
+    }
+    if in_utf16_order {
+        for (index, (key, value)) in map.iter().enumerate() {
+            write_member(index, key, value, out);
+        }
+    } else {
+        let mut members: Vec<(&String, &Value)> = map.iter().collect();
+        members.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+        for (index, (key, value)) in members.into_iter().enumerate() {
+            write_member(index, key, value, out);
+        }
+    }
+    out.put(b"}");
+}
+
+fn write_member(index: usize, key: &str, value: &Value, out: &mut impl Sink) {
+    if index > 0 {
+        out.put(b",");
+    }
+    write_string(key, out);
+    out.put(b":");
+    write_value(value, out);
+}
+
+fn write_number(number: &Number, out: &mut impl Sink) {
+    // RFC 8785 numbers are IEEE-754 doubles printed as ECMAScript does; integers beyond 2^53
+    // become the nearest double, like any JSON number read by a JCS implementation.
+    let float = if let Some(unsigned) = number.as_u64() {
+        unsigned as f64
+    } else if let Some(signed) = number.as_i64() {
+        signed as f64
+    } else {
+        number.as_f64().unwrap_or(0.0)
+    };
+    let mut buffer = ryu_js::Buffer::new();
+    out.put(buffer.format_finite(float).as_bytes());
+}
+
+fn write_string(text: &str, out: &mut impl Sink) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bytes = text.as_bytes();
+    out.put(b"\"");
+    let mut start = 0;
+    for (index, &byte) in bytes.iter().enumerate() {
+        let escape: &[u8] = match byte {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0C => b"\\f",
+            0x00..=0x1F => &[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[(byte >> 4) as usize],
+                HEX[(byte & 0xF) as usize],
+            ],
+            _ => continue,
+        };
+        out.put(&bytes[start..index]);
+        out.put(escape);
+        start = index + 1;
+    }
+    out.put(&bytes[start..]);
+    out.put(b"\"");
 }

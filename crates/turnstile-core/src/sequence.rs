@@ -8,6 +8,12 @@
 //! `sequence_digest` is `sha256:` over the RFC 8785 canonical JSON of the sequence (this
 //! struct's serialisation without the digest field), so equal content gives equal digests on
 //! every run and machine (`tests/it/sequence.rs` pins a few).
+//!
+//! Digest fast path: the structs below declare their fields in sorted order and hold only
+//! strings, small integers and `null`s, so serde_json's compact serialisation of them *is*
+//! their RFC 8785 form and can be hashed without building a `Value` first.
+//! `tests/it/sequence.rs` checks the two byte-for-byte on generated sequences; any field added
+//! out of order fails that test.
 
 use crate::conversation::{ArgState, BlockBody, ResultStatus, Role, RoleField, Trust};
 use crate::digest::Digest;
@@ -15,6 +21,9 @@ use crate::ids::{CallId, Generation, Revision};
 use crate::validate::Validated;
 use serde::Serialize;
 use std::collections::HashMap;
+
+/// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
+const EXACT_INTEGER_MAX: u64 = 1 << 53;
 
 /// The `format` string of a message sequence.
 pub const SEQUENCE_FORMAT_V1: &str = "turnstile.sequence.v1";
@@ -40,64 +49,64 @@ pub enum TrustLabel {
 /// One block of the sequence.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SequenceBlock {
+    /// Content digest.
+    pub digest: Digest,
+    /// Generation of the turn (assistant turns).
+    pub generation: Option<Generation>,
     /// Stable block id.
     pub id: String,
-    /// Id of its turn.
-    pub turn: String,
-    /// Index of its turn in the conversation.
-    pub turn_index: u32,
+    /// The v1 kind.
+    pub kind: &'static str,
     /// Position of the block in the whole sequence.
     pub order: u32,
     /// The turn's role.
     pub role: Role,
-    /// The v1 kind.
-    pub kind: &'static str,
-    /// Content digest.
-    pub digest: Digest,
     /// Trust label.
     pub trust: TrustLabel,
-    /// Generation of the turn (assistant turns).
-    pub generation: Option<Generation>,
+    /// Id of its turn.
+    pub turn: String,
+    /// Index of its turn in the conversation.
+    pub turn_index: u32,
 }
 
 /// A tool edge: one call and (when answered) its terminal result.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ToolEdge {
-    /// Call id.
-    pub call_id: CallId,
-    /// Tool name.
-    pub tool: String,
-    /// Digest of the declared tool's input schema (None when the tool is not declared).
-    pub schema_digest: Option<Digest>,
-    /// Argument state (always `closed` in a validated sequence).
-    pub args_state: ArgState,
     /// Digest of the arguments.
     pub args_digest: Option<Digest>,
+    /// Argument state (always `closed` in a validated sequence).
+    pub args_state: ArgState,
     /// Id of the tool_call block.
     pub call_block: String,
+    /// Call id.
+    pub call_id: CallId,
     /// Generation of the assistant turn that emitted it.
     pub generation: Option<Generation>,
     /// Id of the tool_result block, None while pending.
     pub result: Option<String>,
+    /// Digest of the declared tool's input schema (None when the tool is not declared).
+    pub schema_digest: Option<Digest>,
     /// Status of the result, None while pending.
     pub status: Option<ResultStatus>,
+    /// Tool name.
+    pub tool: String,
 }
 
 /// The message graph of one conversation revision.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct MessageSequence {
-    /// Always [`SEQUENCE_FORMAT_V1`].
-    pub format: &'static str,
+    /// Blocks in order.
+    pub blocks: Vec<SequenceBlock>,
     /// Conversation id.
     pub conversation_id: String,
+    /// Tool edges in call order.
+    pub edges: Vec<ToolEdge>,
+    /// Always [`SEQUENCE_FORMAT_V1`].
+    pub format: &'static str,
     /// Revision it was built at.
     pub revision: Revision,
     /// Digest of the declared tools.
     pub toolset_digest: Digest,
-    /// Blocks in order.
-    pub blocks: Vec<SequenceBlock>,
-    /// Tool edges in call order.
-    pub edges: Vec<ToolEdge>,
     /// `sha256:` over the canonical JSON of all fields above.
     #[serde(skip)]
     pub sequence_digest: Digest,
@@ -111,10 +120,16 @@ impl MessageSequence {
         let mut blocks = Vec::with_capacity(block_count);
         let mut edges: Vec<ToolEdge> = Vec::new();
         let mut edge_of_call: HashMap<&str, usize> = HashMap::new();
+        // The fast digest path below needs every number to print the same in serde_json and
+        // in RFC 8785, which holds for integers up to 2^53.
+        let mut numbers_exact = conversation.revision.0 <= EXACT_INTEGER_MAX;
         for (turn_index, turn) in conversation.turns.iter().enumerate() {
             // Invariant: validation rejects a turn with a missing id or unknown role and a
             // block with a missing id, so these are present in a `Validated` conversation.
             let turn_id = turn.id.as_deref().expect("validated turns have ids");
+            numbers_exact &= turn
+                .generation
+                .is_none_or(|generation| generation.0 <= EXACT_INTEGER_MAX);
             let RoleField::Known(role) = turn.role else {
                 unreachable!("validated turns have known roles")
             };
@@ -189,7 +204,11 @@ impl MessageSequence {
             edges,
             sequence_digest: Digest::of_bytes(b""),
         };
-        sequence.sequence_digest = Digest::of_canonical(&sequence);
+        sequence.sequence_digest = if numbers_exact {
+            Digest::of_sorted_serialization(&sequence)
+        } else {
+            Digest::of_canonical(&sequence)
+        };
         sequence
     }
 }

@@ -1,2 +1,10 @@
-mod x {}
+//! Integration tests of turnstile-core (one binary, see STYLE.md).
+
+mod digest;
 mod dispatch;
+mod generate;
+mod never_panics;
+mod properties;
+mod sequence;
+mod tidy;
+mod validator_data;

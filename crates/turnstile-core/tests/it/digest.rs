@@ -1,0 +1,193 @@
+//! RFC 8785 canonical JSON: the RFC's own examples, a cross-check against a second
+//! implementation, and the args-digest definition of the v1 spec.
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+use turnstile_core::Digest;
+use turnstile_core::digest::canonical_bytes;
+
+fn canonical(value: &Value) -> String {
+    String::from_utf8(canonical_bytes(value)).unwrap()
+}
+
+#[test]
+fn rfc8785_section_3_2_2_example_canonicalises_exactly() {
+    let input = r#"{
+      "numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
+      "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+      "literals": [null, true, false]
+    }"#;
+    let value: Value = serde_json::from_str(input).unwrap();
+    assert_eq!(
+        canonical(&value),
+        r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
+    );
+}
+
+#[test]
+fn rfc8785_section_3_2_3_sorts_keys_by_utf16_code_units() {
+    let input = r#"{"\u20ac":"Euro Sign","\r":"Carriage Return","\ufb33":"Hebrew Letter Dalet With Dagesh",
+      "1":"One","\ud83d\ude00":"Emoji: Grinning Face","\u0080":"Control","\u00f6":"Latin Small Letter O With Diaeresis"}"#;
+    let value: Value = serde_json::from_str(input).unwrap();
+    let text = canonical(&value);
+    let order: Vec<usize> = ["\\r", "\"1\"", "\u{80}", "ö", "€", "😀", "\u{fb33}"]
+        .iter()
+        .map(|key| {
+            text.find(key)
+                .unwrap_or_else(|| panic!("{key} missing in {text}"))
+        })
+        .collect();
+    let mut sorted = order.clone();
+    sorted.sort();
+    assert_eq!(order, sorted, "{text}");
+}
+
+#[test]
+fn rfc8785_appendix_b_numbers_serialise_like_ecmascript() {
+    let cases: &[(u64, &str)] = &[
+        (0x0000000000000000, "0"),
+        (0x8000000000000000, "0"),
+        (0x0000000000000001, "5e-324"),
+        (0x8000000000000001, "-5e-324"),
+        (0x7fefffffffffffff, "1.7976931348623157e+308"),
+        (0xffefffffffffffff, "-1.7976931348623157e+308"),
+        (0x4340000000000000, "9007199254740992"),
+        (0xc340000000000000, "-9007199254740992"),
+        (0x4430000000000000, "295147905179352830000"),
+        (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+        (0x44b52d02c7e14af6, "1e+23"),
+        (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+        (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+        (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+        (0x444b1ae4d6e2ef50, "1e+21"),
+        (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+        (0x3eb0c6f7a0b5ed8d, "0.000001"),
+        (0x41b3de4355555553, "333333333.3333332"),
+        (0x41b3de4355555554, "333333333.33333325"),
+        (0x41b3de4355555555, "333333333.3333333"),
+        (0x41b3de4355555556, "333333333.3333334"),
+        (0x41b3de4355555557, "333333333.33333343"),
+        (0xbecbf647612f3696, "-0.0000033333333333333333"),
+        (0x43143ff3c1cb0959, "1424953923781206.2"),
+    ];
+    for &(bits, expected) in cases {
+        let value = json!(f64::from_bits(bits));
+        assert_eq!(canonical(&value), expected, "bits {bits:#018x}");
+    }
+}
+
+#[test]
+fn args_digest_is_sha256_of_the_canonical_arguments_whatever_their_spelling() {
+    let spaced: Value = serde_json::from_str(r#"{ "days" : 2, "city" : "Paris" }"#).unwrap();
+    let compact = json!({"city": "Paris", "days": 2});
+    assert_eq!(Digest::of_canonical(&spaced), Digest::of_canonical(&compact));
+    // sha256 of the UTF-8 bytes `{"city":"Paris","days":2}`, computed independently.
+    assert_eq!(
+        Digest::of_canonical(&compact).as_str(),
+        format!("sha256:{}", sha256_hex(br#"{"city":"Paris","days":2}"#))
+    );
+    assert!(Digest::parse(Digest::of_canonical(&compact).as_str()).is_some());
+    assert!(Digest::parse("sha256:ABC").is_none());
+}
+
+/// SHA-256 written out from FIPS 180-4, so the digest test does not only trust `sha2`.
+fn sha256_hex(message: &[u8]) -> String {
+    const K: [u32; 64] = [
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+    ];
+    let mut h: [u32; 8] = [
+        0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+    ];
+    let mut data = message.to_vec();
+    data.push(0x80);
+    while data.len() % 64 != 56 {
+        data.push(0);
+    }
+    data.extend_from_slice(&((message.len() as u64) * 8).to_be_bytes());
+    for chunk in data.chunks(64) {
+        let mut w = [0u32; 64];
+        for i in 0..16 {
+            w[i] = u32::from_be_bytes(chunk[i * 4..i * 4 + 4].try_into().unwrap());
+        }
+        for i in 16..64 {
+            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
+            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16].wrapping_add(s0).wrapping_add(w[i - 7]).wrapping_add(s1);
+        }
+        let mut v = h;
+        for i in 0..64 {
+            let s1 = v[4].rotate_right(6) ^ v[4].rotate_right(11) ^ v[4].rotate_right(25);
+            let ch = (v[4] & v[5]) ^ (!v[4] & v[6]);
+            let t1 = v[7]
+                .wrapping_add(s1)
+                .wrapping_add(ch)
+                .wrapping_add(K[i])
+                .wrapping_add(w[i]);
+            let s0 = v[0].rotate_right(2) ^ v[0].rotate_right(13) ^ v[0].rotate_right(22);
+            let maj = (v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]);
+            let t2 = s0.wrapping_add(maj);
+            v = [
+                t1.wrapping_add(t2),
+                v[0],
+                v[1],
+                v[2],
+                v[3].wrapping_add(t1),
+                v[4],
+                v[5],
+                v[6],
+            ];
+        }
+        for i in 0..8 {
+            h[i] = h[i].wrapping_add(v[i]);
+        }
+    }
+    h.iter().map(|word| format!("{word:08x}")).collect()
+}
+
+fn json_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(Value::from),
+        any::<String>().prop_map(Value::from),
+    ];
+    leaf.prop_recursive(5, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::btree_map(any::<String>(), inner, 0..6)
+                .prop_map(|map| Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2048))]
+
+    #[test]
+    fn our_canonical_writer_agrees_with_serde_jcs_and_serde_json_canonicalizer(value in json_value()) {
+        let ours = String::from_utf8(canonical_bytes(&value)).unwrap();
+        let serde_jcs = String::from_utf8(serde_jcs::to_vec(&value).unwrap()).unwrap();
+        let canonicalizer = String::from_utf8(serde_json_canonicalizer::to_vec(&value).unwrap()).unwrap();
+        prop_assert_eq!(&ours, &serde_jcs);
+        prop_assert_eq!(&ours, &canonicalizer);
+        prop_assert_eq!(Digest::of_value(&value), Digest::of_bytes(ours.as_bytes()));
+    }
+
+    #[test]
+    fn keys_beyond_u_e000_sort_by_utf16_code_units(keys in prop::collection::vec("[a\\u{e000}-\\u{e010}\\u{1f600}-\\u{1f610}]{1,3}", 1..8)) {
+        let value = Value::Object(keys.iter().map(|k| (k.clone(), json!(1))).collect());
+        let ours = String::from_utf8(canonical_bytes(&value)).unwrap();
+        prop_assert_eq!(ours, String::from_utf8(serde_jcs::to_vec(&value).unwrap()).unwrap());
+    }
+}

@@ -1,0 +1,131 @@
+//! MessageSequence v1: digests are pinned (equal across runs and machines), the graph keeps
+//! every block with its boundaries, and only legal history can become a graph.
+
+use serde_json::json;
+use std::path::Path;
+use turnstile_core::conversation::ArgState;
+use turnstile_core::sequence::TrustLabel;
+use turnstile_core::{MessageSequence, Validated, parse};
+
+fn sequence_of(relative: &str) -> MessageSequence {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(relative);
+    let conversation = parse::conversation_from_slice(&std::fs::read(path).unwrap()).unwrap();
+    MessageSequence::build(Validated::new(&conversation).unwrap())
+}
+
+/// Pinned digests. If one changes, the canonical form of the sequence changed: that is a
+/// format change (every stored manifest's sequence_digest stops matching) and needs a new
+/// format version, not a new snapshot.
+#[test]
+fn sequence_digests_are_pinned() {
+    let pins = [
+        (
+            "examples/weather.json",
+            "sha256:98576bce0de825cb4544f65168180925161cf4856134871442003471b73f7ecc",
+        ),
+        (
+            "tests/data/ready_parallel_results_split_and_out_of_order.json",
+            "sha256:93bd4f16c0220f2a592e57065881862f6d5c4913bb33971a823eb67460f56c8c",
+        ),
+        (
+            "tests/data/waiting_no_results_yet.json",
+            "sha256:726dab7401af7e9e21e8fb7f9c8bd7cb35f8269a0d94a701c8ea201e052e5da0",
+        ),
+    ];
+    for (file, digest) in pins {
+        assert_eq!(sequence_of(file).sequence_digest.as_str(), digest, "{file}");
+    }
+}
+
+#[test]
+fn the_weather_graph_has_every_block_edge_and_trust_label() {
+    let sequence = sequence_of("examples/weather.json");
+    let ids: Vec<&str> = sequence.blocks.iter().map(|b| b.id.as_str()).collect();
+    assert_eq!(ids, ["s-1", "u-1", "u-2", "a-1", "a-2", "r-1", "r-2"]);
+    let orders: Vec<u32> = sequence.blocks.iter().map(|b| b.order).collect();
+    assert_eq!(orders, [0, 1, 2, 3, 4, 5, 6]);
+    let trust: Vec<TrustLabel> = sequence.blocks.iter().map(|b| b.trust).collect();
+    use TrustLabel::*;
+    assert_eq!(trust, [Operator, User, Untrusted, Model, Model, Tool, Tool]);
+    assert_eq!(sequence.edges.len(), 2);
+    let paris = &sequence.edges[0];
+    assert_eq!(
+        (paris.call_id.as_str(), paris.call_block.as_str()),
+        ("call-7", "a-1")
+    );
+    assert_eq!(paris.result.as_deref(), Some("r-2"));
+    assert_eq!(paris.args_state, ArgState::Closed);
+    assert!(paris.schema_digest.is_some());
+    assert_eq!(sequence.edges[1].result.as_deref(), Some("r-1"));
+}
+
+#[test]
+fn block_digests_ignore_ids_and_argument_spelling_changes_them() {
+    let doc = |id: &str, arguments: serde_json::Value| {
+        json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": 2, "turns": [
+            {"id": "t1", "role": "user", "blocks": [{"id": id, "kind": "text", "text": "hi"}]},
+            {"id": "t2", "role": "assistant", "generation": 1, "blocks": [
+                {"id": "a", "kind": "tool_call", "call_id": "k", "tool": "f", "arguments": arguments}]}]})
+    };
+    let build = |value: serde_json::Value| {
+        let conversation = turnstile_core::Conversation::from_value(value).unwrap();
+        MessageSequence::build(Validated::new(&conversation).unwrap())
+    };
+    let one = build(doc("u-1", json!({"x": 1})));
+    let renamed = build(doc("u-2", json!({"x": 1})));
+    let as_text = build(doc("u-1", json!("{\"x\": 1}")));
+    assert_eq!(one.blocks[0].digest, renamed.blocks[0].digest);
+    assert_ne!(
+        one.sequence_digest, renamed.sequence_digest,
+        "ids are part of the graph"
+    );
+    assert_eq!(
+        one.edges[0].args_digest, as_text.edges[0].args_digest,
+        "same arguments, same args digest"
+    );
+    assert_ne!(
+        one.blocks[1].digest, as_text.blocks[1].digest,
+        "the block keeps the model's own spelling"
+    );
+}
+
+#[test]
+fn rejected_history_cannot_become_a_graph() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/orphan_results.json");
+    let conversation = parse::conversation_from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let violations = Validated::new(&conversation).unwrap_err();
+    assert!(violations.iter().all(|v| v.code.as_str() == "orphan_result"));
+}
+
+#[test]
+fn the_fast_sequence_digest_equals_the_generic_canonical_digest() {
+    for seed in 0..64u64 {
+        let (value, _) = crate::generate::legal(seed, 4);
+        let conversation = turnstile_core::Conversation::from_value(value).unwrap();
+        let sequence = MessageSequence::build(Validated::new(&conversation).unwrap());
+        assert_eq!(
+            sequence.sequence_digest,
+            turnstile_core::Digest::of_canonical(&sequence),
+            "seed {seed}: serde_json's bytes of the sequence are not its RFC 8785 form"
+        );
+        assert_eq!(
+            serde_json::to_vec(&sequence).unwrap(),
+            turnstile_core::digest::canonical_bytes(&sequence),
+            "seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn generations_beyond_2_pow_53_take_the_generic_digest_path() {
+    let value = json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": 2, "turns": [
+        {"id": "t1", "role": "user", "blocks": [{"id": "u", "kind": "text", "text": "hi"}]},
+        {"id": "t2", "role": "assistant", "generation": 9_007_199_254_740_993u64,
+         "blocks": [{"id": "a", "kind": "text", "text": "yo"}]}]});
+    let conversation = turnstile_core::Conversation::from_value(value).unwrap();
+    let sequence = MessageSequence::build(Validated::new(&conversation).unwrap());
+    assert_eq!(
+        sequence.sequence_digest,
+        turnstile_core::Digest::of_canonical(&sequence)
+    );
+}

@@ -1,0 +1,93 @@
+//! Data-driven validator tests: every `tests/data/NAME.json` (a v1 file at the repository root)
+//! has a hand-written `NAME.expect.json` with the status, pending calls and violations
+//! (code, turn, block, call_id; messages are not asserted). Violations compare as multisets.
+
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use turnstile_core::{Verdict, ViolationCode, parse, validate};
+
+pub fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data")
+}
+
+/// The validator's answer in the shape of an expect file.
+fn actual(bytes: &[u8]) -> Value {
+    let conversation = parse::conversation_from_slice(bytes).expect("test data is readable");
+    let verdict = validate(&conversation);
+    let (pending, violations): (Vec<String>, Vec<Value>) = match &verdict {
+        Verdict::Ready => (vec![], vec![]),
+        Verdict::Waiting { pending } => (pending.iter().map(|id| id.0.clone()).collect(), vec![]),
+        Verdict::Rejected(violations) => (
+            vec![],
+            violations
+                .iter()
+                .map(|v| json!({"code": v.code, "turn": v.turn, "block": v.block, "call_id": v.call_id}))
+                .collect(),
+        ),
+    };
+    json!({"status": verdict.status(), "pending": pending, "violations": sorted(violations)})
+}
+
+fn sorted(mut values: Vec<Value>) -> Vec<Value> {
+    values.sort_by_key(|value| value.to_string());
+    values
+}
+
+fn check(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    let expect_path = path.with_extension("expect.json");
+    let mut expected: Value = serde_json::from_slice(&std::fs::read(&expect_path).unwrap()).unwrap();
+    let violations = expected["violations"].as_array().unwrap().clone();
+    expected["violations"] = Value::Array(sorted(violations));
+    let actual = actual(&bytes);
+    assert_eq!(actual, expected, "{}", path.display());
+}
+
+fn cases() -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(data_dir())
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            let name = path.file_name().unwrap().to_string_lossy();
+            name.ends_with(".json") && !name.ends_with(".expect.json")
+        })
+        .collect();
+    paths.sort();
+    paths
+}
+
+#[test]
+fn every_data_file_gets_its_expected_verdict() {
+    let cases = cases();
+    assert!(cases.len() >= 20, "found only {} cases", cases.len());
+    for path in cases {
+        check(&path);
+    }
+}
+
+#[test]
+fn the_data_files_cover_every_code_waiting_and_ready() {
+    let mut codes = std::collections::BTreeSet::new();
+    let mut statuses = std::collections::BTreeSet::new();
+    for path in cases() {
+        let expected: Value =
+            serde_json::from_slice(&std::fs::read(path.with_extension("expect.json")).unwrap()).unwrap();
+        statuses.insert(expected["status"].as_str().unwrap().to_owned());
+        for violation in expected["violations"].as_array().unwrap() {
+            codes.insert(violation["code"].as_str().unwrap().to_owned());
+        }
+    }
+    for code in ViolationCode::ALL {
+        assert!(codes.contains(code.as_str()), "no data file expects {code}");
+    }
+    for status in ["ready", "waiting", "rejected"] {
+        assert!(statuses.contains(status), "no data file expects {status}");
+    }
+}
+
+#[test]
+fn the_shipped_example_is_ready() {
+    let bytes =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/weather.json")).unwrap();
+    assert_eq!(actual(&bytes)["status"], "ready");
+}
