@@ -1,1 +1,3 @@
+//! Integration tests of the `turnstile` binary (one test binary, see STYLE.md).
 
+mod validate;
