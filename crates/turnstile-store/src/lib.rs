@@ -1,5 +1,214 @@
 //! The `Ledger` trait and its SQLite (embedded default) and PostgreSQL implementations. The
 //! store is the arbiter: every state change that matters is a conditional write whose
-//! condition is the invariant (revision, cancel generation, active generation, state).
+//! condition is the invariant (revision, cancel generation, active generation, state), and the
+//! affected-row count decides the winner. Nothing here relies on an in-process lock or on
+//! SERIALIZABLE isolation for correctness: two gateway replicas with their own connection
+//! pools on one database can race any operation and exactly one wins.
+//!
+//! Layout: [`ops`] holds every operation once, as `async fn`s over the small [`sql::Tx`]
+//! surface; [`sqlite::SqliteLedger`] drives them on one writer thread with group commit,
+//! [`postgres::PgLedger`] on a deadpool of tokio-postgres connections. [`types`] holds the
+//! records and the outcome enums (a lost compare-and-set is an outcome, not an error).
+//!
+//! Time is passed in by the caller ([`Timestamp`], milliseconds since the Unix epoch), as in
+//! the core: the history rows and leases are as reproducible as the core's decisions.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod faults;
+mod history;
+pub mod migrations;
+pub mod ops;
+pub mod postgres;
+pub mod sql;
+pub mod sqlite;
+pub mod types;
+
+pub use error::StoreError;
+pub use faults::{Fault, FaultInjector};
+pub use postgres::PgLedger;
+pub use sqlite::{SqliteLedger, Synchronous};
+pub use turnstile_core::dispatch::{DispatchState, Timestamp};
+pub use types::*;
+
+use serde_json::Value;
+use turnstile_core::manifest::DispatchManifest;
+use turnstile_core::{Generation, Revision};
+
+/// The durable dispatch ledger. Every method is one transaction; every write method is a
+/// compare-and-set whose losing side is an ordinary outcome.
+///
+/// Async because the PostgreSQL driver is; the SQLite implementation runs the same operations
+/// on its own writer thread (see [`sqlite`] for why not `spawn_blocking`).
+#[async_trait::async_trait]
+pub trait Ledger: Send + Sync {
+    /// Create a conversation at revision 0 with its declared tools (a v1 `tools` array).
+    async fn create_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        now: Timestamp,
+    ) -> Result<CreateOutcome, StoreError>;
+
+    /// The committed history as a `turnstile.conversation.v1` document.
+    async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
+
+    /// Append a committed turn at `expected + 1` if the conversation is at `expected` and the
+    /// would-be history passes the validator.
+    async fn append_turn(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError>;
+
+    /// Store a dispatch: the manifest as given and the exact request bytes. Idempotent on the
+    /// manifest's `operation_id`.
+    async fn prepare(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError>;
+
+    /// A dispatch by operation id.
+    async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError>;
+
+    /// Its attempts with their transition history, oldest first.
+    async fn attempts(&self, operation_id: &str) -> Result<Vec<AttemptRecord>, StoreError>;
+
+    /// PREPARED → DISPATCHING: one conditional write on (conversation revision, cancel
+    /// generation, state = PREPARED) that allocates the attempt generation and stores the
+    /// request digest and idempotency key. Durable when it returns `Began`.
+    async fn begin_attempt(
+        &self,
+        operation_id: &str,
+        expect: BeginExpect,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError>;
+
+    /// A fenced transition of the active attempt: SENT, STREAMING, UNKNOWN, FAILED,
+    /// ABANDONED, and UNKNOWN → STREAMING when resuming by handle.
+    async fn transition(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
+    /// UNKNOWN → DISPATCHING for the same generation (replay with the same idempotency key).
+    async fn replay_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
+    /// The old attempt is confirmed dead (its lease expired at `now`, or the provider said it
+    /// ended): mark it ABANDONED (a FAILED one stays FAILED) and the dispatch PREPARED again,
+    /// so a new generation may begin. Refused while the old lease runs.
+    async fn abandon_and_rearm(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_confirmed_ended: bool,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
+    /// Extend the lease of the active attempt; the generation is the fencing token.
+    async fn renew_lease(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+    ) -> Result<TransitionOutcome, StoreError>;
+
+    /// Bind a provider handle to the dispatch's manifest digest. A handle bound to another
+    /// manifest is refused and counted.
+    async fn bind_handle(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        handle: &str,
+        now: Timestamp,
+    ) -> Result<BindOutcome, StoreError>;
+
+    /// Cancel: bump `cancel_generation` and make the dispatch ABANDONED (with its live
+    /// attempt). `expected_cancel_generation` makes it conditional too.
+    async fn cancel(
+        &self,
+        operation_id: &str,
+        expected_cancel_generation: Option<u64>,
+        now: Timestamp,
+    ) -> Result<CancelOutcome, StoreError>;
+
+    /// The canonical commit: one transaction, conditional on (revision, active generation,
+    /// state = STREAMING), appending exactly one assistant turn at revision + 1 and its tool
+    /// calls to the tool-call ledger. A loser's turn goes to the quarantine log.
+    async fn commit(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError>;
+
+    /// Record blocks that must never become history. `false` when over the per-dispatch
+    /// limit or the dispatch is unknown (then only counted).
+    async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError>;
+
+    /// The quarantine log, oldest first.
+    async fn quarantined(&self, limit: u64) -> Result<Vec<QuarantineRecord>, StoreError>;
+
+    /// The tool-call ledger, optionally only one state.
+    async fn tool_calls(&self, state: Option<ToolCallState>) -> Result<Vec<ToolCallRecord>, StoreError>;
+
+    /// ready → claimed (or re-claim after the claim lease expired); the claim counter is the
+    /// fencing token of the result.
+    async fn claim_tool_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<ClaimOutcome, StoreError>;
+
+    /// claimed → done: append the result as a tool turn (through the validator) at the next
+    /// revision. `status` is `success`, `error` or `cancel`; `content` the v1 parts array.
+    async fn submit_tool_result(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        status: &str,
+        content: &Value,
+        now: Timestamp,
+    ) -> Result<ResultOutcome, StoreError>;
+
+    /// Start-up recovery: live attempts of `holder`, and those whose lease expired, become
+    /// UNKNOWN; answers every UNKNOWN attempt for the recovery decisions.
+    async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError>;
+
+    /// The store's counters.
+    async fn counters(&self) -> Result<Counters, StoreError>;
+}
+
+/// Open a store by URL: `sqlite:PATH` or `postgres://…`.
+pub async fn open(url: &str) -> Result<Box<dyn Ledger>, StoreError> {
+    if let Some(path) = url.strip_prefix("sqlite:") {
+        let ledger = SqliteLedger::open(path, Synchronous::Full)?;
+        return Ok(Box::new(ledger));
+    }
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let ledger = PgLedger::connect(url, None, postgres::POOL_SIZE_DEFAULT).await?;
+        return Ok(Box::new(ledger));
+    }
+    Err(StoreError::BadUrl)
+}

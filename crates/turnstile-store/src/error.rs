@@ -1,0 +1,50 @@
+//! Store failures. A lost compare-and-set is *not* here: it is a normal outcome of each
+//! operation (see [`crate::types`]). These are the cases where the store could not answer.
+
+/// Why the store could not answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// SQLite reported an error.
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// PostgreSQL reported an error or the connection failed.
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// No PostgreSQL connection could be taken from the pool.
+    #[error("postgres pool: {0}")]
+    Pool(String),
+    /// The connection was lost around a commit; whether the write landed is unknown until it
+    /// is read back (operations are idempotent or report the state they find, so a retry is
+    /// safe).
+    #[error("connection lost ({0})")]
+    ConnectionLost(&'static str),
+    /// The SQLite writer thread is gone (the ledger was closed or the thread panicked).
+    #[error("the SQLite writer thread has stopped")]
+    WriterGone,
+    /// A stored row does not decode (schema drift or manual edits).
+    #[error("stored data does not decode: {0}")]
+    Corrupt(String),
+    /// The database schema is newer than this build knows.
+    #[error("database schema version {found} is newer than this build's {known}")]
+    SchemaTooNew {
+        /// Version found in the database.
+        found: i64,
+        /// Newest version this build knows.
+        known: i64,
+    },
+    /// Our own code asked for an edge that is not in the dispatch diagram (a bug).
+    #[error("illegal dispatch transition {from} -> {to}")]
+    IllegalTransition {
+        /// State the caller expected.
+        from: turnstile_core::dispatch::DispatchState,
+        /// State the caller asked for.
+        to: turnstile_core::dispatch::DispatchState,
+    },
+    /// The transaction did not commit (the database refused COMMIT); nothing landed.
+    #[error("commit failed: {0}")]
+    CommitFailed(String),
+    /// The store URL is not one this build understands.
+    #[error("unsupported store URL (expected sqlite:PATH or postgres://…)")]
+    BadUrl,
+}

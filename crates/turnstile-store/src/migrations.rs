@@ -1,0 +1,33 @@
+//! Versioned schema migrations, one list for both databases. Each version is applied once,
+//! in order, inside one transaction that also records it in `schema_migrations`; a database
+//! newer than this build is refused rather than written to.
+
+/// One schema version.
+#[derive(Clone, Copy, Debug)]
+pub struct Migration {
+    /// Version number (1, 2, …).
+    pub version: i64,
+    /// Short name.
+    pub name: &'static str,
+    /// SQLite script.
+    pub sqlite: &'static str,
+    /// PostgreSQL script.
+    pub postgres: &'static str,
+}
+
+/// Every migration, oldest first.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "ledger",
+    sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
+    postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
+}];
+
+/// The newest version this build knows.
+pub fn latest() -> i64 {
+    MIGRATIONS.last().map_or(0, |migration| migration.version)
+}
+
+/// The table that records applied versions (same DDL on both databases).
+pub(crate) const SCHEMA_MIGRATIONS_DDL: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\
+     version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)";

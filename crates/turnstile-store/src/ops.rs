@@ -1,0 +1,1240 @@
+//! Every ledger operation, written once against [`Tx`] for both databases.
+//!
+//! Correctness comes only from conditional writes: each state change is an `UPDATE … WHERE`
+//! whose condition is the invariant (revision, cancel generation, active generation, state),
+//! or an `INSERT … ON CONFLICT DO NOTHING`, and the affected-row count decides who won. Reads
+//! before a write only pick the statement to run or explain a refusal; they never decide a
+//! winner. Rows are locked in one order everywhere (conversation → dispatch → attempt →
+//! tool call) so PostgreSQL never deadlocks two of these transactions.
+
+use crate::error::StoreError;
+use crate::history::{self, NewToolCall};
+use crate::sql::{Dialect, Row, SqlValue, Tx};
+use crate::types::*;
+use serde_json::Value;
+use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::manifest::DispatchManifest;
+use turnstile_core::{Digest, Generation, Revision};
+
+fn ts(at: Timestamp) -> SqlValue {
+    SqlValue::from(at.0)
+}
+
+fn state_of(text: &str) -> Result<DispatchState, StoreError> {
+    DispatchState::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown state {text:?}")))
+}
+
+fn json_of(text: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(text).map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
+}
+
+/// The idempotency key of an attempt: stable for (operation, generation), so a replay of the
+/// same generation sends the same key, and free of client text.
+pub fn idempotency_key(operation_id: &str, generation: Generation) -> String {
+    let digest = Digest::of_bytes(format!("{operation_id}\n{}", generation.0).as_bytes());
+    let hex = digest.as_str().trim_start_matches("sha256:");
+    format!("ts-{}", &hex[..32])
+}
+
+async fn bump_counter<T: Tx>(tx: &mut T, name: &str) -> Result<(), StoreError> {
+    tx.execute(
+        "UPDATE counters SET value = value + 1 WHERE name = $1",
+        &[name.into()],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn record_transition<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Option<Generation>,
+    from: Option<DispatchState>,
+    to: DispatchState,
+    now: Timestamp,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO transitions (operation_id, generation, from_state, to_state, at) \
+         VALUES ($1, $2, $3, $4, $5)",
+        &[
+            operation_id.into(),
+            generation.map(|generation| generation.0).into(),
+            from.map(DispatchState::as_str).into(),
+            to.as_str().into(),
+            ts(now),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversations and turns
+
+pub(crate) async fn create_conversation<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    tools: &Value,
+    now: Timestamp,
+) -> Result<CreateOutcome, StoreError> {
+    let inserted = tx
+        .execute(
+            "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
+             VALUES ($1, 0, $2, $3, $3) ON CONFLICT (conversation_id) DO NOTHING",
+            &[conversation_id.into(), tools.to_string().into(), ts(now)],
+        )
+        .await?;
+    Ok(if inserted == 1 {
+        CreateOutcome::Created
+    } else {
+        CreateOutcome::AlreadyExists
+    })
+}
+
+async fn conversation_head<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    share_lock: bool,
+) -> Result<Option<(Revision, Value)>, StoreError> {
+    let sql = if share_lock && tx.dialect() == Dialect::Postgres {
+        "SELECT revision, tools FROM conversations WHERE conversation_id = $1 FOR SHARE"
+    } else {
+        "SELECT revision, tools FROM conversations WHERE conversation_id = $1"
+    };
+    let rows = tx.query(sql, &[conversation_id.into()]).await?;
+    match rows.first() {
+        None => Ok(None),
+        Some(row) => Ok(Some((Revision(row.uint(0)?), json_of(&row.text(1)?)?))),
+    }
+}
+
+async fn turns_up_to<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+) -> Result<Vec<Value>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT turn FROM turns WHERE conversation_id = $1 AND revision <= $2 ORDER BY revision",
+            &[conversation_id.into(), revision.0.into()],
+        )
+        .await?;
+    rows.iter().map(|row| json_of(&row.text(0)?)).collect()
+}
+
+pub(crate) async fn conversation<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+) -> Result<Option<Value>, StoreError> {
+    let Some((revision, tools)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(None);
+    };
+    let turns = turns_up_to(tx, conversation_id, revision).await?;
+    Ok(Some(serde_json::json!({
+        "format": turnstile_core::conversation::FORMAT_V1,
+        "conversation_id": conversation_id,
+        "revision": revision.0,
+        "tools": tools,
+        "turns": turns,
+    })))
+}
+
+/// Claim revision `expected + 1` (the conditional write), then insert the turn.
+async fn claim_revision<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    expected: Revision,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let claimed = tx
+        .execute(
+            "UPDATE conversations SET revision = revision + 1, updated_at = $3 \
+             WHERE conversation_id = $1 AND revision = $2",
+            &[conversation_id.into(), expected.0.into(), ts(now)],
+        )
+        .await?;
+    Ok(claimed == 1)
+}
+
+async fn insert_turn<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+    turn: &Value,
+    generation: Option<Generation>,
+    operation_id: Option<&str>,
+    now: Timestamp,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO turns (conversation_id, revision, role, generation, operation_id, turn, committed_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[
+            conversation_id.into(),
+            revision.0.into(),
+            history::role_of(turn).into(),
+            generation.map(|generation| generation.0).into(),
+            operation_id.into(),
+            turn.to_string().into(),
+            ts(now),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+pub(crate) async fn append_turn<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    expected: Revision,
+    turn: &Value,
+    now: Timestamp,
+) -> Result<AppendOutcome, StoreError> {
+    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(AppendOutcome::NotFound);
+    };
+    if current != expected {
+        return Ok(AppendOutcome::Conflict { current });
+    }
+    let revision = Revision(expected.0 + 1);
+    let Some(stamped) = history::stamp_turn(turn, revision, None) else {
+        return Ok(AppendOutcome::Rejected(vec![turnstile_core::Violation {
+            code: turnstile_core::ViolationCode::InvalidStructure,
+            turn: None,
+            block: None,
+            call_id: None,
+            message: "a turn must be an object".into(),
+        }]));
+    };
+    let history = turns_up_to(tx, conversation_id, expected).await?;
+    if let Err(violations) =
+        history::check_append(conversation_id, &tools, history, stamped.clone(), revision)
+    {
+        return Ok(AppendOutcome::Rejected(violations));
+    }
+    if !claim_revision(tx, conversation_id, expected, now).await? {
+        let current = conversation_head(tx, conversation_id, false)
+            .await?
+            .map_or(expected, |(revision, _)| revision);
+        return Ok(AppendOutcome::Conflict { current });
+    }
+    let generation = stamped.get("generation").and_then(Value::as_u64).map(Generation);
+    insert_turn(tx, conversation_id, revision, &stamped, generation, None, now).await?;
+    Ok(AppendOutcome::Appended { revision })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatches
+
+const DISPATCH_COLUMNS: &str = "operation_id, conversation_id, revision, manifest, manifest_digest, \
+     request_digest, request_bytes, provider, state, cancel_generation, active_generation, committed_revision";
+
+fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
+    Ok(DispatchRecord {
+        operation_id: row.text(0)?,
+        conversation_id: row.text(1)?,
+        revision: Revision(row.uint(2)?),
+        manifest: json_of(&row.text(3)?)?,
+        manifest_digest: row.text(4)?,
+        request_digest: row.text(5)?,
+        request_bytes: row.bytes(6)?,
+        provider: row.text(7)?,
+        state: state_of(&row.text(8)?)?,
+        cancel_generation: row.uint(9)?,
+        active_generation: row.uint_opt(10)?.map(Generation),
+        committed_revision: row.uint_opt(11)?.map(Revision),
+    })
+}
+
+pub(crate) async fn dispatch<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Option<DispatchRecord>, StoreError> {
+    let sql = format!("SELECT {DISPATCH_COLUMNS} FROM dispatches WHERE operation_id = $1");
+    let rows = tx.query(&sql, &[operation_id.into()]).await?;
+    rows.first().map(dispatch_from_row).transpose()
+}
+
+/// State and active generation of a dispatch (to explain a refusal; never to decide one).
+async fn dispatch_state<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Option<(DispatchState, Option<Generation>)>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT state, active_generation FROM dispatches WHERE operation_id = $1",
+            &[operation_id.into()],
+        )
+        .await?;
+    match rows.first() {
+        None => Ok(None),
+        Some(row) => Ok(Some((state_of(&row.text(0)?)?, row.uint_opt(1)?.map(Generation)))),
+    }
+}
+
+pub(crate) async fn prepare<T: Tx>(
+    tx: &mut T,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    now: Timestamp,
+) -> Result<PrepareOutcome, StoreError> {
+    if !manifest.is_intact() {
+        return Ok(PrepareOutcome::Invalid(
+            "manifest_digest does not match the manifest",
+        ));
+    }
+    if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
+        return Ok(PrepareOutcome::Invalid(
+            "request bytes do not match request_digest",
+        ));
+    }
+    if request_bytes.len() > REQUEST_BYTES_MAX {
+        return Ok(PrepareOutcome::Invalid("request bytes exceed REQUEST_BYTES_MAX"));
+    }
+    let operation_id = manifest.body.operation_id.as_str();
+    let manifest_digest = manifest.manifest_digest.as_str();
+    if let Some(existing) = dispatch(tx, operation_id).await? {
+        return Ok(same_or_conflict(existing, manifest_digest));
+    }
+    let conversation_id = manifest.body.conversation_id.as_str();
+    let Some((current, _)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(PrepareOutcome::NotFound);
+    };
+    if current != manifest.body.conversation_revision {
+        return Ok(PrepareOutcome::StaleRevision { current });
+    }
+    let manifest_json = serde_json::to_string(manifest)
+        .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
+    let inserted = tx
+        .execute(
+            "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
+             request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
+             quarantined, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, $9) \
+             ON CONFLICT (operation_id) DO NOTHING",
+            &[
+                operation_id.into(),
+                conversation_id.into(),
+                manifest.body.conversation_revision.0.into(),
+                manifest_json.into(),
+                manifest_digest.into(),
+                manifest.body.request_digest.as_str().into(),
+                request_bytes.into(),
+                manifest.body.provider.as_str().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    let record = dispatch(tx, operation_id)
+        .await?
+        .ok_or_else(|| StoreError::Corrupt("dispatch vanished inside its transaction".into()))?;
+    if inserted == 0 {
+        // Another replica inserted the same operation id between our read and our insert.
+        return Ok(same_or_conflict(record, manifest_digest));
+    }
+    record_transition(tx, operation_id, None, None, DispatchState::Prepared, now).await?;
+    Ok(PrepareOutcome::Created(record))
+}
+
+fn same_or_conflict(existing: DispatchRecord, manifest_digest: &str) -> PrepareOutcome {
+    if existing.manifest_digest == manifest_digest {
+        PrepareOutcome::Existing(existing)
+    } else {
+        PrepareOutcome::Conflict {
+            existing_manifest_digest: existing.manifest_digest,
+        }
+    }
+}
+
+pub(crate) async fn begin_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    expect: BeginExpect,
+    lease: &Lease,
+    now: Timestamp,
+) -> Result<BeginOutcome, StoreError> {
+    let Some(record) = dispatch(tx, operation_id).await? else {
+        return Ok(BeginOutcome::Refused {
+            state: None,
+            active_generation: None,
+        });
+    };
+    // Lock order: conversation first (shared: the condition reads its revision).
+    conversation_head(tx, &record.conversation_id, true).await?;
+    let rows = tx
+        .query(
+            "UPDATE dispatches SET state = 'DISPATCHING', active_generation = generation_last + 1, \
+             generation_last = generation_last + 1, updated_at = $5 \
+             WHERE operation_id = $1 AND state = 'PREPARED' AND cancel_generation = $2 AND revision = $3 \
+             AND generation_last < $4 \
+             AND EXISTS (SELECT 1 FROM conversations c \
+                         WHERE c.conversation_id = dispatches.conversation_id AND c.revision = $3) \
+             RETURNING active_generation",
+            &[
+                operation_id.into(),
+                expect.cancel_generation.into(),
+                expect.revision.0.into(),
+                ATTEMPTS_PER_DISPATCH_MAX.into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    let Some(row) = rows.first() else {
+        let found = dispatch_state(tx, operation_id).await?;
+        return Ok(BeginOutcome::Refused {
+            state: found.map(|(state, _)| state),
+            active_generation: found.and_then(|(_, generation)| generation),
+        });
+    };
+    let generation = Generation(row.uint(0)?);
+    let key = idempotency_key(operation_id, generation);
+    tx.execute(
+        "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
+         lease_holder, lease_expires_at, started_at) VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7)",
+        &[
+            operation_id.into(),
+            generation.0.into(),
+            key.as_str().into(),
+            record.request_digest.as_str().into(),
+            lease.holder.as_str().into(),
+            ts(lease.expires_at),
+            ts(now),
+        ],
+    )
+    .await?;
+    record_transition(
+        tx,
+        operation_id,
+        Some(generation),
+        Some(DispatchState::Prepared),
+        DispatchState::Dispatching,
+        now,
+    )
+    .await?;
+    Ok(BeginOutcome::Began {
+        generation,
+        idempotency_key: key,
+    })
+}
+
+/// The plain fenced transitions: everything except begin, replay, rearm, commit and cancel,
+/// which have their own operations.
+pub(crate) fn is_plain_transition(from: DispatchState, to: DispatchState) -> bool {
+    use DispatchState::*;
+    from.can_transition(to)
+        && matches!(
+            (from, to),
+            (Dispatching, Sent)
+                | (Sent, Streaming)
+                | (Dispatching | Sent | Streaming, Unknown)
+                | (Dispatching | Sent | Unknown, Failed)
+                | (Dispatching | Sent | Streaming | Unknown, Abandoned)
+                | (Unknown, Streaming)
+        )
+}
+
+async fn refused<T: Tx>(tx: &mut T, operation_id: &str) -> Result<TransitionOutcome, StoreError> {
+    let found = dispatch_state(tx, operation_id).await?;
+    Ok(TransitionOutcome::Refused {
+        state: found.map(|(state, _)| state),
+        active_generation: found.and_then(|(_, generation)| generation),
+    })
+}
+
+/// Move the dispatch and its attempt `generation` from `from` to `to`, both conditionally.
+async fn move_both<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    to: DispatchState,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let moved = tx
+        .execute(
+            "UPDATE dispatches SET state = $4, updated_at = $5 \
+             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                to.as_str().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    if moved == 0 {
+        return Ok(false);
+    }
+    let attempt = tx
+        .execute(
+            "UPDATE attempts SET state = $4 WHERE operation_id = $1 AND generation = $2 AND state = $3",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                to.as_str().into(),
+            ],
+        )
+        .await?;
+    if attempt != 1 {
+        return Err(StoreError::Corrupt(format!(
+            "dispatch {operation_id} was {from} at generation {} but its attempt was not",
+            generation.0
+        )));
+    }
+    record_transition(tx, operation_id, Some(generation), Some(from), to, now).await?;
+    Ok(true)
+}
+
+pub(crate) async fn transition<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    to: DispatchState,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    if !is_plain_transition(from, to) {
+        return Err(StoreError::IllegalTransition { from, to });
+    }
+    if move_both(tx, operation_id, generation, from, to, now).await? {
+        Ok(TransitionOutcome::Applied)
+    } else {
+        refused(tx, operation_id).await
+    }
+}
+
+pub(crate) async fn replay_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    lease: &Lease,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    if !move_both(
+        tx,
+        operation_id,
+        generation,
+        DispatchState::Unknown,
+        DispatchState::Dispatching,
+        now,
+    )
+    .await?
+    {
+        return refused(tx, operation_id).await;
+    }
+    tx.execute(
+        "UPDATE attempts SET lease_holder = $3, lease_expires_at = $4 WHERE operation_id = $1 AND generation = $2",
+        &[
+            operation_id.into(),
+            generation.0.into(),
+            lease.holder.as_str().into(),
+            ts(lease.expires_at),
+        ],
+    )
+    .await?;
+    Ok(TransitionOutcome::Applied)
+}
+
+pub(crate) async fn abandon_and_rearm<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    provider_confirmed_ended: bool,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    // The old attempt must be confirmed dead: its lease expired, or the provider said so.
+    // That is part of the condition, so no replica can start a new generation early.
+    let attempt = tx
+        .query(
+            "UPDATE attempts SET state = 'ABANDONED' WHERE operation_id = $1 AND generation = $2 \
+             AND state = 'UNKNOWN' AND (lease_expires_at <= $3 OR $4 = 1) \
+             AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
+                         AND d.active_generation = $2 AND d.state = 'UNKNOWN') \
+             RETURNING generation",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                ts(now),
+                SqlValue::Int(i64::from(provider_confirmed_ended)),
+            ],
+        )
+        .await?;
+    let from = if attempt.is_empty() {
+        // A FAILED attempt produced nothing: it is already terminal and may be rearmed.
+        DispatchState::Failed
+    } else {
+        record_transition(
+            tx,
+            operation_id,
+            Some(generation),
+            Some(DispatchState::Unknown),
+            DispatchState::Abandoned,
+            now,
+        )
+        .await?;
+        DispatchState::Unknown
+    };
+    let rearmed = tx
+        .execute(
+            "UPDATE dispatches SET state = 'PREPARED', updated_at = $4 \
+             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    if rearmed == 0 {
+        if from == DispatchState::Unknown {
+            return Err(StoreError::Corrupt(format!(
+                "attempt {operation_id}/{} was UNKNOWN but its dispatch was not",
+                generation.0
+            )));
+        }
+        return refused(tx, operation_id).await;
+    }
+    let via = if from == DispatchState::Unknown {
+        DispatchState::Abandoned
+    } else {
+        DispatchState::Failed
+    };
+    record_transition(tx, operation_id, None, Some(via), DispatchState::Prepared, now).await?;
+    Ok(TransitionOutcome::Applied)
+}
+
+pub(crate) async fn renew_lease<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    lease: &Lease,
+) -> Result<TransitionOutcome, StoreError> {
+    let renewed = tx
+        .execute(
+            "UPDATE attempts SET lease_expires_at = $4 WHERE operation_id = $1 AND generation = $2 \
+             AND lease_holder = $3 AND state IN ('DISPATCHING', 'SENT', 'STREAMING') \
+             AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
+                         AND d.active_generation = $2)",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                lease.holder.as_str().into(),
+                ts(lease.expires_at),
+            ],
+        )
+        .await?;
+    if renewed == 1 {
+        Ok(TransitionOutcome::Applied)
+    } else {
+        refused(tx, operation_id).await
+    }
+}
+
+pub(crate) async fn bind_handle<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    handle: &str,
+    now: Timestamp,
+) -> Result<BindOutcome, StoreError> {
+    let Some(record) = dispatch(tx, operation_id).await? else {
+        return Ok(BindOutcome::StaleGeneration);
+    };
+    if record.active_generation != Some(generation) {
+        return Ok(BindOutcome::StaleGeneration);
+    }
+    let inserted = tx
+        .execute(
+            "INSERT INTO handles (provider, handle, manifest_digest, operation_id, generation, bound_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (provider, handle) DO NOTHING",
+            &[
+                record.provider.as_str().into(),
+                handle.into(),
+                record.manifest_digest.as_str().into(),
+                operation_id.into(),
+                generation.0.into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    let outcome = if inserted == 1 {
+        BindOutcome::Bound
+    } else {
+        let rows = tx
+            .query(
+                "SELECT manifest_digest FROM handles WHERE provider = $1 AND handle = $2",
+                &[record.provider.as_str().into(), handle.into()],
+            )
+            .await?;
+        let bound_to = rows
+            .first()
+            .map(|row| row.text(0))
+            .transpose()?
+            .ok_or_else(|| StoreError::Corrupt("handle conflict without a row".into()))?;
+        if bound_to != record.manifest_digest {
+            bump_counter(tx, "foreign_handle_refusals").await?;
+            return Ok(BindOutcome::Refused { bound_to });
+        }
+        BindOutcome::AlreadyBound
+    };
+    tx.execute(
+        "UPDATE attempts SET handle = $3 WHERE operation_id = $1 AND generation = $2 AND handle IS NULL",
+        &[operation_id.into(), generation.0.into(), handle.into()],
+    )
+    .await?;
+    Ok(outcome)
+}
+
+pub(crate) async fn cancel<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    expected_cancel_generation: Option<u64>,
+    now: Timestamp,
+) -> Result<CancelOutcome, StoreError> {
+    let Some((state, generation)) = dispatch_state(tx, operation_id).await? else {
+        return Ok(CancelOutcome::Refused { state: None });
+    };
+    if !state.can_transition(DispatchState::Abandoned) || state == DispatchState::Failed {
+        return Ok(CancelOutcome::Refused { state: Some(state) });
+    }
+    let rows = tx
+        .query(
+            "UPDATE dispatches SET state = 'ABANDONED', cancel_generation = cancel_generation + 1, \
+             updated_at = $4 WHERE operation_id = $1 AND state = $2 \
+             AND ($3 < 0 OR cancel_generation = $3) RETURNING cancel_generation",
+            &[
+                operation_id.into(),
+                state.as_str().into(),
+                SqlValue::Int(expected_cancel_generation.map_or(-1, |value| {
+                    // Cancel generations are small counters; saturate rather than wrap.
+                    i64::try_from(value).unwrap_or(i64::MAX)
+                })),
+                ts(now),
+            ],
+        )
+        .await?;
+    let Some(row) = rows.first() else {
+        let found = dispatch_state(tx, operation_id).await?;
+        return Ok(CancelOutcome::Refused {
+            state: found.map(|(state, _)| state),
+        });
+    };
+    let cancel_generation = row.uint(0)?;
+    let attempt_generation = if state.is_live() { generation } else { None };
+    if let Some(generation) = attempt_generation {
+        tx.execute(
+            "UPDATE attempts SET state = 'ABANDONED' WHERE operation_id = $1 AND generation = $2 AND state = $3",
+            &[operation_id.into(), generation.0.into(), state.as_str().into()],
+        )
+        .await?;
+    }
+    record_transition(
+        tx,
+        operation_id,
+        attempt_generation,
+        Some(state),
+        DispatchState::Abandoned,
+        now,
+    )
+    .await?;
+    Ok(CancelOutcome::Cancelled { cancel_generation })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Canonical commit, quarantine
+
+async fn tool_call_ids<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+) -> Result<Vec<String>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT call_id FROM tool_calls WHERE conversation_id = $1 AND revision = $2 ORDER BY position",
+            &[conversation_id.into(), revision.0.into()],
+        )
+        .await?;
+    rows.iter().map(|row| row.text(0)).collect()
+}
+
+async fn commit_refusal<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+) -> Result<CommitRefusal, StoreError> {
+    Ok(match dispatch_state(tx, operation_id).await? {
+        None => CommitRefusal::NotFound,
+        Some((_, active)) if active != Some(generation) => CommitRefusal::ForeignGeneration,
+        Some((state, _)) if state != DispatchState::Streaming => CommitRefusal::WrongState(state),
+        Some(_) => CommitRefusal::RevisionMoved,
+    })
+}
+
+pub(crate) async fn commit<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    expected_revision: Revision,
+    turn: &Value,
+    now: Timestamp,
+) -> Result<CommitOutcome, StoreError> {
+    let Some(record) = dispatch(tx, operation_id).await? else {
+        return Ok(CommitOutcome::Refused(CommitRefusal::NotFound));
+    };
+    // A retry of the winning commit (e.g. after a connection drop past COMMIT) gets the same
+    // answer, without a second turn.
+    if record.state == DispatchState::Committed && record.active_generation == Some(generation) {
+        if let Some(revision) = record.committed_revision {
+            let tool_calls = tool_call_ids(tx, &record.conversation_id, revision).await?;
+            return Ok(CommitOutcome::Committed { revision, tool_calls });
+        }
+    }
+    let conversation_id = record.conversation_id.clone();
+    let revision = Revision(expected_revision.0 + 1);
+    let refuse = |reason: CommitRefusal| CommitOutcome::Refused(reason);
+    if expected_revision != record.revision {
+        quarantine_turn(tx, operation_id, generation, "commit_refused", turn, now).await?;
+        bump_counter(tx, "canonical_cas_conflicts").await?;
+        return Ok(refuse(CommitRefusal::RevisionMoved));
+    }
+    let Some(stamped) = history::stamp_turn(turn, revision, Some(generation.0)) else {
+        quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
+        return Ok(CommitOutcome::Rejected(Vec::new()));
+    };
+    let Some((_, tools)) = conversation_head(tx, &conversation_id, false).await? else {
+        return Ok(refuse(CommitRefusal::NotFound));
+    };
+    let history = turns_up_to(tx, &conversation_id, expected_revision).await?;
+    let calls = match history::check_append(&conversation_id, &tools, history, stamped.clone(), revision) {
+        Ok(calls) => calls,
+        Err(violations) => {
+            quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
+            return Ok(CommitOutcome::Rejected(violations));
+        }
+    };
+    tx.execute("SAVEPOINT canonical", &[]).await?;
+    // Lock order: conversation, then dispatch.
+    let won = claim_revision(tx, &conversation_id, expected_revision, now).await?
+        && move_both(
+            tx,
+            operation_id,
+            generation,
+            DispatchState::Streaming,
+            DispatchState::Committed,
+            now,
+        )
+        .await?;
+    if !won {
+        tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
+        tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
+        let reason = commit_refusal(tx, operation_id, generation).await?;
+        quarantine_turn(tx, operation_id, generation, "commit_refused", turn, now).await?;
+        bump_counter(tx, "canonical_cas_conflicts").await?;
+        return Ok(refuse(reason));
+    }
+    tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
+    tx.execute(
+        "UPDATE dispatches SET committed_revision = $2 WHERE operation_id = $1",
+        &[operation_id.into(), revision.0.into()],
+    )
+    .await?;
+    insert_turn(
+        tx,
+        &conversation_id,
+        revision,
+        &stamped,
+        Some(generation),
+        Some(operation_id),
+        now,
+    )
+    .await?;
+    insert_tool_calls(tx, &conversation_id, revision, generation, operation_id, &calls).await?;
+    Ok(CommitOutcome::Committed {
+        revision,
+        tool_calls: calls.into_iter().map(|call| call.call_id).collect(),
+    })
+}
+
+async fn insert_tool_calls<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+    generation: Generation,
+    operation_id: &str,
+    calls: &[NewToolCall],
+) -> Result<(), StoreError> {
+    for (position, call) in calls.iter().enumerate() {
+        tx.execute(
+            "INSERT INTO tool_calls (conversation_id, call_id, revision, position, generation, operation_id, \
+             tool, arguments, args_digest, state, claim) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'ready', 0)",
+            &[
+                conversation_id.into(),
+                call.call_id.as_str().into(),
+                revision.0.into(),
+                (position as u64).into(),
+                generation.0.into(),
+                operation_id.into(),
+                call.tool.as_str().into(),
+                call.arguments.to_string().into(),
+                call.args_digest.as_str().into(),
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn quarantine_turn<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    reason: &str,
+    content: &Value,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let room = tx
+        .execute(
+            "UPDATE dispatches SET quarantined = quarantined + 1 WHERE operation_id = $1 AND quarantined < $2",
+            &[operation_id.into(), QUARANTINE_PER_DISPATCH_MAX.into()],
+        )
+        .await?;
+    if room == 0 {
+        bump_counter(tx, "quarantine_dropped").await?;
+        return Ok(false);
+    }
+    tx.execute(
+        "INSERT INTO quarantine (operation_id, generation, reason, content, at) VALUES ($1, $2, $3, $4, $5)",
+        &[
+            operation_id.into(),
+            generation.0.into(),
+            reason.into(),
+            content.to_string().into(),
+            ts(now),
+        ],
+    )
+    .await?;
+    bump_counter(tx, "late_blocks").await?;
+    Ok(true)
+}
+
+pub(crate) async fn quarantine<T: Tx>(
+    tx: &mut T,
+    entry: &QuarantineEntry,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    quarantine_turn(
+        tx,
+        &entry.operation_id,
+        entry.generation,
+        &entry.reason,
+        &entry.content,
+        now,
+    )
+    .await
+}
+
+pub(crate) async fn quarantined<T: Tx>(tx: &mut T, limit: u64) -> Result<Vec<QuarantineRecord>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT id, operation_id, generation, reason, content, at FROM quarantine ORDER BY id LIMIT $1",
+            &[limit.into()],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(QuarantineRecord {
+                id: row.int(0)?,
+                entry: QuarantineEntry {
+                    operation_id: row.text(1)?,
+                    generation: Generation(row.uint(2)?),
+                    reason: row.text(3)?,
+                    content: json_of(&row.text(4)?)?,
+                },
+                at: Timestamp(row.uint(5)?),
+            })
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tool-call ledger
+
+const TOOL_CALL_COLUMNS: &str = "conversation_id, call_id, revision, generation, tool, arguments, args_digest, \
+     state, claim, claim_holder, claim_expires_at, result_revision";
+
+fn tool_call_from_row(row: &Row) -> Result<ToolCallRecord, StoreError> {
+    let state_text = row.text(7)?;
+    Ok(ToolCallRecord {
+        conversation_id: row.text(0)?,
+        call_id: row.text(1)?,
+        revision: Revision(row.uint(2)?),
+        generation: Generation(row.uint(3)?),
+        tool: row.text(4)?,
+        arguments: json_of(&row.text(5)?)?,
+        args_digest: row.text(6)?,
+        state: ToolCallState::parse(&state_text)
+            .ok_or_else(|| StoreError::Corrupt(format!("tool call state {state_text:?}")))?,
+        claim: row.uint(8)?,
+        claim_holder: row.text_opt(9)?,
+        claim_expires_at: row.uint_opt(10)?.map(Timestamp),
+        result_revision: row.uint_opt(11)?.map(Revision),
+    })
+}
+
+pub(crate) async fn tool_calls<T: Tx>(
+    tx: &mut T,
+    state: Option<ToolCallState>,
+) -> Result<Vec<ToolCallRecord>, StoreError> {
+    let rows = match state {
+        Some(state) => {
+            let sql = format!(
+                "SELECT {TOOL_CALL_COLUMNS} FROM tool_calls WHERE state = $1 \
+                 ORDER BY conversation_id, revision, position"
+            );
+            tx.query(&sql, &[state.as_str().into()]).await?
+        }
+        None => {
+            let sql = format!(
+                "SELECT {TOOL_CALL_COLUMNS} FROM tool_calls ORDER BY conversation_id, revision, position"
+            );
+            tx.query(&sql, &[]).await?
+        }
+    };
+    rows.iter().map(tool_call_from_row).collect()
+}
+
+pub(crate) async fn claim_tool_call<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    lease: &Lease,
+    now: Timestamp,
+) -> Result<ClaimOutcome, StoreError> {
+    let rows = tx
+        .query(
+            "UPDATE tool_calls SET state = 'claimed', claim = claim + 1, claim_holder = $3, claim_expires_at = $4 \
+             WHERE conversation_id = $1 AND call_id = $2 \
+             AND (state = 'ready' OR (state = 'claimed' AND claim_expires_at <= $5)) RETURNING claim",
+            &[
+                conversation_id.into(),
+                call_id.into(),
+                lease.holder.as_str().into(),
+                ts(lease.expires_at),
+                ts(now),
+            ],
+        )
+        .await?;
+    if let Some(row) = rows.first() {
+        return Ok(ClaimOutcome::Claimed { claim: row.uint(0)? });
+    }
+    let rows = tx
+        .query(
+            "SELECT state FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
+            &[conversation_id.into(), call_id.into()],
+        )
+        .await?;
+    match rows.first() {
+        None => Ok(ClaimOutcome::NotFound),
+        Some(row) => {
+            let text = row.text(0)?;
+            let state = ToolCallState::parse(&text)
+                .ok_or_else(|| StoreError::Corrupt(format!("tool call state {text:?}")))?;
+            Ok(ClaimOutcome::Unavailable { state })
+        }
+    }
+}
+
+pub(crate) async fn submit_tool_result<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    claim: u64,
+    status: &str,
+    content: &Value,
+    now: Timestamp,
+) -> Result<ResultOutcome, StoreError> {
+    let sql =
+        format!("SELECT {TOOL_CALL_COLUMNS} FROM tool_calls WHERE conversation_id = $1 AND call_id = $2");
+    let rows = tx.query(&sql, &[conversation_id.into(), call_id.into()]).await?;
+    let Some(call) = rows.first().map(tool_call_from_row).transpose()? else {
+        return Ok(ResultOutcome::NotFound);
+    };
+    if call.state == ToolCallState::Done {
+        bump_counter(tx, "tool_result_duplicates").await?;
+        return Ok(ResultOutcome::Duplicate);
+    }
+    if call.state != ToolCallState::Claimed || call.claim != claim {
+        return Ok(ResultOutcome::StaleClaim);
+    }
+    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(ResultOutcome::NotFound);
+    };
+    let revision = Revision(current.0 + 1);
+    let turn = serde_json::json!({
+        "id": format!("{call_id}:result"),
+        "role": "tool",
+        "revision": revision.0,
+        "blocks": [{
+            "id": format!("{call_id}:result:0"),
+            "kind": "tool_result",
+            "call_id": call_id,
+            "tool": call.tool,
+            "args_digest": call.args_digest,
+            "generation": call.generation.0,
+            "status": status,
+            "content": content,
+        }],
+    });
+    let history = turns_up_to(tx, conversation_id, current).await?;
+    if let Err(violations) = history::check_append(conversation_id, &tools, history, turn.clone(), revision) {
+        return Ok(ResultOutcome::Rejected(violations));
+    }
+    tx.execute("SAVEPOINT tool_result", &[]).await?;
+    if !claim_revision(tx, conversation_id, current, now).await? {
+        tx.execute("ROLLBACK TO SAVEPOINT tool_result", &[]).await?;
+        tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
+        return Ok(ResultOutcome::Conflict);
+    }
+    let done = tx
+        .execute(
+            "UPDATE tool_calls SET state = 'done', result_revision = $4 \
+             WHERE conversation_id = $1 AND call_id = $2 AND state = 'claimed' AND claim = $3",
+            &[
+                conversation_id.into(),
+                call_id.into(),
+                claim.into(),
+                revision.0.into(),
+            ],
+        )
+        .await?;
+    if done == 0 {
+        tx.execute("ROLLBACK TO SAVEPOINT tool_result", &[]).await?;
+        tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
+        return Ok(ResultOutcome::StaleClaim);
+    }
+    tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
+    insert_turn(tx, conversation_id, revision, &turn, None, None, now).await?;
+    Ok(ResultOutcome::Appended { revision })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attempts, recovery, counters
+
+const ATTEMPT_COLUMNS: &str = "operation_id, generation, state, idempotency_key, request_digest, handle, lease_holder, lease_expires_at";
+
+async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord, StoreError> {
+    let operation_id = row.text(0)?;
+    let generation = Generation(row.uint(1)?);
+    let history_rows = tx
+        .query(
+            "SELECT to_state, at FROM transitions WHERE operation_id = $1 AND generation = $2 ORDER BY id",
+            &[operation_id.as_str().into(), generation.0.into()],
+        )
+        .await?;
+    let history = history_rows
+        .iter()
+        .map(|row| Ok((state_of(&row.text(0)?)?, Timestamp(row.uint(1)?))))
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(AttemptRecord {
+        operation_id,
+        generation,
+        state: state_of(&row.text(2)?)?,
+        idempotency_key: row.text(3)?,
+        request_digest: row.text(4)?,
+        handle: row.text_opt(5)?,
+        lease_holder: row.text(6)?,
+        lease_expires_at: Timestamp(row.uint(7)?),
+        history,
+    })
+}
+
+pub(crate) async fn attempts<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Vec<AttemptRecord>, StoreError> {
+    let sql = format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE operation_id = $1 ORDER BY generation");
+    let rows = tx.query(&sql, &[operation_id.into()]).await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(attempt_from_row(tx, row).await?);
+    }
+    Ok(out)
+}
+
+pub(crate) async fn recover_startup<T: Tx>(
+    tx: &mut T,
+    holder: &str,
+    now: Timestamp,
+) -> Result<RecoveryReport, StoreError> {
+    // Live attempts this replica drove before it stopped, or whose lease ran out (their
+    // driver is gone), become UNKNOWN first. Another replica's attempts under a running lease
+    // are left alone.
+    let rows = tx
+        .query(
+            "SELECT operation_id, generation, state FROM attempts \
+             WHERE state IN ('DISPATCHING', 'SENT', 'STREAMING') AND (lease_holder = $1 OR lease_expires_at <= $2) \
+             ORDER BY operation_id, generation",
+            &[holder.into(), ts(now)],
+        )
+        .await?;
+    let mut marked_unknown = 0;
+    for row in &rows {
+        let operation_id = row.text(0)?;
+        let generation = Generation(row.uint(1)?);
+        let from = state_of(&row.text(2)?)?;
+        if move_both(tx, &operation_id, generation, from, DispatchState::Unknown, now).await? {
+            marked_unknown += 1;
+        } else {
+            // Not the active generation any more: mark only the attempt.
+            let moved = tx
+                .execute(
+                    "UPDATE attempts SET state = 'UNKNOWN' WHERE operation_id = $1 AND generation = $2 AND state = $3",
+                    &[operation_id.as_str().into(), generation.0.into(), from.as_str().into()],
+                )
+                .await?;
+            if moved == 1 {
+                record_transition(
+                    tx,
+                    &operation_id,
+                    Some(generation),
+                    Some(from),
+                    DispatchState::Unknown,
+                    now,
+                )
+                .await?;
+                marked_unknown += 1;
+            }
+        }
+    }
+    let sql = format!(
+        "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE state = 'UNKNOWN' ORDER BY operation_id, generation"
+    );
+    let rows = tx.query(&sql, &[]).await?;
+    let mut unknown = Vec::with_capacity(rows.len());
+    for row in &rows {
+        unknown.push(attempt_from_row(tx, row).await?);
+    }
+    Ok(RecoveryReport {
+        marked_unknown,
+        unknown,
+    })
+}
+
+pub(crate) async fn counters<T: Tx>(tx: &mut T) -> Result<Counters, StoreError> {
+    let rows = tx.query("SELECT name, value FROM counters", &[]).await?;
+    let mut counters = Counters::default();
+    for row in &rows {
+        let value = row.uint(1)?;
+        match row.text(0)?.as_str() {
+            "foreign_handle_refusals" => counters.foreign_handle_refusals = value,
+            "canonical_cas_conflicts" => counters.canonical_cas_conflicts = value,
+            "late_blocks" => counters.late_blocks = value,
+            "quarantine_dropped" => counters.quarantine_dropped = value,
+            "tool_result_duplicates" => counters.tool_result_duplicates = value,
+            _ => {}
+        }
+    }
+    Ok(counters)
+}

@@ -1,0 +1,492 @@
+//! PostgreSQL ledger, for several gateway replicas on one database.
+//!
+//! tokio-postgres behind a deadpool pool; each operation is one READ COMMITTED transaction
+//! running the shared [`crate::ops`]. Under READ COMMITTED an `UPDATE … WHERE <condition>`
+//! that waits for another transaction's row lock re-evaluates its condition on the committed
+//! row, so the affected-row count is the verdict of the compare-and-set, exactly as on
+//! SQLite. No SERIALIZABLE isolation and no in-process lock is involved. Statements are
+//! prepared once per connection (deadpool's statement cache).
+//!
+//! Commit grouping is PostgreSQL's own: concurrent transactions on different connections
+//! share WAL flushes, so throughput with many conversations grows with the pool size.
+
+use crate::error::StoreError;
+use crate::faults::{Fault, FaultInjector};
+use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
+use crate::sql::{Dialect, Row, SqlValue, Tx};
+use crate::types::*;
+use crate::{Ledger, ops};
+use bytes::BytesMut;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use serde_json::Value;
+use std::error::Error as StdError;
+use std::sync::Arc;
+use tokio_postgres::NoTls;
+use tokio_postgres::types::{IsNull, ToSql, Type};
+use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::manifest::DispatchManifest;
+use turnstile_core::{Generation, Revision};
+
+/// Connections per pool unless the caller says otherwise.
+pub const POOL_SIZE_DEFAULT: usize = 16;
+/// Largest pool a caller may ask for.
+pub const POOL_SIZE_MAX: usize = 256;
+/// Advisory lock key that serialises migrations across replicas.
+const MIGRATION_LOCK_KEY: i64 = 0x7475_726e_7374_696c; // "turnstil"
+
+/// Wall-clock milliseconds, only for `schema_migrations.applied_at` (an audit column that no
+/// decision reads).
+pub(crate) fn wall_clock_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+impl ToSql for SqlValue {
+    fn to_sql(&self, ty: &Type, out: &mut BytesMut) -> Result<IsNull, Box<dyn StdError + Sync + Send>> {
+        match self {
+            SqlValue::Null => Ok(IsNull::Yes),
+            SqlValue::Int(value) if *ty == Type::INT4 => i32::try_from(*value)?.to_sql(ty, out),
+            SqlValue::Int(value) if *ty == Type::INT2 => i16::try_from(*value)?.to_sql(ty, out),
+            SqlValue::Int(value) => value.to_sql(ty, out),
+            SqlValue::Text(value) => value.to_sql(ty, out),
+            SqlValue::Bytes(value) => value.to_sql(ty, out),
+        }
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+fn row_of(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
+    let mut values = Vec::with_capacity(row.len());
+    for (index, column) in row.columns().iter().enumerate() {
+        let ty = column.type_();
+        let value = if *ty == Type::INT8 {
+            row.try_get::<_, Option<i64>>(index)?.map(SqlValue::Int)
+        } else if *ty == Type::INT4 {
+            row.try_get::<_, Option<i32>>(index)?
+                .map(|value| SqlValue::Int(value.into()))
+        } else if *ty == Type::BYTEA {
+            row.try_get::<_, Option<Vec<u8>>>(index)?.map(SqlValue::Bytes)
+        } else {
+            row.try_get::<_, Option<String>>(index)?.map(SqlValue::Text)
+        };
+        values.push(value.unwrap_or(SqlValue::Null));
+    }
+    Ok(Row(values))
+}
+
+/// A transaction on a pooled connection.
+pub struct PgTx<'a> {
+    inner: deadpool_postgres::Transaction<'a>,
+}
+
+fn is_control(sql: &str) -> bool {
+    sql.starts_with("SAVEPOINT") || sql.starts_with("ROLLBACK") || sql.starts_with("RELEASE")
+}
+
+impl Tx for PgTx<'_> {
+    fn dialect(&self) -> Dialect {
+        Dialect::Postgres
+    }
+
+    async fn execute(&mut self, sql: &str, params: &[SqlValue]) -> Result<u64, StoreError> {
+        if params.is_empty() && is_control(sql) {
+            self.inner.batch_execute(sql).await?;
+            return Ok(0);
+        }
+        let statement = self.inner.prepare_cached(sql).await?;
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|param| param as &(dyn ToSql + Sync)).collect();
+        Ok(self.inner.execute(&statement, &refs).await?)
+    }
+
+    async fn query(&mut self, sql: &str, params: &[SqlValue]) -> Result<Vec<Row>, StoreError> {
+        let statement = self.inner.prepare_cached(sql).await?;
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|param| param as &(dyn ToSql + Sync)).collect();
+        let rows = self.inner.query(&statement, &refs).await?;
+        rows.iter().map(row_of).collect()
+    }
+}
+
+/// The PostgreSQL ledger. Clone-free sharing: put it behind an `Arc`.
+pub struct PgLedger {
+    pool: Pool,
+    faults: Arc<FaultInjector>,
+}
+
+impl std::fmt::Debug for PgLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgLedger").finish_non_exhaustive()
+    }
+}
+
+fn is_plain_identifier(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit()
+}
+
+impl PgLedger {
+    /// Connect a pool of `pool_size` connections (clamped to `1..=POOL_SIZE_MAX`) and migrate.
+    /// With `schema`, every table lives in that schema (created if missing; lowercase letters,
+    /// digits and `_` only), so one database can hold several independent ledgers (tests).
+    pub async fn connect(url: &str, schema: Option<&str>, pool_size: usize) -> Result<PgLedger, StoreError> {
+        let mut config: tokio_postgres::Config = url.parse()?;
+        if let Some(schema) = schema {
+            if !is_plain_identifier(schema) {
+                return Err(StoreError::BadUrl);
+            }
+            config.options(format!("-c search_path={schema}"));
+        }
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pool_size.clamp(1, POOL_SIZE_MAX))
+            .build()
+            .map_err(|error| StoreError::Pool(error.to_string()))?;
+        let ledger = PgLedger {
+            pool,
+            faults: Arc::new(FaultInjector::default()),
+        };
+        ledger.migrate(schema).await?;
+        Ok(ledger)
+    }
+
+    /// The fault injector of this ledger's transaction driver (tests).
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool.get().await.map_err(|error| match error {
+            deadpool_postgres::PoolError::Backend(error) => StoreError::Postgres(error),
+            other => StoreError::Pool(other.to_string()),
+        })
+    }
+
+    async fn migrate(&self, schema: Option<&str>) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
+            .await?;
+        if let Some(schema) = schema {
+            // Checked by `is_plain_identifier`: no quoting needed.
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await?;
+        }
+        tx.batch_execute(SCHEMA_MIGRATIONS_DDL).await?;
+        let current: i64 = tx
+            .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
+            .await?
+            .try_get(0)?;
+        if current > latest() {
+            return Err(StoreError::SchemaTooNew {
+                found: current,
+                known: latest(),
+            });
+        }
+        for migration in MIGRATIONS.iter().filter(|migration| migration.version > current) {
+            tx.batch_execute(migration.postgres).await?;
+            tx.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
+                &[&migration.version, &migration.name, &wall_clock_ms()],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Run one operation in one transaction: commit on `Ok`, roll back on `Err`, and apply an
+/// armed connection fault around COMMIT (the connection is discarded, as a real drop would).
+macro_rules! in_tx {
+    ($self:ident, |$tx:ident| $body:expr) => {{
+        let mut client = $self.client().await?;
+        let outcome = {
+            let inner = client.transaction().await?;
+            let mut $tx = PgTx { inner };
+            let result = $body.await;
+            match result {
+                // Dropping the transaction rolls it back.
+                Err(error) => {
+                    drop($tx);
+                    Err(error)
+                }
+                Ok(value) => match $self.faults.take() {
+                    None => {
+                        $tx.inner.commit().await?;
+                        Ok(value)
+                    }
+                    Some(Fault::DropBeforeCommit) => {
+                        drop($tx);
+                        Err(StoreError::ConnectionLost("before commit"))
+                    }
+                    Some(Fault::DropAfterCommit) => {
+                        $tx.inner.commit().await?;
+                        Err(StoreError::ConnectionLost("after commit"))
+                    }
+                },
+            }
+        };
+        if matches!(outcome, Err(StoreError::ConnectionLost(_))) {
+            // Discard the connection instead of returning it to the pool, as a real drop would.
+            drop(deadpool_postgres::Object::take(client));
+        }
+        outcome
+    }};
+}
+
+#[async_trait::async_trait]
+impl Ledger for PgLedger {
+    async fn create_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        now: Timestamp,
+    ) -> Result<CreateOutcome, StoreError> {
+        in_tx!(self, |tx| ops::create_conversation(
+            &mut tx,
+            conversation_id,
+            tools,
+            now
+        ))
+    }
+
+    async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
+        in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
+    }
+
+    async fn append_turn(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError> {
+        in_tx!(self, |tx| ops::append_turn(
+            &mut tx,
+            conversation_id,
+            expected,
+            turn,
+            now
+        ))
+    }
+
+    async fn prepare(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError> {
+        in_tx!(self, |tx| ops::prepare(&mut tx, manifest, request_bytes, now))
+    }
+
+    async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {
+        in_tx!(self, |tx| ops::dispatch(&mut tx, operation_id))
+    }
+
+    async fn attempts(&self, operation_id: &str) -> Result<Vec<AttemptRecord>, StoreError> {
+        in_tx!(self, |tx| ops::attempts(&mut tx, operation_id))
+    }
+
+    async fn begin_attempt(
+        &self,
+        operation_id: &str,
+        expect: BeginExpect,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        in_tx!(self, |tx| ops::begin_attempt(
+            &mut tx,
+            operation_id,
+            expect,
+            lease,
+            now
+        ))
+    }
+
+    async fn transition(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::transition(
+            &mut tx,
+            operation_id,
+            generation,
+            from,
+            to,
+            now
+        ))
+    }
+
+    async fn replay_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::replay_attempt(
+            &mut tx,
+            operation_id,
+            generation,
+            lease,
+            now
+        ))
+    }
+
+    async fn abandon_and_rearm(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_confirmed_ended: bool,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::abandon_and_rearm(
+            &mut tx,
+            operation_id,
+            generation,
+            provider_confirmed_ended,
+            now
+        ))
+    }
+
+    async fn renew_lease(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::renew_lease(
+            &mut tx,
+            operation_id,
+            generation,
+            lease
+        ))
+    }
+
+    async fn bind_handle(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        handle: &str,
+        now: Timestamp,
+    ) -> Result<BindOutcome, StoreError> {
+        in_tx!(self, |tx| ops::bind_handle(
+            &mut tx,
+            operation_id,
+            generation,
+            handle,
+            now
+        ))
+    }
+
+    async fn cancel(
+        &self,
+        operation_id: &str,
+        expected_cancel_generation: Option<u64>,
+        now: Timestamp,
+    ) -> Result<CancelOutcome, StoreError> {
+        in_tx!(self, |tx| ops::cancel(
+            &mut tx,
+            operation_id,
+            expected_cancel_generation,
+            now
+        ))
+    }
+
+    async fn commit(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError> {
+        in_tx!(self, |tx| ops::commit(
+            &mut tx,
+            operation_id,
+            generation,
+            expected_revision,
+            turn,
+            now
+        ))
+    }
+
+    async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {
+        in_tx!(self, |tx| ops::quarantine(&mut tx, entry, now))
+    }
+
+    async fn quarantined(&self, limit: u64) -> Result<Vec<QuarantineRecord>, StoreError> {
+        in_tx!(self, |tx| ops::quarantined(&mut tx, limit))
+    }
+
+    async fn tool_calls(&self, state: Option<ToolCallState>) -> Result<Vec<ToolCallRecord>, StoreError> {
+        in_tx!(self, |tx| ops::tool_calls(&mut tx, state))
+    }
+
+    async fn claim_tool_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<ClaimOutcome, StoreError> {
+        in_tx!(self, |tx| ops::claim_tool_call(
+            &mut tx,
+            conversation_id,
+            call_id,
+            lease,
+            now
+        ))
+    }
+
+    async fn submit_tool_result(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        status: &str,
+        content: &Value,
+        now: Timestamp,
+    ) -> Result<ResultOutcome, StoreError> {
+        in_tx!(self, |tx| ops::submit_tool_result(
+            &mut tx,
+            conversation_id,
+            call_id,
+            claim,
+            status,
+            content,
+            now
+        ))
+    }
+
+    async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError> {
+        in_tx!(self, |tx| ops::recover_startup(&mut tx, holder, now))
+    }
+
+    async fn counters(&self) -> Result<Counters, StoreError> {
+        in_tx!(self, |tx| ops::counters(&mut tx))
+    }
+}

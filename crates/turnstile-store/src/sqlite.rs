@@ -1,0 +1,539 @@
+//! SQLite ledger: the embedded default.
+//!
+//! **One writer thread with group commit.** rusqlite is synchronous; rather than
+//! `spawn_blocking` per call (a pool of threads that would only queue on SQLite's single write
+//! lock), each [`SqliteLedger`] owns one connection on one dedicated thread. Callers send an
+//! operation and await its answer. The thread drains whatever operations are queued (up to
+//! `GROUP_COMMIT_OPS_MAX`), runs them in one `BEGIN IMMEDIATE` transaction, each inside its
+//! own `SAVEPOINT` (an operation that fails rolls back alone), commits once, and only then
+//! answers all of them. One fsync covers the whole group, so concurrent conversations share
+//! the durability cost; a lone writer pays one fsync per operation. The outcome of each
+//! operation still comes only from its own conditional writes: batching changes when the
+//! fsync happens, never who wins. Two `SqliteLedger`s on one file (two "replicas") exclude
+//! each other through SQLite's write lock (`busy_timeout`).
+//!
+//! **Durability.** WAL mode with `synchronous=FULL` by default: the WAL is fsynced at every
+//! commit, so an acknowledged transition (in particular DISPATCHING, the acceptance point)
+//! survives power loss. `synchronous=NORMAL` ([`Synchronous::Normal`]) fsyncs only at
+//! checkpoints: still safe against a process crash and never corrupt, but the last
+//! acknowledged transactions can roll back after a power loss or OS crash, which means a
+//! request may have been sent for an attempt whose DISPATCHING row is gone. Use it only where
+//! that is acceptable (tests, throwaway gateways).
+
+use crate::error::StoreError;
+use crate::faults::{Fault, FaultInjector};
+use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
+use crate::sql::{Dialect, Row, SqlValue, Tx, block_on_ready};
+use crate::types::*;
+use crate::{Ledger, ops};
+use rusqlite::types::{ToSqlOutput, ValueRef};
+use rusqlite::{Connection, OptionalExtension};
+use serde_json::Value;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::manifest::DispatchManifest;
+use turnstile_core::{Generation, Revision};
+
+/// SQLite's `synchronous` setting for the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Synchronous {
+    /// fsync the WAL at every commit (the default: acknowledged = durable).
+    Full,
+    /// fsync only at checkpoints (see the module docs for what can be lost).
+    Normal,
+}
+
+/// How a group commit ended, handed to each operation's reply.
+#[derive(Clone, Debug)]
+enum BatchEnd {
+    Committed,
+    Lost(&'static str),
+    Failed(String),
+}
+
+type Reply = Box<dyn FnOnce(BatchEnd) + Send>;
+/// An operation for the writer thread; `None` when its group could not even begin (it is
+/// then answered with the failure without running).
+type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Reply, bool) + Send>;
+
+/// A transaction on the writer thread's connection.
+pub struct SqliteTx<'c> {
+    connection: &'c Connection,
+}
+
+/// `$1 … $n` → `?1 … ?n` (explicit indexes, so repeated and out-of-order uses bind right).
+fn sqlite_sql(sql: &str) -> String {
+    sql.replace('$', "?")
+}
+
+impl rusqlite::ToSql for SqlValue {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::Borrowed(match self {
+            SqlValue::Null => ValueRef::Null,
+            SqlValue::Int(value) => ValueRef::Integer(*value),
+            SqlValue::Text(value) => ValueRef::Text(value.as_bytes()),
+            SqlValue::Bytes(value) => ValueRef::Blob(value),
+        }))
+    }
+}
+
+fn value_of(value: ValueRef<'_>) -> Result<SqlValue, StoreError> {
+    Ok(match value {
+        ValueRef::Null => SqlValue::Null,
+        ValueRef::Integer(value) => SqlValue::Int(value),
+        ValueRef::Text(bytes) => SqlValue::Text(
+            String::from_utf8(bytes.to_vec())
+                .map_err(|_| StoreError::Corrupt("text column is not UTF-8".into()))?,
+        ),
+        ValueRef::Blob(bytes) => SqlValue::Bytes(bytes.to_vec()),
+        ValueRef::Real(_) => return Err(StoreError::Corrupt("unexpected REAL column".into())),
+    })
+}
+
+impl Tx for SqliteTx<'_> {
+    fn dialect(&self) -> Dialect {
+        Dialect::Sqlite
+    }
+
+    async fn execute(&mut self, sql: &str, params: &[SqlValue]) -> Result<u64, StoreError> {
+        let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
+        let changed = statement.execute(rusqlite::params_from_iter(params.iter()))?;
+        Ok(changed as u64)
+    }
+
+    async fn query(&mut self, sql: &str, params: &[SqlValue]) -> Result<Vec<Row>, StoreError> {
+        let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
+        let columns = statement.column_count();
+        let mut rows = statement.query(rusqlite::params_from_iter(params.iter()))?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next()? {
+            let mut values = Vec::with_capacity(columns);
+            for index in 0..columns {
+                values.push(value_of(row.get_ref(index)?)?);
+            }
+            out.push(Row(values));
+        }
+        Ok(out)
+    }
+}
+
+/// The SQLite ledger. Cheap to share behind an `Arc`; dropping it stops its writer thread
+/// after the queued operations ran.
+pub struct SqliteLedger {
+    jobs: Option<mpsc::Sender<Job>>,
+    writer: Option<JoinHandle<()>>,
+    faults: Arc<FaultInjector>,
+}
+
+impl std::fmt::Debug for SqliteLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteLedger").finish_non_exhaustive()
+    }
+}
+
+fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
+    let tx = connection.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    tx.execute_batch(SCHEMA_MIGRATIONS_DDL)?;
+    let current: i64 = tx
+        .query_row("SELECT MAX(version) FROM schema_migrations", [], |row| {
+            row.get::<_, Option<i64>>(0)
+        })
+        .optional()?
+        .flatten()
+        .unwrap_or(0);
+    if current > latest() {
+        return Err(StoreError::SchemaTooNew {
+            found: current,
+            known: latest(),
+        });
+    }
+    for migration in MIGRATIONS.iter().filter(|migration| migration.version > current) {
+        tx.execute_batch(migration.sqlite)?;
+        tx.execute(
+            "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, ?3)",
+            rusqlite::params![
+                migration.version,
+                migration.name,
+                crate::postgres::wall_clock_ms()
+            ],
+        )?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+impl SqliteLedger {
+    /// Open (creating and migrating if needed) the ledger at `path`.
+    pub fn open(path: impl AsRef<Path>, synchronous: Synchronous) -> Result<SqliteLedger, StoreError> {
+        let mut connection = Connection::open(path)?;
+        connection.busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))?;
+        let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Corrupt(format!(
+                "journal_mode is {mode}, expected wal"
+            )));
+        }
+        connection.execute_batch(match synchronous {
+            Synchronous::Full => "PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;",
+            Synchronous::Normal => "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
+        })?;
+        connection.set_prepared_statement_cache_capacity(128);
+        migrate(&mut connection)?;
+        let faults = Arc::new(FaultInjector::default());
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let thread_faults = Arc::clone(&faults);
+        let writer = std::thread::Builder::new()
+            .name("turnstile-sqlite-writer".into())
+            .spawn(move || writer_loop(connection, queue, thread_faults))
+            .map_err(|error| StoreError::CommitFailed(format!("cannot start the writer thread: {error}")))?;
+        Ok(SqliteLedger {
+            jobs: Some(jobs),
+            writer: Some(writer),
+            faults,
+        })
+    }
+
+    /// The fault injector of this ledger's transaction driver (tests).
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
+
+    async fn run<T, F>(&self, operation: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+    {
+        let (answer, answered) = tokio::sync::oneshot::channel::<Result<T, StoreError>>();
+        let job: Job = Box::new(move |tx| {
+            let result = match tx {
+                Some(tx) => operation(tx),
+                None => Err(StoreError::CommitFailed("the transaction could not begin".into())),
+            };
+            let ok = result.is_ok();
+            let reply: Reply = Box::new(move |end| {
+                let result = match end {
+                    BatchEnd::Committed => result,
+                    BatchEnd::Lost(what) => Err(StoreError::ConnectionLost(what)),
+                    BatchEnd::Failed(message) => Err(StoreError::CommitFailed(message)),
+                };
+                // The caller may have gone away (its future was dropped); nothing to tell then.
+                let _ = answer.send(result);
+            });
+            (reply, ok)
+        });
+        let Some(jobs) = &self.jobs else {
+            return Err(StoreError::WriterGone);
+        };
+        jobs.send(job).map_err(|_| StoreError::WriterGone)?;
+        answered.await.map_err(|_| StoreError::WriterGone)?
+    }
+}
+
+impl Drop for SqliteLedger {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(writer) = self.writer.take() {
+            // The thread ends once the queue is drained; a panic there was already reported
+            // to every waiting caller as `WriterGone`.
+            let _ = writer.join();
+        }
+    }
+}
+
+fn writer_loop(connection: Connection, queue: mpsc::Receiver<Job>, faults: Arc<FaultInjector>) {
+    while let Ok(first) = queue.recv() {
+        let mut batch = vec![first];
+        while batch.len() < GROUP_COMMIT_OPS_MAX {
+            match queue.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        run_batch(&connection, batch, &faults);
+    }
+}
+
+fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
+    let finish = |replies: Vec<Reply>, end: BatchEnd| {
+        for reply in replies {
+            reply(end.clone());
+        }
+    };
+    if let Err(error) = connection.execute_batch("BEGIN IMMEDIATE") {
+        let replies = batch.into_iter().map(|job| job(None).0).collect();
+        finish(replies, BatchEnd::Failed(error.to_string()));
+        return;
+    }
+    let mut replies = Vec::with_capacity(batch.len());
+    for job in batch {
+        let savepoint = connection.execute_batch("SAVEPOINT op");
+        let mut tx = SqliteTx { connection };
+        // A panicking operation (a bug) must not take the writer down with the other callers'
+        // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
+        // writes are rolled back to the savepoint.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Some(&mut tx))));
+        let (reply, ok): (Reply, bool) = match ran {
+            Ok(ran) => ran,
+            Err(_) => (Box::new(|_| {}), false),
+        };
+        let closed = match (savepoint, ok) {
+            (Ok(()), true) => connection.execute_batch("RELEASE op"),
+            (Ok(()), false) => connection.execute_batch("ROLLBACK TO op; RELEASE op"),
+            (Err(error), _) => Err(error),
+        };
+        match closed {
+            Ok(()) => replies.push(reply),
+            Err(error) => {
+                // The transaction is in an unknown state: give up the whole group.
+                let _ = connection.execute_batch("ROLLBACK");
+                replies.push(reply);
+                finish(replies, BatchEnd::Failed(error.to_string()));
+                return;
+            }
+        }
+    }
+    match faults.take() {
+        Some(Fault::DropBeforeCommit) => {
+            let _ = connection.execute_batch("ROLLBACK");
+            finish(replies, BatchEnd::Lost("before commit"));
+            return;
+        }
+        Some(Fault::DropAfterCommit) => {
+            let end = match connection.execute_batch("COMMIT") {
+                Ok(()) => BatchEnd::Lost("after commit"),
+                Err(error) => BatchEnd::Failed(error.to_string()),
+            };
+            finish(replies, end);
+            return;
+        }
+        None => {}
+    }
+    match connection.execute_batch("COMMIT") {
+        Ok(()) => finish(replies, BatchEnd::Committed),
+        Err(error) => {
+            let _ = connection.execute_batch("ROLLBACK");
+            finish(replies, BatchEnd::Failed(error.to_string()));
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Ledger for SqliteLedger {
+    async fn create_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        now: Timestamp,
+    ) -> Result<CreateOutcome, StoreError> {
+        let (id, tools) = (conversation_id.to_owned(), tools.clone());
+        self.run(move |tx| block_on_ready(ops::create_conversation(tx, &id, &tools, now)))
+            .await
+    }
+
+    async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
+        let id = conversation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))
+            .await
+    }
+
+    async fn append_turn(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError> {
+        let (id, turn) = (conversation_id.to_owned(), turn.clone());
+        self.run(move |tx| block_on_ready(ops::append_turn(tx, &id, expected, &turn, now)))
+            .await
+    }
+
+    async fn prepare(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError> {
+        let (manifest, bytes) = (manifest.clone(), request_bytes.to_vec());
+        self.run(move |tx| block_on_ready(ops::prepare(tx, &manifest, &bytes, now)))
+            .await
+    }
+
+    async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::dispatch(tx, &op))).await
+    }
+
+    async fn attempts(&self, operation_id: &str) -> Result<Vec<AttemptRecord>, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::attempts(tx, &op))).await
+    }
+
+    async fn begin_attempt(
+        &self,
+        operation_id: &str,
+        expect: BeginExpect,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<BeginOutcome, StoreError> {
+        let (op, lease) = (operation_id.to_owned(), lease.clone());
+        self.run(move |tx| block_on_ready(ops::begin_attempt(tx, &op, expect, &lease, now)))
+            .await
+    }
+
+    async fn transition(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::transition(tx, &op, generation, from, to, now)))
+            .await
+    }
+
+    async fn replay_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, lease) = (operation_id.to_owned(), lease.clone());
+        self.run(move |tx| block_on_ready(ops::replay_attempt(tx, &op, generation, &lease, now)))
+            .await
+    }
+
+    async fn abandon_and_rearm(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_confirmed_ended: bool,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| {
+            block_on_ready(ops::abandon_and_rearm(
+                tx,
+                &op,
+                generation,
+                provider_confirmed_ended,
+                now,
+            ))
+        })
+        .await
+    }
+
+    async fn renew_lease(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, lease) = (operation_id.to_owned(), lease.clone());
+        self.run(move |tx| block_on_ready(ops::renew_lease(tx, &op, generation, &lease)))
+            .await
+    }
+
+    async fn bind_handle(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        handle: &str,
+        now: Timestamp,
+    ) -> Result<BindOutcome, StoreError> {
+        let (op, handle) = (operation_id.to_owned(), handle.to_owned());
+        self.run(move |tx| block_on_ready(ops::bind_handle(tx, &op, generation, &handle, now)))
+            .await
+    }
+
+    async fn cancel(
+        &self,
+        operation_id: &str,
+        expected_cancel_generation: Option<u64>,
+        now: Timestamp,
+    ) -> Result<CancelOutcome, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::cancel(tx, &op, expected_cancel_generation, now)))
+            .await
+    }
+
+    async fn commit(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError> {
+        let (op, turn) = (operation_id.to_owned(), turn.clone());
+        self.run(move |tx| block_on_ready(ops::commit(tx, &op, generation, expected_revision, &turn, now)))
+            .await
+    }
+
+    async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {
+        let entry = entry.clone();
+        self.run(move |tx| block_on_ready(ops::quarantine(tx, &entry, now)))
+            .await
+    }
+
+    async fn quarantined(&self, limit: u64) -> Result<Vec<QuarantineRecord>, StoreError> {
+        self.run(move |tx| block_on_ready(ops::quarantined(tx, limit)))
+            .await
+    }
+
+    async fn tool_calls(&self, state: Option<ToolCallState>) -> Result<Vec<ToolCallRecord>, StoreError> {
+        self.run(move |tx| block_on_ready(ops::tool_calls(tx, state)))
+            .await
+    }
+
+    async fn claim_tool_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let (id, call, lease) = (conversation_id.to_owned(), call_id.to_owned(), lease.clone());
+        self.run(move |tx| block_on_ready(ops::claim_tool_call(tx, &id, &call, &lease, now)))
+            .await
+    }
+
+    async fn submit_tool_result(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        status: &str,
+        content: &Value,
+        now: Timestamp,
+    ) -> Result<ResultOutcome, StoreError> {
+        let (id, call, status, content) = (
+            conversation_id.to_owned(),
+            call_id.to_owned(),
+            status.to_owned(),
+            content.clone(),
+        );
+        self.run(move |tx| {
+            block_on_ready(ops::submit_tool_result(
+                tx, &id, &call, claim, &status, &content, now,
+            ))
+        })
+        .await
+    }
+
+    async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError> {
+        let holder = holder.to_owned();
+        self.run(move |tx| block_on_ready(ops::recover_startup(tx, &holder, now)))
+            .await
+    }
+
+    async fn counters(&self) -> Result<Counters, StoreError> {
+        self.run(move |tx| block_on_ready(ops::counters(tx))).await
+    }
+}

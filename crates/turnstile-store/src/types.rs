@@ -1,0 +1,375 @@
+//! Records read from the ledger and the outcomes of its operations. Every compare-and-set
+//! returns an outcome enum whose losing variants are ordinary values, never errors.
+
+use serde_json::Value;
+use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::{Generation, Revision, Violation};
+
+/// Most quarantined blocks kept per dispatch; more are counted and dropped.
+pub const QUARANTINE_PER_DISPATCH_MAX: u64 = 1_024;
+/// Most operations one SQLite group commit gathers into one transaction.
+pub const GROUP_COMMIT_OPS_MAX: usize = 256;
+/// Largest request body a dispatch may store, in bytes.
+pub const REQUEST_BYTES_MAX: usize = 32 * 1024 * 1024;
+/// Most attempts (generations) one dispatch may start.
+pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = 64;
+/// How long a SQLite connection waits for another process's write lock.
+pub const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
+
+/// Answer of `create_conversation`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CreateOutcome {
+    /// Created at revision 0.
+    Created,
+    /// A conversation with that id exists already (nothing changed).
+    AlreadyExists,
+}
+
+/// Answer of `append_turn` (HTTP: 200 / 409 / 422 / 404).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AppendOutcome {
+    /// The turn is committed at this revision.
+    Appended {
+        /// The new revision.
+        revision: Revision,
+    },
+    /// `expected_revision` was stale.
+    Conflict {
+        /// The revision the conversation is at.
+        current: Revision,
+    },
+    /// The would-be history is illegal; nothing was written.
+    Rejected(Vec<Violation>),
+    /// No such conversation.
+    NotFound,
+}
+
+/// A stored dispatch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DispatchRecord {
+    /// Client-chosen operation id.
+    pub operation_id: String,
+    /// Conversation id.
+    pub conversation_id: String,
+    /// Revision it was rendered from.
+    pub revision: Revision,
+    /// The manifest JSON exactly as given.
+    pub manifest: Value,
+    /// Its `manifest_digest`.
+    pub manifest_digest: String,
+    /// Its `request_digest`.
+    pub request_digest: String,
+    /// The exact request bytes every attempt sends.
+    pub request_bytes: Vec<u8>,
+    /// Provider name from the manifest.
+    pub provider: String,
+    /// Current state.
+    pub state: DispatchState,
+    /// Bumped by each cancel; part of the begin condition.
+    pub cancel_generation: u64,
+    /// The active attempt's generation (the last one allocated).
+    pub active_generation: Option<Generation>,
+    /// The revision of its committed turn, once COMMITTED.
+    pub committed_revision: Option<Revision>,
+}
+
+/// One attempt (generation) of a dispatch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// Its dispatch.
+    pub operation_id: String,
+    /// Its generation.
+    pub generation: Generation,
+    /// Its state.
+    pub state: DispatchState,
+    /// Idempotency key sent with it.
+    pub idempotency_key: String,
+    /// Digest of the bytes it sent.
+    pub request_digest: String,
+    /// Provider handle, once bound.
+    pub handle: Option<String>,
+    /// Who drives it.
+    pub lease_holder: String,
+    /// Its lease; after this it is presumed dead.
+    pub lease_expires_at: Timestamp,
+    /// Every state it went through, with the time passed in.
+    pub history: Vec<(DispatchState, Timestamp)>,
+}
+
+/// Answer of `prepare`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PrepareOutcome {
+    /// A new dispatch in PREPARED.
+    Created(DispatchRecord),
+    /// The same operation id with the same manifest: the existing dispatch (attach to it).
+    Existing(DispatchRecord),
+    /// The operation id is taken by a different manifest.
+    Conflict {
+        /// The manifest digest stored under that id.
+        existing_manifest_digest: String,
+    },
+    /// The conversation moved past the manifest's revision.
+    StaleRevision {
+        /// Where it is.
+        current: Revision,
+    },
+    /// No such conversation.
+    NotFound,
+    /// The manifest is not sealed correctly or the bytes do not match `request_digest`.
+    Invalid(&'static str),
+}
+
+/// Conditions of the begin compare-and-set besides `state = PREPARED`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BeginExpect {
+    /// The conversation must still be at this revision.
+    pub revision: Revision,
+    /// Nobody cancelled since this cancel generation was read.
+    pub cancel_generation: u64,
+}
+
+/// A lease on an attempt: who drives it and until when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Replica id.
+    pub holder: String,
+    /// Expiry.
+    pub expires_at: Timestamp,
+}
+
+/// Answer of `begin_attempt`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BeginOutcome {
+    /// DISPATCHING is durable with this generation: bytes may go out.
+    Began {
+        /// The allocated generation.
+        generation: Generation,
+        /// The idempotency key to send (derived from operation id and generation).
+        idempotency_key: String,
+    },
+    /// The compare-and-set lost; nothing changed.
+    Refused {
+        /// The dispatch's state as found (None: no such dispatch).
+        state: Option<DispatchState>,
+        /// Its active generation as found.
+        active_generation: Option<Generation>,
+    },
+}
+
+/// Answer of a fenced transition, replay, rearm or lease renewal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransitionOutcome {
+    /// Written.
+    Applied,
+    /// The condition (generation, state) did not hold; nothing changed.
+    Refused {
+        /// The dispatch's state as found.
+        state: Option<DispatchState>,
+        /// Its active generation as found.
+        active_generation: Option<Generation>,
+    },
+}
+
+/// Answer of `bind_handle`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BindOutcome {
+    /// Bound now.
+    Bound,
+    /// Already bound to this manifest (a repeat).
+    AlreadyBound,
+    /// The handle is bound to another manifest: refused and counted.
+    Refused {
+        /// The manifest digest it is bound to.
+        bound_to: String,
+    },
+    /// The attempt is not the active one (fenced).
+    StaleGeneration,
+}
+
+/// Answer of `cancel`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The dispatch is ABANDONED now; its new cancel generation.
+    Cancelled {
+        /// The bumped cancel generation.
+        cancel_generation: u64,
+    },
+    /// Already terminal or the expected cancel generation was stale.
+    Refused {
+        /// The state found.
+        state: Option<DispatchState>,
+    },
+}
+
+/// Why a canonical commit lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitRefusal {
+    /// No such dispatch.
+    NotFound,
+    /// The generation is not the dispatch's active one.
+    ForeignGeneration,
+    /// The dispatch is not STREAMING.
+    WrongState(DispatchState),
+    /// The conversation is not at the dispatch's revision any more (another turn won).
+    RevisionMoved,
+}
+
+/// Answer of `commit`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// The assistant turn is history at this revision and its tool calls are in the ledger.
+    /// Also the answer to a retry of the same generation's commit.
+    Committed {
+        /// The turn's revision.
+        revision: Revision,
+        /// Its tool call ids, in order.
+        tool_calls: Vec<String>,
+    },
+    /// The compare-and-set lost; the turn went to the quarantine log.
+    Refused(CommitRefusal),
+    /// The turn would make the history illegal; quarantined, nothing committed.
+    Rejected(Vec<Violation>),
+}
+
+/// A block (or a whole turn) that must never become history.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuarantineEntry {
+    /// Its dispatch.
+    pub operation_id: String,
+    /// The generation that produced it.
+    pub generation: Generation,
+    /// Why (`foreign_generation`, `late`, `commit_refused`, `rejected`).
+    pub reason: String,
+    /// The content.
+    pub content: Value,
+}
+
+/// A quarantine log row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuarantineRecord {
+    /// Row id (insertion order).
+    pub id: i64,
+    /// The entry.
+    pub entry: QuarantineEntry,
+    /// When it was recorded.
+    pub at: Timestamp,
+}
+
+/// State of a committed tool call in the execution ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ToolCallState {
+    /// Committed, waiting for an executor.
+    Ready,
+    /// An executor holds it under a lease.
+    Claimed,
+    /// Its result is committed history.
+    Done,
+}
+
+impl ToolCallState {
+    /// The stored string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolCallState::Ready => "ready",
+            ToolCallState::Claimed => "claimed",
+            ToolCallState::Done => "done",
+        }
+    }
+
+    /// Parse the stored string.
+    pub fn parse(text: &str) -> Option<ToolCallState> {
+        [ToolCallState::Ready, ToolCallState::Claimed, ToolCallState::Done]
+            .into_iter()
+            .find(|state| state.as_str() == text)
+    }
+}
+
+/// One call in the tool-call (execution) ledger.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCallRecord {
+    /// Conversation.
+    pub conversation_id: String,
+    /// Call id.
+    pub call_id: String,
+    /// Revision of the assistant turn that made it.
+    pub revision: Revision,
+    /// Generation of that turn.
+    pub generation: Generation,
+    /// Tool name.
+    pub tool: String,
+    /// Arguments (a JSON object).
+    pub arguments: Value,
+    /// `sha256:` of the canonical arguments.
+    pub args_digest: String,
+    /// Ledger state.
+    pub state: ToolCallState,
+    /// Claim counter: the fencing token of the current claim.
+    pub claim: u64,
+    /// Current claim holder.
+    pub claim_holder: Option<String>,
+    /// Claim lease expiry.
+    pub claim_expires_at: Option<Timestamp>,
+    /// Revision of the tool turn holding its result, once done.
+    pub result_revision: Option<Revision>,
+}
+
+/// Answer of `claim_tool_call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// Claimed; present `claim` with the result.
+    Claimed {
+        /// Fencing token.
+        claim: u64,
+    },
+    /// Held by another executor whose lease has not expired, or already done.
+    Unavailable {
+        /// Its state.
+        state: ToolCallState,
+    },
+    /// No such call in the ledger.
+    NotFound,
+}
+
+/// Answer of `submit_tool_result`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResultOutcome {
+    /// The tool turn is committed at this revision.
+    Appended {
+        /// Its revision.
+        revision: Revision,
+    },
+    /// The claim token is not the current one (the lease expired and someone re-claimed).
+    StaleClaim,
+    /// The call already has its result (counted as a duplicate).
+    Duplicate,
+    /// The would-be history is illegal; nothing written.
+    Rejected(Vec<Violation>),
+    /// No such call.
+    NotFound,
+    /// Another turn landed at the same time; retry.
+    Conflict,
+}
+
+/// What start-up recovery found and did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Attempts moved to UNKNOWN by this run.
+    pub marked_unknown: u64,
+    /// Every attempt now UNKNOWN (this run's and older ones), for the recovery decisions.
+    pub unknown: Vec<AttemptRecord>,
+}
+
+/// Counters kept by the store (exported as metrics by the gateway).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Handles refused because they are bound to another manifest.
+    pub foreign_handle_refusals: u64,
+    /// Canonical commits that lost their compare-and-set.
+    pub canonical_cas_conflicts: u64,
+    /// Blocks written to the quarantine log.
+    pub late_blocks: u64,
+    /// Quarantine entries dropped over `QUARANTINE_PER_DISPATCH_MAX`.
+    pub quarantine_dropped: u64,
+    /// Tool results submitted for a call that already had one.
+    pub tool_result_duplicates: u64,
+}

@@ -1,0 +1,987 @@
+//! The store conformance suite: every case runs against SQLite (a temporary file) and against a
+//! real PostgreSQL (`TURNSTILE_PG_URL`; missing → the PostgreSQL cases fail, never skip).
+
+use crate::support::*;
+use serde_json::json;
+use turnstile_core::dispatch::{
+    DispatchState, ProviderRecovery, RecoveryDecision, UnknownAttempt, recovery_decision,
+};
+use turnstile_core::{Generation, Revision, ViolationCode};
+use turnstile_store::*;
+
+macro_rules! instantiate {
+    ($backend:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case($backend, stringify!($case)).await
+            }
+        )*
+    };
+}
+
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            use crate::support::Backend;
+            instantiate!(Backend::Sqlite; $($case),*);
+        }
+        mod postgres {
+            use crate::support::Backend;
+            instantiate!(Backend::Postgres; $($case),*);
+        }
+    };
+}
+
+suite!(
+    a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected,
+    prepare_is_idempotent_on_the_operation_id_and_a_different_manifest_conflicts,
+    prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revisions,
+    begin_allocates_a_durable_generation_once_and_refuses_a_second_begin,
+    a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_records_history,
+    a_commit_from_another_generation_is_refused_quarantined_and_counted,
+    an_illegal_assistant_turn_is_rejected_and_quarantined,
+    a_handle_bound_to_another_manifest_is_refused_and_counted,
+    a_cancel_bumps_the_cancel_generation_and_a_begin_with_the_old_one_loses,
+    leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease,
+    a_replay_keeps_the_generation_and_its_idempotency_key,
+    tool_results_need_the_current_claim_and_append_tool_turns_through_the_validator,
+    startup_recovery_marks_live_attempts_unknown_but_not_another_replicas_leased_ones,
+    recovery_after_a_dead_lease_resends_the_stored_bytes_under_a_new_generation,
+    a_drop_before_commit_leaves_nothing_and_a_retry_succeeds,
+    a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn,
+    quarantine_is_bounded_per_dispatch,
+);
+
+pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    assert_eq!(
+        store.create_conversation("c", &tools(), at(3)).await.unwrap(),
+        CreateOutcome::AlreadyExists
+    );
+    assert_eq!(
+        store
+            .append_turn("c", Revision(0), &user_turn("u-late"), at(3))
+            .await
+            .unwrap(),
+        AppendOutcome::Conflict { current: Revision(1) }
+    );
+    assert_eq!(
+        store
+            .append_turn("nope", Revision(0), &user_turn("u-x"), at(3))
+            .await
+            .unwrap(),
+        AppendOutcome::NotFound
+    );
+    // A tool result with no call before it is an orphan: refused, nothing written.
+    let orphan = json!({"id": "t-orphan", "role": "tool", "blocks": [{"id": "r", "kind": "tool_result",
+        "call_id": "call-none", "tool": "get_weather", "status": "success", "content": []}]});
+    let AppendOutcome::Rejected(violations) =
+        store.append_turn("c", Revision(1), &orphan, at(4)).await.unwrap()
+    else {
+        panic!("orphan result accepted");
+    };
+    assert!(
+        violations
+            .iter()
+            .any(|violation| violation.code == ViolationCode::OrphanResult)
+    );
+    let document = store.conversation("c").await.unwrap().unwrap();
+    assert_eq!(document["revision"], 1);
+    assert_eq!(document["turns"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        store
+            .append_turn("c", Revision(1), &user_turn("u2"), at(5))
+            .await
+            .unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(2)
+        }
+    );
+}
+
+pub async fn prepare_is_idempotent_on_the_operation_id_and_a_different_manifest_conflicts(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    let PrepareOutcome::Created(first) = store.prepare(&manifest, &bytes, at(10)).await.unwrap() else {
+        panic!("not created");
+    };
+    assert_eq!(first.state, DispatchState::Prepared);
+    assert_eq!(first.request_bytes, bytes);
+    assert_eq!(first.manifest, serde_json::to_value(&manifest).unwrap());
+    let PrepareOutcome::Existing(again) = store.prepare(&manifest, &bytes, at(11)).await.unwrap() else {
+        panic!("second prepare is not the same dispatch");
+    };
+    assert_eq!(again, first);
+    let (other, other_bytes) = manifest_for_other_model();
+    assert_eq!(
+        store.prepare(&other, &other_bytes, at(12)).await.unwrap(),
+        PrepareOutcome::Conflict {
+            existing_manifest_digest: manifest.manifest_digest.as_str().to_owned()
+        }
+    );
+}
+
+fn manifest_for_other_model() -> (turnstile_core::manifest::DispatchManifest, Vec<u8>) {
+    manifest("op-1", "c", 1, "another-model")
+}
+
+pub async fn prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revisions(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, _) = manifest("op-1", "c", 1, "m");
+    assert!(matches!(
+        store.prepare(&manifest, b"other bytes", at(10)).await.unwrap(),
+        PrepareOutcome::Invalid(_)
+    ));
+    let mut tampered = manifest.clone();
+    tampered.body.model = "tampered".into();
+    assert!(matches!(
+        store
+            .prepare(&tampered, &request_bytes("op-1"), at(10))
+            .await
+            .unwrap(),
+        PrepareOutcome::Invalid(_)
+    ));
+    let (stale, bytes) = crate::support::manifest("op-2", "c", 0, "m");
+    assert_eq!(
+        store.prepare(&stale, &bytes, at(10)).await.unwrap(),
+        PrepareOutcome::StaleRevision { current: Revision(1) }
+    );
+    let (missing, bytes) = crate::support::manifest("op-3", "nope", 0, "m");
+    assert_eq!(
+        store.prepare(&missing, &bytes, at(10)).await.unwrap(),
+        PrepareOutcome::NotFound
+    );
+    assert_eq!(store.dispatch("op-1").await.unwrap(), None);
+}
+
+pub async fn begin_allocates_a_durable_generation_once_and_refuses_a_second_begin(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    assert_eq!(generation, Generation(1));
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    assert_eq!(
+        store
+            .begin_attempt("op-1", expect, &lease("replica-b", 5_000), at(20))
+            .await
+            .unwrap(),
+        BeginOutcome::Refused {
+            state: Some(DispatchState::Dispatching),
+            active_generation: Some(Generation(1)),
+        }
+    );
+    let attempts = store.attempts("op-1").await.unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0].state, DispatchState::Dispatching);
+    assert_eq!(
+        attempts[0].idempotency_key,
+        ops::idempotency_key("op-1", Generation(1))
+    );
+    assert_eq!(
+        attempts[0].request_digest,
+        store.dispatch("op-1").await.unwrap().unwrap().request_digest
+    );
+    // A begin against a revision the conversation left loses too.
+    conversation_at_1(&*store, "d").await;
+    let (manifest, bytes) = manifest("op-2", "d", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(30)).await.unwrap();
+    assert_eq!(
+        store
+            .append_turn("d", Revision(1), &user_turn("d-u2"), at(31))
+            .await
+            .unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(2)
+        }
+    );
+    assert!(matches!(
+        store
+            .begin_attempt("op-2", expect, &lease("replica-a", 5_000), at(32))
+            .await
+            .unwrap(),
+        BeginOutcome::Refused {
+            state: Some(DispatchState::Prepared),
+            ..
+        }
+    ));
+}
+
+pub async fn a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_records_history(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    assert_eq!(
+        store
+            .bind_handle("op-1", generation, "resp_1", at(12))
+            .await
+            .unwrap(),
+        BindOutcome::Bound
+    );
+    assert_eq!(
+        store
+            .bind_handle("op-1", generation, "resp_1", at(12))
+            .await
+            .unwrap(),
+        BindOutcome::AlreadyBound
+    );
+    to_streaming(&*store, "op-1", generation).await;
+    let turn = assistant_turn("a1", 2);
+    let outcome = store
+        .commit("op-1", generation, Revision(1), &turn, at(13))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        CommitOutcome::Committed {
+            revision: Revision(2),
+            tool_calls: vec!["a1-call-0".into(), "a1-call-1".into()],
+        }
+    );
+    let record = store.dispatch("op-1").await.unwrap().unwrap();
+    assert_eq!(record.state, DispatchState::Committed);
+    assert_eq!(record.committed_revision, Some(Revision(2)));
+    let document = store.conversation("c").await.unwrap().unwrap();
+    assert_eq!(document["revision"], 2);
+    assert_eq!(document["turns"][1]["generation"], 1);
+    assert_eq!(document["turns"][1]["revision"], 2);
+    let ready = store.tool_calls(Some(ToolCallState::Ready)).await.unwrap();
+    assert_eq!(ready.len(), 2);
+    assert_eq!(ready[0].generation, generation);
+    assert_eq!(ready[0].arguments, json!({"city": "c0"}));
+    let attempts = store.attempts("op-1").await.unwrap();
+    assert_eq!(attempts[0].handle.as_deref(), Some("resp_1"));
+    assert_eq!(
+        attempts[0].history,
+        vec![
+            (DispatchState::Dispatching, at(11)),
+            (DispatchState::Sent, at(12)),
+            (DispatchState::Streaming, at(12)),
+            (DispatchState::Committed, at(13)),
+        ]
+    );
+    // Nothing moves a COMMITTED dispatch.
+    assert!(matches!(
+        store
+            .transition(
+                "op-1",
+                generation,
+                DispatchState::Streaming,
+                DispatchState::Unknown,
+                at(14)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert!(matches!(
+        store.cancel("op-1", None, at(14)).await.unwrap(),
+        CancelOutcome::Refused { .. }
+    ));
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn a_commit_from_another_generation_is_refused_quarantined_and_counted(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let first = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    to_streaming(&*store, "op-1", first).await;
+    // The first attempt is lost (UNKNOWN), its lease runs out, a second generation begins.
+    assert_eq!(
+        store
+            .transition(
+                "op-1",
+                first,
+                DispatchState::Streaming,
+                DispatchState::Unknown,
+                at(100)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    assert_eq!(
+        store
+            .abandon_and_rearm("op-1", first, false, at(5_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    let BeginOutcome::Began {
+        generation: second, ..
+    } = store
+        .begin_attempt("op-1", expect, &lease("replica-a", 9_000), at(5_001))
+        .await
+        .unwrap()
+    else {
+        panic!("second begin refused");
+    };
+    assert_eq!(second, Generation(2));
+    to_streaming(&*store, "op-1", second).await;
+    let late = assistant_turn("late", 1);
+    assert_eq!(
+        store
+            .commit("op-1", first, Revision(1), &late, at(5_002))
+            .await
+            .unwrap(),
+        CommitOutcome::Refused(CommitRefusal::ForeignGeneration)
+    );
+    let quarantined = store.quarantined(10).await.unwrap();
+    assert_eq!(quarantined.len(), 1);
+    assert_eq!(quarantined[0].entry.generation, first);
+    assert_eq!(quarantined[0].entry.content, late);
+    let counters = store.counters().await.unwrap();
+    assert_eq!(counters.canonical_cas_conflicts, 1);
+    assert_eq!(counters.late_blocks, 1);
+    assert!(matches!(
+        store
+            .commit("op-1", second, Revision(1), &assistant_turn("win", 1), at(5_003))
+            .await
+            .unwrap(),
+        CommitOutcome::Committed { .. }
+    ));
+    assert_eq!(
+        store.tool_calls(None).await.unwrap().len(),
+        1,
+        "only the winner's call"
+    );
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn an_illegal_assistant_turn_is_rejected_and_quarantined(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    to_streaming(&*store, "op-1", generation).await;
+    let cut = json!({"id": "a-cut", "role": "assistant", "blocks": [{"id": "a-cut-0", "kind": "tool_call",
+        "call_id": "call-cut", "tool": "get_weather", "arguments": "{\"city\":\"Par"}]});
+    let CommitOutcome::Rejected(violations) = store
+        .commit("op-1", generation, Revision(1), &cut, at(20))
+        .await
+        .unwrap()
+    else {
+        panic!("a cut tool call was committed");
+    };
+    assert!(
+        violations
+            .iter()
+            .any(|violation| violation.code == ViolationCode::UnclosedArguments)
+    );
+    assert_eq!(store.quarantined(10).await.unwrap().len(), 1);
+    assert!(store.tool_calls(None).await.unwrap().is_empty());
+    assert_eq!(
+        store.dispatch("op-1").await.unwrap().unwrap().state,
+        DispatchState::Streaming
+    );
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn a_handle_bound_to_another_manifest_is_refused_and_counted(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    conversation_at_1(&*store, "d").await;
+    let one = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    let two = prepared_and_begun(&*store, "op-2", "d", 1).await;
+    assert_eq!(
+        store.bind_handle("op-1", one, "resp_x", at(20)).await.unwrap(),
+        BindOutcome::Bound
+    );
+    let digest = store.dispatch("op-1").await.unwrap().unwrap().manifest_digest;
+    assert_eq!(
+        store.bind_handle("op-2", two, "resp_x", at(21)).await.unwrap(),
+        BindOutcome::Refused { bound_to: digest }
+    );
+    assert_eq!(store.counters().await.unwrap().foreign_handle_refusals, 1);
+    assert_eq!(store.attempts("op-2").await.unwrap()[0].handle, None);
+    assert_eq!(
+        store
+            .bind_handle("op-1", Generation(9), "resp_y", at(22))
+            .await
+            .unwrap(),
+        BindOutcome::StaleGeneration
+    );
+}
+
+pub async fn a_cancel_bumps_the_cancel_generation_and_a_begin_with_the_old_one_loses(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    assert_eq!(
+        store.cancel("op-1", Some(5), at(11)).await.unwrap(),
+        CancelOutcome::Refused {
+            state: Some(DispatchState::Prepared)
+        },
+        "a cancel with a stale cancel generation loses"
+    );
+    assert_eq!(
+        store.cancel("op-1", Some(0), at(12)).await.unwrap(),
+        CancelOutcome::Cancelled { cancel_generation: 1 }
+    );
+    let record = store.dispatch("op-1").await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.cancel_generation),
+        (DispatchState::Abandoned, 1)
+    );
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    assert!(matches!(
+        store
+            .begin_attempt("op-1", expect, &lease("a", 100), at(13))
+            .await
+            .unwrap(),
+        BeginOutcome::Refused { .. }
+    ));
+    // Cancelling a live attempt abandons it too; a late commit is then refused.
+    conversation_at_1(&*store, "d").await;
+    let generation = prepared_and_begun(&*store, "op-2", "d", 1).await;
+    to_streaming(&*store, "op-2", generation).await;
+    assert!(matches!(
+        store.cancel("op-2", None, at(20)).await.unwrap(),
+        CancelOutcome::Cancelled { .. }
+    ));
+    assert_eq!(
+        store.attempts("op-2").await.unwrap()[0].state,
+        DispatchState::Abandoned
+    );
+    assert_eq!(
+        store
+            .commit("op-2", generation, Revision(1), &assistant_turn("x", 0), at(21))
+            .await
+            .unwrap(),
+        CommitOutcome::Refused(CommitRefusal::WrongState(DispatchState::Abandoned))
+    );
+}
+
+pub async fn leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    assert_eq!(
+        store
+            .renew_lease("op-1", generation, &lease("replica-a", 8_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    assert!(matches!(
+        store
+            .renew_lease("op-1", generation, &lease("replica-b", 9_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert!(matches!(
+        store
+            .renew_lease("op-1", Generation(7), &lease("replica-a", 9_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert_eq!(
+        store
+            .transition(
+                "op-1",
+                generation,
+                DispatchState::Dispatching,
+                DispatchState::Unknown,
+                at(100)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    assert!(
+        matches!(
+            store
+                .abandon_and_rearm("op-1", generation, false, at(7_999))
+                .await
+                .unwrap(),
+            TransitionOutcome::Refused { .. }
+        ),
+        "no new generation while the old lease runs"
+    );
+    assert_eq!(
+        store.dispatch("op-1").await.unwrap().unwrap().state,
+        DispatchState::Unknown
+    );
+    assert_eq!(
+        store
+            .abandon_and_rearm("op-1", generation, true, at(200))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied,
+        "the provider confirmed the attempt ended"
+    );
+    let attempts = store.attempts("op-1").await.unwrap();
+    assert_eq!(attempts[0].state, DispatchState::Abandoned);
+    assert_eq!(
+        store.dispatch("op-1").await.unwrap().unwrap().state,
+        DispatchState::Prepared
+    );
+    assert!(matches!(
+        store
+            .renew_lease("op-1", generation, &lease("replica-a", 9_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    // An illegal edge is our own bug: an error, and nothing is written.
+    assert!(matches!(
+        store
+            .transition(
+                "op-1",
+                generation,
+                DispatchState::Prepared,
+                DispatchState::Committed,
+                at(201)
+            )
+            .await,
+        Err(StoreError::IllegalTransition { .. })
+    ));
+}
+
+pub async fn a_replay_keeps_the_generation_and_its_idempotency_key(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    let key = store.attempts("op-1").await.unwrap()[0].idempotency_key.clone();
+    let _ = store
+        .transition(
+            "op-1",
+            generation,
+            DispatchState::Dispatching,
+            DispatchState::Unknown,
+            at(20),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .replay_attempt("op-1", generation, &lease("replica-b", 9_000), at(21))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    let attempts = store.attempts("op-1").await.unwrap();
+    assert_eq!(attempts.len(), 1, "no new generation");
+    assert_eq!(attempts[0].state, DispatchState::Dispatching);
+    assert_eq!(attempts[0].idempotency_key, key);
+    assert_eq!(attempts[0].lease_holder, "replica-b");
+    assert!(matches!(
+        store
+            .replay_attempt("op-1", generation, &lease("replica-b", 9_000), at(22))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+}
+
+pub async fn tool_results_need_the_current_claim_and_append_tool_turns_through_the_validator(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    to_streaming(&*store, "op-1", generation).await;
+    let _ = store
+        .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
+        .await
+        .unwrap();
+    // While results are pending, a user turn would leave calls unanswered: refused.
+    assert!(matches!(
+        store
+            .append_turn("c", Revision(2), &user_turn("u-early"), at(21))
+            .await
+            .unwrap(),
+        AppendOutcome::Rejected(_)
+    ));
+    let content = json!([{"kind": "text", "text": "12C"}]);
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-0", 1, "success", &content, at(22))
+            .await
+            .unwrap(),
+        ResultOutcome::StaleClaim,
+        "not claimed yet"
+    );
+    let ClaimOutcome::Claimed { claim } = store
+        .claim_tool_call("c", "a-call-0", &lease("exec-1", 1_000), at(23))
+        .await
+        .unwrap()
+    else {
+        panic!("claim failed");
+    };
+    assert_eq!(
+        store
+            .claim_tool_call("c", "a-call-0", &lease("exec-2", 2_000), at(24))
+            .await
+            .unwrap(),
+        ClaimOutcome::Unavailable {
+            state: ToolCallState::Claimed
+        }
+    );
+    // The first executor's lease expires; a second one re-claims with a new fencing token.
+    let ClaimOutcome::Claimed { claim: second } = store
+        .claim_tool_call("c", "a-call-0", &lease("exec-2", 3_000), at(1_000))
+        .await
+        .unwrap()
+    else {
+        panic!("re-claim after expiry failed");
+    };
+    assert!(second > claim);
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-0", claim, "success", &content, at(1_001))
+            .await
+            .unwrap(),
+        ResultOutcome::StaleClaim
+    );
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-0", second, "success", &content, at(1_002))
+            .await
+            .unwrap(),
+        ResultOutcome::Appended {
+            revision: Revision(3)
+        }
+    );
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-0", second, "success", &content, at(1_003))
+            .await
+            .unwrap(),
+        ResultOutcome::Duplicate
+    );
+    assert_eq!(store.counters().await.unwrap().tool_result_duplicates, 1);
+    let ClaimOutcome::Claimed { claim } = store
+        .claim_tool_call("c", "a-call-1", &lease("exec-1", 3_000), at(1_004))
+        .await
+        .unwrap()
+    else {
+        panic!("claim failed");
+    };
+    assert!(matches!(
+        store
+            .submit_tool_result("c", "a-call-1", claim, "not-a-status", &content, at(1_005))
+            .await
+            .unwrap(),
+        ResultOutcome::Rejected(_)
+    ));
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-1", claim, "error", &content, at(1_006))
+            .await
+            .unwrap(),
+        ResultOutcome::Appended {
+            revision: Revision(4)
+        }
+    );
+    assert_eq!(
+        store
+            .claim_tool_call("c", "nope", &lease("exec-1", 3_000), at(1_007))
+            .await
+            .unwrap(),
+        ClaimOutcome::NotFound
+    );
+    let done = store.tool_calls(Some(ToolCallState::Done)).await.unwrap();
+    assert_eq!(done.len(), 2);
+    assert_eq!(done[0].result_revision, Some(Revision(3)));
+    let document = store.conversation("c").await.unwrap().unwrap();
+    assert_eq!(document["turns"][2]["blocks"][0]["generation"], 1);
+    assert_eq!(
+        store
+            .append_turn("c", Revision(4), &user_turn("u-next"), at(1_008))
+            .await
+            .unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(5)
+        }
+    );
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn startup_recovery_marks_live_attempts_unknown_but_not_another_replicas_leased_ones(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    conversation_at_1(&*store, "d").await;
+    conversation_at_1(&*store, "e").await;
+    let mine = prepared_and_begun(&*store, "op-mine", "c", 1).await; // holder replica-a, lease 5_000
+    to_streaming(&*store, "op-mine", mine).await;
+    let (manifest, bytes) = manifest("op-theirs", "d", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    let _ = store
+        .begin_attempt("op-theirs", expect, &lease("replica-b", 50_000), at(11))
+        .await
+        .unwrap();
+    let (manifest, bytes) = crate::support::manifest("op-expired", "e", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    let _ = store
+        .begin_attempt("op-expired", expect, &lease("replica-c", 1_000), at(11))
+        .await
+        .unwrap();
+
+    let report = store.recover_startup("replica-a", at(2_000)).await.unwrap();
+    assert_eq!(report.marked_unknown, 2);
+    let unknown: Vec<_> = report
+        .unknown
+        .iter()
+        .map(|attempt| attempt.operation_id.as_str())
+        .collect();
+    assert_eq!(unknown, vec!["op-expired", "op-mine"]);
+    assert_eq!(
+        store.dispatch("op-theirs").await.unwrap().unwrap().state,
+        DispatchState::Dispatching
+    );
+    assert_eq!(
+        store.dispatch("op-mine").await.unwrap().unwrap().state,
+        DispatchState::Unknown
+    );
+    // Running it again changes nothing.
+    assert_eq!(
+        store
+            .recover_startup("replica-a", at(2_001))
+            .await
+            .unwrap()
+            .marked_unknown,
+        0
+    );
+}
+
+pub async fn recovery_after_a_dead_lease_resends_the_stored_bytes_under_a_new_generation(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let first = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    let report = store.recover_startup("replica-a", at(100)).await.unwrap();
+    let attempt = &report.unknown[0];
+    let unknown = UnknownAttempt {
+        generation: attempt.generation,
+        handle: attempt.handle.clone(),
+        idempotency_key: attempt.idempotency_key.clone(),
+        lease_expires_at: attempt.lease_expires_at,
+        provider_confirmed_ended: false,
+    };
+    let provider = ProviderRecovery::default();
+    assert_eq!(
+        recovery_decision(&unknown, provider, at(100)),
+        RecoveryDecision::WaitUntil(at(5_000))
+    );
+    let RecoveryDecision::AbandonThenNewGeneration { generation } =
+        recovery_decision(&unknown, provider, at(5_000))
+    else {
+        panic!("no new generation after the lease");
+    };
+    assert_eq!(generation, first);
+    assert_eq!(
+        store
+            .abandon_and_rearm("op-1", generation, false, at(5_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    let record = store.dispatch("op-1").await.unwrap().unwrap();
+    let BeginOutcome::Began {
+        generation: second,
+        idempotency_key,
+    } = store
+        .begin_attempt(
+            "op-1",
+            BeginExpect {
+                revision: record.revision,
+                cancel_generation: record.cancel_generation,
+            },
+            &lease("replica-a", 10_000),
+            at(5_001),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("begin refused");
+    };
+    assert_eq!(second, Generation(2));
+    assert_ne!(idempotency_key, attempt.idempotency_key);
+    // The bytes to re-send are the stored ones, byte for byte.
+    assert_eq!(record.request_bytes, request_bytes("op-1"));
+    assert_eq!(
+        turnstile_core::Digest::of_bytes(&record.request_bytes).as_str(),
+        record.request_digest
+    );
+}
+
+pub async fn a_drop_before_commit_leaves_nothing_and_a_retry_succeeds(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    store.faults().arm(Fault::DropBeforeCommit);
+    assert!(matches!(
+        store.prepare(&manifest, &bytes, at(10)).await,
+        Err(StoreError::ConnectionLost(_))
+    ));
+    assert_eq!(store.dispatch("op-1").await.unwrap(), None);
+    assert!(matches!(
+        store.prepare(&manifest, &bytes, at(11)).await.unwrap(),
+        PrepareOutcome::Created(_)
+    ));
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    store.faults().arm(Fault::DropBeforeCommit);
+    assert!(
+        store
+            .begin_attempt("op-1", expect, &lease("a", 5_000), at(12))
+            .await
+            .is_err()
+    );
+    assert!(
+        store.attempts("op-1").await.unwrap().is_empty(),
+        "no DISPATCHING row, so nothing may be sent"
+    );
+    assert!(matches!(
+        store
+            .begin_attempt("op-1", expect, &lease("a", 5_000), at(13))
+            .await
+            .unwrap(),
+        BeginOutcome::Began {
+            generation: Generation(1),
+            ..
+        }
+    ));
+}
+
+pub async fn a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    store.faults().arm(Fault::DropAfterCommit);
+    assert!(store.prepare(&manifest, &bytes, at(10)).await.is_err());
+    assert!(matches!(
+        store.prepare(&manifest, &bytes, at(11)).await.unwrap(),
+        PrepareOutcome::Existing(_)
+    ));
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    store.faults().arm(Fault::DropAfterCommit);
+    assert!(
+        store
+            .begin_attempt("op-1", expect, &lease("a", 5_000), at(12))
+            .await
+            .is_err()
+    );
+    // The begin landed: a retry is refused and reports the generation to continue with.
+    assert_eq!(
+        store
+            .begin_attempt("op-1", expect, &lease("a", 5_000), at(13))
+            .await
+            .unwrap(),
+        BeginOutcome::Refused {
+            state: Some(DispatchState::Dispatching),
+            active_generation: Some(Generation(1)),
+        }
+    );
+    to_streaming(&*store, "op-1", Generation(1)).await;
+    let turn = assistant_turn("a", 2);
+    store.faults().arm(Fault::DropAfterCommit);
+    assert!(
+        store
+            .commit("op-1", Generation(1), Revision(1), &turn, at(20))
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        store
+            .commit("op-1", Generation(1), Revision(1), &turn, at(21))
+            .await
+            .unwrap(),
+        CommitOutcome::Committed {
+            revision: Revision(2),
+            tool_calls: vec!["a-call-0".into(), "a-call-1".into()],
+        }
+    );
+    assert_eq!(store.conversation("c").await.unwrap().unwrap()["revision"], 2);
+    assert!(store.quarantined(10).await.unwrap().is_empty());
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn quarantine_is_bounded_per_dispatch(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    let entry = QuarantineEntry {
+        operation_id: "op-1".into(),
+        generation,
+        reason: "late".into(),
+        content: json!({"kind": "text", "text": "x"}),
+    };
+    // Concurrently, so SQLite's group commit keeps this quick.
+    let store = std::sync::Arc::new(store);
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..QUARANTINE_PER_DISPATCH_MAX + 3 {
+        let (store, entry) = (store.clone(), entry.clone());
+        tasks.spawn(async move { store.quarantine(&entry, at(index)).await.unwrap() });
+    }
+    let mut recorded = 0;
+    while let Some(result) = tasks.join_next().await {
+        if result.unwrap() {
+            recorded += 1;
+        }
+    }
+    assert_eq!(recorded, QUARANTINE_PER_DISPATCH_MAX);
+    let counters = store.counters().await.unwrap();
+    assert_eq!(counters.quarantine_dropped, 3);
+    assert_eq!(counters.late_blocks, QUARANTINE_PER_DISPATCH_MAX);
+    let unknown = QuarantineEntry {
+        operation_id: "nope".into(),
+        ..entry
+    };
+    assert!(!store.quarantine(&unknown, at(0)).await.unwrap());
+}
