@@ -12,8 +12,8 @@ use crate::tokens::Tokenizer;
 use serde_json::{Value, json};
 use turnstile_core::{Digest, MessageSequence, Validated, parse};
 
-/// The probe files, embedded.
-pub(crate) const PROBES: [(&str, &str); 3] = [
+/// The probe files, embedded (name, v1 JSON).
+pub const PROBE_FILES: [(&str, &str); 3] = [
     ("features", include_str!("probe/features.json")),
     ("document", include_str!("probe/document.json")),
     ("result_image", include_str!("probe/result_image.json")),
@@ -48,7 +48,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
 
 /// The adapter digest (see `registry.rs`).
 pub(crate) fn digest(adapter: AdapterId) -> Digest {
-    let probes: Vec<Value> = PROBES
+    let probes: Vec<Value> = PROBE_FILES
         .iter()
         .map(|(name, text)| json!({ "probe": name, "outcome": outcome(adapter, text) }))
         .collect();
@@ -62,7 +62,7 @@ pub(crate) fn digest(adapter: AdapterId) -> Digest {
 /// Renderings of every probe, for tests.
 #[doc(hidden)]
 pub fn probe_outcomes(adapter: AdapterId) -> Vec<(&'static str, Value)> {
-    PROBES
+    PROBE_FILES
         .iter()
         .map(|(name, text)| (*name, outcome(adapter, text)))
         .collect()

@@ -1,0 +1,215 @@
+//! Prepare = render + admission + manifest: the manifest pins the exact bytes, admission
+//! refuses over-budget requests before anything is sent, and the fragment cache makes one
+//! more turn cost work for that turn only.
+
+use crate::render_props::conversation as random_conversation;
+use crate::render_support::{load, render_cached, render_for};
+use serde_json::json;
+use turnstile_adapters::catalog::{Entry, ModelInfo};
+use turnstile_adapters::render::{Graph, RenderCache, RenderOutcome};
+use turnstile_adapters::tokens::{self, Tokenizer};
+use turnstile_adapters::{AdapterId, Catalog, PrepareOutcome, PrepareRequest, prepare};
+use turnstile_core::admission::{Admission, admit};
+use turnstile_core::conversation::Conversation;
+use turnstile_core::{Digest, MessageSequence, Validated, parse};
+
+fn request(adapter: AdapterId, model: &str, max_output_tokens: Option<u64>) -> PrepareRequest {
+    PrepareRequest {
+        operation_id: "op-1".into(),
+        adapter,
+        provider: None,
+        model: model.into(),
+        max_output_tokens,
+        stream: true,
+    }
+}
+
+fn prepare_with(conversation: &Conversation, request: &PrepareRequest, catalog: &Catalog) -> PrepareOutcome {
+    let validated = Validated::new(conversation).unwrap();
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence).unwrap();
+    prepare(graph, request, catalog, &mut RenderCache::new())
+}
+
+#[test]
+fn the_manifest_pins_the_exact_body_bytes_and_every_spec_field() {
+    let conversation = load("reasoning");
+    for adapter in AdapterId::ALL {
+        let PrepareOutcome::Prepared(prepared) = prepare_with(
+            &conversation,
+            &request(adapter, "claude-sonnet-4-5", Some(2048)),
+            &Catalog::builtin(),
+        ) else {
+            panic!("{adapter} prepares");
+        };
+        let manifest = &prepared.manifest;
+        assert!(manifest.is_intact());
+        assert_eq!(
+            manifest.body.request_digest,
+            Digest::of_bytes(&prepared.rendered.body)
+        );
+        assert_eq!(manifest.body.prompt_tokens, prepared.rendered.prompt_tokens);
+        assert_eq!(manifest.body.policy_digest, prepared.rendered.policy.digest());
+        assert_eq!(&manifest.body.adapter_digest, adapter.adapter_digest());
+        assert_eq!(manifest.body.adapter, adapter.as_str());
+        assert_eq!(manifest.body.provider, adapter.provider());
+        assert_eq!(manifest.body.max_output_tokens, 2048);
+        assert_eq!(manifest.body.toolset_digest, conversation.toolset_digest);
+        let value = serde_json::to_value(manifest).unwrap();
+        let keys: Vec<&str> = value.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut expected = vec![
+            "format",
+            "operation_id",
+            "conversation_id",
+            "conversation_revision",
+            "sequence_digest",
+            "adapter",
+            "adapter_digest",
+            "provider",
+            "model",
+            "toolset_digest",
+            "policy_digest",
+            "max_output_tokens",
+            "prompt_tokens",
+            "request_digest",
+            "manifest_digest",
+        ];
+        expected.sort();
+        let mut keys_sorted = keys.clone();
+        keys_sorted.sort();
+        assert_eq!(keys_sorted, expected);
+        assert_eq!(value["format"], "turnstile.manifest.v1");
+        let text = value.to_string().to_ascii_lowercase();
+        for secret in ["authorization", "api-key", "x-api-key", "bearer"] {
+            assert!(!text.contains(secret), "{adapter}: {secret}");
+        }
+    }
+}
+
+#[test]
+fn admission_refuses_exactly_when_prompt_plus_output_exceeds_the_window() {
+    let conversation = load("multi_round");
+    let adapter = AdapterId::OpenaiChatV2;
+    let PrepareOutcome::Prepared(prepared) = prepare_with(
+        &conversation,
+        &request(adapter, "gpt-4o", Some(100)),
+        &Catalog::builtin(),
+    ) else {
+        panic!("prepares");
+    };
+    let prompt = prepared.rendered.prompt_tokens;
+    let mut catalog = Catalog::builtin();
+    catalog.insert(Entry {
+        name: "tiny".into(),
+        prefix: false,
+        info: ModelInfo {
+            context_window: prompt + 100,
+            tokenizer: Tokenizer::O200kBase,
+            max_output_tokens_default: 100,
+        },
+    });
+    assert!(matches!(
+        prepare_with(&conversation, &request(adapter, "tiny", Some(100)), &catalog),
+        PrepareOutcome::Prepared(_)
+    ));
+    let PrepareOutcome::OverBudget(over) =
+        prepare_with(&conversation, &request(adapter, "tiny", Some(101)), &catalog)
+    else {
+        panic!("one token over must be refused");
+    };
+    assert_eq!(
+        (over.prompt_tokens, over.max_output_tokens, over.excess()),
+        (prompt, 101, 1)
+    );
+    assert!(matches!(admit(10, u64::MAX, 100), Admission::Refused(_)));
+    assert_eq!(admit(10, 20, 30), Admission::Admitted { headroom: 0 });
+}
+
+#[test]
+fn catalog_overrides_from_json_replace_builtin_windows() {
+    let mut catalog = Catalog::builtin();
+    catalog
+        .apply_overrides(json!({"models": [{"name": "gpt-4o", "prefix": true, "context_window": 1000, "tokenizer": "o200k_base", "max_output_tokens_default": 10}]}))
+        .unwrap();
+    let (info, _) = catalog.lookup(turnstile_adapters::Api::OpenaiChat, "gpt-4o-2024-08-06");
+    assert_eq!(info.context_window, 1000);
+    let (unknown, how) = catalog.lookup(turnstile_adapters::Api::AnthropicMessages, "some-new-model");
+    assert_eq!(
+        (unknown.context_window, how),
+        (200_000, turnstile_adapters::catalog::Match::ProviderDefault)
+    );
+}
+
+#[test]
+fn openai_counts_are_exact_bpe_counts_plus_the_cookbook_overheads() {
+    assert_eq!(Tokenizer::O200kBase.count("hello world"), 2);
+    assert_eq!(Tokenizer::Cl100kBase.count("hello world"), 2);
+    let conversation = parse::conversation_from_slice(
+        br#"{"format":"turnstile.conversation.v1","conversation_id":"c","revision":1,
+            "turns":[{"id":"t","revision":1,"role":"user","blocks":[{"id":"b","kind":"text","text":"hello world"}]}]}"#,
+    )
+    .unwrap();
+    let RenderOutcome::Rendered(rendered) = render_for(&conversation, AdapterId::OpenaiChatV1) else {
+        panic!()
+    };
+    // 3 per message + "user" (1) + "hello world" (2) + 3 reply priming = 9 (cookbook formula).
+    assert_eq!(rendered.prompt_tokens, 9);
+}
+
+#[test]
+fn the_estimator_never_counts_fewer_tokens_than_bytes_over_two_and_a_half() {
+    for text in [
+        "",
+        "a",
+        "hello world",
+        "{\"a\":[1,2,3]}",
+        "日本語",
+        "🎉🎉",
+        "x".repeat(1000).as_str(),
+    ] {
+        let ascii = text.bytes().filter(u8::is_ascii).count() as u64;
+        assert!(tokens::estimate(text) * 5 >= ascii * 2, "{text:?}");
+        assert!(tokens::estimate(text) >= 2 * text.chars().filter(|c| !c.is_ascii()).count() as u64);
+    }
+}
+
+fn extend(conversation: &serde_json::Value) -> serde_json::Value {
+    let mut extended = conversation.clone();
+    let revision = extended["revision"].as_u64().unwrap() + 1;
+    extended["revision"] = json!(revision);
+    extended["turns"].as_array_mut().unwrap().push(json!({
+        "id": "t-new", "revision": revision, "role": "user",
+        "blocks": [{"id": "new-1", "kind": "text", "text": "one more question"},
+                   {"id": "new-2", "kind": "context", "source": "retrieval", "text": "fresh snippet"}]
+    }));
+    extended
+}
+
+#[test]
+fn one_new_turn_on_a_cached_history_renders_only_that_turn_and_the_same_bytes_as_cold() {
+    // A history that ends in a user turn, so appending one more user turn is legal.
+    let base = random_conversation(11, true);
+    let extended = extend(&base);
+    let base = parse::conversation_from_slice(&serde_json::to_vec(&base).unwrap()).unwrap();
+    let extended = parse::conversation_from_slice(&serde_json::to_vec(&extended).unwrap()).unwrap();
+    for adapter in AdapterId::ALL {
+        let mut cache = RenderCache::new();
+        let warm = render_cached(&base, adapter, &mut cache);
+        if matches!(warm, RenderOutcome::Paused(_)) {
+            continue;
+        }
+        let (_, misses_before) = cache.stats();
+        let incremental = render_cached(&extended, adapter, &mut cache);
+        let (_, misses_after) = cache.stats();
+        assert_eq!(
+            misses_after - misses_before,
+            2,
+            "{adapter}: only the two new blocks are rendered"
+        );
+        assert_eq!(
+            incremental,
+            render_for(&extended, adapter),
+            "{adapter}: cached and cold bytes agree"
+        );
+    }
+}
