@@ -1,3 +1,4 @@
 //! Integration tests of the `turnstile` binary (one test binary, see STYLE.md).
 
+mod render;
 mod validate;
