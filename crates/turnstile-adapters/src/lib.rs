@@ -7,6 +7,9 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod decode;
+pub mod sse;
+
 pub mod anthropic_messages;
 pub mod call_ids;
 pub mod catalog;

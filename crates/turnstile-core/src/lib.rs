@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod assemble;
 pub mod conversation;
 pub mod digest;
 pub mod dispatch;
@@ -22,6 +23,7 @@ pub mod limits;
 pub mod manifest;
 pub mod parse;
 pub mod sequence;
+pub mod stream;
 pub mod validate;
 pub mod violation;
 

@@ -20,6 +20,8 @@ struct Args {
 enum Command {
     /// Validate a turnstile.conversation.v1 file (exit 0 ready, 3 waiting, 1 rejected, 2 unreadable).
     Validate(cli::validate::ValidateArgs),
+    /// Replay a captured provider stream; print the turn that would be committed (exit 0) or why nothing would be (exit 6).
+    Assemble(cli::assemble::AssembleArgs),
     /// Render the request an adapter would send (exit 0 rendered, 3 waiting, 1 rejected, 4 paused, 5 over budget, 2 usage).
     Render(cli::render::RenderArgs),
 }
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
     };
     let exit = match args.command {
         Command::Validate(args) => cli::validate::run(&args),
+        Command::Assemble(args) => cli::assemble::run(&args),
         Command::Render(args) => cli::render::run(&args),
     };
     exit.into()

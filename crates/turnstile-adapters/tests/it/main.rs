@@ -8,3 +8,4 @@ mod render_registry;
 mod render_rules;
 mod render_support;
 mod render_upgrade;
+mod stream;

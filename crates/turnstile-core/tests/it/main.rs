@@ -1,5 +1,6 @@
 //! Integration tests of turnstile-core (one binary, see STYLE.md).
 
+mod assemble;
 mod digest;
 mod dispatch;
 mod generate;

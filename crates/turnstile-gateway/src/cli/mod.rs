@@ -1,6 +1,7 @@
 //! Subcommands and the one table that maps outcomes to exit statuses
 //! (`shared/spec/conversation-v1.md` §3).
 
+pub mod assemble;
 pub mod render;
 pub mod validate;
 
@@ -19,6 +20,8 @@ pub enum Exit {
     Usage,
     /// Waiting for tool results.
     Waiting,
+    /// `assemble`: nothing would be committed (cut stream, missing stop, invalid block).
+    NothingCommitted,
     /// `render`: the adapter version cannot represent a block kind (never a lossy fallback).
     Paused,
     /// `render`: prompt tokens plus the output cap exceed the model's context window.
@@ -34,6 +37,7 @@ impl From<Exit> for ExitCode {
             Exit::Waiting => 3,
             Exit::Paused => 4,
             Exit::OverBudget => 5,
+            Exit::NothingCommitted => 6,
         })
     }
 }

@@ -1,4 +1,5 @@
 //! Integration tests of the `turnstile` binary (one test binary, see STYLE.md).
 
 mod render;
+mod assemble;
 mod validate;

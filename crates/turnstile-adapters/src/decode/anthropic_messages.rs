@@ -1,0 +1,232 @@
+//! Anthropic Messages stream decoder.
+//!
+//! Wire format (anthropic-sdk-python `types/raw_message_stream_event.py`,
+//! `types/raw_content_block_delta.py`; recorded in `tests/lib/streaming/fixtures/*.txt`, see
+//! shared `provider-streams/anthropic/`): `event: <type>` + `data: {"type": <type>, …}`.
+//! `message_start` (the `msg_…` handle) → per block `content_block_start{index}`,
+//! `content_block_delta{index, delta}` (`text_delta`, `input_json_delta`, `thinking_delta`,
+//! `signature_delta`, `citations_delta`), `content_block_stop{index}` → `message_delta`
+//! (`stop_reason`, usage) → `message_stop`. `ping` is skipped; `error` is an in-stream error.
+//! Unknown fields are ignored (the recorded `tool_use` carries `caller:{…}`).
+//!
+//! Block keys are the provider's `index`. A content block kind v1 cannot hold (server tools,
+//! their results) is a malformed event: it is never dropped or turned into text.
+
+use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
+use crate::sse::SseEvent;
+use serde_json::Value;
+use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
+
+/// Decoder for `anthropic-messages@*`.
+#[derive(Clone)]
+pub struct AnthropicDecoder(SseDecoder<Anthropic>);
+
+impl AnthropicDecoder {
+    /// A decoder at the start of a connection.
+    pub fn new() -> AnthropicDecoder {
+        AnthropicDecoder(SseDecoder::with(Anthropic))
+    }
+}
+
+impl Default for AnthropicDecoder {
+    fn default() -> Self {
+        AnthropicDecoder::new()
+    }
+}
+
+impl Decoder for AnthropicDecoder {
+    fn handle_bytes(&mut self, bytes: &[u8]) {
+        self.0.handle_bytes(bytes)
+    }
+    fn handle_end_of_input(&mut self) {
+        self.0.handle_end_of_input()
+    }
+    fn handle_end_of_file(&mut self) {
+        self.0.handle_end_of_file()
+    }
+    fn poll_event(&mut self) -> Option<Sequenced> {
+        self.0.poll_event()
+    }
+    fn fork(&self) -> Box<dyn Decoder> {
+        Box::new(self.clone())
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct Anthropic;
+
+fn index_of(payload: &Value, out: &mut Emitter) -> Option<BlockIndex> {
+    let index = u64_at(payload, "index").map(BlockIndex);
+    if index.is_none() {
+        out.push(StreamEvent::Malformed {
+            detail: "a content block event without a numeric index".into(),
+        });
+    }
+    index
+}
+
+impl EventDecoder for Anthropic {
+    fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter) {
+        let kind = str_at(&payload, "type").unwrap_or(event.event.as_str());
+        match kind {
+            "message_start" => {
+                let message = payload.get("message").unwrap_or(&Value::Null);
+                if let Some(id) = str_at(message, "id") {
+                    out.push(StreamEvent::Handle {
+                        handle: id.to_owned(),
+                    });
+                }
+                if let Some(usage) = message.get("usage") {
+                    out.push(StreamEvent::Usage {
+                        input_tokens: u64_at(usage, "input_tokens"),
+                        output_tokens: u64_at(usage, "output_tokens"),
+                    });
+                }
+            }
+            "content_block_start" => {
+                let Some(index) = index_of(&payload, out) else {
+                    return;
+                };
+                let block = payload.get("content_block").unwrap_or(&Value::Null);
+                match str_at(block, "type") {
+                    Some("text") => {
+                        out.push(StreamEvent::BlockStart {
+                            index,
+                            block: BlockStart::Text,
+                        });
+                        if let Some(text) = str_at(block, "text").filter(|text| !text.is_empty()) {
+                            out.push(StreamEvent::TextDelta {
+                                index,
+                                text: text.to_owned(),
+                            });
+                        }
+                    }
+                    Some("tool_use") => {
+                        let Some(name) = str_at(block, "name") else {
+                            out.push(StreamEvent::Malformed {
+                                detail: "a tool_use block without a name".into(),
+                            });
+                            return;
+                        };
+                        out.push(StreamEvent::BlockStart {
+                            index,
+                            block: BlockStart::ToolCall {
+                                call_id: str_at(block, "id").map(str::to_owned),
+                                name: name.to_owned(),
+                            },
+                        });
+                        // Streaming starts with `input: {}` and sends the JSON as deltas; a
+                        // non-empty start input is whole and is the arguments.
+                        if let Some(input) = block.get("input").and_then(Value::as_object) {
+                            if !input.is_empty() {
+                                out.push(StreamEvent::ToolArgsDelta {
+                                    index,
+                                    fragment: Value::Object(input.clone()).to_string(),
+                                });
+                            }
+                        }
+                    }
+                    Some("thinking") => {
+                        out.push(StreamEvent::BlockStart {
+                            index,
+                            block: BlockStart::Reasoning {
+                                provider: "anthropic".into(),
+                            },
+                        });
+                        if let Some(signature) = str_at(block, "signature").filter(|text| !text.is_empty()) {
+                            out.push(StreamEvent::ReasoningSeal {
+                                index,
+                                signature: Some(signature.to_owned()),
+                                encrypted: None,
+                            });
+                        }
+                    }
+                    Some("redacted_thinking") => {
+                        out.push(StreamEvent::BlockStart {
+                            index,
+                            block: BlockStart::Reasoning {
+                                provider: "anthropic".into(),
+                            },
+                        });
+                        out.push(StreamEvent::ReasoningSeal {
+                            index,
+                            signature: None,
+                            encrypted: str_at(block, "data").map(str::to_owned),
+                        });
+                    }
+                    other => out.push(StreamEvent::Malformed {
+                        detail: format!("content block type {other:?} has no v1 block kind"),
+                    }),
+                }
+            }
+            "content_block_delta" => {
+                let Some(index) = index_of(&payload, out) else {
+                    return;
+                };
+                let delta = payload.get("delta").unwrap_or(&Value::Null);
+                match str_at(delta, "type") {
+                    Some("text_delta") => out.push(StreamEvent::TextDelta {
+                        index,
+                        text: str_at(delta, "text").unwrap_or_default().to_owned(),
+                    }),
+                    Some("input_json_delta") => {
+                        let fragment = str_at(delta, "partial_json").unwrap_or_default();
+                        if !fragment.is_empty() {
+                            out.push(StreamEvent::ToolArgsDelta {
+                                index,
+                                fragment: fragment.to_owned(),
+                            });
+                        }
+                    }
+                    Some("thinking_delta") => out.push(StreamEvent::ReasoningDelta {
+                        index,
+                        text: str_at(delta, "thinking").unwrap_or_default().to_owned(),
+                    }),
+                    Some("signature_delta") => out.push(StreamEvent::ReasoningSeal {
+                        index,
+                        signature: str_at(delta, "signature").map(str::to_owned),
+                        encrypted: None,
+                    }),
+                    // Citations annotate text already received; v1 text has no place for them.
+                    Some("citations_delta") => {}
+                    other => out.push(StreamEvent::Malformed {
+                        detail: format!("delta type {other:?} is not understood"),
+                    }),
+                }
+            }
+            "content_block_stop" => {
+                let Some(index) = index_of(&payload, out) else {
+                    return;
+                };
+                out.push(StreamEvent::BlockStop {
+                    index,
+                    arguments_final: None,
+                });
+            }
+            "message_delta" => {
+                if let Some(usage) = payload.get("usage") {
+                    out.push(StreamEvent::Usage {
+                        input_tokens: u64_at(usage, "input_tokens"),
+                        output_tokens: u64_at(usage, "output_tokens"),
+                    });
+                }
+                let delta = payload.get("delta").unwrap_or(&Value::Null);
+                if let Some(reason) = str_at(delta, "stop_reason") {
+                    let reason = match reason {
+                        "end_turn" => StopReason::EndTurn,
+                        "tool_use" => StopReason::ToolUse,
+                        "max_tokens" | "model_context_window_exceeded" => StopReason::MaxTokens,
+                        "stop_sequence" => StopReason::StopSequence,
+                        "refusal" => StopReason::Refusal,
+                        other => StopReason::Other(other.to_owned()),
+                    };
+                    out.push(StreamEvent::Stop { reason });
+                }
+            }
+            "message_stop" => out.push(StreamEvent::End),
+            "error" => out.push(provider_error(payload.get("error").unwrap_or(&payload))),
+            // `ping` and event types added after this was written carry nothing for the turn.
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! Google Gemini `streamGenerateContent?alt=sse` decoder (Gemini API and Vertex AI).
+//!
+//! Wire format (python-genai `types.py`; recorded in vercel/ai `packages/google/src/__fixtures__`,
+//! see shared `provider-streams/gemini/`): `data: <GenerateContentResponse>` events, no event
+//! names, no `[DONE]`: the stream ends after the chunk that carries `finishReason`.
+//! - `candidates[0].content.parts[]`: `text` (with `thought: true` it is reasoning), and
+//!   `functionCall` arriving whole (`name`, `args` object) with **no id** in every recording.
+//! - Vertex with `streamFunctionCallArguments`: `{name, willContinue:true}`, then parts of
+//!   `{partialArgs:[{jsonPath, stringValue|numberValue|boolValue|nullValue, willContinue?}]}`,
+//!   then an empty `functionCall:{}` that closes the call.
+//! - `thoughtSignature` may sit on any part; it becomes a `reasoning` block (provider `gemini`)
+//!   placed right before the content of that part, so the render side can replay it in place.
+//! - `responseId` on every chunk is the handle; `usageMetadata` on every chunk, last one wins.
+//!
+//! Gemini gives no keys, so block keys are allocated in arrival order; consecutive text parts of
+//! one kind extend one block. A call without an id gets `gemini-{responseId}-{n}` (n counts the
+//! calls of this response), deterministic for the same bytes (docs/decisions.md).
+
+use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
+use crate::sse::SseEvent;
+use serde_json::{Map, Value};
+use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
+
+/// Deepest `jsonPath` accepted in Vertex `partialArgs`.
+const PARTIAL_ARGS_PATH_DEPTH_MAX: usize = 32;
+
+/// Decoder for `gemini@*`.
+#[derive(Clone)]
+pub struct GeminiDecoder(SseDecoder<Gemini>);
+
+impl GeminiDecoder {
+    /// A decoder at the start of a connection.
+    pub fn new() -> GeminiDecoder {
+        GeminiDecoder(SseDecoder::with(Gemini::default()))
+    }
+}
+
+impl Default for GeminiDecoder {
+    fn default() -> Self {
+        GeminiDecoder::new()
+    }
+}
+
+impl Decoder for GeminiDecoder {
+    fn handle_bytes(&mut self, bytes: &[u8]) {
+        self.0.handle_bytes(bytes)
+    }
+    fn handle_end_of_input(&mut self) {
+        self.0.handle_end_of_input()
+    }
+    fn handle_end_of_file(&mut self) {
+        self.0.handle_end_of_file()
+    }
+    fn poll_event(&mut self) -> Option<Sequenced> {
+        self.0.poll_event()
+    }
+    fn fork(&self) -> Box<dyn Decoder> {
+        Box::new(self.clone())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OpenKind {
+    Text,
+    Thought,
+}
+
+#[derive(Clone, Default)]
+pub(crate) struct Gemini {
+    handle: Option<String>,
+    key_next: u64,
+    /// The text or thought block that consecutive parts extend.
+    open_text: Option<(BlockIndex, OpenKind)>,
+    /// A Vertex streamed call in progress: its block and the arguments so far.
+    streaming_call: Option<(BlockIndex, Map<String, Value>)>,
+    calls: u64,
+    usage_last: Option<(Option<u64>, Option<u64>)>,
+    finished: bool,
+}
+
+impl EventDecoder for Gemini {
+    fn event(&mut self, _event: &SseEvent, chunk: Value, out: &mut Emitter) {
+        if let Some(error) = chunk.get("error").filter(|error| error.is_object()) {
+            out.push(provider_error(error));
+            return;
+        }
+        if let Some(id) = str_at(&chunk, "responseId") {
+            if self.handle.as_deref() != Some(id) {
+                self.handle = Some(id.to_owned());
+                out.push(StreamEvent::Handle {
+                    handle: id.to_owned(),
+                });
+            }
+        }
+        if let Some(reason) = chunk
+            .get("promptFeedback")
+            .and_then(|feedback| str_at(feedback, "blockReason"))
+        {
+            out.push(StreamEvent::ProviderError {
+                code: "prompt_blocked".into(),
+                message: reason.to_owned(),
+            });
+            return;
+        }
+        if let Some(usage) = chunk.get("usageMetadata") {
+            let usage = (
+                u64_at(usage, "promptTokenCount"),
+                u64_at(usage, "candidatesTokenCount"),
+            );
+            if usage != (None, None) && self.usage_last != Some(usage) {
+                self.usage_last = Some(usage);
+                out.push(StreamEvent::Usage {
+                    input_tokens: usage.0,
+                    output_tokens: usage.1,
+                });
+            }
+        }
+        let candidate = chunk
+            .get("candidates")
+            .and_then(Value::as_array)
+            .and_then(|candidates| {
+                candidates
+                    .iter()
+                    .find(|candidate| u64_at(candidate, "index").unwrap_or(0) == 0)
+            });
+        let Some(candidate) = candidate else { return };
+        let parts = candidate
+            .get("content")
+            .and_then(|content| content.get("parts"))
+            .and_then(Value::as_array);
+        for part in parts.into_iter().flatten() {
+            self.part(part, out);
+        }
+        if let Some(reason) = str_at(candidate, "finishReason") {
+            self.finish(reason, out);
+        }
+    }
+}
+
+impl Gemini {
+    fn new_block(&mut self, block: BlockStart, out: &mut Emitter) -> BlockIndex {
+        let index = BlockIndex(self.key_next);
+        self.key_next += 1;
+        out.push(StreamEvent::BlockStart { index, block });
+        index
+    }
+
+    fn close_text(&mut self, out: &mut Emitter) {
+        if let Some((index, _)) = self.open_text.take() {
+            out.push(StreamEvent::BlockStop {
+                index,
+                arguments_final: None,
+            });
+        }
+    }
+
+    fn seal(&mut self, signature: &str, out: &mut Emitter) {
+        self.close_text(out);
+        let index = self.new_block(
+            BlockStart::Reasoning {
+                provider: "gemini".into(),
+            },
+            out,
+        );
+        out.push(StreamEvent::ReasoningSeal {
+            index,
+            signature: Some(signature.to_owned()),
+            encrypted: None,
+        });
+        out.push(StreamEvent::BlockStop {
+            index,
+            arguments_final: None,
+        });
+    }
+
+    fn part(&mut self, part: &Value, out: &mut Emitter) {
+        if self.finished {
+            out.push(StreamEvent::Malformed {
+                detail: "content after finishReason".into(),
+            });
+            return;
+        }
+        let signature = str_at(part, "thoughtSignature");
+        if let Some(call) = part.get("functionCall") {
+            if let Some(signature) = signature {
+                self.seal(signature, out);
+            }
+            self.function_call(call, out);
+            return;
+        }
+        if let Some(text) = str_at(part, "text") {
+            let kind = if part.get("thought").and_then(Value::as_bool) == Some(true) {
+                OpenKind::Thought
+            } else {
+                OpenKind::Text
+            };
+            if kind == OpenKind::Text {
+                // A signature on a text part belongs before that part's text.
+                if let Some(signature) = signature {
+                    self.seal(signature, out);
+                }
+            }
+            if text.is_empty() && kind == OpenKind::Text {
+                return;
+            }
+            let index = match self.open_text {
+                Some((index, open)) if open == kind => index,
+                _ => {
+                    self.close_text(out);
+                    let block = match kind {
+                        OpenKind::Text => BlockStart::Text,
+                        OpenKind::Thought => BlockStart::Reasoning {
+                            provider: "gemini".into(),
+                        },
+                    };
+                    let index = self.new_block(block, out);
+                    self.open_text = Some((index, kind));
+                    index
+                }
+            };
+            match kind {
+                OpenKind::Text => out.push(StreamEvent::TextDelta {
+                    index,
+                    text: text.to_owned(),
+                }),
+                OpenKind::Thought => {
+                    out.push(StreamEvent::ReasoningDelta {
+                        index,
+                        text: text.to_owned(),
+                    });
+                    if let Some(signature) = signature {
+                        out.push(StreamEvent::ReasoningSeal {
+                            index,
+                            signature: Some(signature.to_owned()),
+                            encrypted: None,
+                        });
+                    }
+                }
+            }
+            return;
+        }
+        if let Some(signature) = signature {
+            self.seal(signature, out);
+            return;
+        }
+        out.push(StreamEvent::Malformed {
+            detail: "a part kind v1 cannot hold (inline data, code execution, …)".into(),
+        });
+    }
+
+    fn function_call(&mut self, call: &Value, out: &mut Emitter) {
+        let name = str_at(call, "name");
+        let will_continue = call.get("willContinue").and_then(Value::as_bool) == Some(true);
+        let partial = call.get("partialArgs").and_then(Value::as_array);
+        if name.is_none() {
+            // A continuation or the closing `{}` of a Vertex streamed call.
+            let Some((index, mut args)) = self.streaming_call.take() else {
+                out.push(StreamEvent::Malformed {
+                    detail: "a functionCall continuation with no call in progress".into(),
+                });
+                return;
+            };
+            for arg in partial.into_iter().flatten() {
+                if let Err(detail) = apply_partial_arg(&mut args, arg) {
+                    out.push(StreamEvent::Malformed { detail });
+                    return;
+                }
+            }
+            let closes = partial.is_none() && !will_continue;
+            if closes {
+                out.push(StreamEvent::ToolArgsDelta {
+                    index,
+                    fragment: Value::Object(args).to_string(),
+                });
+                out.push(StreamEvent::BlockStop {
+                    index,
+                    arguments_final: None,
+                });
+            } else {
+                self.streaming_call = Some((index, args));
+            }
+            return;
+        }
+        let name = name.unwrap_or_default();
+        if self.streaming_call.is_some() {
+            out.push(StreamEvent::Malformed {
+                detail: "a new functionCall while another is still streaming".into(),
+            });
+            return;
+        }
+        self.close_text(out);
+        let call_id = match str_at(call, "id").filter(|id| !id.is_empty()) {
+            Some(id) => id.to_owned(),
+            None => format!(
+                "gemini-{}-{}",
+                self.handle.as_deref().unwrap_or("unknown"),
+                self.calls
+            ),
+        };
+        self.calls += 1;
+        let index = self.new_block(
+            BlockStart::ToolCall {
+                call_id: Some(call_id),
+                name: name.to_owned(),
+            },
+            out,
+        );
+        if will_continue {
+            let mut args = Map::new();
+            if let Some(Value::Object(given)) = call.get("args") {
+                args = given.clone();
+            }
+            self.streaming_call = Some((index, args));
+            return;
+        }
+        match call.get("args") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(args)) if args.is_empty() => {}
+            Some(args) => out.push(StreamEvent::ToolArgsDelta {
+                index,
+                fragment: args.to_string(),
+            }),
+        }
+        out.push(StreamEvent::BlockStop {
+            index,
+            arguments_final: None,
+        });
+    }
+
+    fn finish(&mut self, reason: &str, out: &mut Emitter) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        self.close_text(out);
+        // A Vertex call still streaming stays open: the assembler will not commit it.
+        let reason = match reason {
+            "STOP" if self.calls > 0 => StopReason::ToolUse,
+            "STOP" => StopReason::EndTurn,
+            "MAX_TOKENS" => StopReason::MaxTokens,
+            "SAFETY"
+            | "RECITATION"
+            | "BLOCKLIST"
+            | "PROHIBITED_CONTENT"
+            | "SPII"
+            | "IMAGE_SAFETY"
+            | "IMAGE_PROHIBITED_CONTENT"
+            | "IMAGE_RECITATION" => StopReason::ContentFilter,
+            other => StopReason::Other(other.to_owned()),
+        };
+        out.push(StreamEvent::Stop { reason });
+        // The connection closes after this chunk (provider-rules.md §0 rule 9): it is the end.
+        out.push(StreamEvent::End);
+    }
+}
+
+enum PathStep {
+    Key(String),
+    Index(usize),
+}
+
+fn parse_json_path(path: &str) -> Option<Vec<PathStep>> {
+    let mut rest = path.strip_prefix('$')?;
+    let mut steps = Vec::new();
+    while !rest.is_empty() {
+        if steps.len() >= PARTIAL_ARGS_PATH_DEPTH_MAX {
+            return None;
+        }
+        if let Some(after) = rest.strip_prefix('.') {
+            let end = after.find(['.', '[']).unwrap_or(after.len());
+            if end == 0 {
+                return None;
+            }
+            steps.push(PathStep::Key(after[..end].to_owned()));
+            rest = &after[end..];
+        } else if let Some(after) = rest.strip_prefix("['") {
+            let end = after.find("']")?;
+            steps.push(PathStep::Key(after[..end].to_owned()));
+            rest = &after[end + 2..];
+        } else if let Some(after) = rest.strip_prefix('[') {
+            let end = after.find(']')?;
+            let index: usize = after[..end].parse().ok()?;
+            // Arrays grow one element at a time; a far index would be a memory bomb.
+            if index > 1 << 16 {
+                return None;
+            }
+            steps.push(PathStep::Index(index));
+            rest = &after[end + 1..];
+        } else {
+            return None;
+        }
+    }
+    Some(steps)
+}
+
+/// Apply one Vertex `PartialArg` to the arguments being built. Consecutive `stringValue`s at
+/// one path concatenate (that is how a long string streams).
+fn apply_partial_arg(args: &mut Map<String, Value>, arg: &Value) -> Result<(), String> {
+    let path = str_at(arg, "jsonPath").ok_or("a partialArg without jsonPath")?;
+    let steps = parse_json_path(path).ok_or_else(|| format!("unsupported jsonPath {path:?}"))?;
+    if steps.is_empty() {
+        return Err("jsonPath \"$\" names no argument".into());
+    }
+    let mut root = Value::Object(std::mem::take(args));
+    let result = set_at(&mut root, &steps, arg);
+    if let Value::Object(map) = root {
+        *args = map;
+    }
+    result
+}
+
+fn set_at(root: &mut Value, steps: &[PathStep], arg: &Value) -> Result<(), String> {
+    let mut node = root;
+    for step in steps {
+        node = child(node, step)?;
+    }
+    if let Some(text) = str_at(arg, "stringValue") {
+        match node {
+            Value::String(existing) => existing.push_str(text),
+            other => *other = Value::String(text.to_owned()),
+        }
+    } else if let Some(number) = arg.get("numberValue").filter(|number| number.is_number()) {
+        *node = number.clone();
+    } else if let Some(flag) = arg.get("boolValue").filter(|flag| flag.is_boolean()) {
+        *node = flag.clone();
+    } else if arg.get("nullValue").is_some() {
+        *node = Value::Null;
+    }
+    Ok(())
+}
+
+fn child<'a>(value: &'a mut Value, step: &PathStep) -> Result<&'a mut Value, String> {
+    match step {
+        PathStep::Key(key) => {
+            if value.is_null() {
+                *value = Value::Object(Map::new());
+            }
+            match value {
+                Value::Object(map) => Ok(map.entry(key.clone()).or_insert(Value::Null)),
+                _ => Err(format!("jsonPath key {key:?} into a non-object")),
+            }
+        }
+        PathStep::Index(index) => {
+            if value.is_null() {
+                *value = Value::Array(Vec::new());
+            }
+            match value {
+                Value::Array(items) => {
+                    if *index > items.len() {
+                        return Err(format!("jsonPath index {index} skips elements"));
+                    }
+                    if *index == items.len() {
+                        items.push(Value::Null);
+                    }
+                    Ok(&mut items[*index])
+                }
+                _ => Err(format!("jsonPath index {index} into a non-array")),
+            }
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Stream decoders: provider stream bytes → normalized [`Sequenced`] events
+//! (`turnstile_core::stream`), one module per provider *API*.
+//!
+//! A stream format belongs to the API, not to an adapter version (`openai-chat@1` and
+//! `openai-chat@2` receive the same bytes), so decoders live here and not under the versioned
+//! `src/<api>/` trees. Every decoder is sans-IO and incremental: any split of the same bytes
+//! gives the same events (proved by `tests/it/decode.rs`), and no input makes one panic.
+//!
+//! Polling order: after each [`Decoder::handle_bytes`] (or [`Decoder::handle_end_of_input`]),
+//! drain [`Decoder::poll_event`] until `None`.
+
+pub mod anthropic_messages;
+pub mod gemini;
+pub mod openai_chat;
+pub mod openai_responses;
+
+use crate::sse::{SseEvent, SseParser};
+use serde_json::Value;
+use std::collections::VecDeque;
+use turnstile_core::stream::{Seq, SeqSource, Sequenced, StreamEvent};
+
+/// A push-driven stream decoder.
+pub trait Decoder: Send {
+    /// Feed the next bytes as received.
+    fn handle_bytes(&mut self, bytes: &[u8]);
+    /// The connection ended (an unterminated last event is discarded).
+    fn handle_end_of_input(&mut self);
+    /// A stored capture ended: like `handle_end_of_input`, but a last event that lost its
+    /// terminating blank line in storage is still decoded (see `SseParser::handle_end_of_file`).
+    fn handle_end_of_file(&mut self);
+    /// The next normalized event.
+    fn poll_event(&mut self) -> Option<Sequenced>;
+    /// A copy of this decoder's whole state (a snapshot: the exhaustive cut test ends a copy
+    /// at every byte without replaying the prefix).
+    fn fork(&self) -> Box<dyn Decoder>;
+}
+
+/// The stream APIs with a decoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StreamApi {
+    /// OpenAI Chat Completions.
+    OpenAiChat,
+    /// OpenAI Responses.
+    OpenAiResponses,
+    /// Anthropic Messages.
+    AnthropicMessages,
+    /// Google Gemini `streamGenerateContent?alt=sse` (and Vertex AI).
+    Gemini,
+}
+
+impl StreamApi {
+    /// The API an adapter id (`openai-chat@1`, `anthropic-messages@2`, …) streams in.
+    pub fn for_adapter(adapter_id: &str) -> Option<StreamApi> {
+        let api = adapter_id
+            .split_once('@')
+            .map_or(adapter_id, |(api, _version)| api);
+        match api {
+            "openai-chat" => Some(StreamApi::OpenAiChat),
+            "openai-responses" => Some(StreamApi::OpenAiResponses),
+            "anthropic-messages" => Some(StreamApi::AnthropicMessages),
+            "gemini" => Some(StreamApi::Gemini),
+            _ => None,
+        }
+    }
+
+    /// A fresh decoder for one connection.
+    pub fn decoder(self) -> Box<dyn Decoder> {
+        match self {
+            StreamApi::OpenAiChat => Box::new(openai_chat::OpenAiChatDecoder::new()),
+            StreamApi::OpenAiResponses => Box::new(openai_responses::OpenAiResponsesDecoder::new()),
+            StreamApi::AnthropicMessages => Box::new(anthropic_messages::AnthropicDecoder::new()),
+            StreamApi::Gemini => Box::new(gemini::GeminiDecoder::new()),
+        }
+    }
+
+    /// All of them.
+    pub const ALL: [StreamApi; 4] = [
+        StreamApi::OpenAiChat,
+        StreamApi::OpenAiResponses,
+        StreamApi::AnthropicMessages,
+        StreamApi::Gemini,
+    ];
+}
+
+/// Decode a whole live byte stream at once (tests, benchmarks): every event, in order. The
+/// WHATWG end-of-input rule applies: an unterminated last event is discarded.
+pub fn decode_all(api: StreamApi, bytes: &[u8]) -> Vec<Sequenced> {
+    let mut decoder = api.decoder();
+    decoder.handle_bytes(bytes);
+    decoder.handle_end_of_input();
+    std::iter::from_fn(|| decoder.poll_event()).collect()
+}
+
+/// What an API module implements: one SSE event in, normalized events out through `Emitter`.
+pub(crate) trait EventDecoder {
+    fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter);
+    /// Called when the SSE data is not JSON. Most APIs: a malformed event.
+    fn non_json(&mut self, event: &SseEvent, out: &mut Emitter) {
+        let _ = event;
+        out.push(StreamEvent::Malformed {
+            detail: "an event whose data is not JSON".into(),
+        });
+    }
+}
+
+/// Collects normalized events and numbers them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Emitter {
+    out: VecDeque<Sequenced>,
+    seq: Option<Seq>,
+    receive_ordinal: u64,
+}
+
+impl Emitter {
+    /// Begin one provider event: the receive ordinal advances; `provider_seq` overrides it.
+    pub(crate) fn begin(&mut self, provider_seq: Option<u64>) {
+        let (source, number) = match provider_seq {
+            Some(number) => (SeqSource::Provider, number),
+            None => (SeqSource::Receive, self.receive_ordinal),
+        };
+        self.receive_ordinal += 1;
+        self.seq = Some(Seq {
+            source,
+            number,
+            part: 0,
+        });
+    }
+
+    /// The current provider event carries the provider's own sequence number.
+    pub(crate) fn provider_seq(&mut self, number: u64) {
+        if let Some(seq) = &mut self.seq {
+            seq.source = SeqSource::Provider;
+            seq.number = number;
+        }
+    }
+
+    pub(crate) fn push(&mut self, event: StreamEvent) {
+        let seq = self.seq.get_or_insert(Seq {
+            source: SeqSource::Receive,
+            number: self.receive_ordinal,
+            part: 0,
+        });
+        let current = *seq;
+        seq.part = seq.part.saturating_add(1);
+        self.out.push_back(Sequenced { seq: current, event });
+    }
+}
+
+/// An SSE parser plus one API's event decoder: the shape of every decoder here.
+#[derive(Clone)]
+pub(crate) struct SseDecoder<D> {
+    sse: SseParser,
+    api: D,
+    out: Emitter,
+    poisoned: bool,
+}
+
+impl<D: EventDecoder> SseDecoder<D> {
+    pub(crate) fn with(api: D) -> SseDecoder<D> {
+        SseDecoder {
+            sse: SseParser::new(),
+            api,
+            out: Emitter::default(),
+            poisoned: false,
+        }
+    }
+
+    fn drain_sse(&mut self) {
+        while let Some(event) = self.sse.poll_event() {
+            self.out.begin(None);
+            match serde_json::from_str::<Value>(&event.data) {
+                Ok(payload) => self.api.event(&event, payload, &mut self.out),
+                Err(_) => self.api.non_json(&event, &mut self.out),
+            }
+        }
+    }
+}
+
+impl<D: EventDecoder> SseDecoder<D> {
+    pub(crate) fn handle_bytes(&mut self, bytes: &[u8]) {
+        if self.poisoned {
+            return;
+        }
+        if let Err(error) = self.sse.handle_bytes(bytes) {
+            self.poisoned = true;
+            self.drain_sse();
+            self.out.begin(None);
+            self.out.push(StreamEvent::Malformed {
+                detail: error.to_string(),
+            });
+            return;
+        }
+        self.drain_sse();
+    }
+
+    pub(crate) fn handle_end_of_input(&mut self) {
+        self.sse.handle_end_of_input();
+    }
+
+    pub(crate) fn handle_end_of_file(&mut self) {
+        if self.poisoned {
+            return;
+        }
+        self.sse.handle_end_of_file();
+        self.drain_sse();
+    }
+
+    pub(crate) fn poll_event(&mut self) -> Option<Sequenced> {
+        self.out.out.pop_front()
+    }
+}
+
+/// Helpers for reading loosely typed provider JSON without panicking.
+pub(crate) fn str_at<'a>(value: &'a Value, key: &str) -> Option<&'a str> {
+    value.get(key).and_then(Value::as_str)
+}
+
+pub(crate) fn u64_at(value: &Value, key: &str) -> Option<u64> {
+    value.get(key).and_then(Value::as_u64)
+}
+
+/// A provider error object (`{"type","code","message"}`, flat or under `"error"`), normalized.
+pub(crate) fn provider_error(error: &Value) -> StreamEvent {
+    let code = str_at(error, "code")
+        .or_else(|| str_at(error, "type"))
+        .or_else(|| str_at(error, "status"))
+        .map(str::to_owned)
+        .or_else(|| u64_at(error, "code").map(|code| code.to_string()))
+        .unwrap_or_else(|| "unknown".to_owned());
+    let message = str_at(error, "message").unwrap_or_default().to_owned();
+    StreamEvent::ProviderError { code, message }
+}
