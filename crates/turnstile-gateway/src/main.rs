@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod sim;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -24,6 +25,8 @@ enum Command {
     Assemble(cli::assemble::AssembleArgs),
     /// Render the request an adapter would send (exit 0 rendered, 3 waiting, 1 rejected, 4 paused, 5 over budget, 2 usage).
     Render(cli::render::RenderArgs),
+    /// Run the provider simulator (OpenAI Chat, OpenAI Responses, Anthropic, Gemini wire formats on loopback).
+    Sim(cli::sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         Command::Validate(args) => cli::validate::run(&args),
         Command::Assemble(args) => cli::assemble::run(&args),
         Command::Render(args) => cli::render::run(&args),
+        Command::Sim(args) => cli::sim::run(&args),
     };
     exit.into()
 }

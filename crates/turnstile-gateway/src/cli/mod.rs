@@ -3,6 +3,7 @@
 
 pub mod assemble;
 pub mod render;
+pub mod sim;
 pub mod validate;
 
 use std::io::Read;

@@ -2,4 +2,5 @@
 
 mod render;
 mod assemble;
+mod sim;
 mod validate;
