@@ -418,7 +418,7 @@ pub(crate) async fn begin_attempt<T: Tx>(
 
 /// The plain fenced transitions: everything except begin, replay, rearm, commit and cancel,
 /// which have their own operations.
-pub(crate) fn is_plain_transition(from: DispatchState, to: DispatchState) -> bool {
+pub fn is_plain_transition(from: DispatchState, to: DispatchState) -> bool {
     use DispatchState::*;
     from.can_transition(to)
         && matches!(

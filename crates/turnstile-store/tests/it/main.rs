@@ -3,4 +3,7 @@
 //! model-based test against a small reference model of the transitions.
 
 mod conformance;
+mod crash;
+mod model;
+mod races;
 mod support;
