@@ -266,6 +266,14 @@ impl RenderCache {
         (self.hits, self.misses)
     }
 
+    /// Drop every cached fragment of one block digest (a block that left the history, or a
+    /// benchmark that wants the next render of that block to be a miss again).
+    pub fn forget(&mut self, digest: &Digest) {
+        if let Some(slot) = self.fragments.remove(digest) {
+            self.len -= slot.len();
+        }
+    }
+
     /// Number of cached fragments.
     pub fn len(&self) -> usize {
         self.len

@@ -3,7 +3,6 @@
 
 pub mod assemble;
 pub mod render;
-pub mod serve;
 pub mod sim;
 pub mod validate;
 

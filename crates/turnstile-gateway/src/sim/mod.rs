@@ -96,16 +96,6 @@ pub fn router(sim: Sim) -> Router {
         .with_state(sim)
 }
 
-/// Only the scripting and request-log routes, for a gateway that embeds the simulator: its
-/// clients script replies through the gateway's own address.
-pub fn control_router(sim: Sim) -> Router {
-    Router::new()
-        .route("/sim/script", post(script_post))
-        .route("/sim/requests", get(requests_get))
-        .route("/sim/reset", post(reset))
-        .with_state(sim)
-}
-
 /// Serve on a bound listener until the future is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, sim: Sim) -> std::io::Result<()> {
     axum::serve(listener, router(sim)).await
