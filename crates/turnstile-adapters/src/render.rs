@@ -236,11 +236,13 @@ struct Fragment {
 
 /// Cache of rendered fragments by (adapter, tokenizer, tag, content digest). Keep one per
 /// conversation (or share one: keys are content-addressed, so sharing is always correct).
-/// Bounded by [`RenderCache::FRAGMENTS_MAX`]; when full it is cleared, never wrong.
+/// Bounded by [`RenderCache::FRAGMENTS_MAX`] fragments and [`RenderCache::BYTES_MAX`] bytes;
+/// when either is reached it is cleared, which costs a cold render, never a wrong one.
 #[derive(Debug, Default)]
 pub struct RenderCache {
     fragments: HashMap<Digest, Vec<(FragmentKey, Fragment)>>,
     len: usize,
+    bytes: usize,
     hits: u64,
     misses: u64,
 }
@@ -255,6 +257,8 @@ struct FragmentKey {
 impl RenderCache {
     /// Most fragments kept before the cache is cleared.
     pub const FRAGMENTS_MAX: usize = 1_000_000;
+    /// Most fragment bytes kept before the cache is cleared.
+    pub const BYTES_MAX: usize = 256 * 1024 * 1024;
 
     /// An empty cache.
     pub fn new() -> RenderCache {
@@ -271,6 +275,10 @@ impl RenderCache {
     pub fn forget(&mut self, digest: &Digest) {
         if let Some(slot) = self.fragments.remove(digest) {
             self.len -= slot.len();
+            self.bytes -= slot
+                .iter()
+                .map(|(_, fragment)| fragment.bytes.len())
+                .sum::<usize>();
         }
     }
 
@@ -335,11 +343,13 @@ impl<'c> Ctx<'c> {
         build(&mut writer);
         out.extend_from_slice(&writer.out);
         self.tokens += writer.tokens;
-        if self.cache.len >= RenderCache::FRAGMENTS_MAX {
+        if self.cache.len >= RenderCache::FRAGMENTS_MAX || self.cache.bytes >= RenderCache::BYTES_MAX {
             self.cache.fragments.clear();
             self.cache.len = 0;
+            self.cache.bytes = 0;
         }
         self.cache.len += 1;
+        self.cache.bytes += writer.out.len();
         self.cache.fragments.entry(digest.clone()).or_default().push((
             key,
             Fragment {
@@ -374,7 +384,8 @@ impl<'c> Ctx<'c> {
     }
 
     /// Map every call id of the conversation under `rule`, recording rewritten ones in the
-    /// policy and pausing on a collision. Returns the (pure) mapping function's results.
+    /// policy and pausing on a collision. Renderers call the same pure [`call_ids::map`]
+    /// when they write a call or a result, so both ends of a pair always agree.
     pub fn map_call_ids(&mut self, conversation: &Conversation, rule: CallIdRule) {
         let mut ours: HashSet<&str> = HashSet::new();
         for turn in &conversation.turns {

@@ -24,6 +24,7 @@ use crate::render::{
     reasoning_for, segments, status_note, wrap_context,
 };
 use crate::tokens::{self, Tokenizer};
+use std::sync::OnceLock;
 use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ToolDef, Turn};
 
 /// What differs between Chat versions.
@@ -138,13 +139,43 @@ struct RoleTokens {
 }
 
 impl RoleTokens {
+    /// Per-message charges. Role-name counts are computed once per process and tokenizer:
+    /// re-encoding "assistant" on every message of every render would cost more than the
+    /// cached fragments themselves.
     fn new(tokenizer: Tokenizer, system_role: &str) -> RoleTokens {
+        static COUNTS: OnceLock<Vec<(Tokenizer, [u64; 5])>> = OnceLock::new();
+        let counts = COUNTS.get_or_init(|| {
+            [
+                Tokenizer::O200kBase,
+                Tokenizer::Cl100kBase,
+                Tokenizer::AnthropicEstimate,
+                Tokenizer::GeminiEstimate,
+            ]
+            .into_iter()
+            .map(|tokenizer| {
+                let roles = ["system", "developer", "user", "assistant", "tool"];
+                (tokenizer, roles.map(|role| tokenizer.count(role)))
+            })
+            .collect()
+        });
+        let counts = counts
+            .iter()
+            .find(|(known, _)| *known == tokenizer)
+            .map(|(_, counts)| *counts)
+            .unwrap_or_else(|| {
+                ["system", "developer", "user", "assistant", "tool"].map(|role| tokenizer.count(role))
+            });
         let overhead = tokenizer.message_overhead();
         RoleTokens {
-            system: overhead + tokenizer.count(system_role),
-            user: overhead + tokenizer.count("user"),
-            assistant: overhead + tokenizer.count("assistant"),
-            tool: overhead + tokenizer.count("tool"),
+            system: overhead
+                + if system_role == "developer" {
+                    counts[1]
+                } else {
+                    counts[0]
+                },
+            user: overhead + counts[2],
+            assistant: overhead + counts[3],
+            tool: overhead + counts[4],
         }
     }
 }
