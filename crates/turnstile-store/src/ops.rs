@@ -254,6 +254,42 @@ pub(crate) async fn dispatch<T: Tx>(
     rows.first().map(dispatch_from_row).transpose()
 }
 
+/// The small columns of a dispatch (no manifest, no request bytes): what the hot operations
+/// read to pick their statement.
+struct DispatchHead {
+    conversation_id: String,
+    revision: Revision,
+    manifest_digest: String,
+    request_digest: String,
+    provider: String,
+    state: DispatchState,
+    active_generation: Option<Generation>,
+    committed_revision: Option<Revision>,
+}
+
+async fn dispatch_head<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Option<DispatchHead>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT conversation_id, revision, manifest_digest, request_digest, provider, state, \
+             active_generation, committed_revision FROM dispatches WHERE operation_id = $1",
+            &[operation_id.into()],
+        )
+        .await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    Ok(Some(DispatchHead {
+        conversation_id: row.text(0)?,
+        revision: Revision(row.uint(1)?),
+        manifest_digest: row.text(2)?,
+        request_digest: row.text(3)?,
+        provider: row.text(4)?,
+        state: state_of(&row.text(5)?)?,
+        active_generation: row.uint_opt(6)?.map(Generation),
+        committed_revision: row.uint_opt(7)?.map(Revision),
+    }))
+}
+
 /// State and active generation of a dispatch (to explain a refusal; never to decide one).
 async fn dispatch_state<T: Tx>(
     tx: &mut T,
@@ -352,7 +388,7 @@ pub(crate) async fn begin_attempt<T: Tx>(
     lease: &Lease,
     now: Timestamp,
 ) -> Result<BeginOutcome, StoreError> {
-    let Some(record) = dispatch(tx, operation_id).await? else {
+    let Some(record) = dispatch_head(tx, operation_id).await? else {
         return Ok(BeginOutcome::Refused {
             state: None,
             active_generation: None,
@@ -639,7 +675,7 @@ pub(crate) async fn bind_handle<T: Tx>(
     handle: &str,
     now: Timestamp,
 ) -> Result<BindOutcome, StoreError> {
-    let Some(record) = dispatch(tx, operation_id).await? else {
+    let Some(record) = dispatch_head(tx, operation_id).await? else {
         return Ok(BindOutcome::StaleGeneration);
     };
     if record.active_generation != Some(generation) {
@@ -780,7 +816,7 @@ pub(crate) async fn commit<T: Tx>(
     turn: &Value,
     now: Timestamp,
 ) -> Result<CommitOutcome, StoreError> {
-    let Some(record) = dispatch(tx, operation_id).await? else {
+    let Some(record) = dispatch_head(tx, operation_id).await? else {
         return Ok(CommitOutcome::Refused(CommitRefusal::NotFound));
     };
     // A retry of the winning commit (e.g. after a connection drop past COMMIT) gets the same
