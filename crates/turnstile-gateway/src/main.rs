@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod serve;
 mod sim;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Command {
     Render(cli::render::RenderArgs),
     /// Run the provider simulator (OpenAI Chat, OpenAI Responses, Anthropic, Gemini wire formats on loopback).
     Sim(cli::sim::SimArgs),
+    /// Run the gateway (HTTP API, dispatch, recovery, metrics) on its embedded default: SQLite + built-in simulator.
+    Serve(cli::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Assemble(args) => cli::assemble::run(&args),
         Command::Render(args) => cli::render::run(&args),
         Command::Sim(args) => cli::sim::run(&args),
+        Command::Serve(args) => cli::serve::run(args),
     };
     exit.into()
 }

@@ -3,6 +3,7 @@
 
 pub mod assemble;
 pub mod render;
+pub mod serve;
 pub mod sim;
 pub mod validate;
 

@@ -58,13 +58,30 @@ struct Produced {
     resumable: bool,
 }
 
-#[derive(Default)]
 struct SimState {
+    /// Distinguishes this simulator process's handles from every other's.
+    instance: String,
     queues: HashMap<String, VecDeque<Reply>>,
     requests: VecDeque<Recorded>,
     produced: HashMap<String, Produced>,
     idempotent: HashMap<String, String>,
     handles_issued: u64,
+}
+
+impl Default for SimState {
+    fn default() -> SimState {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos());
+        SimState {
+            instance: format!("{:x}", nanos ^ u128::from(std::process::id())),
+            queues: HashMap::new(),
+            requests: VecDeque::new(),
+            produced: HashMap::new(),
+            idempotent: HashMap::new(),
+            handles_issued: 0,
+        }
+    }
 }
 
 /// The simulator's shared state.
@@ -93,6 +110,16 @@ pub fn router(sim: Sim) -> Router {
         .route("/sim/requests", get(requests_get))
         .route("/sim/reset", post(reset))
         .layer(axum::extract::DefaultBodyLimit::max(REQUEST_BYTES_MAX))
+        .with_state(sim)
+}
+
+/// Only the scripting and request-log routes, for a gateway that embeds the simulator: its
+/// clients script replies through the gateway's own address.
+pub fn control_router(sim: Sim) -> Router {
+    Router::new()
+        .route("/sim/script", post(script_post))
+        .route("/sim/requests", get(requests_get))
+        .route("/sim/reset", post(reset))
         .with_state(sim)
 }
 
@@ -292,11 +319,15 @@ async fn provider_request(
                 }
                 state.handles_issued += 1;
                 let number = state.handles_issued;
+                // Unique across simulator processes, as real provider handles are: a handle
+                // reused by a restarted simulator would (rightly) be refused by a ledger that
+                // bound it to another manifest.
+                let instance = &state.instance;
                 let handle = match api {
-                    Api::OpenAiChat => format!("chatcmpl-sim{number}"),
-                    Api::OpenAiResponses => format!("resp_sim{number}"),
-                    Api::Anthropic => format!("msg_sim{number}"),
-                    Api::Gemini => format!("sim-{number}"),
+                    Api::OpenAiChat => format!("chatcmpl-sim{instance}n{number}"),
+                    Api::OpenAiResponses => format!("resp_sim{instance}n{number}"),
+                    Api::Anthropic => format!("msg_sim{instance}n{number}"),
+                    Api::Gemini => format!("sim-{instance}n{number}"),
                 };
                 let ids = wire::call_ids(api, &reply, number);
                 let frames = wire::frames(api, &reply, &handle, &model, &ids, body.len());

@@ -2,5 +2,6 @@
 
 mod render;
 mod assemble;
+mod serve;
 mod sim;
 mod validate;

@@ -1,0 +1,915 @@
+//! The HTTP API of `shared/spec/gateway-api.md`: one error type with one `IntoResponse`, tenant
+//! scoping, body limits, and the dispatch entry point (validate → waiting / rejected / render
+//! → admission → manifest → prepare → driver).
+//!
+//! Tenants: with tenants configured every request needs `Authorization: Bearer <token>`, and a
+//! tenant's conversations and operations live under the store ids `<tenant>~<id>`, so another
+//! tenant's conversation answers exactly like a missing one (404). Responses show the caller's
+//! own ids; manifests (which pin exactly what was sent) show the store id.
+
+use super::driver::{self, DriveContext};
+use super::hub::Hub;
+use super::{Shared, metrics, now};
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use turnstile_adapters::decode::StreamApi;
+use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare};
+use turnstile_adapters::registry::AdapterId;
+use turnstile_adapters::render::Graph;
+use turnstile_core::dispatch::DispatchState;
+use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
+use turnstile_store::{AppendOutcome, ClaimOutcome, CreateOutcome, Lease, ResultOutcome, ToolCallState};
+
+/// Longest id a client may choose.
+pub const ID_BYTES_MAX: usize = 128;
+/// How often a client watching a dispatch driven elsewhere polls the ledger.
+const WATCH_POLL: Duration = Duration::from_millis(100);
+
+/// The one API error: a status, a stable code, a message, and optional extra fields.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    extra: Value,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            extra: Value::Null,
+        }
+    }
+    fn with(mut self, extra: Value) -> ApiError {
+        self.extra = extra;
+        self
+    }
+    fn not_found(what: &str) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such {what}"))
+    }
+    fn store(error: turnstile_store::StoreError) -> ApiError {
+        tracing::error!(%error, "store error");
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "the ledger is unavailable",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"code": self.code, "message": self.message});
+        if let Value::Object(extra) = self.extra {
+            for (key, value) in extra {
+                error[key] = value;
+            }
+        }
+        (self.status, Json(json!({"error": error}))).into_response()
+    }
+}
+
+type ApiResult = Result<Response, ApiError>;
+
+/// Who is calling: the tenant prefix for store ids ("" with no tenants configured).
+#[derive(Clone)]
+pub struct Caller {
+    prefix: String,
+}
+
+impl Caller {
+    fn store_id(&self, id: &str) -> String {
+        format!("{}{id}", self.prefix)
+    }
+    fn client_id<'a>(&self, store_id: &'a str) -> Option<&'a str> {
+        store_id.strip_prefix(self.prefix.as_str())
+    }
+}
+
+/// Authenticate: with tenants configured, a known bearer token is required.
+pub fn caller(shared: &Shared, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    if shared.tenants.is_empty() {
+        return Ok(Caller {
+            prefix: String::new(),
+        });
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    let tenant = token.and_then(|token| shared.tenants.iter().find(|(known, _)| known == token));
+    match tenant {
+        Some((_, name)) => Ok(Caller {
+            prefix: format!("{name}~"),
+        }),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid bearer token is required",
+        )),
+    }
+}
+
+fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
+    let ok = !id.is_empty()
+        && id.len() <= ID_BYTES_MAX
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_id",
+            format!("{what} must be 1–{ID_BYTES_MAX} characters of A–Z a–z 0–9 - _ . :"),
+        ))
+    }
+}
+
+/// Read a JSON body within the size and depth limits (413 / 422 / 400).
+async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
+    let bytes = axum::body::to_bytes(body, shared.body_bytes_max)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("the body exceeds {} bytes", shared.body_bytes_max),
+            )
+        })?;
+    turnstile_core::parse::json_from_slice(&bytes).map_err(|error| match error {
+        turnstile_core::conversation::Unreadable::Limit { what, .. } => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "limit_exceeded",
+            format!("limit exceeded: {what}"),
+        )
+        .with(json!({"limit": what})),
+        other => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", other.to_string()),
+    })
+}
+
+fn violations_json(violations: &[turnstile_core::Violation]) -> Value {
+    serde_json::to_value(violations).unwrap_or(Value::Null)
+}
+
+/// The conversation document with the caller's own id.
+fn client_document(caller: &Caller, mut document: Value) -> Value {
+    if let Some(id) = document["conversation_id"]
+        .as_str()
+        .and_then(|id| caller.client_id(id))
+        .map(str::to_owned)
+    {
+        document["conversation_id"] = json!(id);
+    }
+    document
+}
+
+pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Request) -> ApiResult {
+    let (parts, body) = request.into_parts();
+    let caller = caller(&shared, &parts.headers)?;
+    let body = json_body(&shared, body).await?;
+    let id = match body.get("conversation_id") {
+        Some(Value::String(id)) => id.clone(),
+        None | Some(Value::Null) => format!("c-{}", super::fresh_id()),
+        Some(_) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_id",
+                "conversation_id must be a string",
+            ));
+        }
+    };
+    check_id(&id, "conversation_id")?;
+    let tools = body.get("tools").cloned().unwrap_or(json!([]));
+    // The tools must decode as v1 tools: check through the same decoder the validator uses.
+    let probe = json!({"format": turnstile_core::conversation::FORMAT_V1, "conversation_id": id, "revision": 0,
+                       "tools": tools, "turns": []});
+    let conversation = Conversation::from_value(probe).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "limit_exceeded",
+            error.to_string(),
+        )
+    })?;
+    if let Verdict::Rejected(violations) = validate(&conversation) {
+        metrics::rejected(&violations);
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "rejected",
+            "the tools are malformed",
+        )
+        .with(json!({"violations": violations_json(&violations)})));
+    }
+    match shared
+        .ledger
+        .create_conversation(&caller.store_id(&id), &tools, now())
+        .await
+        .map_err(ApiError::store)?
+    {
+        CreateOutcome::Created => Ok((
+            StatusCode::CREATED,
+            Json(json!({"conversation_id": id, "revision": 0})),
+        )
+            .into_response()),
+        CreateOutcome::AlreadyExists => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conversation_exists",
+            format!("conversation {id:?} exists already"),
+        )),
+    }
+}
+
+pub async fn get_conversation(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let caller = caller(&shared, &headers)?;
+    match shared
+        .ledger
+        .conversation(&caller.store_id(&id))
+        .await
+        .map_err(ApiError::store)?
+    {
+        Some(document) => Ok(Json(client_document(&caller, document)).into_response()),
+        None => Err(ApiError::not_found("conversation")),
+    }
+}
+
+pub async fn append_turn(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    request: Request,
+) -> ApiResult {
+    let (parts, body) = request.into_parts();
+    let caller = caller(&shared, &parts.headers)?;
+    let body = json_body(&shared, body).await?;
+    let expected = body["expected_revision"].as_u64().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "expected_revision must be a non-negative integer",
+        )
+    })?;
+    let turn = body.get("turn").cloned().unwrap_or(Value::Null);
+    let blocks = turn["blocks"].as_array().map_or(0, Vec::len);
+    if blocks > limits::BLOCKS_PER_TURN_MAX {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "limit_exceeded",
+            format!("a turn holds at most {} blocks", limits::BLOCKS_PER_TURN_MAX),
+        )
+        .with(json!({"limit": "BLOCKS_PER_TURN_MAX"})));
+    }
+    let outcome = shared
+        .ledger
+        .append_turn(&caller.store_id(&id), Revision(expected), &turn, now())
+        .await
+        .map_err(ApiError::store)?;
+    match outcome {
+        AppendOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
+        AppendOutcome::Conflict { current } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "revision_conflict",
+            format!("the conversation is at revision {current}, not {expected}"),
+        )
+        .with(json!({"current_revision": current.0}))),
+        AppendOutcome::Rejected(violations) => {
+            metrics::rejected(&violations);
+            Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "rejected",
+                "the turn would make the history illegal",
+            )
+            .with(json!({"violations": violations_json(&violations)})))
+        }
+        AppendOutcome::NotFound => Err(ApiError::not_found("conversation")),
+    }
+}
+
+#[derive(Deserialize)]
+struct DispatchBody {
+    operation_id: String,
+    target: Target,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+}
+
+#[derive(Deserialize)]
+struct Target {
+    #[serde(default = "sim_provider")]
+    provider: String,
+    model: String,
+    adapter: String,
+}
+
+fn sim_provider() -> String {
+    "sim".into()
+}
+
+/// How the dispatch request ends before any dispatch exists (waiting, rejected, paused).
+enum Early {
+    Waiting(Vec<String>),
+    Rejected(Vec<turnstile_core::Violation>),
+    Paused(Value),
+}
+
+fn early_response(early: Early, stream: bool) -> Response {
+    let (event, data, status) = match early {
+        Early::Waiting(pending) => ("waiting", json!({"pending": pending}), StatusCode::OK),
+        Early::Rejected(violations) => (
+            "rejected",
+            json!({"violations": violations_json(&violations)}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        Early::Paused(reason) => ("paused", json!({"reason": reason}), StatusCode::CONFLICT),
+    };
+    if stream {
+        sse_response(vec![(event, data)], None)
+    } else {
+        let mut body = data;
+        body["status"] = json!(event);
+        (status, Json(body)).into_response()
+    }
+}
+
+pub async fn dispatch(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    request: Request,
+) -> ApiResult {
+    let (parts, body) = request.into_parts();
+    let caller = caller(&shared, &parts.headers)?;
+    let body = json_body(&shared, body).await?;
+    let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            error.to_string(),
+        )
+    })?;
+    check_id(&request.operation_id, "operation_id")?;
+    let conversation_id = caller.store_id(&id);
+    let operation_id = caller.store_id(&request.operation_id);
+
+    if let Some(record) = shared
+        .ledger
+        .dispatch(&operation_id)
+        .await
+        .map_err(ApiError::store)?
+    {
+        if record.conversation_id != conversation_id {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "operation_conflict",
+                "that operation id belongs to another conversation",
+            ));
+        }
+        return attach(shared, caller, record, request.stream).await;
+    }
+
+    let document = shared
+        .ledger
+        .conversation(&conversation_id)
+        .await
+        .map_err(ApiError::store)?
+        .ok_or_else(|| ApiError::not_found("conversation"))?;
+    let conversation = Conversation::from_value(document).map_err(|error| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "stored_history_unreadable",
+            error.to_string(),
+        )
+    })?;
+    match validate(&conversation) {
+        Verdict::Ready => {}
+        Verdict::Waiting { pending } => {
+            let pending = pending.into_iter().map(|call| call.0).collect();
+            return Ok(early_response(Early::Waiting(pending), request.stream));
+        }
+        Verdict::Rejected(violations) => {
+            metrics::rejected(&violations);
+            return Ok(early_response(Early::Rejected(violations), request.stream));
+        }
+    }
+    let adapter: AdapterId = request.target.adapter.parse().map_err(|_| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_adapter",
+            format!("no adapter {:?}", request.target.adapter),
+        )
+    })?;
+    if !shared.endpoints.contains_key(&request.target.provider) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_provider",
+            format!("no provider {:?} is configured", request.target.provider),
+        ));
+    }
+    // Invariant: `validate` said ready just above.
+    let validated = Validated::new(&conversation).map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "validation changed",
+        )
+    })?;
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "not_renderable",
+            error.to_string(),
+        )
+    })?;
+    let prepare_request = PrepareRequest {
+        operation_id: operation_id.clone(),
+        adapter,
+        provider: Some(request.target.provider.clone()),
+        model: request.target.model.clone(),
+        max_output_tokens: request.max_output_tokens,
+        // The gateway always streams from the provider; `stream` only shapes the answer.
+        stream: true,
+    };
+    let outcome = {
+        let mut cache = shared.render_cache.lock().await;
+        prepare(graph, &prepare_request, &shared.catalog, &mut cache)
+    };
+    let prepared = match outcome {
+        PrepareOutcome::Prepared(prepared) => prepared,
+        PrepareOutcome::Paused(pauses) => {
+            let reason = json!({"code": "unrepresentable", "adapter": adapter.as_str(),
+                                "blocks": serde_json::to_value(&pauses).unwrap_or(Value::Null)});
+            return Ok(early_response(Early::Paused(reason), request.stream));
+        }
+        PrepareOutcome::OverBudget(over) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "over_budget",
+                "prompt tokens plus the output cap exceed the model's context window",
+            )
+            .with(
+                json!({"prompt_tokens": over.prompt_tokens, "max_output_tokens": over.max_output_tokens,
+                         "context_window": over.context_window}),
+            ));
+        }
+    };
+    let outcome = shared
+        .ledger
+        .prepare(&prepared.manifest, &prepared.rendered.body, now())
+        .await
+        .map_err(ApiError::store)?;
+    use turnstile_store::PrepareOutcome as Stored;
+    let record = match outcome {
+        Stored::Created(record) | Stored::Existing(record) => record,
+        Stored::Conflict { .. } => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "operation_conflict",
+                "that operation id names a different request",
+            ));
+        }
+        Stored::StaleRevision { current } => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "revision_conflict",
+                "the conversation moved while preparing",
+            )
+            .with(json!({"current_revision": current.0})));
+        }
+        Stored::NotFound => return Err(ApiError::not_found("conversation")),
+        Stored::Invalid(why) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "manifest_invalid",
+                why,
+            ));
+        }
+    };
+    attach(shared, caller, record, request.stream).await
+}
+
+/// Attach to a dispatch: its live hub in this process, a new driver for a PREPARED one, the
+/// stored outcome of a finished one, or a watch of one driven by another replica.
+async fn attach(
+    shared: Arc<Shared>,
+    caller: Caller,
+    record: turnstile_store::DispatchRecord,
+    stream: bool,
+) -> ApiResult {
+    let operation_id = record.operation_id.clone();
+    let hub = {
+        let mut hubs = shared.hubs.lock().await;
+        match hubs.get(&operation_id) {
+            Some(hub) => Some(hub.clone()),
+            None if record.state == DispatchState::Prepared => {
+                let hub = Arc::new(Hub::new());
+                hubs.insert(operation_id.clone(), hub.clone());
+                let ctx = context_for(&shared, record.clone(), hub.clone()).await?;
+                tokio::spawn(driver::drive_new(shared.clone(), ctx));
+                Some(hub)
+            }
+            None => None,
+        }
+    };
+    let hub = match hub {
+        Some(hub) => hub,
+        None => {
+            // Finished, or driven by another replica: watch the ledger.
+            let hub = Arc::new(Hub::new());
+            tokio::spawn(watch(shared.clone(), operation_id.clone(), hub.clone()));
+            hub
+        }
+    };
+    let _ = caller;
+    if stream {
+        let (backlog, finished, receiver) = hub.subscribe();
+        Ok(sse_response(
+            backlog,
+            if finished { None } else { Some(receiver) },
+        ))
+    } else {
+        let (backlog, finished, mut receiver) = hub.subscribe();
+        let mut events = backlog;
+        if !finished {
+            while let Ok(Some(message)) = receiver.recv().await {
+                events.push(message);
+            }
+        }
+        let record = shared
+            .ledger
+            .dispatch(&operation_id)
+            .await
+            .map_err(ApiError::store)?;
+        let state = record.as_ref().map_or("unknown", |record| record.state.as_str());
+        let mut body = json!({"operation_id": caller.client_id(&operation_id).unwrap_or(&operation_id), "state": state,
+                              "events": events.iter().map(|(event, data)| json!({"event": event, "data": data})).collect::<Vec<_>>()});
+        if let Some((_, committed)) = events.iter().rev().find(|(event, _)| *event == "committed") {
+            body["revision"] = committed["revision"].clone();
+            body["turn"] = committed["turn"].clone();
+        }
+        Ok(Json(body).into_response())
+    }
+}
+
+/// Poll the ledger for a dispatch this process does not drive, relaying its state until it is
+/// terminal (then its committed turn, if any).
+async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hub>) {
+    let mut last: Option<DispatchState> = None;
+    loop {
+        let record = match shared.ledger.dispatch(&operation_id).await {
+            Ok(Some(record)) => record,
+            _ => break,
+        };
+        if last != Some(record.state) {
+            last = Some(record.state);
+            hub.send(
+                "state",
+                json!({"state": record.state.as_str(), "generation": record.active_generation.map(|g| g.0)}),
+            );
+        }
+        if record.state.is_terminal() {
+            if let Some(revision) = record.committed_revision {
+                let turn = match shared.ledger.conversation(&record.conversation_id).await {
+                    Ok(Some(document)) => document["turns"]
+                        .as_array()
+                        .and_then(|turns| turns.iter().find(|turn| turn["revision"] == revision.0))
+                        .cloned()
+                        .unwrap_or(Value::Null),
+                    _ => Value::Null,
+                };
+                hub.send("committed", json!({"revision": revision.0, "turn": turn}));
+            }
+            break;
+        }
+        tokio::time::sleep(WATCH_POLL).await;
+    }
+    hub.finish();
+}
+
+/// What a driver needs about a stored dispatch.
+pub async fn context_for(
+    shared: &Arc<Shared>,
+    record: turnstile_store::DispatchRecord,
+    hub: Arc<Hub>,
+) -> Result<DriveContext, ApiError> {
+    let manifest = &record.manifest;
+    let adapter = manifest["adapter"].as_str().unwrap_or("");
+    let api = StreamApi::for_adapter(adapter).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "unknown_adapter",
+            format!("stored adapter {adapter:?}"),
+        )
+    })?;
+    let model = manifest["model"].as_str().unwrap_or("").to_owned();
+    let endpoint = shared.endpoints.get(&record.provider).cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unknown_provider",
+            format!("provider {:?} is not configured", record.provider),
+        )
+    })?;
+    let document = shared
+        .ledger
+        .conversation(&record.conversation_id)
+        .await
+        .map_err(ApiError::store)?
+        .ok_or_else(|| ApiError::not_found("conversation"))?;
+    let conversation = Conversation::from_value(document).map_err(|error| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "stored_history_unreadable",
+            error.to_string(),
+        )
+    })?;
+    let toolset = if conversation.tools.is_empty() {
+        None
+    } else {
+        let mut cache = shared.toolsets.lock().await;
+        Some(
+            cache
+                .compiled(&conversation.toolset_digest, &conversation.tools)
+                .map_err(|error| {
+                    ApiError::new(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "invalid_tool_schema",
+                        error.to_string(),
+                    )
+                })?,
+        )
+    };
+    let mut call_ids_taken = HashSet::new();
+    for turn in &conversation.turns {
+        for block in &turn.blocks {
+            if let turnstile_core::conversation::BlockBody::ToolCall { call_id, .. } = &block.body {
+                call_ids_taken.insert(call_id.0.clone());
+            }
+        }
+    }
+    Ok(DriveContext {
+        record,
+        api,
+        model,
+        endpoint,
+        toolset,
+        call_ids_taken,
+        hub,
+    })
+}
+
+/// An SSE response: the backlog, then live events until the end marker.
+fn sse_response(
+    backlog: Vec<super::hub::ClientMessage>,
+    receiver: Option<tokio::sync::broadcast::Receiver<Option<super::hub::ClientMessage>>>,
+) -> Response {
+    let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    tokio::spawn(async move {
+        let frame = |(event, data): super::hub::ClientMessage| {
+            Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
+        };
+        for message in backlog {
+            if sender.send(Ok(frame(message))).await.is_err() {
+                return;
+            }
+        }
+        let Some(mut receiver) = receiver else { return };
+        loop {
+            match receiver.recv().await {
+                Ok(Some(message)) => {
+                    if sender.send(Ok(frame(message))).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) | Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                    let data = json!({"code": "client_lagged", "message": format!("{missed} events were skipped; GET /v1/dispatches/{{operation_id}} has the outcome")});
+                    let _ = sender.send(Ok(frame(("error", data)))).await;
+                    return;
+                }
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
+            out,
+        )))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+pub async fn get_dispatch(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(operation_id): Path<String>,
+) -> ApiResult {
+    let caller = caller(&shared, &headers)?;
+    let store_id = caller.store_id(&operation_id);
+    let record = shared
+        .ledger
+        .dispatch(&store_id)
+        .await
+        .map_err(ApiError::store)?
+        .ok_or_else(|| ApiError::not_found("dispatch"))?;
+    let attempts = shared.ledger.attempts(&store_id).await.map_err(ApiError::store)?;
+    let attempts: Vec<Value> = attempts
+        .into_iter()
+        .map(|attempt| {
+            json!({"generation": attempt.generation.0, "state": attempt.state.as_str(), "handle": attempt.handle,
+                   "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
+        })
+        .collect();
+    Ok(Json(json!({"operation_id": operation_id, "state": record.state.as_str(), "manifest": record.manifest,
+                   "request_digest": record.request_digest, "request_body": String::from_utf8_lossy(&record.request_bytes),
+                   "attempts": attempts}))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+pub struct ToolCallQuery {
+    state: Option<String>,
+}
+
+pub async fn tool_calls(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(query): Query<ToolCallQuery>,
+) -> ApiResult {
+    let caller = caller(&shared, &headers)?;
+    let state = match query.state.as_deref() {
+        None => None,
+        Some(text) => Some(ToolCallState::parse(text).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+                "state is ready, claimed or done",
+            )
+        })?),
+    };
+    let calls = shared.ledger.tool_calls(state).await.map_err(ApiError::store)?;
+    let calls: Vec<Value> = calls
+        .into_iter()
+        .filter_map(|call| {
+            let conversation_id = caller.client_id(&call.conversation_id)?.to_owned();
+            Some(json!({"conversation_id": conversation_id, "call_id": call.call_id, "revision": call.revision.0,
+                        "generation": call.generation.0, "tool": call.tool, "arguments": call.arguments,
+                        "args_digest": call.args_digest, "state": call.state.as_str(), "claim": call.claim}))
+        })
+        .collect();
+    Ok(Json(json!({"tool_calls": calls})).into_response())
+}
+
+pub async fn claim_tool_call(
+    State(shared): State<Arc<Shared>>,
+    Path((conversation_id, call_id)): Path<(String, String)>,
+    request: Request,
+) -> ApiResult {
+    let (parts, body) = request.into_parts();
+    let caller = caller(&shared, &parts.headers)?;
+    let body = json_body(&shared, body).await.unwrap_or(json!({}));
+    let lease_ms = body["lease_ms"]
+        .as_u64()
+        .unwrap_or(shared.lease_ms)
+        .min(turnstile_core::dispatch::LEASE_MS_MAX);
+    let lease = Lease {
+        holder: body["holder"].as_str().unwrap_or("executor").to_owned(),
+        expires_at: now().plus_ms(lease_ms),
+    };
+    match shared
+        .ledger
+        .claim_tool_call(&caller.store_id(&conversation_id), &call_id, &lease, now())
+        .await
+        .map_err(ApiError::store)?
+    {
+        ClaimOutcome::Claimed { claim } => {
+            Ok(Json(json!({"claim": claim, "lease_expires_at": lease.expires_at.0})).into_response())
+        }
+        ClaimOutcome::Unavailable { state } => {
+            Err(
+                ApiError::new(StatusCode::CONFLICT, "unavailable", "the call is claimed or done")
+                    .with(json!({"state": state.as_str()})),
+            )
+        }
+        ClaimOutcome::NotFound => Err(ApiError::not_found("tool call")),
+    }
+}
+
+pub async fn submit_tool_result(
+    State(shared): State<Arc<Shared>>,
+    Path((conversation_id, call_id)): Path<(String, String)>,
+    request: Request,
+) -> ApiResult {
+    let (parts, body) = request.into_parts();
+    let caller = caller(&shared, &parts.headers)?;
+    let body = json_body(&shared, body).await?;
+    let claim = body["claim"].as_u64().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "claim is required",
+        )
+    })?;
+    let status = body["status"].as_str().unwrap_or("success").to_owned();
+    let content = body.get("content").cloned().unwrap_or(json!([]));
+    let outcome = shared
+        .ledger
+        .submit_tool_result(
+            &caller.store_id(&conversation_id),
+            &call_id,
+            claim,
+            &status,
+            &content,
+            now(),
+        )
+        .await
+        .map_err(ApiError::store)?;
+    match outcome {
+        ResultOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
+        ResultOutcome::StaleClaim => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "stale_claim",
+            "the claim expired and was taken over",
+        )),
+        ResultOutcome::Duplicate => {
+            metrics::bump(metrics::TOOL_RESULT_DUPLICATES);
+            Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "duplicate_result",
+                "the call already has its result",
+            ))
+        }
+        ResultOutcome::Rejected(violations) => {
+            metrics::rejected(&violations);
+            Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "rejected",
+                "the result would make the history illegal",
+            )
+            .with(json!({"violations": violations_json(&violations)})))
+        }
+        ResultOutcome::NotFound => Err(ApiError::not_found("tool call")),
+        ResultOutcome::Conflict => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "revision_conflict",
+            "another turn landed; retry",
+        )),
+    }
+}
+
+pub async fn quarantine(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> ApiResult {
+    let caller = caller(&shared, &headers)?;
+    let records = shared.ledger.quarantined(10_000).await.map_err(ApiError::store)?;
+    let entries: Vec<Value> = records
+        .into_iter()
+        .filter_map(|record| {
+            let operation_id = caller.client_id(&record.entry.operation_id)?.to_owned();
+            Some(
+                json!({"id": record.id, "operation_id": operation_id, "generation": record.entry.generation.0,
+                        "reason": record.entry.reason, "content": record.entry.content, "at": record.at.0}),
+            )
+        })
+        .collect();
+    Ok(Json(json!({"quarantine": entries})).into_response())
+}
+
+pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
+    let oldest = shared.unknown_since.lock().await.values().min().copied();
+    metrics::unknown_age(oldest.map_or(0.0, |since| now().0.saturating_sub(since.0) as f64 / 1000.0));
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        shared.prometheus.render(),
+    )
+        .into_response()
+}
+
+pub async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.ledger.counters().await {
+        Ok(_) => Json(json!({"status": "ok", "store": "reachable"})).into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "degraded", "store": "unreachable"})),
+        )
+            .into_response(),
+    }
+}
+
+pub async fn fallback() -> ApiError {
+    ApiError::not_found("route")
+}

@@ -1,0 +1,149 @@
+//! Gateway configuration: a TOML file (`--config FILE`) whose keys match the command-line flags,
+//! plus tenants and real providers. Every key and its default is listed in
+//! `docs/operating.md`; flags override the file.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+/// Default listen address (spec).
+pub const LISTEN_DEFAULT: &str = "127.0.0.1:8080";
+/// Default store (spec: SQLite at `./turnstile.db`).
+pub const STORE_DEFAULT: &str = "sqlite:./turnstile.db";
+/// Largest HTTP request body the API accepts.
+pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
+/// Provider request timeout: connecting and receiving the response head.
+pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+/// Longest silence between two stream chunks before the attempt counts as interrupted.
+pub const PROVIDER_IDLE_TIMEOUT_MS_DEFAULT: u64 = 60_000;
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listen address.
+    #[serde(default = "listen_default")]
+    pub listen: String,
+    /// `sqlite:PATH` or `postgres://…`.
+    #[serde(default = "store_default")]
+    pub store: String,
+    /// Use an external `turnstile sim` as provider `sim` instead of the built-in one.
+    #[serde(default)]
+    pub sim_url: Option<String>,
+    /// Attempt lease in milliseconds (spec default 5 s).
+    #[serde(default = "lease_ms_default")]
+    pub lease_ms: u64,
+    /// Largest API request body.
+    #[serde(default = "body_bytes_max_default")]
+    pub body_bytes_max: usize,
+    /// Provider connect + response-head timeout.
+    #[serde(default = "connect_timeout_default")]
+    pub provider_connect_timeout_ms: u64,
+    /// Longest gap between stream chunks.
+    #[serde(default = "idle_timeout_default")]
+    pub provider_idle_timeout_ms: u64,
+    /// Replica id used as lease holder (default: derived from host name and process id).
+    #[serde(default)]
+    pub replica_id: Option<String>,
+    /// Bearer-token tenants. None configured: no token needed, loopback only.
+    #[serde(default)]
+    pub tenants: Vec<Tenant>,
+    /// Real providers by name (the simulator is always provider `sim`).
+    #[serde(default)]
+    pub providers: BTreeMap<String, Provider>,
+    /// Model catalog overrides (context windows, output caps), as the adapters' catalog takes
+    /// them.
+    #[serde(default)]
+    pub models: Option<toml::Value>,
+}
+
+/// One tenant.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    /// Tenant name (conversations are scoped by it).
+    pub name: String,
+    /// The bearer token, literally (tests), or…
+    #[serde(default)]
+    pub token: Option<String>,
+    /// …the environment variable that holds it (production).
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+/// One real provider.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Provider {
+    /// Base URL, e.g. `https://api.anthropic.com`.
+    pub base_url: String,
+    /// Environment variable holding the API key (the key itself is never in the file).
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// Resume streams by handle (OpenAI Responses background mode).
+    #[serde(default)]
+    pub resume_by_handle: bool,
+    /// The provider honours our idempotency key (no real one does today).
+    #[serde(default)]
+    pub honours_idempotency_key: bool,
+}
+
+fn listen_default() -> String {
+    LISTEN_DEFAULT.into()
+}
+fn store_default() -> String {
+    STORE_DEFAULT.into()
+}
+fn lease_ms_default() -> u64 {
+    turnstile_core::dispatch::LEASE_MS_DEFAULT
+}
+fn body_bytes_max_default() -> usize {
+    BODY_BYTES_MAX_DEFAULT
+}
+fn connect_timeout_default() -> u64 {
+    PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT
+}
+fn idle_timeout_default() -> u64 {
+    PROVIDER_IDLE_TIMEOUT_MS_DEFAULT
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        // Invariant: an empty document has every key defaulted.
+        toml::from_str("").expect("the empty config is valid")
+    }
+}
+
+impl Config {
+    /// Read a config file.
+    pub fn load(path: &str) -> Result<Config, String> {
+        let text = std::fs::read_to_string(path).map_err(|error| format!("cannot read {path}: {error}"))?;
+        toml::from_str(&text).map_err(|error| format!("{path}: {error}"))
+    }
+
+    /// Refuse configurations that would be unsafe to run.
+    pub fn check(&self) -> Result<SocketAddr, String> {
+        let address: SocketAddr = self
+            .listen
+            .parse()
+            .map_err(|error| format!("listen {:?}: {error}", self.listen))?;
+        if self.tenants.is_empty() && !address.ip().is_loopback() {
+            return Err(format!(
+                "no tenants are configured, so the gateway needs no token and refuses to listen on \
+                 {address}: configure [[tenants]] or listen on a loopback address"
+            ));
+        }
+        for tenant in &self.tenants {
+            if tenant.token.is_none() && tenant.token_env.is_none() {
+                return Err(format!(
+                    "tenant {:?} has neither token nor token_env",
+                    tenant.name
+                ));
+            }
+        }
+        if self.providers.contains_key("sim") {
+            return Err("provider name \"sim\" is reserved for the simulator (use sim_url)".into());
+        }
+        Ok(address)
+    }
+}

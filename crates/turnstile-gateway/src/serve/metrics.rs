@@ -1,0 +1,115 @@
+//! The gateway's metrics, with the names fixed by `shared/spec/gateway-api.md`, exported in the
+//! Prometheus text format by `metrics-exporter-prometheus`. Every required series exists from
+//! start-up (at zero), so a scrape shows a metric that must stay 0 as 0, not as absent.
+//!
+//! Counts are per gateway process; with several replicas, sum them.
+
+use metrics::{counter, gauge};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use turnstile_core::ViolationCode;
+use turnstile_core::dispatch::DispatchState;
+
+/// Validator rejections by code.
+pub const VALIDATOR_REJECTS: &str = "turnstile_validator_rejects_total";
+/// Tool results for calls that are not open.
+pub const TOOL_RESULT_ORPHANS: &str = "turnstile_tool_result_orphans_total";
+/// Second results for one call.
+pub const TOOL_RESULT_DUPLICATES: &str = "turnstile_tool_result_duplicates_total";
+/// Age of the oldest UNKNOWN attempt (0 when there is none).
+pub const DISPATCH_UNKNOWN_AGE: &str = "turnstile_dispatch_unknown_age_seconds";
+/// Recoveries of UNKNOWN attempts by outcome.
+pub const HANDLE_RECOVERIES: &str = "turnstile_handle_recoveries_total";
+/// Blocks that went to the quarantine log.
+pub const LATE_BLOCKS: &str = "turnstile_late_blocks_total";
+/// Generations whose preview was retracted.
+pub const PREVIEW_RETRACTIONS: &str = "turnstile_preview_retractions_total";
+/// Canonical commits that lost their compare-and-set.
+pub const CANONICAL_CAS_CONFLICTS: &str = "turnstile_canonical_cas_conflicts_total";
+/// Tool calls exposed from an uncommitted or incomplete turn. Must stay 0.
+pub const PARTIAL_TOOL_DISPATCH: &str = "turnstile_partial_tool_dispatch_total";
+/// Requests that would have left with bytes other than their manifest's. Must stay 0.
+pub const ILLEGAL_SENDS: &str = "turnstile_illegal_sends_total";
+/// Dispatch state transitions.
+pub const DISPATCH_TRANSITIONS: &str = "turnstile_dispatch_transitions_total";
+/// Provider handles refused because they are bound to another manifest.
+pub const FOREIGN_HANDLES: &str = "turnstile_foreign_handle_refusals_total";
+
+/// Recovery outcomes used as the `outcome` label.
+pub const RECOVERY_OUTCOMES: [&str; 4] = ["resumed", "replayed", "new_generation", "waiting"];
+
+const STATES: [DispatchState; 8] = [
+    DispatchState::Prepared,
+    DispatchState::Dispatching,
+    DispatchState::Sent,
+    DispatchState::Streaming,
+    DispatchState::Committed,
+    DispatchState::Unknown,
+    DispatchState::Failed,
+    DispatchState::Abandoned,
+];
+
+/// Install the process-wide recorder and create every required series at zero.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|error| error.to_string())?;
+    for code in ViolationCode::ALL {
+        counter!(VALIDATOR_REJECTS, "code" => code.as_str()).absolute(0);
+    }
+    for name in [
+        TOOL_RESULT_ORPHANS,
+        TOOL_RESULT_DUPLICATES,
+        LATE_BLOCKS,
+        PREVIEW_RETRACTIONS,
+        CANONICAL_CAS_CONFLICTS,
+        PARTIAL_TOOL_DISPATCH,
+        ILLEGAL_SENDS,
+        FOREIGN_HANDLES,
+    ] {
+        counter!(name).absolute(0);
+    }
+    for outcome in RECOVERY_OUTCOMES {
+        counter!(HANDLE_RECOVERIES, "outcome" => outcome).absolute(0);
+    }
+    for from in STATES {
+        for to in STATES {
+            if from.can_transition(to) {
+                counter!(DISPATCH_TRANSITIONS, "from" => from.as_str(), "to" => to.as_str()).absolute(0);
+            }
+        }
+    }
+    gauge!(DISPATCH_UNKNOWN_AGE).set(0.0);
+    Ok(handle)
+}
+
+/// Count a validator rejection (one per violation code).
+pub fn rejected(violations: &[turnstile_core::Violation]) {
+    for violation in violations {
+        counter!(VALIDATOR_REJECTS, "code" => violation.code.as_str()).increment(1);
+        match violation.code {
+            ViolationCode::OrphanResult => counter!(TOOL_RESULT_ORPHANS).increment(1),
+            ViolationCode::DuplicateResult => counter!(TOOL_RESULT_DUPLICATES).increment(1),
+            _ => {}
+        }
+    }
+}
+
+/// Count a dispatch transition.
+pub fn transition(from: DispatchState, to: DispatchState) {
+    counter!(DISPATCH_TRANSITIONS, "from" => from.as_str(), "to" => to.as_str()).increment(1);
+}
+
+/// Count one event of a labelless counter.
+pub fn bump(name: &'static str) {
+    counter!(name).increment(1);
+}
+
+/// Count a recovery outcome.
+pub fn recovery(outcome: &'static str) {
+    counter!(HANDLE_RECOVERIES, "outcome" => outcome).increment(1);
+}
+
+/// Set the age of the oldest UNKNOWN attempt.
+pub fn unknown_age(seconds: f64) {
+    gauge!(DISPATCH_UNKNOWN_AGE).set(seconds);
+}

@@ -1,0 +1,349 @@
+//! `turnstile serve`: the gateway. Start-up order: config → store → start-up recovery (every
+//! live attempt of a dead process becomes UNKNOWN and gets a recovery driver) → built-in
+//! simulator (unless `sim_url`) → listener. Shutdown is graceful on SIGINT/SIGTERM: the
+//! listener stops, in-flight responses finish.
+
+pub mod api;
+pub mod config;
+pub mod driver;
+pub mod hub;
+pub mod metrics;
+pub mod transport;
+
+use axum::Router;
+use axum::routing::{get, post};
+use config::Config;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::Mutex;
+use transport::Endpoint;
+use turnstile_adapters::catalog::Catalog;
+use turnstile_adapters::render::RenderCache;
+use turnstile_core::assemble::ToolsetCache;
+use turnstile_core::dispatch::{Timestamp, UnknownAttempt};
+use turnstile_store::Ledger;
+
+/// State shared by every request and driver.
+pub struct Shared {
+    /// The durable ledger.
+    pub ledger: Arc<dyn Ledger>,
+    /// HTTP client for providers.
+    pub client: reqwest::Client,
+    /// Providers by name (`sim` included).
+    pub endpoints: HashMap<String, Endpoint>,
+    /// Attempt lease.
+    pub lease_ms: u64,
+    /// Longest gap between stream chunks.
+    pub idle: Duration,
+    /// This replica's lease-holder id.
+    pub holder: String,
+    /// (token, tenant name) pairs.
+    pub tenants: Vec<(String, String)>,
+    /// Largest API body.
+    pub body_bytes_max: usize,
+    /// Live client-event hubs by store operation id.
+    pub hubs: Mutex<HashMap<String, Arc<hub::Hub>>>,
+    /// Since when each dispatch driven here is UNKNOWN.
+    pub unknown_since: Mutex<HashMap<String, Timestamp>>,
+    /// Compiled tool schemas by toolset digest.
+    pub toolsets: Mutex<ToolsetCache>,
+    /// Rendered fragments by block digest.
+    pub render_cache: Mutex<RenderCache>,
+    /// Model catalog.
+    pub catalog: Catalog,
+    /// Prometheus exposition.
+    pub prometheus: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+/// The wall clock, read here and passed into the core as a value.
+pub fn now() -> Timestamp {
+    Timestamp(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_millis() as u64),
+    )
+}
+
+/// A fresh id for things the client did not name.
+pub fn fresh_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{:x}{:04x}",
+        now().0,
+        COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff
+    )
+}
+
+/// The gateway's routes.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/conversations", post(api::create_conversation))
+        .route("/v1/conversations/{id}", get(api::get_conversation))
+        .route("/v1/conversations/{id}/turns", post(api::append_turn))
+        .route("/v1/conversations/{id}/dispatch", post(api::dispatch))
+        .route("/v1/dispatches/{operation_id}", get(api::get_dispatch))
+        .route("/v1/tool-calls", get(api::tool_calls))
+        .route(
+            "/v1/tool-calls/{conversation_id}/{call_id}/claim",
+            post(api::claim_tool_call),
+        )
+        .route(
+            "/v1/tool-calls/{conversation_id}/{call_id}/result",
+            post(api::submit_tool_result),
+        )
+        .route("/v1/quarantine", get(api::quarantine))
+        .route("/metrics", get(api::metrics_text))
+        .route("/healthz", get(api::healthz))
+        .fallback(api::fallback)
+        .with_state(shared)
+}
+
+/// Overrides from the command line.
+pub struct Flags {
+    /// `--listen`.
+    pub listen: Option<String>,
+    /// `--store`.
+    pub store: Option<String>,
+    /// `--sim-url`.
+    pub sim_url: Option<String>,
+    /// `--config`.
+    pub config: Option<String>,
+}
+
+/// Run the gateway until a shutdown signal.
+pub async fn run(flags: Flags) -> Result<(), String> {
+    let mut config = match &flags.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(listen) = flags.listen {
+        config.listen = listen;
+    }
+    if let Some(store) = flags.store {
+        config.store = store;
+    }
+    if flags.sim_url.is_some() {
+        config.sim_url = flags.sim_url;
+    }
+    let address = config.check()?;
+    let prometheus = metrics::install()?;
+    let ledger: Arc<dyn Ledger> = Arc::from(
+        turnstile_store::open(&config.store)
+            .await
+            .map_err(|error| format!("store {}: {error}", redact(&config.store)))?,
+    );
+
+    // The built-in simulator, unless an external one is named.
+    // It listens on its own loopback port (real HTTP between gateway and simulator) and its
+    // scripting routes are also mounted on the gateway, so `POST /sim/script` works there.
+    let mut sim_control = None;
+    let sim_url = match &config.sim_url {
+        Some(url) => url.trim_end_matches('/').to_owned(),
+        None => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|error| format!("built-in simulator: {error}"))?;
+            let sim_address = listener.local_addr().map_err(|error| error.to_string())?;
+            let sim = crate::sim::Sim::default();
+            sim_control = Some(crate::sim::control_router(sim.clone()));
+            tokio::spawn(crate::sim::serve(listener, sim));
+            format!("http://{sim_address}")
+        }
+    };
+    let mut endpoints = HashMap::new();
+    endpoints.insert(
+        "sim".to_owned(),
+        Endpoint {
+            base_url: sim_url.clone(),
+            api_key_env: None,
+            resume_by_handle: true,
+            honours_idempotency_key: false,
+        },
+    );
+    for (name, provider) in &config.providers {
+        endpoints.insert(
+            name.clone(),
+            Endpoint {
+                base_url: provider.base_url.trim_end_matches('/').to_owned(),
+                api_key_env: provider.api_key_env.clone(),
+                resume_by_handle: provider.resume_by_handle,
+                honours_idempotency_key: provider.honours_idempotency_key,
+            },
+        );
+    }
+    let mut tenants = Vec::new();
+    for tenant in &config.tenants {
+        let token = match (&tenant.token, &tenant.token_env) {
+            (Some(token), _) => token.clone(),
+            (None, Some(variable)) => std::env::var(variable)
+                .map_err(|_| format!("tenant {:?}: {variable} is not set", tenant.name))?,
+            (None, None) => unreachable!("Config::check refuses a tenant without a token"),
+        };
+        tenants.push((token, tenant.name.clone()));
+    }
+    let mut catalog = Catalog::builtin();
+    if let Some(models) = &config.models {
+        let value = serde_json::to_value(models).map_err(|error| format!("models: {error}"))?;
+        catalog
+            .apply_overrides(value)
+            .map_err(|error| format!("models: {error}"))?;
+    }
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(config.provider_connect_timeout_ms))
+        .build()
+        .map_err(|error| format!("HTTP client: {error}"))?;
+    // Stable across restarts, so start-up recovery finds this replica's own live attempts at
+    // once; several replicas on one host must each set `replica_id`.
+    let holder = config.replica_id.clone().unwrap_or_else(default_replica_id);
+    let shared = Arc::new(Shared {
+        ledger,
+        client,
+        endpoints,
+        lease_ms: config.lease_ms.clamp(1, turnstile_core::dispatch::LEASE_MS_MAX),
+        idle: Duration::from_millis(config.provider_idle_timeout_ms),
+        holder,
+        tenants,
+        body_bytes_max: config.body_bytes_max,
+        hubs: Mutex::new(HashMap::new()),
+        unknown_since: Mutex::new(HashMap::new()),
+        toolsets: Mutex::new(ToolsetCache::new()),
+        render_cache: Mutex::new(RenderCache::new()),
+        catalog,
+        prometheus,
+    });
+
+    recover(&shared, &shared.holder.clone()).await?;
+    tokio::spawn(sweep(shared.clone()));
+
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|error| format!("listen on {address}: {error}"))?;
+    let bound = listener.local_addr().map_err(|error| error.to_string())?;
+    println!(
+        "turnstile serve listening on http://{bound} (store {}, sim {sim_url})",
+        redact(&config.store)
+    );
+    let mut app = router(shared);
+    if let Some(control) = sim_control {
+        app = app.merge(control);
+    }
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .map_err(|error| error.to_string())
+}
+
+/// Start-up recovery, before the listener opens: this process's (and any expired) live
+/// attempts become UNKNOWN, and each UNKNOWN dispatch gets a driver that resumes, replays or
+/// waits for the old attempt's lease before a new generation.
+async fn recover(shared: &Arc<Shared>, holder: &str) -> Result<(), String> {
+    // Live attempts of `holder` (this replica's previous incarnation) and attempts of any
+    // holder whose lease expired are presumed dead and become UNKNOWN.
+    let report = shared
+        .ledger
+        .recover_startup(holder, now())
+        .await
+        .map_err(|error| format!("recovery: {error}"))?;
+    let mut seen = std::collections::HashSet::new();
+    for attempt in report.unknown {
+        if !seen.insert(attempt.operation_id.clone())
+            || shared.hubs.lock().await.contains_key(&attempt.operation_id)
+        {
+            continue;
+        }
+        let Ok(Some(record)) = shared.ledger.dispatch(&attempt.operation_id).await else {
+            continue;
+        };
+        if record.state != turnstile_core::dispatch::DispatchState::Unknown
+            || record.active_generation != Some(attempt.generation)
+        {
+            continue;
+        }
+        let hub = Arc::new(hub::Hub::new());
+        shared
+            .hubs
+            .lock()
+            .await
+            .insert(record.operation_id.clone(), hub.clone());
+        shared
+            .unknown_since
+            .lock()
+            .await
+            .insert(record.operation_id.clone(), now());
+        let unknown = UnknownAttempt {
+            generation: attempt.generation,
+            handle: attempt.handle.clone(),
+            idempotency_key: attempt.idempotency_key.clone(),
+            lease_expires_at: attempt.lease_expires_at,
+            provider_confirmed_ended: false,
+        };
+        match api::context_for(shared, record, hub).await {
+            Ok(ctx) => {
+                tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown));
+            }
+            Err(error) => tracing::error!(operation_id = %attempt.operation_id, ?error, "cannot recover"),
+        }
+    }
+    Ok(())
+}
+
+/// Holder id no live lease uses: a sweep with it only finds expired leases.
+const SWEEP_HOLDER: &str = "turnstile-sweep";
+
+/// After start-up, keep looking for attempts whose lease ran out (another replica died, or
+/// this one lost track): they become UNKNOWN and get a recovery driver here. Several
+/// replicas may sweep the same attempt; the store's compare-and-sets let one recover it.
+async fn sweep(shared: Arc<Shared>) {
+    let period = Duration::from_millis((shared.lease_ms / 2).max(100));
+    loop {
+        tokio::time::sleep(period).await;
+        if let Err(error) = recover(&shared, SWEEP_HOLDER).await {
+            tracing::warn!(%error, "lease sweep failed");
+        }
+    }
+}
+
+fn default_replica_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("turnstile@{host}")
+}
+
+/// A store URL without its password.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = interrupt => {}
+        _ = terminate => {}
+    }
+}

@@ -1,0 +1,194 @@
+//! Provider transports: one HTTP request per attempt, its streaming body forwarded chunk by
+//! chunk to the dispatch driver. No retries here: every retry is a state-machine decision
+//! (`turnstile_core::dispatch`), never a blind HTTP retry.
+//!
+//! Credentials: the API key is read from the environment variable the config names, added as
+//! the provider's auth header at send time, and never logged, stored or put in a manifest.
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use turnstile_adapters::decode::StreamApi;
+
+/// What one attempt's connection reports, in order.
+#[derive(Debug)]
+pub enum TransportEvent {
+    /// The response head arrived with this status.
+    Head {
+        /// HTTP status.
+        status: u16,
+    },
+    /// Body bytes.
+    Chunk(Bytes),
+    /// The body ended cleanly.
+    End,
+    /// The connection broke, timed out, or never connected (no head was seen then).
+    Broken(String),
+}
+
+/// Where and how to reach one provider.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    /// Base URL without a trailing slash.
+    pub base_url: String,
+    /// Environment variable with the API key (None: no auth header, e.g. the simulator).
+    pub api_key_env: Option<String>,
+    /// Resume streams by handle (OpenAI Responses).
+    pub resume_by_handle: bool,
+    /// The provider honours our idempotency key.
+    pub honours_idempotency_key: bool,
+}
+
+/// Path and non-secret headers of a stored request, derived from its API and model (the
+/// stored bytes are always a streaming request). `tests/it/serve.rs` checks these against
+/// what every adapter version renders.
+pub fn request_line(api: StreamApi, model: &str) -> (String, Vec<(&'static str, &'static str)>) {
+    const JSON: (&str, &str) = ("content-type", "application/json");
+    match api {
+        StreamApi::OpenAiChat => ("/v1/chat/completions".into(), vec![JSON]),
+        StreamApi::OpenAiResponses => ("/v1/responses".into(), vec![JSON]),
+        StreamApi::AnthropicMessages => (
+            "/v1/messages".into(),
+            vec![JSON, ("anthropic-version", "2023-06-01")],
+        ),
+        _ => {
+            let mut segment = String::with_capacity(model.len());
+            for byte in model.bytes() {
+                if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+                    segment.push(byte as char);
+                } else {
+                    segment.push_str(&format!("%{byte:02X}"));
+                }
+            }
+            (
+                format!("/v1beta/models/{segment}:streamGenerateContent?alt=sse"),
+                vec![JSON],
+            )
+        }
+    }
+}
+
+fn auth_header(api: StreamApi, key: &str) -> (&'static str, String) {
+    match api {
+        StreamApi::AnthropicMessages => ("x-api-key", key.to_owned()),
+        StreamApi::Gemini => ("x-goog-api-key", key.to_owned()),
+        _ => ("authorization", format!("Bearer {key}")),
+    }
+}
+
+/// One outgoing request.
+pub struct Outgoing {
+    /// GET (resume) or POST.
+    pub method: reqwest::Method,
+    /// Full URL.
+    pub url: String,
+    /// Non-secret headers.
+    pub headers: Vec<(String, String)>,
+    /// Body (empty for GET).
+    pub body: Vec<u8>,
+}
+
+/// Build the request for a send of stored bytes.
+pub fn send_request(
+    endpoint: &Endpoint,
+    api: StreamApi,
+    model: &str,
+    body: Vec<u8>,
+    idempotency_key: &str,
+) -> Outgoing {
+    let (path, headers) = request_line(api, model);
+    let mut headers: Vec<(String, String)> = headers
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .collect();
+    headers.push(("idempotency-key".into(), idempotency_key.to_owned()));
+    Outgoing {
+        method: reqwest::Method::POST,
+        url: format!("{}{path}", endpoint.base_url),
+        headers,
+        body,
+    }
+}
+
+/// Build the request that resumes a Responses stream after `sequence_last`.
+pub fn resume_request(endpoint: &Endpoint, handle: &str, sequence_last: Option<u64>) -> Outgoing {
+    let mut url = format!("{}/v1/responses/{handle}?stream=true", endpoint.base_url);
+    if let Some(after) = sequence_last {
+        url.push_str(&format!("&starting_after={after}"));
+    }
+    Outgoing {
+        method: reqwest::Method::GET,
+        url,
+        headers: Vec::new(),
+        body: Vec::new(),
+    }
+}
+
+/// Perform a request, forwarding everything to `events`. Ends when the body ends or breaks,
+/// when the receiver is dropped, or after `idle` without a chunk.
+pub async fn perform(
+    client: reqwest::Client,
+    endpoint: Endpoint,
+    api: StreamApi,
+    outgoing: Outgoing,
+    idle: Duration,
+    events: mpsc::Sender<TransportEvent>,
+) {
+    let mut request = client.request(outgoing.method, &outgoing.url);
+    for (name, value) in &outgoing.headers {
+        request = request.header(name, value);
+    }
+    if let Some(variable) = &endpoint.api_key_env {
+        if let Ok(key) = std::env::var(variable) {
+            let (name, value) = auth_header(api, &key);
+            request = request.header(name, value);
+        }
+    }
+    if !outgoing.body.is_empty() {
+        request = request.body(outgoing.body);
+    }
+    let response = match request.send().await {
+        Ok(response) => response,
+        Err(error) => {
+            // reqwest errors name the URL, never headers: no credential can leak here.
+            let _ = events
+                .send(TransportEvent::Broken(error.without_url().to_string()))
+                .await;
+            return;
+        }
+    };
+    if events
+        .send(TransportEvent::Head {
+            status: response.status().as_u16(),
+        })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let mut body = response.bytes_stream();
+    loop {
+        match tokio::time::timeout(idle, body.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                if events.send(TransportEvent::Chunk(chunk)).await.is_err() {
+                    return;
+                }
+            }
+            Ok(Some(Err(error))) => {
+                let _ = events
+                    .send(TransportEvent::Broken(error.without_url().to_string()))
+                    .await;
+                return;
+            }
+            Ok(None) => {
+                let _ = events.send(TransportEvent::End).await;
+                return;
+            }
+            Err(_) => {
+                let _ = events.send(TransportEvent::Broken("idle timeout".into())).await;
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,936 @@
+//! `turnstile serve` end to end: the gateway and the simulator as separate processes on
+//! loopback, real SQLite files (and a real PostgreSQL server for the two-replica race), real
+//! wire formats. Each test asserts client events, history, quarantine, the simulator's request
+//! log (every sent body's SHA-256 equals its manifest's request digest) and metrics.
+
+use crate::sim::SimProcess;
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running gateway, killed on drop.
+struct Gateway {
+    child: Child,
+    base: String,
+    log: PathBuf,
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+impl Gateway {
+    fn start(dir: &tempfile::TempDir, store: &str, sim: &SimProcess, extra_config: &str) -> Gateway {
+        Gateway::start_with(dir, store, Some(&sim.base), extra_config).unwrap()
+    }
+
+    fn start_with(
+        dir: &tempfile::TempDir,
+        store: &str,
+        sim_url: Option<&str>,
+        extra_config: &str,
+    ) -> Result<Gateway, String> {
+        let config = dir.path().join("turnstile.toml");
+        std::fs::write(&config, format!("lease_ms = 400\n{extra_config}\n")).unwrap();
+        let log = dir.path().join(format!(
+            "gateway-{}.log",
+            Instant::now().elapsed().as_nanos() ^ std::process::id() as u128
+        ));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        command.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            store,
+            "--config",
+            config.to_str().unwrap(),
+        ]);
+        if let Some(url) = sim_url {
+            command.args(["--sim-url", url]);
+        }
+        let mut child = command
+            .env("TURNSTILE_TEST_PROVIDER_KEY", "sk-test-SECRET-KEY-123")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        if !line.contains("listening on") {
+            let _ = child.wait();
+            return Err(std::fs::read_to_string(&log).unwrap_or_default());
+        }
+        let base = line
+            .split_whitespace()
+            .find(|word| word.starts_with("http://"))
+            .unwrap()
+            .to_owned();
+        Ok(Gateway { child, base, log })
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let response = client()
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().unwrap_or(Value::Null))
+    }
+
+    fn get(&self, path: &str) -> Value {
+        client()
+            .get(format!("{}{path}", self.base))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap()
+    }
+
+    fn metric(&self, name_and_labels: &str) -> f64 {
+        let text = client()
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap();
+        text.lines()
+            .filter(|line| !line.starts_with('#'))
+            .find_map(|line| {
+                line.strip_prefix(name_and_labels)
+                    .and_then(|rest| rest.trim().parse().ok())
+            })
+            .unwrap_or_else(|| panic!("no series {name_and_labels} in\n{text}"))
+    }
+
+    /// Stream a dispatch and collect its client events until the gateway ends the stream.
+    fn dispatch(
+        &self,
+        conversation: &str,
+        operation: &str,
+        adapter: &str,
+        model: &str,
+    ) -> Vec<(String, Value)> {
+        let (status, events) = self.dispatch_raw(conversation, operation, adapter, model);
+        assert_eq!(status, 200, "{events:?}");
+        events
+    }
+
+    /// Like `dispatch`, with the HTTP status; an error body comes back as one `http_error` event.
+    fn dispatch_raw(
+        &self,
+        conversation: &str,
+        operation: &str,
+        adapter: &str,
+        model: &str,
+    ) -> (u16, Vec<(String, Value)>) {
+        let body = json!({"operation_id": operation, "target": {"provider": "sim", "model": model, "adapter": adapter},
+                          "stream": true, "max_output_tokens": 256});
+        let response = client()
+            .post(format!("{}/v1/conversations/{conversation}/dispatch", self.base))
+            .json(&body)
+            .send()
+            .unwrap();
+        let status = response.status().as_u16();
+        let mut text = String::new();
+        BufReader::new(response).read_to_string(&mut text).unwrap();
+        if status != 200 {
+            return (
+                status,
+                vec![(
+                    "http_error".to_owned(),
+                    serde_json::from_str(&text).unwrap_or(Value::Null),
+                )],
+            );
+        }
+        (status, client_events(&text))
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn client_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|chunk| !chunk.trim().is_empty())
+        .map(|chunk| {
+            let mut name = String::new();
+            let mut data = Value::Null;
+            for line in chunk.lines() {
+                if let Some(value) = line.strip_prefix("event: ") {
+                    name = value.to_owned();
+                } else if let Some(value) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(value).unwrap();
+                }
+            }
+            (name, data)
+        })
+        .collect()
+}
+
+fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
+    events
+        .iter()
+        .filter(|(event, _)| event == name)
+        .map(|(_, data)| data)
+        .collect()
+}
+
+const TOOLS: &str = r#"[{"name": "get_weather", "input_schema": {"type": "object",
+    "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}}]"#;
+
+fn conversation_with_question(gateway: &Gateway, id: &str) {
+    let tools: Value = serde_json::from_str(TOOLS).unwrap();
+    let (status, _) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": id, "tools": tools}),
+    );
+    assert_eq!(status, 201);
+    let (status, body) = gateway.post(
+        &format!("/v1/conversations/{id}/turns"),
+        json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "Weather in Paris and Tokyo?"}]}}),
+    );
+    assert_eq!((status, body), (200, json!({"revision": 1})));
+}
+
+fn two_calls(faults: Value) -> Value {
+    json!({"text": "Checking both.", "tool_calls": [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "get_weather", "arguments": {"city": "Tokyo"}}], "faults": faults})
+}
+
+/// Every body the simulator received for a dispatch hashes to its manifest's request digest.
+fn assert_sent_bodies_match_manifest(gateway: &Gateway, sim: &SimProcess, operation: &str) -> usize {
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    let digest = dispatch["manifest"]["request_digest"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let requests = sim.requests();
+    let mut sent = 0;
+    for request in requests
+        .iter()
+        .filter(|request| request["body"].as_str().is_some_and(|body| !body.is_empty()))
+    {
+        let body = request["body"].as_str().unwrap();
+        let hash = format!("sha256:{}", hex(&Sha256::digest(body.as_bytes())));
+        if hash == digest {
+            sent += 1;
+            assert_eq!(request["headers"]["idempotency-key"].as_str().is_some(), true);
+        }
+    }
+    sent
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn history_is_legal(gateway: &Gateway, id: &str) -> Value {
+    let document = gateway.get(&format!("/v1/conversations/{id}"));
+    let conversation = turnstile_core::Conversation::from_value(document.clone()).unwrap();
+    let verdict = turnstile_core::validate(&conversation);
+    assert!(
+        !matches!(verdict, turnstile_core::Verdict::Rejected(_)),
+        "{verdict:?}"
+    );
+    document
+}
+
+fn assistant_turns(document: &Value) -> usize {
+    document["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|turn| turn["role"] == "assistant")
+        .count()
+}
+
+fn assert_safety_metrics_zero(gateway: &Gateway) {
+    assert_eq!(gateway.metric("turnstile_partial_tool_dispatch_total"), 0.0);
+    assert_eq!(gateway.metric("turnstile_illegal_sends_total"), 0.0);
+}
+
+fn sqlite(dir: &tempfile::TempDir) -> String {
+    format!("sqlite:{}", dir.path().join("turnstile.db").display())
+}
+
+#[test]
+fn every_wire_format_dispatches_commits_tool_calls_and_takes_their_results() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    for adapter in [
+        "openai-chat@1",
+        "openai-chat@2",
+        "openai-responses@1",
+        "anthropic-messages@1",
+        "anthropic-messages@2",
+        "gemini@1",
+    ] {
+        let id = format!("c-{}", adapter.replace('@', "-"));
+        let model = format!("model-{id}");
+        conversation_with_question(&gateway, &id);
+        sim.script(
+            &model,
+            json!([two_calls(json!({})), {"text": "Paris 12C, Tokyo 18C."}]),
+        );
+        let events = gateway.dispatch(&id, &format!("op-{id}"), adapter, &model);
+        assert!(!named(&events, "preview").is_empty(), "{adapter}: {events:?}");
+        assert!(named(&events, "retract").is_empty(), "{adapter}");
+        let committed = named(&events, "committed");
+        assert_eq!(committed.len(), 1, "{adapter}: {events:?}");
+        assert_eq!(committed[0]["revision"], 2);
+        let calls: Vec<&Value> = committed[0]["turn"]["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["kind"] == "tool_call")
+            .collect();
+        assert_eq!(calls.len(), 2, "{adapter}");
+        // Tool calls reach the execution ledger only now, committed; executors answer them.
+        let ready = gateway.get("/v1/tool-calls?state=ready");
+        let mine: Vec<&Value> = ready["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["conversation_id"] == id.as_str())
+            .collect();
+        assert_eq!(mine.len(), 2, "{adapter}");
+        for call in mine.iter().rev() {
+            let call_id = call["call_id"].as_str().unwrap();
+            let (status, claim) = gateway.post(&format!("/v1/tool-calls/{id}/{call_id}/claim"), json!({}));
+            assert_eq!(status, 200, "{adapter}: {claim}");
+            let (status, result) = gateway.post(
+                &format!("/v1/tool-calls/{id}/{call_id}/result"),
+                json!({"claim": claim["claim"], "status": "success", "content": [{"kind": "text", "text": "12C"}]}),
+            );
+            assert_eq!(status, 200, "{adapter}: {result}");
+        }
+        let second = gateway.dispatch(&id, &format!("op2-{id}"), adapter, &model);
+        let committed = named(&second, "committed");
+        assert_eq!(committed.len(), 1, "{adapter}: {second:?}");
+        assert_eq!(committed[0]["revision"], 5, "{adapter}");
+        let document = history_is_legal(&gateway, &id);
+        assert_eq!(document["revision"], 5);
+        assert_eq!(assistant_turns(&document), 2);
+        assert_eq!(
+            assert_sent_bodies_match_manifest(&gateway, &sim, &format!("op-{id}")),
+            1,
+            "{adapter}"
+        );
+        assert_eq!(
+            assert_sent_bodies_match_manifest(&gateway, &sim, &format!("op2-{id}")),
+            1,
+            "{adapter}"
+        );
+    }
+    let anthropic = sim
+        .requests()
+        .into_iter()
+        .find(|r| r["path"] == "/v1/messages")
+        .unwrap();
+    assert_eq!(anthropic["headers"]["anthropic-version"], "2023-06-01");
+    assert_safety_metrics_zero(&gateway);
+    assert!(
+        gateway.metric(r#"turnstile_dispatch_transitions_total{from="STREAMING",to="COMMITTED"}"#) >= 12.0
+    );
+}
+
+#[test]
+fn a_cut_stream_is_retracted_and_a_new_attempt_re_sends_the_same_bytes_and_commits_once() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-cut");
+    sim.script(
+        "cut",
+        json!([two_calls(json!({"cut_at_byte": 700})), two_calls(json!({}))]),
+    );
+    let events = gateway.dispatch("c-cut", "op-cut", "anthropic-messages@1", "cut");
+    let retracts = named(&events, "retract");
+    assert_eq!(retracts.len(), 1, "{events:?}");
+    assert_eq!(retracts[0]["generation"], 1);
+    let committed = named(&events, "committed");
+    assert_eq!(committed.len(), 1, "{events:?}");
+    assert_eq!(committed[0]["turn"]["generation"], 2);
+    let document = history_is_legal(&gateway, "c-cut");
+    assert_eq!(assistant_turns(&document), 1);
+    assert_eq!(
+        assert_sent_bodies_match_manifest(&gateway, &sim, "op-cut"),
+        2,
+        "both attempts sent the manifest's bytes"
+    );
+    let dispatch = gateway.get("/v1/dispatches/op-cut");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(attempts[0]["state"], "ABANDONED");
+    assert_eq!(attempts[1]["state"], "COMMITTED");
+    assert_eq!(gateway.metric("turnstile_preview_retractions_total"), 1.0);
+    assert!(gateway.metric(r#"turnstile_handle_recoveries_total{outcome="new_generation"}"#) >= 1.0);
+    let calls = gateway.get("/v1/tool-calls?state=ready")["tool_calls"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(
+        calls, 2,
+        "only the committed generation's calls are in the ledger"
+    );
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn a_lost_stop_event_or_duplicated_events_never_commit_a_corrupted_turn() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    for adapter in [
+        "openai-chat@1",
+        "openai-responses@1",
+        "anthropic-messages@1",
+        "gemini@1",
+    ] {
+        let id = format!("c-stop-{}", adapter.replace('@', "-"));
+        let model = format!("m-{id}");
+        conversation_with_question(&gateway, &id);
+        // Gemini streams carry no sequence number and whole functionCall parts: a byte-identical
+        // duplicate event cannot be told from a repeated call there (docs/decisions.md), so it
+        // is only put through the lost stop.
+        let duplicate = if adapter == "gemini@1" {
+            json!({})
+        } else {
+            json!({"duplicate_events": true})
+        };
+        sim.script(
+            &model,
+            json!([
+                two_calls(json!({"drop_stop": true})),
+                two_calls(duplicate),
+                two_calls(json!({}))
+            ]),
+        );
+        let events = gateway.dispatch(&id, &format!("op-{id}"), adapter, &model);
+        let committed = named(&events, "committed");
+        assert_eq!(committed.len(), 1, "{adapter}: {events:?}");
+        let generation = committed[0]["turn"]["generation"].as_u64().unwrap();
+        // Every generation before the committed one was retracted, once.
+        let retracted: Vec<u64> = named(&events, "retract")
+            .iter()
+            .map(|r| r["generation"].as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            retracted,
+            (1..generation).collect::<Vec<_>>(),
+            "{adapter}: {events:?}"
+        );
+        if adapter == "openai-responses@1" {
+            // Responses events carry sequence numbers: the duplicates are dropped, not retried.
+            assert_eq!(generation, 2, "{adapter}");
+        }
+        let blocks = committed[0]["turn"]["blocks"].as_array().unwrap();
+        let arguments: Vec<Value> = blocks
+            .iter()
+            .filter(|b| b["kind"] == "tool_call")
+            .map(|b| serde_json::from_str(b["arguments"].as_str().unwrap()).unwrap())
+            .collect();
+        assert_eq!(
+            arguments,
+            [json!({"city": "Paris"}), json!({"city": "Tokyo"})],
+            "{adapter}"
+        );
+        let texts: Vec<&Value> = blocks
+            .iter()
+            .filter(|b| b["kind"] == "text")
+            .map(|b| &b["text"])
+            .collect();
+        assert_eq!(texts, [&json!("Checking both.")], "{adapter}");
+        assert_eq!(assistant_turns(&history_is_legal(&gateway, &id)), 1);
+    }
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn a_resumable_responses_stream_resumes_by_handle_without_retracting() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-resume");
+    sim.script(
+        "resume",
+        json!([two_calls(
+            json!({"disconnect_after_events": 9, "resumable": true})
+        )]),
+    );
+    let events = gateway.dispatch("c-resume", "op-resume", "openai-responses@1", "resume");
+    assert!(named(&events, "retract").is_empty(), "{events:?}");
+    let committed = named(&events, "committed");
+    assert_eq!(committed.len(), 1, "{events:?}");
+    assert_eq!(
+        committed[0]["turn"]["generation"], 1,
+        "the same generation, resumed"
+    );
+    let resumes: Vec<Value> = sim
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"].as_str().unwrap().contains("starting_after"))
+        .collect();
+    assert_eq!(resumes.len(), 1);
+    assert_eq!(
+        assert_sent_bodies_match_manifest(&gateway, &sim, "op-resume"),
+        1,
+        "nothing was sent twice"
+    );
+    assert_eq!(
+        gateway.metric(r#"turnstile_handle_recoveries_total{outcome="resumed"}"#),
+        1.0
+    );
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn provider_errors_fail_the_dispatch_and_change_no_history() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    for status in [429, 500] {
+        let id = format!("c-status-{status}");
+        conversation_with_question(&gateway, &id);
+        sim.script(
+            &format!("s{status}"),
+            json!([{"text": "never", "faults": {"status": status}}]),
+        );
+        let events = gateway.dispatch(&id, &format!("op-{id}"), "openai-chat@1", &format!("s{status}"));
+        let errors = named(&events, "error");
+        assert_eq!(
+            errors[0]["code"],
+            format!("provider_status_{status}"),
+            "{events:?}"
+        );
+        assert!(named(&events, "committed").is_empty());
+        assert_eq!(gateway.get(&format!("/v1/dispatches/op-{id}"))["state"], "FAILED");
+        assert_eq!(gateway.get(&format!("/v1/conversations/{id}"))["revision"], 1);
+    }
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn waiting_history_sends_nothing_and_illegal_turns_are_refused_with_codes() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-wait");
+    sim.script("wait", json!([two_calls(json!({}))]));
+    let events = gateway.dispatch("c-wait", "op-wait-1", "anthropic-messages@1", "wait");
+    assert_eq!(named(&events, "committed").len(), 1);
+    let sent_before = sim.requests().len();
+    let events = gateway.dispatch("c-wait", "op-wait-2", "anthropic-messages@1", "wait");
+    let waiting = named(&events, "waiting");
+    assert_eq!(waiting.len(), 1, "{events:?}");
+    assert_eq!(waiting[0]["pending"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        sim.requests().len(),
+        sent_before,
+        "no request while calls are pending"
+    );
+
+    // An orphan result and a result for the wrong tool: 422 with every code, nothing written.
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-wait/turns",
+        json!({"expected_revision": 2, "turn": {"id": "t-bad", "role": "tool", "blocks": [
+            {"id": "r-x", "kind": "tool_result", "call_id": "no-such-call", "tool": "get_weather", "status": "success"}]}}),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["code"], "rejected");
+    assert_eq!(body["error"]["violations"][0]["code"], "orphan_result");
+    assert_eq!(gateway.metric("turnstile_tool_result_orphans_total"), 1.0);
+    assert!(gateway.metric(r#"turnstile_validator_rejects_total{code="orphan_result"}"#) >= 1.0);
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-wait/turns",
+        json!({"expected_revision": 1, "turn": {"id": "t-late", "role": "user", "blocks": [{"id": "u9", "kind": "text", "text": "x"}]}}),
+    );
+    assert_eq!(
+        (status, body["error"]["current_revision"].clone()),
+        (409, json!(2))
+    );
+    assert_eq!(gateway.get("/v1/conversations/c-wait")["revision"], 2);
+}
+
+#[test]
+fn one_operation_id_is_one_dispatch_even_when_asked_twice_at_once() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-idem");
+    sim.script("idem", json!([{"text": "one reply only", "faults": {"delay_ms": 20}}, {"text": "a second reply must never be used"}]));
+    let runs: Vec<Vec<(String, Value)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| scope.spawn(|| gateway.dispatch("c-idem", "op-idem", "openai-chat@1", "idem")))
+            .collect();
+        handles.into_iter().map(|handle| handle.join().unwrap()).collect()
+    });
+    for events in &runs {
+        let committed = named(events, "committed");
+        assert_eq!(committed.len(), 1, "{events:?}");
+        assert_eq!(committed[0]["revision"], 2);
+    }
+    let again = gateway.dispatch("c-idem", "op-idem", "openai-chat@1", "idem");
+    assert_eq!(named(&again, "committed")[0]["revision"], 2);
+    assert_eq!(sim.requests().len(), 1);
+    let document = history_is_legal(&gateway, "c-idem");
+    assert_eq!(assistant_turns(&document), 1);
+    assert!(document.to_string().contains("one reply only"));
+}
+
+#[test]
+fn a_gateway_killed_mid_stream_recovers_on_restart_to_exactly_one_canonical_turn() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir);
+    let mut gateway = Gateway::start(&dir, &store, &sim, "");
+    conversation_with_question(&gateway, "c-crash");
+    sim.script(
+        "crash",
+        json!([
+        {"text": "this reply is cut by the crash and never committed", "faults": {"delay_ms": 150}},
+        {"text": "after recovery"}]),
+    );
+    let body = json!({"operation_id": "op-crash", "target": {"provider": "sim", "model": "crash", "adapter": "anthropic-messages@1"}, "stream": true});
+    let response = client()
+        .post(format!("{}/v1/conversations/c-crash/dispatch", gateway.base))
+        .json(&body)
+        .send()
+        .unwrap();
+    let mut reader = BufReader::new(response);
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap() > 0 {
+        if line.contains("event: preview") {
+            break;
+        }
+    }
+    gateway.kill(); // SIGKILL mid-stream: no shutdown path runs.
+    drop(reader);
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dispatch = loop {
+        let dispatch = gateway.get("/v1/dispatches/op-crash");
+        if dispatch["state"] == "COMMITTED" || Instant::now() > deadline {
+            break dispatch;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{dispatch}");
+    assert!(
+        attempts[0]["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|h| h["state"] == "UNKNOWN"),
+        "{dispatch}"
+    );
+    let document = history_is_legal(&gateway, "c-crash");
+    assert_eq!(assistant_turns(&document), 1);
+    assert!(document.to_string().contains("after recovery"));
+    assert!(!document.to_string().contains("never committed"));
+    assert_eq!(assert_sent_bodies_match_manifest(&gateway, &sim, "op-crash"), 2);
+    // A client that comes back with the same operation id gets the committed outcome.
+    let events = gateway.dispatch("c-crash", "op-crash", "anthropic-messages@1", "crash");
+    assert_eq!(named(&events, "committed")[0]["revision"], 2);
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn tenants_see_only_their_own_conversations_and_need_a_token() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(
+        &dir,
+        &sqlite(&dir),
+        &sim,
+        "[[tenants]]\nname = \"acme\"\ntoken = \"tok-acme\"\n[[tenants]]\nname = \"globex\"\ntoken = \"tok-globex\"\n",
+    );
+    let as_tenant = |token: &str, method: reqwest::Method, path: &str, body: Option<Value>| {
+        let mut request = client()
+            .request(method, format!("{}{path}", gateway.base))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().unwrap();
+        (
+            response.status().as_u16(),
+            response.json::<Value>().unwrap_or(Value::Null),
+        )
+    };
+    let (status, _) = as_tenant(
+        "tok-acme",
+        reqwest::Method::POST,
+        "/v1/conversations",
+        Some(json!({"conversation_id": "shared-name"})),
+    );
+    assert_eq!(status, 201);
+    let (status, own) = as_tenant(
+        "tok-acme",
+        reqwest::Method::GET,
+        "/v1/conversations/shared-name",
+        None,
+    );
+    assert_eq!(
+        (status, own["conversation_id"].clone()),
+        (200, json!("shared-name"))
+    );
+    let (status, other) = as_tenant(
+        "tok-globex",
+        reqwest::Method::GET,
+        "/v1/conversations/shared-name",
+        None,
+    );
+    let (_, missing) = as_tenant(
+        "tok-globex",
+        reqwest::Method::GET,
+        "/v1/conversations/never-created",
+        None,
+    );
+    assert_eq!(status, 404);
+    assert_eq!(
+        other, missing,
+        "another tenant's conversation answers exactly as a missing one"
+    );
+    let (status, _) = as_tenant(
+        "tok-globex",
+        reqwest::Method::POST,
+        "/v1/conversations",
+        Some(json!({"conversation_id": "shared-name"})),
+    );
+    assert_eq!(status, 201, "the same name is free in another tenant");
+    let response = client()
+        .get(format!("{}/v1/conversations/shared-name", gateway.base))
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    let (status, _) = as_tenant("wrong-token", reqwest::Method::GET, "/v1/tool-calls", None);
+    assert_eq!(status, 401);
+}
+
+#[test]
+fn without_tenants_the_gateway_refuses_a_non_loopback_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--store", &sqlite(&dir)])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("loopback"));
+}
+
+#[test]
+fn oversized_and_too_deep_bodies_get_413_and_422() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "body_bytes_max = 65536");
+    conversation_with_question(&gateway, "c-limits");
+    let big = "x".repeat(70_000);
+    let response = client()
+        .post(format!("{}/v1/conversations/c-limits/turns", gateway.base))
+        .body(format!("{{\"expected_revision\":1,\"turn\":{{\"id\":\"t\",\"role\":\"user\",\"blocks\":[{{\"id\":\"b\",\"kind\":\"text\",\"text\":\"{big}\"}}]}}}}"))
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(
+        response.json::<Value>().unwrap()["error"]["code"],
+        "body_too_large"
+    );
+    let deep = format!(
+        "{{\"expected_revision\":1,\"turn\":{}{}}}",
+        "[".repeat(100),
+        "]".repeat(100)
+    );
+    let response = client()
+        .post(format!("{}/v1/conversations/c-limits/turns", gateway.base))
+        .body(deep)
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 422);
+    assert_eq!(
+        response.json::<Value>().unwrap()["error"]["code"],
+        "limit_exceeded"
+    );
+    let blocks: Vec<Value> = (0..1_025)
+        .map(|i| json!({"id": format!("b{i}"), "kind": "text", "text": "x"}))
+        .collect();
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-limits/turns",
+        json!({"expected_revision": 1, "turn": {"id": "t", "role": "user", "blocks": blocks}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("limit_exceeded"))
+    );
+    assert_eq!(
+        gateway.get("/v1/conversations/c-limits")["revision"],
+        1,
+        "nothing committed was lost or added"
+    );
+}
+
+#[test]
+fn no_api_key_appears_in_any_log_response_or_metric() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(
+        &dir,
+        &sqlite(&dir),
+        &sim,
+        &format!(
+            "[providers.upstream]\nbase_url = \"{}\"\napi_key_env = \"TURNSTILE_TEST_PROVIDER_KEY\"\n",
+            sim.base
+        ),
+    );
+    conversation_with_question(&gateway, "c-key");
+    sim.script(
+        "keyed",
+        json!([{"text": "fine", "faults": {"cut_at_byte": 120}}, {"text": "fine"}]),
+    );
+    let body = json!({"operation_id": "op-key", "target": {"provider": "upstream", "model": "keyed", "adapter": "openai-responses@1"}});
+    let answer = client()
+        .post(format!("{}/v1/conversations/c-key/dispatch", gateway.base))
+        .json(&body)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert!(answer.contains("COMMITTED"), "{answer}");
+    let mut everything = answer;
+    for path in [
+        "/v1/dispatches/op-key",
+        "/v1/conversations/c-key",
+        "/v1/quarantine",
+        "/v1/tool-calls",
+    ] {
+        everything.push_str(
+            &client()
+                .get(format!("{}{path}", gateway.base))
+                .send()
+                .unwrap()
+                .text()
+                .unwrap(),
+        );
+    }
+    everything.push_str(
+        &client()
+            .get(format!("{}/metrics", gateway.base))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap(),
+    );
+    everything.push_str(&std::fs::read_to_string(&gateway.log).unwrap());
+    everything.push_str(&sim.requests().iter().map(Value::to_string).collect::<String>());
+    assert!(!everything.contains("SECRET-KEY"), "the provider key leaked");
+}
+
+#[test]
+fn metrics_expose_every_required_name() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    let text = client()
+        .get(format!("{}/metrics", gateway.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    for name in [
+        "turnstile_validator_rejects_total{code=\"orphan_result\"}",
+        "turnstile_tool_result_orphans_total",
+        "turnstile_tool_result_duplicates_total",
+        "turnstile_dispatch_unknown_age_seconds",
+        "turnstile_handle_recoveries_total{outcome=",
+        "turnstile_late_blocks_total",
+        "turnstile_preview_retractions_total",
+        "turnstile_canonical_cas_conflicts_total",
+        "turnstile_partial_tool_dispatch_total",
+        "turnstile_illegal_sends_total",
+        "turnstile_dispatch_transitions_total{from=",
+    ] {
+        assert!(text.contains(name), "{name} missing");
+    }
+    let health: Value = client()
+        .get(format!("{}/healthz", gateway.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(health["store"], "reachable");
+}
+
+#[test]
+fn two_gateways_on_one_postgresql_commit_at_most_one_turn_per_revision() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let sim = SimProcess::start();
+    let dir_a = tempfile::tempdir().unwrap();
+    let dir_b = tempfile::tempdir().unwrap();
+    let a = Gateway::start(&dir_a, &url, &sim, "replica_id = \"replica-a\"");
+    let b = Gateway::start(&dir_b, &url, &sim, "replica_id = \"replica-b\"");
+    let run = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    for round in 0..5 {
+        let id = format!("c-race-{run}-{round}");
+        conversation_with_question(&a, &id);
+        let model = format!("race-{run}-{round}");
+        sim.script(&model, json!([{"text": "reply one", "faults": {"delay_ms": 5}}, {"text": "reply two", "faults": {"delay_ms": 5}}]));
+        let ((status_a, events_a), (status_b, events_b)) = std::thread::scope(|scope| {
+            let first =
+                scope.spawn(|| a.dispatch_raw(&id, &format!("op-a-{run}-{round}"), "openai-chat@1", &model));
+            let second =
+                scope.spawn(|| b.dispatch_raw(&id, &format!("op-b-{run}-{round}"), "openai-chat@1", &model));
+            (first.join().unwrap(), second.join().unwrap())
+        });
+        // The loser either finds the revision moved before preparing (409), or loses the begin
+        // or the canonical commit compare-and-set (its stream ends without `committed`).
+        for (status, events) in [(status_a, &events_a), (status_b, &events_b)] {
+            assert!(
+                status == 200 || (status == 409 && events[0].1["error"]["code"] == "revision_conflict"),
+                "{status} {events:?}"
+            );
+        }
+        let winners = named(&events_a, "committed").len() + named(&events_b, "committed").len();
+        assert_eq!(winners, 1, "round {round}: {events_a:?} {events_b:?}");
+        let document = history_is_legal(&a, &id);
+        assert_eq!(document["revision"], 2, "round {round}");
+        assert_eq!(assistant_turns(&document), 1, "round {round}");
+        assert_eq!(
+            document,
+            history_is_legal(&b, &id),
+            "both replicas read the same history"
+        );
+    }
+    assert_safety_metrics_zero(&a);
+    assert_safety_metrics_zero(&b);
+}
