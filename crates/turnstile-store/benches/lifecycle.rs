@@ -270,6 +270,15 @@ fn benches(c: &mut Criterion) {
             .iter_custom(|iters| timed_lifecycles(sqlite.clone(), iters, CONCURRENCY_DEEP))
     });
 
+    // For the NORMAL trade-off only (not durable on power loss): how much of the FULL figure
+    // is fsync and how much is CPU.
+    let normal_path = dir.path().join("bench-normal.db");
+    let normal: Arc<dyn Ledger> = Arc::new(SqliteLedger::open(&normal_path, Synchronous::Normal).unwrap());
+    group.bench_function(format!("sqlite_normal/concurrent_{CONCURRENCY_DEEP}"), |b| {
+        b.to_async(&runtime)
+            .iter_custom(|iters| timed_lifecycles(normal.clone(), iters, CONCURRENCY_DEEP))
+    });
+
     match std::env::var("TURNSTILE_PG_URL") {
         Ok(url) if !url.is_empty() => {
             let schema = format!("bench_{}", std::process::id());
