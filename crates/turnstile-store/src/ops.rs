@@ -219,6 +219,25 @@ pub(crate) async fn append_turn<T: Tx>(
     }
     let generation = stamped.get("generation").and_then(Value::as_u64).map(Generation);
     insert_turn(tx, conversation_id, revision, &stamped, generation, None, now).await?;
+    // Results appended as an ordinary tool turn close their calls in the execution ledger too
+    // (the validator has just checked that each answers an open call exactly once).
+    if stamped.get("role").and_then(Value::as_str) == Some("tool") {
+        for block in stamped
+            .get("blocks")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if let Some(call_id) = block.get("call_id").and_then(Value::as_str) {
+                tx.execute(
+                    "UPDATE tool_calls SET state = 'done', result_revision = $3 \
+                     WHERE conversation_id = $1 AND call_id = $2 AND state <> 'done'",
+                    &[conversation_id.into(), call_id.into(), revision.0.into()],
+                )
+                .await?;
+            }
+        }
+    }
     Ok(AppendOutcome::Appended { revision })
 }
 

@@ -51,6 +51,7 @@ suite!(
     a_drop_before_commit_leaves_nothing_and_a_retry_succeeds,
     a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn,
     quarantine_is_bounded_per_dispatch,
+    a_tool_turn_appended_directly_closes_its_calls_in_the_ledger,
 );
 
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
@@ -984,4 +985,49 @@ pub async fn quarantine_is_bounded_per_dispatch(backend: Backend, name: &str) {
         ..entry
     };
     assert!(!store.quarantine(&unknown, at(0)).await.unwrap());
+}
+
+pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    to_streaming(&*store, "op-1", generation).await;
+    let _ = store
+        .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
+        .await
+        .unwrap();
+    let call = &store.tool_calls(None).await.unwrap()[0];
+    let results = json!({"id": "t-results", "role": "tool", "blocks": [
+        {"id": "r0", "kind": "tool_result", "call_id": "a-call-0", "tool": "get_weather",
+         "args_digest": call.args_digest, "generation": 1, "status": "success", "content": []},
+        {"id": "r1", "kind": "tool_result", "call_id": "a-call-1", "tool": "get_weather",
+         "status": "success", "content": []}]});
+    assert_eq!(
+        store
+            .append_turn("c", Revision(2), &results, at(21))
+            .await
+            .unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(3)
+        }
+    );
+    let done = store.tool_calls(Some(ToolCallState::Done)).await.unwrap();
+    assert_eq!(done.len(), 2);
+    assert!(done.iter().all(|call| call.result_revision == Some(Revision(3))));
+    assert!(
+        store
+            .tool_calls(Some(ToolCallState::Ready))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let ClaimOutcome::Unavailable { state } = store
+        .claim_tool_call("c", "a-call-0", &lease("exec", 1_000), at(22))
+        .await
+        .unwrap()
+    else {
+        panic!("an answered call was claimable");
+    };
+    assert_eq!(state, ToolCallState::Done);
+    check_invariants(&*store, &["c".into()]).await;
 }
