@@ -840,11 +840,12 @@ pub(crate) async fn commit<T: Tx>(
     };
     // A retry of the winning commit (e.g. after a connection drop past COMMIT) gets the same
     // answer, without a second turn.
-    if record.state == DispatchState::Committed && record.active_generation == Some(generation) {
-        if let Some(revision) = record.committed_revision {
-            let tool_calls = tool_call_ids(tx, &record.conversation_id, revision).await?;
-            return Ok(CommitOutcome::Committed { revision, tool_calls });
-        }
+    if record.state == DispatchState::Committed
+        && record.active_generation == Some(generation)
+        && let Some(revision) = record.committed_revision
+    {
+        let tool_calls = tool_call_ids(tx, &record.conversation_id, revision).await?;
+        return Ok(CommitOutcome::Committed { revision, tool_calls });
     }
     let conversation_id = record.conversation_id.clone();
     let revision = Revision(expected_revision.0 + 1);

@@ -571,6 +571,41 @@ fn waiting_history_sends_nothing_and_illegal_turns_are_refused_with_codes() {
         (409, json!(2))
     );
     assert_eq!(gateway.get("/v1/conversations/c-wait")["revision"], 2);
+
+    // Results appended as a plain tool turn (in reverse order) close the calls in the ledger.
+    let ready: Vec<Value> = gateway.get("/v1/tool-calls?state=ready")["tool_calls"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(ready.len(), 2);
+    let results: Vec<Value> = ready
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(i, call)| {
+            json!({"id": format!("r{i}"), "kind": "tool_result", "call_id": call["call_id"], "tool": call["tool"],
+                   "args_digest": call["args_digest"], "generation": call["generation"], "status": "success",
+                   "content": [{"kind": "text", "text": "ok"}]})
+        })
+        .collect();
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-wait/turns",
+        json!({"expected_revision": 2, "turn": {"id": "t-results", "role": "tool", "blocks": results}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        gateway.get("/v1/tool-calls?state=ready")["tool_calls"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        gateway.get("/v1/tool-calls?state=done")["tool_calls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 #[test]
