@@ -219,13 +219,13 @@ pub fn recovery_decision(
     provider: ProviderRecovery,
     now: Timestamp,
 ) -> RecoveryDecision {
-    if provider.resume_by_handle {
-        if let Some(handle) = &attempt.handle {
-            return RecoveryDecision::ResumeByHandle {
-                generation: attempt.generation,
-                handle: handle.clone(),
-            };
-        }
+    if provider.resume_by_handle
+        && let Some(handle) = &attempt.handle
+    {
+        return RecoveryDecision::ResumeByHandle {
+            generation: attempt.generation,
+            handle: handle.clone(),
+        };
     }
     if provider.honours_idempotency_key {
         return RecoveryDecision::ReplaySameGeneration {
@@ -630,24 +630,28 @@ impl DispatchMachine {
     /// Time passed: renew the lease, or stop waiting for a dead attempt.
     pub fn handle_timeout(&mut self, now: Timestamp) -> Handled {
         let mut acted = false;
-        if let Some(at) = self.wait_until {
-            if now >= at && self.state == DispatchState::Unknown && self.awaiting.is_none() {
-                self.wait_until = None;
-                let generation = self.active_generation();
-                self.apply_recovery(now, RecoveryDecision::AbandonThenNewGeneration { generation });
-                acted = true;
-            }
+        if let Some(at) = self.wait_until
+            && now >= at
+            && self.state == DispatchState::Unknown
+            && self.awaiting.is_none()
+        {
+            self.wait_until = None;
+            let generation = self.active_generation();
+            self.apply_recovery(now, RecoveryDecision::AbandonThenNewGeneration { generation });
+            acted = true;
         }
-        if let Some(at) = self.lease_renew_at {
-            if now >= at && self.state.is_live() && self.state != DispatchState::Unknown {
-                let generation = self.active_generation();
-                self.push(Effect::Persist(Write::RenewLease {
-                    generation,
-                    lease_expires_at: now.plus_ms(self.lease_ms),
-                }));
-                self.lease_renew_at = Some(now.plus_ms(self.lease_ms / 2));
-                acted = true;
-            }
+        if let Some(at) = self.lease_renew_at
+            && now >= at
+            && self.state.is_live()
+            && self.state != DispatchState::Unknown
+        {
+            let generation = self.active_generation();
+            self.push(Effect::Persist(Write::RenewLease {
+                generation,
+                lease_expires_at: now.plus_ms(self.lease_ms),
+            }));
+            self.lease_renew_at = Some(now.plus_ms(self.lease_ms / 2));
+            acted = true;
         }
         if acted {
             Handled::Accepted
@@ -858,13 +862,13 @@ impl DispatchMachine {
         self.awaiting = None;
         self.lease_renew_at = None;
         self.wait_until = None;
-        if let Some(generation) = self.generation {
-            if self.state.is_live() {
-                self.push(Effect::Emit(ClientEvent::Retract {
-                    generation,
-                    reason: "cancelled",
-                }));
-            }
+        if let Some(generation) = self.generation
+            && self.state.is_live()
+        {
+            self.push(Effect::Emit(ClientEvent::Retract {
+                generation,
+                reason: "cancelled",
+            }));
         }
         self.enter(DispatchState::Abandoned);
         self.emit_state();

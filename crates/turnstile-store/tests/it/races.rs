@@ -193,11 +193,7 @@ pub async fn two_operations_on_the_same_revision_commit_exactly_one_turn(backend
                 committed, 1,
                 "round {index}: exactly one canonical turn: {outcomes:?}"
             );
-            assert!(
-                outcomes
-                    .iter()
-                    .any(|outcome| *outcome == CommitOutcome::Refused(CommitRefusal::RevisionMoved))
-            );
+            assert!(outcomes.contains(&CommitOutcome::Refused(CommitRefusal::RevisionMoved)));
             let document = a.conversation(&conversation_id).await.unwrap().unwrap();
             assert_eq!(document["revision"], 3);
         }
