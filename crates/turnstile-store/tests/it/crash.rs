@@ -305,3 +305,190 @@ async fn dying_inside_every_step_before_commit_recovers_to_exactly_one_canonical
         crash_at(index, Crash::InsideStepBeforeCommit).await;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A real crash: a child process runs lifecycles (8 at a time, so group commits are in flight)
+// and is killed with SIGKILL at a seeded random moment; the parent reopens the file, recovers
+// and checks the invariants. Repeated on the same file.
+
+const CHILD_VAR: &str = "TURNSTILE_CRASH_CHILD_DB";
+const CHILD_SENT_VAR: &str = "TURNSTILE_CRASH_CHILD_SENT";
+const CHILD_ROUND_VAR: &str = "TURNSTILE_CRASH_CHILD_ROUND";
+const CHILD_TEST: &str = "crash::the_killed_child_process_entry_point_does_nothing_unless_spawned";
+const KILL_ROUNDS: u64 = 3;
+const CHILD_TASKS: u64 = 8;
+
+async fn child_lifecycle(store: &SqliteLedger, tag: &str, sent: &std::sync::Mutex<std::fs::File>) {
+    use std::io::Write;
+    let conversation_id = format!("k-{tag}");
+    let operation_id = format!("kop-{tag}");
+    conversation_at_1(store, &conversation_id).await;
+    let (manifest, bytes) = manifest(&operation_id, &conversation_id, 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    let BeginOutcome::Began { generation, .. } = store
+        .begin_attempt(&operation_id, expect, &lease("child", 5_000), at(11))
+        .await
+        .unwrap()
+    else {
+        panic!("begin refused");
+    };
+    {
+        // The acceptance point passed; record the "send" durably before going on.
+        let mut file = sent.lock().unwrap();
+        writeln!(
+            file,
+            "{operation_id} {} {}",
+            generation.0, manifest.body.request_digest
+        )
+        .unwrap();
+        file.sync_data().unwrap();
+    }
+    to_streaming(store, &operation_id, generation).await;
+    let _ = store
+        .commit(
+            &operation_id,
+            generation,
+            Revision(1),
+            &assistant_turn(&format!("ka-{tag}"), 2),
+            at(13),
+        )
+        .await
+        .unwrap();
+    for index in 0..2 {
+        let call_id = format!("ka-{tag}-call-{index}");
+        if let ClaimOutcome::Claimed { claim } = store
+            .claim_tool_call(&conversation_id, &call_id, &lease("exec", 1_000), at(14))
+            .await
+            .unwrap()
+        {
+            let content = json!([{"kind": "text", "text": "ok"}]);
+            let _ = store
+                .submit_tool_result(&conversation_id, &call_id, claim, "success", &content, at(15))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_killed_child_process_entry_point_does_nothing_unless_spawned() {
+    let Ok(path) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let sent_path = std::env::var(CHILD_SENT_VAR).unwrap();
+    let round = std::env::var(CHILD_ROUND_VAR).unwrap();
+    let store = std::sync::Arc::new(SqliteLedger::open(&path, Synchronous::Full).unwrap());
+    let sent = std::sync::Arc::new(std::sync::Mutex::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(sent_path)
+            .unwrap(),
+    ));
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..CHILD_TASKS {
+        let (store, sent, round) = (store.clone(), sent.clone(), round.clone());
+        tasks.spawn(async move {
+            for index in 0.. {
+                child_lifecycle(&store, &format!("{round}-{task}-{index}"), &sent).await;
+            }
+        });
+    }
+    // Runs until the parent kills this process.
+    while let Some(result) = tasks.join_next().await {
+        result.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_killed_mid_write_recovers_with_every_invariant_intact() {
+    let seed = std::env::var("TURNSTILE_SEED")
+        .ok()
+        .and_then(|text| text.parse::<u64>().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(7, |elapsed| elapsed.as_nanos() as u64)
+        });
+    eprintln!("kill -9 test: seed {seed}; replay the kill points with TURNSTILE_SEED={seed}");
+    let place = place(Backend::Sqlite, "kill").await;
+    let sent_path = place.dir.path().join("sent.log");
+    let mut state = seed | 1;
+    for round in 0..KILL_ROUNDS {
+        // xorshift: the kill point of this round, 300..1300 ms after start.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let kill_after_ms = 300 + state % 1_000;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
+            .env(CHILD_VAR, place.sqlite_path())
+            .env(CHILD_SENT_VAR, &sent_path)
+            .env(CHILD_ROUND_VAR, round.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(kill_after_ms)).await;
+        child.kill().unwrap();
+        let _ = child.wait().unwrap();
+
+        let store = open_at(&place, 1).await;
+        let report = store.recover_startup("child", at(100)).await.unwrap();
+        assert!(
+            report
+                .unknown
+                .iter()
+                .all(|attempt| attempt.state == DispatchState::Unknown)
+        );
+        let sent = std::fs::read_to_string(&sent_path).unwrap_or_default();
+        let mut conversations = std::collections::BTreeSet::new();
+        for line in sent.lines() {
+            let mut fields = line.split(' ');
+            let (operation_id, generation, digest) = (
+                fields.next().unwrap(),
+                fields.next().unwrap(),
+                fields.next().unwrap(),
+            );
+            let attempts = store.attempts(operation_id).await.unwrap();
+            let attempt = attempts
+                .iter()
+                .find(|attempt| attempt.generation.0.to_string() == generation)
+                .unwrap_or_else(|| {
+                    panic!("seed {seed}: {operation_id}/{generation} sent without its DISPATCHING row")
+                });
+            assert_eq!(attempt.request_digest, digest);
+            assert_ne!(attempt.state, DispatchState::Dispatching, "seed {seed}");
+            conversations.insert(
+                store
+                    .dispatch(operation_id)
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .conversation_id,
+            );
+        }
+        for earlier_round in 0..=round {
+            for task in 0..CHILD_TASKS {
+                for index in 0..10_000 {
+                    let conversation_id = format!("k-{earlier_round}-{task}-{index}");
+                    if store.conversation(&conversation_id).await.unwrap().is_none() {
+                        break;
+                    }
+                    conversations.insert(conversation_id);
+                }
+            }
+        }
+        let conversations: Vec<String> = conversations.into_iter().collect();
+        check_invariants(&*store, &conversations).await;
+        eprintln!(
+            "kill -9 round {round}: killed after {kill_after_ms} ms, {} sends, {} conversations",
+            sent.lines().count(),
+            conversations.len()
+        );
+    }
+}
