@@ -25,6 +25,7 @@ use crate::stream::{BlockIndex, BlockStart, Seq, Sequenced, StopReason, StreamEv
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 /// Most blocks in one assembled turn (the same bound as a committed turn).
@@ -517,7 +518,7 @@ pub struct Assembler {
     /// True while the current connection is speaking for a handle other than the bound one.
     foreign: Option<String>,
     blocks: BTreeMap<BlockIndex, Block>,
-    seen: HashSet<(Option<BlockIndex>, Seq)>,
+    seen: HashSet<(Option<BlockIndex>, Seq), BuildHasherDefault<SeqHasher>>,
     bytes_total: usize,
     stop: Option<StopReason>,
     usage: Option<(Option<u64>, Option<u64>)>,
@@ -534,7 +535,7 @@ impl Assembler {
             config,
             foreign: None,
             blocks: BTreeMap::new(),
-            seen: HashSet::new(),
+            seen: HashSet::default(),
             bytes_total: 0,
             stop: None,
             usage: None,
@@ -597,19 +598,17 @@ impl Assembler {
             self.stats.after_outcome += 1;
             return Disposition::Ignored(IgnoreReason::AfterOutcome);
         }
-        let key = (input.event.block_index(), input.seq);
-        if self.seen.contains(&key) {
+        if !self.seen.insert((input.event.block_index(), input.seq)) {
             self.stats.duplicates += 1;
             return Disposition::Ignored(IgnoreReason::Duplicate);
         }
-        if self.seen.len() >= ASSEMBLE_DEDUPE_KEYS_MAX {
+        if self.seen.len() > ASSEMBLE_DEDUPE_KEYS_MAX {
             self.retract(RetractReason::LimitExceeded {
                 what: "ASSEMBLE_DEDUPE_KEYS_MAX",
                 max: ASSEMBLE_DEDUPE_KEYS_MAX,
             });
             return Disposition::Accepted;
         }
-        self.seen.insert(key);
         self.stats.accepted += 1;
         if let Err(reason) = self.apply(input.event) {
             self.retract(reason);
@@ -1021,5 +1020,40 @@ fn parse_object(text: &str) -> Result<(Map<String, Value>, Digest), &'static str
             ArgState::Open => "open",
             _ => "invalid",
         }),
+    }
+}
+
+/// The dedupe set's hasher: keys are small integers chosen by decoders from provider input, so
+/// a multiply-rotate mix (the Fx hash of rustc) is enough. It is keyed by nothing secret: a
+/// hostile provider could only make its own generation's dedupe slower, and the set is bounded
+/// by `ASSEMBLE_DEDUPE_KEYS_MAX`.
+#[derive(Clone, Copy, Default)]
+struct SeqHasher(u64);
+
+impl Hasher for SeqHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.write_u64(u64::from(byte));
+        }
+    }
+
+    fn write_u8(&mut self, value: u8) {
+        self.write_u64(u64::from(value));
+    }
+
+    fn write_u32(&mut self, value: u32) {
+        self.write_u64(u64::from(value));
+    }
+
+    fn write_usize(&mut self, value: usize) {
+        self.write_u64(value as u64);
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x517c_c1b7_2722_0a95);
     }
 }

@@ -94,6 +94,12 @@ pub fn decode_all(api: StreamApi, bytes: &[u8]) -> Vec<Sequenced> {
 
 /// What an API module implements: one SSE event in, normalized events out through `Emitter`.
 pub(crate) trait EventDecoder {
+    /// A typed, borrowing fast path for the API's hot events (deltas): `true` if it handled
+    /// the event. Anything it does not recognise falls through to [`EventDecoder::event`].
+    fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
+        let _ = (event, out);
+        false
+    }
     fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter);
     /// Called when the SSE data is not JSON. Most APIs: a malformed event.
     fn non_json(&mut self, event: &SseEvent, out: &mut Emitter) {
@@ -169,6 +175,9 @@ impl<D: EventDecoder> SseDecoder<D> {
     fn drain_sse(&mut self) {
         while let Some(event) = self.sse.poll_event() {
             self.out.begin(None);
+            if self.api.fast(&event, &mut self.out) {
+                continue;
+            }
             match serde_json::from_str::<Value>(&event.data) {
                 Ok(payload) => self.api.event(&event, payload, &mut self.out),
                 Err(_) => self.api.non_json(&event, &mut self.out),

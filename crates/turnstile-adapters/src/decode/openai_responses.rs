@@ -19,6 +19,7 @@
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
+use std::borrow::Cow;
 use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
 
 /// Content parts per output item that get a distinct block key.
@@ -85,7 +86,73 @@ fn key(payload: &Value, content: bool, out: &mut Emitter) -> Option<BlockIndex> 
     }
 }
 
+/// The shape of the hot delta events, parsed without building a `Value` (unknown fields such
+/// as `obfuscation` and `logprobs` are skipped, strings are borrowed when unescaped).
+#[derive(serde::Deserialize)]
+struct Delta<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    sequence_number: Option<u64>,
+    output_index: Option<u64>,
+    content_index: Option<u64>,
+    #[serde(borrow)]
+    delta: Cow<'a, str>,
+}
+
+fn key_of(output_index: Option<u64>, content_index: Option<u64>) -> Option<BlockIndex> {
+    match (output_index, content_index) {
+        (Some(output_index), Some(content_index)) if content_index < PARTS_PER_ITEM_MAX => output_index
+            .checked_mul(PARTS_PER_ITEM_MAX)
+            .and_then(|base| base.checked_add(content_index))
+            .map(BlockIndex),
+        _ => None,
+    }
+}
+
 impl EventDecoder for Responses {
+    fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
+        let name = event.event.as_str();
+        let text = matches!(name, "response.output_text.delta" | "response.refusal.delta");
+        let arguments = name == "response.function_call_arguments.delta";
+        let reasoning = matches!(
+            name,
+            "response.reasoning_summary_text.delta" | "response.reasoning_text.delta"
+        );
+        if !(text || arguments || reasoning) {
+            return false;
+        }
+        // Any surprise (another shape, a type that disagrees with the event name) takes the
+        // general path, which reports what is wrong.
+        let Ok(delta) = serde_json::from_str::<Delta<'_>>(&event.data) else {
+            return false;
+        };
+        if delta.kind != name {
+            return false;
+        }
+        let content_index = if text { delta.content_index } else { Some(0) };
+        let Some(index) = key_of(delta.output_index, content_index) else {
+            return false;
+        };
+        if let Some(number) = delta.sequence_number {
+            out.provider_seq(number);
+        }
+        let fragment = delta.delta.into_owned();
+        if text {
+            out.push(StreamEvent::TextDelta {
+                index,
+                text: fragment,
+            });
+        } else if reasoning {
+            out.push(StreamEvent::ReasoningDelta {
+                index,
+                text: fragment,
+            });
+        } else if !fragment.is_empty() {
+            out.push(StreamEvent::ToolArgsDelta { index, fragment });
+        }
+        true
+    }
+
     fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter) {
         if let Some(number) = u64_at(&payload, "sequence_number") {
             out.provider_seq(number);

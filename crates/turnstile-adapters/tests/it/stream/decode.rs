@@ -130,3 +130,25 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn responses_events_decode_the_same_with_or_without_event_lines() {
+    // The typed fast path keys on the SSE event name; without `event:` lines (vercel/ai strips
+    // them) the general path must give the same events.
+    for (api, name, bytes, _) in own_fixtures() {
+        if api != StreamApi::OpenAiResponses {
+            continue;
+        }
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        let stripped: String = text
+            .lines()
+            .filter(|line| !line.starts_with("event:"))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert_eq!(
+            decode_chunks(api, [stripped.as_bytes()], Ending::Live),
+            decode_chunks(api, [bytes.as_slice()], Ending::Live),
+            "{name}"
+        );
+    }
+}
