@@ -52,6 +52,7 @@ suite!(
     a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn,
     quarantine_is_bounded_per_dispatch,
     a_tool_turn_appended_directly_closes_its_calls_in_the_ledger,
+    migrations_apply_once_and_a_newer_schema_is_refused,
 );
 
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
@@ -1030,4 +1031,61 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
     };
     assert_eq!(state, ToolCallState::Done);
     check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn migrations_apply_once_and_a_newer_schema_is_refused(backend: Backend, name: &str) {
+    let place = place(backend, name).await;
+    {
+        let store = open_at(&place, 2).await;
+        conversation_at_1(&*store, "c").await;
+    }
+    // Reopening applies nothing again and keeps the data.
+    {
+        let store = open_at(&place, 2).await;
+        assert_eq!(store.conversation("c").await.unwrap().unwrap()["revision"], 1);
+    }
+    let newer = migrations::latest() + 1;
+    match backend {
+        Backend::Sqlite => {
+            let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
+            let versions: i64 = connection
+                .query_row("SELECT COUNT(*) FROM schema_migrations", [], |row| row.get(0))
+                .unwrap();
+            assert_eq!(versions, migrations::latest());
+            connection
+                .execute(
+                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, 'future', 0)",
+                    [newer],
+                )
+                .unwrap();
+            assert!(matches!(
+                SqliteLedger::open(place.sqlite_path(), Synchronous::Full),
+                Err(StoreError::SchemaTooNew { .. })
+            ));
+        }
+        Backend::Postgres => {
+            let (client, connection) = tokio_postgres::connect(&pg_url(), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            let table = format!("{}.schema_migrations", place.schema);
+            let versions: i64 = client
+                .query_one(&format!("SELECT COUNT(*) FROM {table}"), &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(versions, migrations::latest());
+            client
+                .execute(
+                    &format!("INSERT INTO {table} (version, name, applied_at) VALUES ($1, 'future', 0)"),
+                    &[&newer],
+                )
+                .await
+                .unwrap();
+            assert!(matches!(
+                PgLedger::connect(&pg_url(), Some(&place.schema), 2).await,
+                Err(StoreError::SchemaTooNew { .. })
+            ));
+        }
+    }
 }
