@@ -330,13 +330,13 @@ impl<'c> Ctx<'c> {
             tokenizer: self.tokenizer,
             tag,
         };
-        if let Some(slot) = self.cache.fragments.get(digest) {
-            if let Some((_, fragment)) = slot.iter().find(|(existing, _)| *existing == key) {
-                out.extend_from_slice(&fragment.bytes);
-                self.tokens += fragment.tokens;
-                self.cache.hits += 1;
-                return;
-            }
+        if let Some(slot) = self.cache.fragments.get(digest)
+            && let Some((_, fragment)) = slot.iter().find(|(existing, _)| *existing == key)
+        {
+            out.extend_from_slice(&fragment.bytes);
+            self.tokens += fragment.tokens;
+            self.cache.hits += 1;
+            return;
         }
         self.cache.misses += 1;
         let mut writer = Writer::new(self.tokenizer);

@@ -113,15 +113,15 @@ pub(crate) fn render(
                         ctx.omit(block, "", "empty_text_rejected_by_api");
                         continue;
                     }
-                    if let BlockBody::Document { source, .. } = &block.body {
-                        if document_source(source).is_none() {
-                            ctx.pause(
-                                Some(block),
-                                "document.media_type",
-                                PauseReason::UnrepresentablePart,
-                            );
-                            continue;
-                        }
+                    if let BlockBody::Document { source, .. } = &block.body
+                        && document_source(source).is_none()
+                    {
+                        ctx.pause(
+                            Some(block),
+                            "document.media_type",
+                            PauseReason::UnrepresentablePart,
+                        );
+                        continue;
                     }
                     push(&mut messages, MessageRole::User, Item::Content(block));
                 }

@@ -136,10 +136,10 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                         None => {
                             let signature = signature.take();
                             push(&mut contents, ContentRole::Model, Item::Part { block, signature });
-                            if matches!(block.body, BlockBody::ToolCall { .. }) {
-                                if let Some(last) = contents.last_mut() {
-                                    last.calls += 1;
-                                }
+                            if matches!(block.body, BlockBody::ToolCall { .. })
+                                && let Some(last) = contents.last_mut()
+                            {
+                                last.calls += 1;
                             }
                         }
                     }
@@ -148,14 +148,14 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                     push(&mut contents, ContentRole::Model, Item::SignatureOnly(signature));
                 }
                 for result in results {
-                    if let BlockBody::ToolResult { content, .. } = &result.body {
-                        if content.iter().any(|part| matches!(part, ResultPart::Image(_))) {
-                            ctx.pause(
-                                Some(result),
-                                "tool_result.image",
-                                PauseReason::UnrepresentablePart,
-                            );
-                        }
+                    if let BlockBody::ToolResult { content, .. } = &result.body
+                        && content.iter().any(|part| matches!(part, ResultPart::Image(_)))
+                    {
+                        ctx.pause(
+                            Some(result),
+                            "tool_result.image",
+                            PauseReason::UnrepresentablePart,
+                        );
                     }
                     push(&mut contents, ContentRole::User, Item::Response(result));
                 }
@@ -171,14 +171,15 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
         ),
         Some(_) => {}
     }
-    if let Some(first) = contents.first() {
-        if first.role == ContentRole::Model && first.calls > 0 {
-            ctx.pause(
-                None,
-                "contents.first_function_call_turn",
-                PauseReason::UnrepresentableSequence,
-            );
-        }
+    if let Some(first) = contents.first()
+        && first.role == ContentRole::Model
+        && first.calls > 0
+    {
+        ctx.pause(
+            None,
+            "contents.first_function_call_turn",
+            PauseReason::UnrepresentableSequence,
+        );
     }
 
     let mut out = Vec::with_capacity(4096);
