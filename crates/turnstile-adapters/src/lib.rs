@@ -21,6 +21,7 @@ pub mod prepare;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod simulate;
 pub mod tokens;
 
 pub use catalog::Catalog;

@@ -6,16 +6,12 @@
 //! model name; `GET /sim/requests` returns every request received, byte for byte, with
 //! credentials removed, so tests compare what was sent with its manifest.
 
-pub mod script;
-pub mod wire;
-
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use script::{Faults, Reply, Script};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::{HashMap, VecDeque};
@@ -23,7 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use wire::{Api, Frame};
+use turnstile_adapters::simulate::script::{self, Faults, Reply, Script};
+use turnstile_adapters::simulate::wire::{self, Api, Frame};
 
 /// Headers that carry credentials; never recorded.
 const CREDENTIAL_HEADERS: &[&str] = &[
