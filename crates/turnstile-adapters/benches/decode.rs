@@ -313,7 +313,7 @@ fn decode_and_assemble(stream: &Stream, toolset: &Arc<Toolset>) -> usize {
     config.toolset = Some(Arc::clone(toolset));
     let mut assembler = Assembler::new(config);
     let mut blocks = 0;
-    let mut drain = |assembler: &mut Assembler, blocks: &mut usize| {
+    let drain = |assembler: &mut Assembler, blocks: &mut usize| {
         while let Some(output) = assembler.poll_output() {
             match output {
                 Output::Preview { delta, .. } => {

@@ -134,9 +134,7 @@ impl SseParser {
     pub fn handle_end_of_file(&mut self) {
         if self.error.is_none() {
             let line = std::mem::take(&mut self.partial);
-            if !line.is_empty() && self.line(&line).is_ok() {
-                self.dispatch();
-            } else if line.is_empty() {
+            if line.is_empty() || self.line(&line).is_ok() {
                 self.dispatch();
             }
         }
@@ -218,19 +216,15 @@ impl SseParser {
                 self.event.clear();
                 push_utf8(&mut self.event, value);
             }
-            b"id" => {
-                if !value.contains(&0) {
-                    self.last_event_id.clear();
-                    push_utf8(&mut self.last_event_id, value);
-                }
+            b"id" if !value.contains(&0) => {
+                self.last_event_id.clear();
+                push_utf8(&mut self.last_event_id, value);
             }
-            b"retry" => {
-                if !value.is_empty() && value.iter().all(u8::is_ascii_digit) {
-                    // More digits than a u64 holds: keep the old value (spec: "interpret as
-                    // an integer"; an overflowing one is not one we can honour).
-                    if let Some(ms) = std::str::from_utf8(value).ok().and_then(|text| text.parse().ok()) {
-                        self.retry_ms = Some(ms);
-                    }
+            b"retry" if !value.is_empty() && value.iter().all(u8::is_ascii_digit) => {
+                // More digits than a u64 holds: keep the old value (spec: "interpret as
+                // an integer"; an overflowing one is not one we can honour).
+                if let Some(ms) = std::str::from_utf8(value).ok().and_then(|text| text.parse().ok()) {
+                    self.retry_ms = Some(ms);
                 }
             }
             _ => {}

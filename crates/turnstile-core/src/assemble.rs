@@ -833,10 +833,10 @@ impl Assembler {
         else {
             return Ok(());
         };
-        if let Some(final_copy) = arguments_final {
-            if final_copy != *arguments {
-                return Err(RetractReason::ArgumentsMismatch { block: index.0 });
-            }
+        if let Some(final_copy) = arguments_final
+            && final_copy != *arguments
+        {
+            return Err(RetractReason::ArgumentsMismatch { block: index.0 });
         }
         // An empty argument string means "no arguments": `{}` (provider-rules.md §0 rule 7).
         let text = if arguments.trim().is_empty() {

@@ -117,13 +117,13 @@ impl EventDecoder for Anthropic {
                         });
                         // Streaming starts with `input: {}` and sends the JSON as deltas; a
                         // non-empty start input is whole and is the arguments.
-                        if let Some(input) = block.get("input").and_then(Value::as_object) {
-                            if !input.is_empty() {
-                                out.push(StreamEvent::ToolArgsDelta {
-                                    index,
-                                    fragment: Value::Object(input.clone()).to_string(),
-                                });
-                            }
+                        if let Some(input) = block.get("input").and_then(Value::as_object)
+                            && !input.is_empty()
+                        {
+                            out.push(StreamEvent::ToolArgsDelta {
+                                index,
+                                fragment: Value::Object(input.clone()).to_string(),
+                            });
                         }
                     }
                     Some("thinking") => {

@@ -84,13 +84,13 @@ impl EventDecoder for Gemini {
             out.push(provider_error(error));
             return;
         }
-        if let Some(id) = str_at(&chunk, "responseId") {
-            if self.handle.as_deref() != Some(id) {
-                self.handle = Some(id.to_owned());
-                out.push(StreamEvent::Handle {
-                    handle: id.to_owned(),
-                });
-            }
+        if let Some(id) = str_at(&chunk, "responseId")
+            && self.handle.as_deref() != Some(id)
+        {
+            self.handle = Some(id.to_owned());
+            out.push(StreamEvent::Handle {
+                handle: id.to_owned(),
+            });
         }
         if let Some(reason) = chunk
             .get("promptFeedback")

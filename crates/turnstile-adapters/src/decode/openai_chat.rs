@@ -80,13 +80,13 @@ impl EventDecoder for Chat {
             out.push(provider_error(error));
             return;
         }
-        if let Some(id) = str_at(&chunk, "id") {
-            if self.handle.as_deref() != Some(id) {
-                self.handle = Some(id.to_owned());
-                out.push(StreamEvent::Handle {
-                    handle: id.to_owned(),
-                });
-            }
+        if let Some(id) = str_at(&chunk, "id")
+            && self.handle.as_deref() != Some(id)
+        {
+            self.handle = Some(id.to_owned());
+            out.push(StreamEvent::Handle {
+                handle: id.to_owned(),
+            });
         }
         let choices = chunk.get("choices").and_then(Value::as_array);
         for choice in choices.into_iter().flatten() {
@@ -152,13 +152,13 @@ impl Chat {
                     },
                 });
             }
-            if let Some(fragment) = function.and_then(|function| str_at(function, "arguments")) {
-                if !fragment.is_empty() {
-                    out.push(StreamEvent::ToolArgsDelta {
-                        index,
-                        fragment: fragment.to_owned(),
-                    });
-                }
+            if let Some(fragment) = function.and_then(|function| str_at(function, "arguments"))
+                && !fragment.is_empty()
+            {
+                out.push(StreamEvent::ToolArgsDelta {
+                    index,
+                    fragment: fragment.to_owned(),
+                });
             }
         }
     }

@@ -165,8 +165,8 @@ proptest! {
             let mut injected = 0;
             let mut older = older.iter();
             for event in events {
-                if rng.below(2) == 0 {
-                    if let Some(late) = older.next() {
+                if rng.below(2) == 0
+                    && let Some(late) = older.next() {
                         injected += 1;
                         match assembler.handle_event(Generation(0), late.clone()) {
                             Disposition::Quarantined(material) => {
@@ -176,7 +176,6 @@ proptest! {
                             other => prop_assert!(false, "seed {} {}: merged: {:?}", seed, name, other),
                         }
                     }
-                }
                 let _ = assembler.handle_event(GENERATION, event.clone());
             }
             prop_assert_eq!(assembler.stats().quarantined, injected);
