@@ -163,6 +163,12 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         },
     );
     for (name, provider) in &config.providers {
+        // A missing key would only show up as the provider's 401 on the first dispatch.
+        if let Some(variable) = &provider.api_key_env {
+            if std::env::var_os(variable).is_none() {
+                return Err(format!("provider {name:?}: the environment variable {variable} is not set"));
+            }
+        }
         endpoints.insert(
             name.clone(),
             Endpoint {
