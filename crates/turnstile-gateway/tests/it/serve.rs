@@ -969,3 +969,25 @@ fn two_gateways_on_one_postgresql_commit_at_most_one_turn_per_revision() {
     assert_safety_metrics_zero(&a);
     assert_safety_metrics_zero(&b);
 }
+
+#[test]
+fn a_provider_whose_key_variable_is_unset_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("turnstile.toml");
+    std::fs::write(&config, "[providers.upstream]\nbase_url = \"http://127.0.0.1:9\"\napi_key_env = \"TURNSTILE_TEST_UNSET_KEY\"\n").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            &sqlite(&dir),
+            "--config",
+            config.to_str().unwrap(),
+        ])
+        .env_remove("TURNSTILE_TEST_UNSET_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("TURNSTILE_TEST_UNSET_KEY"));
+}
