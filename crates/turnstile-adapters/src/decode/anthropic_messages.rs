@@ -15,6 +15,7 @@
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
+use std::borrow::Cow;
 use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
 
 /// Decoder for `anthropic-messages@*`.
@@ -65,7 +66,63 @@ fn index_of(payload: &Value, out: &mut Emitter) -> Option<BlockIndex> {
     index
 }
 
+/// `content_block_delta`, the hot event, parsed without building a `Value` (strings are
+/// borrowed when unescaped; unknown fields are skipped).
+#[derive(serde::Deserialize)]
+struct BlockDelta<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    index: u64,
+    #[serde(borrow)]
+    delta: DeltaBody<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaBody<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    partial_json: Option<Cow<'a, str>>,
+}
+
 impl EventDecoder for Anthropic {
+    fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
+        if event.event != "content_block_delta" {
+            return false;
+        }
+        // Any other shape (thinking, signatures, a type that disagrees with the event name)
+        // takes the general path.
+        let Ok(delta) = serde_json::from_str::<BlockDelta<'_>>(&event.data) else {
+            return false;
+        };
+        if delta.kind != "content_block_delta" {
+            return false;
+        }
+        let index = BlockIndex(delta.index);
+        match (
+            delta.delta.kind.as_ref(),
+            delta.delta.text,
+            delta.delta.partial_json,
+        ) {
+            ("text_delta", Some(text), _) => out.push(StreamEvent::TextDelta {
+                index,
+                text: text.into_owned(),
+            }),
+            ("input_json_delta", _, Some(fragment)) => {
+                if !fragment.is_empty() {
+                    out.push(StreamEvent::ToolArgsDelta {
+                        index,
+                        fragment: fragment.into_owned(),
+                    });
+                }
+            }
+            _ => return false,
+        }
+        true
+    }
+
     fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter) {
         let kind = str_at(&payload, "type").unwrap_or(event.event.as_str());
         match kind {

@@ -132,11 +132,11 @@ proptest! {
 }
 
 #[test]
-fn responses_events_decode_the_same_with_or_without_event_lines() {
-    // The typed fast path keys on the SSE event name; without `event:` lines (vercel/ai strips
+fn responses_and_anthropic_events_decode_the_same_with_or_without_event_lines() {
+    // The typed fast paths key on the SSE event name; without `event:` lines (vercel/ai strips
     // them) the general path must give the same events.
     for (api, name, bytes, _) in own_fixtures() {
-        if api != StreamApi::OpenAiResponses {
+        if api != StreamApi::OpenAiResponses && api != StreamApi::AnthropicMessages {
             continue;
         }
         let text = String::from_utf8(bytes.clone()).unwrap();
