@@ -1,0 +1,114 @@
+//! `turnstile-dst`: run seeded deterministic simulations of Turnstile and report.
+//!
+//! ```text
+//! turnstile-dst --seeds N [--first S] [--threads T] [--json]
+//! turnstile-dst --seed S [--json]        replay one seed, printing its trace
+//! ```
+//! Exit status 0 only when no invariant was violated; 1 on a violation; 2 on bad usage.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use turnstile_testkit::{Bugs, Summary, run_seed, run_seeds};
+
+struct Args {
+    seeds: u64,
+    first: u64,
+    seed: Option<u64>,
+    json: bool,
+    threads: usize,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut args = Args {
+        seeds: 1_000,
+        first: 0,
+        seed: None,
+        json: false,
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| -> Result<u64, String> {
+            it.next()
+                .ok_or(format!("{name} needs a value"))?
+                .parse()
+                .map_err(|_| format!("{name} needs a number"))
+        };
+        match arg.as_str() {
+            "--seeds" => args.seeds = value("--seeds")?,
+            "--first" => args.first = value("--first")?,
+            "--seed" => args.seed = Some(value("--seed")?),
+            "--threads" => args.threads = value("--threads")? as usize,
+            "--json" => args.json = true,
+            "-h" | "--help" => {
+                return Err(
+                    "usage: turnstile-dst --seeds N [--first S] [--threads T] [--json] | --seed S [--json]"
+                        .into(),
+                );
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .and_then(|output| String::from_utf8(output.stdout).ok())
+        .map_or_else(|| "unknown".to_owned(), |text| text.trim().to_owned())
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::from(2);
+        }
+    };
+    let commit = git_commit();
+    let summary = match args.seed {
+        Some(seed) => {
+            let report = run_seed(seed, true, Bugs::default());
+            if !args.json {
+                for line in &report.trace {
+                    println!("{line}");
+                }
+            }
+            let mut summary = Summary {
+                seed_first: seed,
+                ..Summary::default()
+            };
+            summary.add(&report);
+            summary
+        }
+        None => {
+            let terminal = std::io::stderr().is_terminal() && !args.json;
+            let total = args.seeds;
+            let progress = move |done: u64| {
+                // A plain progress line on a terminal (indicatif is not in the offline registry).
+                if terminal && (done % 100 == 0 || done == total) {
+                    eprint!("\r{done}/{total} seeds");
+                    if done == total {
+                        eprintln!();
+                    }
+                }
+            };
+            run_seeds(args.first, args.seeds, args.threads, Bugs::default(), &progress)
+        }
+    };
+    if args.json {
+        println!("{}", summary.json());
+    } else {
+        print!("{}", summary.text(&commit));
+    }
+    if summary.violations_total == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}

@@ -1,0 +1,285 @@
+//! The history checker: the invariants of issue 7, evaluated against the real store (read
+//! through the ledger's own API, as an operator would) and the world's record of what clients
+//! and executors were shown. Evaluated after every step and at every send.
+
+use crate::report::Invariant;
+use crate::world::{CONVERSATION_ID, World, store};
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use turnstile_adapters::AdapterId;
+use turnstile_core::dispatch::DispatchState;
+use turnstile_core::{Conversation, Digest, Generation, Verdict, validate};
+use turnstile_store::Ledger;
+
+/// The arguments of a committed call: a complete JSON object, valid for the declared schema
+/// (`{"city": string}`, nothing else).
+fn arguments_valid(arguments: &Value) -> bool {
+    let parsed = match arguments {
+        Value::String(text) => match serde_json::from_str::<Value>(text) {
+            Ok(value) => value,
+            Err(_) => return false,
+        },
+        other => other.clone(),
+    };
+    match parsed {
+        Value::Object(map) => map.len() == 1 && map.get("city").is_some_and(Value::is_string),
+        _ => false,
+    }
+}
+
+impl World {
+    /// At a send: the body is the manifest's bytes (SHA-256 equals its request digest and it
+    /// re-renders from the pinned history with the pinned adapter), and a durable DISPATCHING
+    /// row of that generation exists (`None`: of any generation).
+    pub(crate) fn check_send(&mut self, op: &str, generation: Option<Generation>, body: &[u8]) {
+        self.report.checks += 1;
+        let step = self.step;
+        let Ok(Some(record)) = store!(self, dispatch(op)) else {
+            self.report.illegal_sends += 1;
+            self.report.violate(
+                step,
+                Invariant::IllegalSend,
+                format!("{op}: sent without a stored dispatch"),
+            );
+            return;
+        };
+        let manifest_digest = record.manifest["request_digest"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned();
+        let mut illegal = Vec::new();
+        if Digest::of_bytes(body).as_str() != manifest_digest {
+            illegal.push("body digest differs from the manifest's request_digest".to_owned());
+        }
+        if !self.history.rerendered.contains_key(op) {
+            let revision = record.manifest["conversation_revision"].as_u64().unwrap_or(0);
+            let max_output = record.manifest["max_output_tokens"].as_u64();
+            let adapter = record.manifest["adapter"]
+                .as_str()
+                .and_then(|text| text.parse::<AdapterId>().ok());
+            let digest = match adapter {
+                Some(adapter) => self
+                    .render_at(revision, adapter, op, max_output)
+                    .map(|(manifest, _)| manifest.body.request_digest.as_str().to_owned()),
+                None => Err("manifest names no known adapter".into()),
+            };
+            self.history.rerendered.insert(op.to_owned(), digest);
+        }
+        match &self.history.rerendered[op] {
+            Ok(digest) if *digest == manifest_digest => {}
+            Ok(digest) => illegal.push(format!(
+                "re-render gives {digest}, manifest pins {manifest_digest}"
+            )),
+            Err(error) => illegal.push(format!("history does not re-validate: {error}")),
+        }
+        if !illegal.is_empty() {
+            self.report.illegal_sends += 1;
+            self.report.violate(
+                step,
+                Invariant::IllegalSend,
+                format!("{op}: {}", illegal.join("; ")),
+            );
+        }
+        self.report.checks += 1;
+        let attempts = store!(self, attempts(op)).unwrap_or_default();
+        let durable = attempts.iter().any(|attempt| {
+            attempt.state == DispatchState::Dispatching && generation.is_none_or(|g| attempt.generation == g)
+        });
+        if !durable {
+            self.report.violate(
+                step,
+                Invariant::SendBeforeDurable,
+                format!(
+                    "{op} g{:?}: bytes sent with no durable DISPATCHING row",
+                    generation.map(|g| g.0)
+                ),
+            );
+        }
+    }
+
+    /// The invariants over the committed state, after every step.
+    pub(crate) fn check(&mut self) {
+        let step = self.step;
+        self.report.checks += 1;
+        let Ok(Some(document)) = store!(self, conversation(CONVERSATION_ID)) else {
+            self.report
+                .violate(step, Invariant::HistoryInvalid, "conversation unreadable".into());
+            return;
+        };
+        match Conversation::from_value(document.clone()) {
+            Ok(conversation) => {
+                if let Verdict::Rejected(violations) = validate(&conversation) {
+                    let codes: Vec<String> = violations.iter().map(|v| format!("{:?}", v.code)).collect();
+                    self.report.violate(
+                        step,
+                        Invariant::HistoryInvalid,
+                        format!("committed history rejected: {codes:?}"),
+                    );
+                }
+            }
+            Err(error) => self.report.violate(
+                step,
+                Invariant::HistoryInvalid,
+                format!("committed history unreadable: {error:?}"),
+            ),
+        }
+
+        // Canonical turns: one per dispatch, from its committed generation only.
+        self.report.checks += 1;
+        let mut per_op: HashMap<String, Vec<u64>> = HashMap::new();
+        let mut committed_calls: HashMap<String, Value> = HashMap::new();
+        for turn in document["turns"].as_array().into_iter().flatten() {
+            if turn["role"] != "assistant" {
+                continue;
+            }
+            let id = turn["id"].as_str().unwrap_or("");
+            match id
+                .rsplit_once(".g")
+                .and_then(|(op, g)| Some((op, g.parse::<u64>().ok()?)))
+            {
+                Some((op, generation)) => per_op.entry(op.to_owned()).or_default().push(generation),
+                None => self.report.violate(
+                    step,
+                    Invariant::LateBlockInHistory,
+                    format!("assistant turn {id:?} from no dispatch generation"),
+                ),
+            }
+            for block in turn["blocks"].as_array().into_iter().flatten() {
+                if block["kind"] == "tool_call"
+                    && let Some(call_id) = block["call_id"].as_str()
+                {
+                    committed_calls.insert(call_id.to_owned(), block["arguments"].clone());
+                }
+            }
+        }
+        let mut ops: Vec<_> = per_op.into_iter().collect();
+        ops.sort();
+        for (op, generations) in ops {
+            let count = generations.len() as u64;
+            self.report.canonical_turns_per_revision_max =
+                self.report.canonical_turns_per_revision_max.max(count);
+            if count > 1 {
+                self.report.violate(
+                    step,
+                    Invariant::CanonicalTurns,
+                    format!("{op}: {count} canonical assistant turns (generations {generations:?})"),
+                );
+            }
+            let attempts = store!(self, attempts(&op)).unwrap_or_default();
+            for generation in generations {
+                let committed = attempts.iter().any(|attempt| {
+                    attempt.generation.0 == generation && attempt.state == DispatchState::Committed
+                });
+                if committed {
+                    self.history.committed_insert(&op, generation);
+                } else {
+                    self.report.violate(
+                        step,
+                        Invariant::LateBlockInHistory,
+                        format!(
+                            "{op} g{generation}: a turn of a generation that did not commit is in history"
+                        ),
+                    );
+                }
+            }
+        }
+
+        // Tool-call ledger = tool calls of committed turns, complete and schema-valid; executors
+        // saw only those.
+        self.report.checks += 1;
+        let ledger = store!(self, tool_calls(None)).unwrap_or_default();
+        let ledger_ids: HashSet<String> = ledger.iter().map(|call| call.call_id.clone()).collect();
+        let mut partial = Vec::new();
+        for call in &ledger {
+            match committed_calls.get(&call.call_id) {
+                None => partial.push((call.call_id.clone(), "in the ledger, not in a committed turn")),
+                Some(arguments) if !arguments_valid(arguments) || !arguments_valid(&call.arguments) => {
+                    partial.push((call.call_id.clone(), "arguments incomplete or not schema-valid"))
+                }
+                Some(_) => {}
+            }
+        }
+        for call_id in committed_calls.keys() {
+            if !ledger_ids.contains(call_id) {
+                partial.push((call_id.clone(), "committed but missing from the ledger"));
+            }
+        }
+        for call_id in &self.history.exposed {
+            if !ledger_ids.contains(call_id) {
+                partial.push((call_id.clone(), "shown to an executor, not committed"));
+            }
+        }
+        partial.sort();
+        for (call_id, why) in partial {
+            if self.history.partial_reported.insert(call_id.clone()) {
+                self.report.partial_tool_dispatch += 1;
+                self.report.violate(
+                    step,
+                    Invariant::PartialToolDispatch,
+                    format!("call {call_id}: {why}"),
+                );
+            }
+        }
+    }
+
+    /// Attempts and dispatches still UNKNOWN.
+    pub(crate) fn unknown_count(&mut self) -> u64 {
+        let mut count = 0;
+        for op in self.ops.clone() {
+            for attempt in store!(self, attempts(&op)).unwrap_or_default() {
+                if attempt.state == DispatchState::Unknown {
+                    count += 1;
+                }
+            }
+        }
+        count
+    }
+
+    /// After the liveness phase: nothing UNKNOWN, every preview resolved, metrics = tallies.
+    pub(crate) fn final_checks(&mut self) {
+        let step = self.step;
+        self.check();
+        self.report.checks += 1;
+        let unknown = self.unknown_count();
+        if unknown > 0 {
+            self.report.unknown_unresolved += unknown;
+            self.report.violate(
+                step,
+                Invariant::UnknownUnresolved,
+                format!("{unknown} attempt(s) still UNKNOWN after the liveness phase"),
+            );
+        }
+        self.report.checks += 1;
+        let mut unresolved: Vec<_> = self
+            .history
+            .previewed
+            .iter()
+            .filter(|key| {
+                !self.history.retracted.contains(*key) && !self.history.committed_contains(&key.0, key.1)
+            })
+            .cloned()
+            .collect();
+        unresolved.sort();
+        for (op, generation) in unresolved {
+            self.report.violate(
+                step,
+                Invariant::PreviewUnresolved,
+                format!("{op} g{generation}: previewed, neither committed nor retracted"),
+            );
+        }
+        self.report.checks += 1;
+        if let Ok(counters) = store!(self, counters()) {
+            if counters.foreign_handle_refusals != self.history.bind_refusals {
+                self.report.violate(
+                    step,
+                    Invariant::MetricsMismatch,
+                    format!(
+                        "store counts {} foreign-handle refusals, the checker saw {}",
+                        counters.foreign_handle_refusals, self.history.bind_refusals
+                    ),
+                );
+            }
+        }
+        self.report.commits = self.history.committed_count();
+    }
+}

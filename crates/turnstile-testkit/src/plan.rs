@@ -1,0 +1,170 @@
+//! Fault plans (probabilities drawn per seed: calm seeds and storms) and the planted bugs the
+//! "checker can fail" tests switch on.
+
+use crate::rng::Rng;
+
+/// Every fault the world injects, counted by kind in the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FaultKind {
+    /// The gateway process crashed after an effect boundary (memory dropped, file reopened,
+    /// recovery run).
+    Crash,
+    /// A store transaction lost its connection before COMMIT.
+    StoreDropBeforeCommit,
+    /// A store transaction committed, then lost its connection before the answer.
+    StoreDropAfterCommit,
+    /// The provider answered 429.
+    Provider429,
+    /// The provider answered 500.
+    Provider500,
+    /// The connection was cut at an arbitrary byte (tool arguments cut mid-token included).
+    CutAtByte,
+    /// The connection closed after some whole events.
+    Disconnect,
+    /// Every event was sent twice.
+    DuplicateDeltas,
+    /// The stop event(s) were left out (the body still ended cleanly).
+    LostStop,
+    /// The provider reported a handle already bound to another dispatch's manifest.
+    ForeignHandle,
+    /// An older generation's stream kept delivering after a newer attempt started.
+    OldStreamResumed,
+    /// The provider refused to resume a stream by handle.
+    ResumeRefused,
+    /// The adapter was upgraded (@1 → @2) between prepare and a retry.
+    AdapterUpgrade,
+    /// A client offered a result for a call that does not exist.
+    OrphanResult,
+    /// A client offered a second result for one call.
+    DuplicateResult,
+    /// The provider honoured an idempotency key by replaying the first reply.
+    IdempotentReplay,
+}
+
+impl FaultKind {
+    /// The name used in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultKind::Crash => "crash",
+            FaultKind::StoreDropBeforeCommit => "store_drop_before_commit",
+            FaultKind::StoreDropAfterCommit => "store_drop_after_commit",
+            FaultKind::Provider429 => "provider_429",
+            FaultKind::Provider500 => "provider_500",
+            FaultKind::CutAtByte => "cut_at_byte",
+            FaultKind::Disconnect => "disconnect",
+            FaultKind::DuplicateDeltas => "duplicate_deltas",
+            FaultKind::LostStop => "lost_stop",
+            FaultKind::ForeignHandle => "foreign_handle",
+            FaultKind::OldStreamResumed => "old_stream_resumed",
+            FaultKind::ResumeRefused => "resume_refused",
+            FaultKind::AdapterUpgrade => "adapter_upgrade",
+            FaultKind::OrphanResult => "orphan_result",
+            FaultKind::DuplicateResult => "duplicate_result",
+            FaultKind::IdempotentReplay => "idempotent_replay",
+        }
+    }
+}
+
+/// Probabilities of each fault for one seed, plus the provider's recovery abilities.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultPlan {
+    /// Crash after an effect boundary (per effect).
+    pub crash: f64,
+    /// A store write loses its connection (per write).
+    pub store_drop: f64,
+    /// Provider answers 429 or 500 (per request).
+    pub status: f64,
+    /// Cut the body at an arbitrary byte (per request).
+    pub cut: f64,
+    /// Close after some whole events (per request).
+    pub disconnect: f64,
+    /// Send every event twice (per request).
+    pub duplicate: f64,
+    /// Leave out the stop event (per request).
+    pub lost_stop: f64,
+    /// Report a handle bound to another manifest (per request).
+    pub foreign_handle: f64,
+    /// Keep an old stream alive across a crash and deliver it to the new process (per crash).
+    pub old_stream: f64,
+    /// Refuse a resume by handle (per resume).
+    pub resume_refused: f64,
+    /// A client offers an orphan result (per round).
+    pub orphan_result: f64,
+    /// A client offers a duplicate result (per call).
+    pub duplicate_result: f64,
+    /// Upgrade the configured adapter @1 → @2 at the first crash.
+    pub adapter_upgrade: bool,
+    /// The provider honours idempotency keys.
+    pub honours_idempotency_key: bool,
+    /// The provider lets Responses streams be resumed by handle.
+    pub resume_by_handle: bool,
+}
+
+impl FaultPlan {
+    /// Draw a plan: each fault is off half the time, otherwise up to its storm rate.
+    pub fn draw(rng: &mut Rng) -> FaultPlan {
+        let mut rate = |max: f64| if rng.chance(0.5) { 0.0 } else { rng.unit() * max };
+        let crash = rate(0.08);
+        let store_drop = rate(0.05);
+        let status = rate(0.3);
+        let cut = rate(0.4);
+        let disconnect = rate(0.3);
+        let duplicate = rate(0.5);
+        let lost_stop = rate(0.3);
+        let foreign_handle = rate(0.2);
+        let old_stream = rate(0.8);
+        let resume_refused = rate(0.5);
+        let orphan_result = rate(0.8);
+        let duplicate_result = rate(0.5);
+        FaultPlan {
+            crash,
+            store_drop,
+            status,
+            cut,
+            disconnect,
+            duplicate,
+            lost_stop,
+            foreign_handle,
+            old_stream,
+            resume_refused,
+            orphan_result,
+            duplicate_result,
+            adapter_upgrade: rng.chance(0.5),
+            honours_idempotency_key: rng.chance(0.3),
+            resume_by_handle: rng.chance(0.5),
+        }
+    }
+
+    /// The same provider abilities with every fault healed (the liveness phase).
+    pub fn healed(&self) -> FaultPlan {
+        FaultPlan {
+            adapter_upgrade: false,
+            honours_idempotency_key: self.honours_idempotency_key,
+            resume_by_handle: self.resume_by_handle,
+            ..FaultPlan::default()
+        }
+    }
+}
+
+/// Bugs planted on purpose, to show the checker catches each one. All off in a real run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bugs {
+    /// Open the provider request before the begin write (bytes before a durable DISPATCHING).
+    pub send_before_persist: bool,
+    /// Re-render with the currently configured adapter on a retry instead of sending the
+    /// stored bytes.
+    pub rerender_on_retry: bool,
+    /// Append a late or foreign turn through `append_turn` instead of quarantining it (a commit
+    /// without the generation condition).
+    pub commit_late_turn: bool,
+    /// Show tool calls to executors from the commit offer, before the commit CAS.
+    pub expose_before_commit: bool,
+    /// Drop retract events (previews of a lost generation stay on screen).
+    pub skip_retract: bool,
+    /// Cut a tool call's arguments in the offered turn before the commit.
+    pub commit_partial_arguments: bool,
+    /// Never fire the "old lease ran out" timer (UNKNOWN waits forever).
+    pub no_lease_timer: bool,
+    /// Count foreign-handle refusals twice in the world's own tally (metrics drift).
+    pub miscount_foreign_handles: bool,
+}
