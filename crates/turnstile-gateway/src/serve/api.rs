@@ -139,6 +139,13 @@ fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
     }
 }
 
+/// Authenticate, then read the JSON body within its limits.
+async fn authenticated_json(shared: &Shared, request: Request) -> Result<(Caller, Value), ApiError> {
+    let (parts, body) = request.into_parts();
+    let caller = caller(shared, &parts.headers)?;
+    Ok((caller, json_body(shared, body).await?))
+}
+
 /// Read a JSON body within the size and depth limits (413 / 422 / 400).
 async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
     let bytes = axum::body::to_bytes(body, shared.body_bytes_max)
@@ -150,6 +157,10 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
                 format!("the body exceeds {} bytes", shared.body_bytes_max),
             )
         })?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        // An empty body is an empty object: the handler names what is missing.
+        return Ok(json!({}));
+    }
     turnstile_core::parse::json_from_slice(&bytes).map_err(|error| match error {
         turnstile_core::conversation::Unreadable::Limit { what, .. } => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -178,9 +189,7 @@ fn client_document(caller: &Caller, mut document: Value) -> Value {
 }
 
 pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Request) -> ApiResult {
-    let (parts, body) = request.into_parts();
-    let caller = caller(&shared, &parts.headers)?;
-    let body = json_body(&shared, body).await?;
+    let (caller, body) = authenticated_json(&shared, request).await?;
     let id = match body.get("conversation_id") {
         Some(Value::String(id)) => id.clone(),
         None | Some(Value::Null) => format!("c-{}", super::fresh_id()),
@@ -254,9 +263,7 @@ pub async fn append_turn(
     Path(id): Path<String>,
     request: Request,
 ) -> ApiResult {
-    let (parts, body) = request.into_parts();
-    let caller = caller(&shared, &parts.headers)?;
-    let body = json_body(&shared, body).await?;
+    let (caller, body) = authenticated_json(&shared, request).await?;
     let expected = body["expected_revision"].as_u64().ok_or_else(|| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -353,9 +360,7 @@ pub async fn dispatch(
     Path(id): Path<String>,
     request: Request,
 ) -> ApiResult {
-    let (parts, body) = request.into_parts();
-    let caller = caller(&shared, &parts.headers)?;
-    let body = json_body(&shared, body).await?;
+    let (caller, body) = authenticated_json(&shared, request).await?;
     let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -781,9 +786,7 @@ pub async fn claim_tool_call(
     Path((conversation_id, call_id)): Path<(String, String)>,
     request: Request,
 ) -> ApiResult {
-    let (parts, body) = request.into_parts();
-    let caller = caller(&shared, &parts.headers)?;
-    let body = json_body(&shared, body).await.unwrap_or(json!({}));
+    let (caller, body) = authenticated_json(&shared, request).await?;
     let lease_ms = body["lease_ms"]
         .as_u64()
         .unwrap_or(shared.lease_ms)
@@ -816,9 +819,7 @@ pub async fn submit_tool_result(
     Path((conversation_id, call_id)): Path<(String, String)>,
     request: Request,
 ) -> ApiResult {
-    let (parts, body) = request.into_parts();
-    let caller = caller(&shared, &parts.headers)?;
-    let body = json_body(&shared, body).await?;
+    let (caller, body) = authenticated_json(&shared, request).await?;
     let claim = body["claim"].as_u64().ok_or_else(|| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
