@@ -96,6 +96,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/quarantine", get(api::quarantine))
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))
+        .route("/", get(crate::console::index))
         .fallback(api::fallback)
         .with_state(shared)
 }
@@ -166,7 +167,9 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         // A missing key would only show up as the provider's 401 on the first dispatch.
         if let Some(variable) = &provider.api_key_env {
             if std::env::var_os(variable).is_none() {
-                return Err(format!("provider {name:?}: the environment variable {variable} is not set"));
+                return Err(format!(
+                    "provider {name:?}: the environment variable {variable} is not set"
+                ));
             }
         }
         endpoints.insert(

@@ -2,6 +2,7 @@
 
 mod render;
 mod assemble;
+mod console;
 mod serve;
 mod sim;
 mod validate;

@@ -12,9 +12,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A running gateway, killed on drop.
-struct Gateway {
+pub struct Gateway {
     child: Child,
-    base: String,
+    pub base: String,
     log: PathBuf,
 }
 
@@ -26,7 +26,7 @@ fn client() -> reqwest::blocking::Client {
 }
 
 impl Gateway {
-    fn start(dir: &tempfile::TempDir, store: &str, sim: &SimProcess, extra_config: &str) -> Gateway {
+    pub fn start(dir: &tempfile::TempDir, store: &str, sim: &SimProcess, extra_config: &str) -> Gateway {
         Gateway::start_with(dir, store, Some(&sim.base), extra_config).unwrap()
     }
 
@@ -269,7 +269,7 @@ fn assert_safety_metrics_zero(gateway: &Gateway) {
     assert_eq!(gateway.metric("turnstile_illegal_sends_total"), 0.0);
 }
 
-fn sqlite(dir: &tempfile::TempDir) -> String {
+pub fn sqlite(dir: &tempfile::TempDir) -> String {
     format!("sqlite:{}", dir.path().join("turnstile.db").display())
 }
 

@@ -1,0 +1,40 @@
+//! The console in a real browser: Debian's Chromium driven by playwright-core (from npm) runs
+//! `tests/console/console.test.mjs` against a gateway and a simulator on loopback. The browser
+//! parts are installed by `scripts/test`; when they are missing this test fails, never skips.
+
+use crate::serve::{Gateway, sqlite};
+use crate::sim::SimProcess;
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn the_console_shows_preview_retracts_it_and_shows_the_committed_turn() {
+    let chromium = std::env::var("TURNSTILE_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    let playwright = std::env::var("TURNSTILE_PLAYWRIGHT_CORE")
+        .expect("TURNSTILE_PLAYWRIGHT_CORE must name the playwright-core module (scripts/test installs it)");
+    assert!(
+        Path::new(&chromium).exists(),
+        "{chromium} is missing (scripts/test installs Debian's chromium)"
+    );
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console/console.test.mjs");
+    let screenshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console-screenshot.png");
+    let output = Command::new("node")
+        .arg(&script)
+        .env("GATEWAY", &gateway.base)
+        .env("SIM", &sim.base)
+        .env("CHROMIUM", &chromium)
+        .env("PLAYWRIGHT_CORE", &playwright)
+        .env("SCREENSHOT", &screenshot)
+        .output()
+        .expect("node runs");
+    assert!(
+        output.status.success(),
+        "console test failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(screenshot.exists());
+}
