@@ -574,7 +574,7 @@ async fn attach(
 
 /// Poll the ledger for a dispatch this process does not drive, relaying its state until it is
 /// terminal (then its committed turn, if any).
-async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hub>) {
+pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hub>) {
     let mut last: Option<DispatchState> = None;
     loop {
         let record = match shared.ledger.dispatch(&operation_id).await {

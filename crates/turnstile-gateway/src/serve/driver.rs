@@ -180,9 +180,28 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, machine: DispatchMachine, s
             }
         }
     }
-    driver.ctx.hub.finish();
-    driver.shared.hubs.lock().await.remove(&operation_id);
     driver.shared.unknown_since.lock().await.remove(&operation_id);
+    let driven_elsewhere = driver.stopped
+        && matches!(
+            driver.shared.ledger.dispatch(&operation_id).await,
+            Ok(Some(record)) if record.state.is_live() || record.state == DispatchState::Committed
+        );
+    if driven_elsewhere {
+        // Another replica owns the dispatch now: relay its progress from the ledger to this
+        // dispatch's clients instead of ending their stream with an error.
+        let hub = driver.ctx.hub.clone();
+        super::api::watch(driver.shared.clone(), operation_id.clone(), hub).await;
+    } else {
+        if driver.stopped {
+            // Nobody drives it: the conversation moved on, or the dispatch was cancelled.
+            driver.emit(
+                "error",
+                json!({"code": "begin_refused", "message": error_message("begin_refused")}),
+            );
+        }
+        driver.ctx.hub.finish();
+    }
+    driver.shared.hubs.lock().await.remove(&operation_id);
 }
 
 impl Driver {
@@ -275,6 +294,13 @@ impl Driver {
                     ClientEvent::Committed { revision } => {
                         let turn = self.committed_turn(revision.0).await;
                         self.emit("committed", json!({"revision": revision.0, "turn": turn}));
+                    }
+                    ClientEvent::Error {
+                        code: code @ ("begin_refused" | "recovery_refused"),
+                    } => {
+                        // Not an error for the client: the driver switches to watching the
+                        // dispatch that someone else drives (see `run`).
+                        tracing::info!(operation_id = %self.ctx.record.operation_id, code, "dispatch driven elsewhere");
                     }
                     ClientEvent::Error { code } => {
                         self.emit("error", json!({"code": code, "message": error_message(code)}));
