@@ -18,7 +18,9 @@
 
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+use std::borrow::Cow;
 use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
 
 /// Deepest `jsonPath` accepted in Vertex `partialArgs`.
@@ -78,7 +80,116 @@ pub(crate) struct Gemini {
     finished: bool,
 }
 
+/// A chunk whose parts are all text, parsed without building a `Value`: the hot case. Anything
+/// else (a function call, an error, prompt feedback, several candidates, a part without text)
+/// takes the general path.
+#[derive(serde::Deserialize)]
+struct TextChunk<'a> {
+    #[serde(borrow)]
+    candidates: Option<Vec<TextCandidate<'a>>>,
+    #[serde(rename = "usageMetadata")]
+    usage: Option<UsageCounts>,
+    #[serde(rename = "responseId", borrow)]
+    response_id: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    error: Option<&'a RawValue>,
+    #[serde(rename = "promptFeedback", borrow)]
+    prompt_feedback: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct TextCandidate<'a> {
+    #[serde(borrow)]
+    content: Option<TextContent<'a>>,
+    #[serde(rename = "finishReason", borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+    index: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct TextContent<'a> {
+    #[serde(borrow)]
+    parts: Option<Vec<TextPart<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct TextPart<'a> {
+    #[serde(borrow)]
+    text: Option<Cow<'a, str>>,
+    thought: Option<bool>,
+    #[serde(rename = "thoughtSignature", borrow)]
+    thought_signature: Option<Cow<'a, str>>,
+    #[serde(rename = "functionCall", borrow)]
+    function_call: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsageCounts {
+    #[serde(rename = "promptTokenCount")]
+    prompt: Option<u64>,
+    #[serde(rename = "candidatesTokenCount")]
+    candidates: Option<u64>,
+}
+
 impl EventDecoder for Gemini {
+    fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
+        let Ok(chunk) = serde_json::from_str::<TextChunk<'_>>(&event.data) else {
+            return false;
+        };
+        if chunk.error.is_some() || chunk.prompt_feedback.is_some() || self.finished {
+            return false;
+        }
+        let candidates = chunk.candidates.unwrap_or_default();
+        let [candidate] = candidates.as_slice() else {
+            return false;
+        };
+        if candidate.index.unwrap_or(0) != 0 {
+            return false;
+        }
+        let parts = candidate
+            .content
+            .as_ref()
+            .and_then(|content| content.parts.as_deref())
+            .unwrap_or_default();
+        if parts
+            .iter()
+            .any(|part| part.text.is_none() || part.function_call.is_some())
+        {
+            return false;
+        }
+        if let Some(id) = chunk.response_id.as_deref()
+            && self.handle.as_deref() != Some(id)
+        {
+            self.handle = Some(id.to_owned());
+            out.push(StreamEvent::Handle {
+                handle: id.to_owned(),
+            });
+        }
+        if let Some(usage) = &chunk.usage {
+            let usage = (usage.prompt, usage.candidates);
+            if usage != (None, None) && self.usage_last != Some(usage) {
+                self.usage_last = Some(usage);
+                out.push(StreamEvent::Usage {
+                    input_tokens: usage.0,
+                    output_tokens: usage.1,
+                });
+            }
+        }
+        for part in parts {
+            let text = part.text.as_deref().unwrap_or_default();
+            self.text_part(
+                text,
+                part.thought == Some(true),
+                part.thought_signature.as_deref(),
+                out,
+            );
+        }
+        if let Some(reason) = candidate.finish_reason.as_deref() {
+            self.finish(reason, out);
+        }
+        true
+    }
+
     fn event(&mut self, _event: &SseEvent, chunk: Value, out: &mut Emitter) {
         if let Some(error) = chunk.get("error").filter(|error| error.is_object()) {
             out.push(provider_error(error));
@@ -189,54 +300,8 @@ impl Gemini {
             return;
         }
         if let Some(text) = str_at(part, "text") {
-            let kind = if part.get("thought").and_then(Value::as_bool) == Some(true) {
-                OpenKind::Thought
-            } else {
-                OpenKind::Text
-            };
-            if kind == OpenKind::Text {
-                // A signature on a text part belongs before that part's text.
-                if let Some(signature) = signature {
-                    self.seal(signature, out);
-                }
-            }
-            if text.is_empty() && kind == OpenKind::Text {
-                return;
-            }
-            let index = match self.open_text {
-                Some((index, open)) if open == kind => index,
-                _ => {
-                    self.close_text(out);
-                    let block = match kind {
-                        OpenKind::Text => BlockStart::Text,
-                        OpenKind::Thought => BlockStart::Reasoning {
-                            provider: "gemini".into(),
-                        },
-                    };
-                    let index = self.new_block(block, out);
-                    self.open_text = Some((index, kind));
-                    index
-                }
-            };
-            match kind {
-                OpenKind::Text => out.push(StreamEvent::TextDelta {
-                    index,
-                    text: text.to_owned(),
-                }),
-                OpenKind::Thought => {
-                    out.push(StreamEvent::ReasoningDelta {
-                        index,
-                        text: text.to_owned(),
-                    });
-                    if let Some(signature) = signature {
-                        out.push(StreamEvent::ReasoningSeal {
-                            index,
-                            signature: Some(signature.to_owned()),
-                            encrypted: None,
-                        });
-                    }
-                }
-            }
+            let thought = part.get("thought").and_then(Value::as_bool) == Some(true);
+            self.text_part(text, thought, signature, out);
             return;
         }
         if let Some(signature) = signature {
@@ -246,6 +311,57 @@ impl Gemini {
         out.push(StreamEvent::Malformed {
             detail: "a part kind v1 cannot hold (inline data, code execution, …)".into(),
         });
+    }
+
+    fn text_part(&mut self, text: &str, thought: bool, signature: Option<&str>, out: &mut Emitter) {
+        let kind = if thought {
+            OpenKind::Thought
+        } else {
+            OpenKind::Text
+        };
+        if kind == OpenKind::Text {
+            // A signature on a text part belongs before that part's text.
+            if let Some(signature) = signature {
+                self.seal(signature, out);
+            }
+        }
+        if text.is_empty() && kind == OpenKind::Text {
+            return;
+        }
+        let index = match self.open_text {
+            Some((index, open)) if open == kind => index,
+            _ => {
+                self.close_text(out);
+                let block = match kind {
+                    OpenKind::Text => BlockStart::Text,
+                    OpenKind::Thought => BlockStart::Reasoning {
+                        provider: "gemini".into(),
+                    },
+                };
+                let index = self.new_block(block, out);
+                self.open_text = Some((index, kind));
+                index
+            }
+        };
+        match kind {
+            OpenKind::Text => out.push(StreamEvent::TextDelta {
+                index,
+                text: text.to_owned(),
+            }),
+            OpenKind::Thought => {
+                out.push(StreamEvent::ReasoningDelta {
+                    index,
+                    text: text.to_owned(),
+                });
+                if let Some(signature) = signature {
+                    out.push(StreamEvent::ReasoningSeal {
+                        index,
+                        signature: Some(signature.to_owned()),
+                        encrypted: None,
+                    });
+                }
+            }
+        }
     }
 
     fn function_call(&mut self, call: &Value, out: &mut Emitter) {
