@@ -24,4 +24,4 @@ pub mod world;
 
 pub use plan::{Bugs, FaultKind, FaultPlan};
 pub use report::{Invariant, SeedReport, Summary, Violation};
-pub use run::{run_seed, run_seeds};
+pub use run::{Options, run_seed, run_seed_with, run_seeds, run_seeds_with};

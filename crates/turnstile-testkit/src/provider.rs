@@ -16,7 +16,7 @@ use turnstile_adapters::simulate::wire::{self, Api, Frame};
 /// Most tool calls in one reply.
 pub const CALLS_PER_REPLY_MAX: u64 = 3;
 /// Largest chunk the transport delivers at once.
-const CHUNK_BYTES_MAX: u64 = 96;
+const CHUNK_BYTES_MAX: u64 = 256;
 
 /// What a connection will deliver.
 #[derive(Clone, Debug)]

@@ -4,14 +4,26 @@
 
 use crate::plan::Bugs;
 use crate::report::{Invariant, SeedReport, Summary};
-use crate::world::{Options, World};
+pub use crate::world::Options;
+use crate::world::World;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Run one seed.
 pub fn run_seed(seed: u64, trace: bool, bugs: Bugs) -> SeedReport {
-    let options = Options { trace, bugs };
+    run_seed_with(
+        seed,
+        Options {
+            trace,
+            bugs,
+            production_store_errors: false,
+        },
+    )
+}
+
+/// Run one seed with all options.
+pub fn run_seed_with(seed: u64, options: Options) -> SeedReport {
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match World::new(seed, options) {
         Ok(world) => world.run(),
         Err(error) => {
@@ -50,6 +62,22 @@ pub fn run_seeds(
     bugs: Bugs,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Summary {
+    let options = Options {
+        trace: false,
+        bugs,
+        production_store_errors: false,
+    };
+    run_seeds_with(first, count, threads, options, progress)
+}
+
+/// Run `count` seeds with all options.
+pub fn run_seeds_with(
+    first: u64,
+    count: u64,
+    threads: usize,
+    options: Options,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Summary {
     let next = AtomicU64::new(0);
     let done = AtomicU64::new(0);
     let summary = Arc::new(Mutex::new(Summary {
@@ -66,7 +94,7 @@ pub fn run_seeds(
                     if index >= count {
                         return;
                     }
-                    let report = run_seed(first + index, false, bugs);
+                    let report = run_seed_with(first + index, options);
                     let mut guard = match collected.lock() {
                         Ok(guard) => guard,
                         Err(poisoned) => poisoned.into_inner(),

@@ -64,6 +64,11 @@ pub struct Options {
     pub trace: bool,
     /// Planted bugs (all off for a real run).
     pub bugs: Bugs,
+    /// Handle a store error on an awaited write exactly as `serve/driver.rs` does today (no
+    /// answer, the driver keeps waiting and keeps the dispatch from the lease sweep). Off: the
+    /// driver stops and leaves the dispatch to the sweep — the fix proposed in
+    /// `docs/reliability.md`, which the default run uses. See `docs/decisions.md`.
+    pub production_store_errors: bool,
 }
 
 /// One provider connection as the gateway's transport sees it.
@@ -77,6 +82,8 @@ pub(crate) struct Conn {
     resume: bool,
     chunks: VecDeque<Vec<u8>>,
     clean_end: bool,
+    /// Planted bug `commit_late_turn` only: an assembler of the stream's own (old) generation.
+    side: Option<Assembler>,
 }
 
 /// One dispatch's driver (the port of `serve/driver.rs::Driver`).
@@ -121,6 +128,8 @@ pub(crate) struct History {
     pub(crate) sent_ops: HashSet<String>,
     /// Foreign-handle refusals the world saw.
     pub(crate) bind_refusals: u64,
+    /// Bind writes whose answer a store fault hid (each may or may not have counted).
+    pub(crate) bind_ambiguous: u64,
     /// Re-render digest per operation (the checker's own render).
     pub(crate) rerendered: HashMap<String, Result<String, String>>,
     /// Call ids already reported as partial.
@@ -160,6 +169,7 @@ pub struct World {
     pub(crate) rng: Rng,
     pub(crate) plan: FaultPlan,
     pub(crate) bugs: Bugs,
+    production_store_errors: bool,
     trace_on: bool,
     _dir: tempfile::TempDir,
     path: PathBuf,
@@ -184,6 +194,8 @@ pub struct World {
     rounds_done: u64,
     rounds: u64,
     crashed: bool,
+    /// The store or what executors were shown changed since the last check.
+    pub(crate) dirty: bool,
     pub(crate) history: History,
     pub(crate) report: SeedReport,
 }
@@ -260,6 +272,7 @@ impl World {
             rng,
             plan,
             bugs: options.bugs,
+            production_store_errors: options.production_store_errors,
             trace_on: options.trace,
             _dir: dir,
             path,
@@ -284,6 +297,7 @@ impl World {
             rounds_done: 0,
             rounds,
             crashed: false,
+            dirty: true,
             history: History::default(),
             report: SeedReport {
                 seed,
@@ -371,6 +385,7 @@ impl World {
 
     /// The client starts a new operation at the conversation's current revision.
     fn start_op(&mut self) -> Result<(), String> {
+        self.dirty = true;
         let document = store!(self, conversation(CONVERSATION_ID))
             .map_err(|e| e.to_string())?
             .ok_or("no conversation")?;
@@ -516,6 +531,7 @@ impl World {
 
     fn quarantine(&mut self, driver: &mut Driver, generation: Generation, reason: &str, content: Value) {
         self.trace(format!("{} g{} quarantine {reason}", driver.op, generation.0));
+        self.dirty = true;
         let now = self.ts();
         if self.bugs.commit_late_turn && content.get("role").is_some() {
             // Planted bug: the late turn goes into history without the generation condition.
@@ -554,12 +570,17 @@ impl World {
     }
 
     fn persist(&mut self, driver: &mut Driver, write: Write) -> Option<StoreAnswer> {
+        self.dirty = true;
         let operation_id = driver.op.clone();
         let now = self.ts();
         let lease = |expires_at| Lease {
             holder: HOLDER.to_owned(),
             expires_at,
         };
+        let awaited = matches!(
+            write,
+            Write::Begin { .. } | Write::Replay { .. } | Write::AbandonAndRearm { .. } | Write::Commit { .. }
+        );
         let error = match write {
             Write::Begin {
                 expected_revision,
@@ -700,6 +721,14 @@ impl World {
         };
         // As the gateway: a store error leaves the outcome unknown; the lease decides.
         self.trace(format!("{operation_id} store error: {error}"));
+        if awaited && !self.production_store_errors {
+            // The machine will never get its answer: stop (retracting the preview, since this
+            // driver will not commit it), so the lease sweep can take over.
+            driver.stopped = true;
+            if let Some(generation) = driver.machine.generation() {
+                self.retract(driver, generation, "store_unavailable");
+            }
+        }
         None
     }
 
@@ -718,6 +747,7 @@ impl World {
                 resume,
                 chunks: answer.chunks,
                 clean_end: answer.clean_end,
+                side: None,
             },
         );
     }
@@ -822,6 +852,7 @@ impl World {
     }
 
     fn bind(&mut self, driver: &mut Driver, generation: Generation, handle: &str) {
+        self.dirty = true;
         let now = self.ts();
         self.arm_store_fault();
         match store!(self, bind_handle(&driver.op, generation, handle, now)) {
@@ -840,7 +871,10 @@ impl World {
                 self.after_interruption(driver, generation, false);
             }
             Ok(_) => {}
-            Err(error) => self.trace(format!("{} bind_handle failed: {error}", driver.op)),
+            Err(error) => {
+                self.history.bind_ambiguous += 1;
+                self.trace(format!("{} bind_handle failed: {error}", driver.op));
+            }
         }
     }
 
@@ -1035,6 +1069,15 @@ impl World {
                     return;
                 }
             }
+            if self.bugs.commit_late_turn
+                && driver
+                    .assembler
+                    .as_ref()
+                    .is_some_and(|assembler| assembler.generation() != generation)
+            {
+                self.commit_late(driver, id, generation, sequenced);
+                continue;
+            }
             let Some(assembler) = &mut driver.assembler else {
                 continue;
             };
@@ -1046,6 +1089,43 @@ impl World {
                 Disposition::Accepted | Disposition::Ignored(_) => {}
             }
             self.drain_assembler(driver, generation);
+        }
+    }
+
+    /// Planted bug: assemble an old generation's stream on its own and append its turn with
+    /// `append_turn` (conditional on the revision only, not on the active generation).
+    fn commit_late(
+        &mut self,
+        driver: &mut Driver,
+        id: u64,
+        generation: Generation,
+        sequenced: turnstile_core::stream::Sequenced,
+    ) {
+        let fresh = self.new_assembler(driver, generation, None);
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let side = conn.side.get_or_insert(fresh);
+        let _ = side.handle_event(generation, sequenced);
+        let mut turns = Vec::new();
+        while let Some(output) = side.poll_output() {
+            if let Output::Commit(offer) = output {
+                turns.push(offer.turn);
+            }
+        }
+        for turn in turns {
+            let now = self.ts();
+            let revision = store!(self, conversation(CONVERSATION_ID))
+                .ok()
+                .flatten()
+                .and_then(|doc| doc["revision"].as_u64())
+                .unwrap_or(0);
+            let outcome = store!(self, append_turn(CONVERSATION_ID, Revision(revision), &turn, now));
+            self.trace(format!(
+                "{} g{} late turn appended: {outcome:?}",
+                driver.op, generation.0
+            ));
+            self.dirty = true;
         }
     }
 
@@ -1071,6 +1151,7 @@ impl World {
                         for call in &offer.calls {
                             self.history.exposed.insert(call.call_id.clone());
                         }
+                        self.dirty = true;
                     }
                     if self.bugs.commit_partial_arguments
                         && let Some(blocks) = turn["blocks"].as_array_mut()
@@ -1102,6 +1183,7 @@ impl World {
     /// Crash the gateway: drop every in-memory part, reopen the same file, recover.
     fn crash(&mut self) {
         self.crashed = false;
+        self.dirty = true;
         self.report.fault(FaultKind::Crash);
         self.trace("CRASH: memory dropped, ledger reopened".into());
         // Clients' streams are cut: whatever preview they saw is void (the client contract).
@@ -1115,7 +1197,7 @@ impl World {
         self.drivers.clear();
         let conns = std::mem::take(&mut self.conns);
         for (_, conn) in conns {
-            if conn.head_delivered && !conn.chunks.is_empty() && self.rng.chance(self.plan.old_stream) {
+            if conn.status == 200 && !conn.chunks.is_empty() && self.rng.chance(self.plan.old_stream) {
                 self.limbo.push(conn);
             }
         }
@@ -1292,24 +1374,29 @@ impl World {
         let record = store!(self, dispatch(&op))
             .map_err(|e| e.to_string())?
             .ok_or("lost dispatch")?;
-        match record.state {
-            DispatchState::Committed => {
-                self.tool_results()?;
-                self.rounds_done += 1;
-            }
-            DispatchState::Failed | DispatchState::Abandoned | DispatchState::Prepared => {
-                if self.ops_in_round >= OPS_PER_ROUND_MAX {
-                    self.rounds_done += 1;
-                }
-            }
+        if record.state.is_live() {
             // Still live without a driver or timer: nothing the client can do.
-            _ => return Ok(false),
+            return Ok(false);
+        }
+        let document = store!(self, conversation(CONVERSATION_ID))
+            .map_err(|e| e.to_string())?
+            .ok_or("no conversation")?;
+        let last_role = document["turns"]
+            .as_array()
+            .and_then(|turns| turns.last())
+            .map(|turn| turn["role"].clone())
+            .unwrap_or(Value::Null);
+        if last_role == "assistant" {
+            // Some operation's reply committed (not necessarily the last one started).
+            self.tool_results()?;
+            self.rounds_done += 1;
+            self.ops_in_round = 0;
+        } else if self.ops_in_round >= OPS_PER_ROUND_MAX {
+            self.rounds_done += 1;
+            self.ops_in_round = 0;
         }
         if self.rounds_done >= self.rounds {
             return Ok(false);
-        }
-        if record.state == DispatchState::Committed {
-            self.ops_in_round = 0;
         }
         self.start_op()?;
         Ok(true)
@@ -1318,6 +1405,7 @@ impl World {
     /// Executors run the committed calls and clients offer results in any order, with orphan
     /// and duplicate results; without calls the user says something new.
     fn tool_results(&mut self) -> Result<(), String> {
+        self.dirty = true;
         let mut calls: Vec<String> = store!(self, tool_calls(Some(ToolCallState::Ready)))
             .map_err(|e| e.to_string())?
             .into_iter()
@@ -1361,6 +1449,7 @@ impl World {
                 self.trace(format!("client duplicate result for {call_id}: {again:?}"));
             }
             self.step += 1;
+            self.dirty = true;
             self.check();
         }
         Ok(())

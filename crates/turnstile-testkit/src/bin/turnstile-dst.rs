@@ -3,12 +3,13 @@
 //! ```text
 //! turnstile-dst --seeds N [--first S] [--threads T] [--json]
 //! turnstile-dst --seed S [--json]        replay one seed, printing its trace
+//! turnstile-dst ... --production-store-errors   store errors handled exactly as serve/driver.rs today
 //! ```
 //! Exit status 0 only when no invariant was violated; 1 on a violation; 2 on bad usage.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use turnstile_testkit::{Bugs, Summary, run_seed, run_seeds};
+use turnstile_testkit::{Bugs, Options, Summary, run_seed_with, run_seeds_with};
 
 struct Args {
     seeds: u64,
@@ -16,6 +17,7 @@ struct Args {
     seed: Option<u64>,
     json: bool,
     threads: usize,
+    production_store_errors: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -25,6 +27,7 @@ fn parse() -> Result<Args, String> {
         seed: None,
         json: false,
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        production_store_errors: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -40,6 +43,7 @@ fn parse() -> Result<Args, String> {
             "--seed" => args.seed = Some(value("--seed")?),
             "--threads" => args.threads = value("--threads")? as usize,
             "--json" => args.json = true,
+            "--production-store-errors" => args.production_store_errors = true,
             "-h" | "--help" => {
                 return Err(
                     "usage: turnstile-dst --seeds N [--first S] [--threads T] [--json] | --seed S [--json]"
@@ -71,9 +75,14 @@ fn main() -> ExitCode {
         }
     };
     let commit = git_commit();
+    let options = Options {
+        trace: args.seed.is_some(),
+        bugs: Bugs::default(),
+        production_store_errors: args.production_store_errors,
+    };
     let summary = match args.seed {
         Some(seed) => {
-            let report = run_seed(seed, true, Bugs::default());
+            let report = run_seed_with(seed, options);
             if !args.json {
                 for line in &report.trace {
                     println!("{line}");
@@ -98,7 +107,7 @@ fn main() -> ExitCode {
                     }
                 }
             };
-            run_seeds(args.first, args.seeds, args.threads, Bugs::default(), &progress)
+            run_seeds_with(args.first, args.seeds, args.threads, options, &progress)
         }
     };
     if args.json {
