@@ -100,7 +100,7 @@ fn main() -> ExitCode {
             let total = args.seeds;
             let progress = move |done: u64| {
                 // A plain progress line on a terminal (indicatif is not in the offline registry).
-                if terminal && (done % 100 == 0 || done == total) {
+                if terminal && (done.is_multiple_of(100) || done == total) {
                     eprint!("\r{done}/{total} seeds");
                     if done == total {
                         eprintln!();

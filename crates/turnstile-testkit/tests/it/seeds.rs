@@ -68,3 +68,29 @@ fn a_seed_replays_to_the_same_report() {
     assert_eq!(first.faults, second.faults);
     assert_eq!(first.steps, second.steps);
 }
+
+#[test]
+fn the_json_report_has_exactly_the_issues_keys() {
+    let summary = run_seeds(0, 3, 1, Bugs::default(), &|_| {});
+    println!("seeds 0..3");
+    let json = summary.json();
+    let mut keys: Vec<&str> = json
+        .as_object()
+        .map(|map| map.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "canonical_turns_per_revision_max",
+            "checks",
+            "faults",
+            "illegal_sends",
+            "partial_tool_dispatch",
+            "seeds",
+            "unknown_unresolved",
+            "violations"
+        ]
+    );
+    assert_eq!(json["seeds"], 3);
+}
