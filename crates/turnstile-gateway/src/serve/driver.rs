@@ -187,8 +187,11 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, machine: DispatchMachine, s
             Ok(Some(record)) if record.state.is_live() || record.state == DispatchState::Committed
         );
     if driven_elsewhere {
-        // Another replica owns the dispatch now: relay its progress from the ledger to this
-        // dispatch's clients instead of ending their stream with an error.
+        // Another replica owns the dispatch now (or the ledger does, after a failed write):
+        // relay its progress from the ledger to this dispatch's clients instead of ending
+        // their stream with an error. Out of the hub map first, so this replica's lease sweep
+        // may recover the dispatch if nobody drives it.
+        driver.shared.hubs.lock().await.remove(&operation_id);
         let hub = driver.ctx.hub.clone();
         super::api::watch(driver.shared.clone(), operation_id.clone(), hub).await;
     } else {
@@ -369,6 +372,11 @@ impl Driver {
             holder: self.shared.holder.clone(),
             expires_at,
         };
+        // Writes whose answer the machine waits for: if one fails, its outcome is unknown.
+        let awaited = matches!(
+            write,
+            Write::Begin { .. } | Write::Replay { .. } | Write::AbandonAndRearm { .. } | Write::Commit { .. }
+        );
         let result: Result<(), turnstile_store::StoreError> = match write {
             Write::Begin {
                 expected_revision,
@@ -518,6 +526,12 @@ impl Driver {
             }
         };
         if let Err(error) = result {
+            if awaited {
+                // The machine would wait forever for an answer that will not come. Stop
+                // driving: the ledger decides (a write that landed is relayed by the watch; one
+                // that did not leaves a lease that the sweep recovers once it runs out).
+                self.stopped = true;
+            }
             // A store error leaves the outcome unknown; the lease will let recovery decide.
             tracing::error!(%operation_id, %error, "ledger write failed");
             self.emit(
