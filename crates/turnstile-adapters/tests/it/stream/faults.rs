@@ -13,7 +13,10 @@ use turnstile_core::assemble::{Disposition, IgnoreReason, Phase, QuarantineReaso
 use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StreamEvent};
 
 /// Fixtures that commit, with their decoded events.
-fn committing() -> Vec<(StreamApi, String, Vec<u8>, Vec<Sequenced>, Outcome)> {
+/// A committing fixture: API, name, bytes, decoded events, expected outcome.
+type Committing = (StreamApi, String, Vec<u8>, Vec<Sequenced>, Outcome);
+
+fn committing() -> Vec<Committing> {
     own_fixtures()
         .into_iter()
         .filter(|(_, _, _, expected)| matches!(expected, Outcome::Committed(_)))
