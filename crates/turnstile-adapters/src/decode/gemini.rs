@@ -78,6 +78,8 @@ pub(crate) struct Gemini {
     calls: u64,
     usage_last: Option<(Option<u64>, Option<u64>)>,
     finished: bool,
+    /// The previous event's data, when it carried the cumulative `candidatesTokenCount`.
+    data_last: Option<String>,
 }
 
 /// A chunk whose parts are all text, parsed without building a `Value`: the hot case. Anything
@@ -133,6 +135,19 @@ struct UsageCounts {
 
 impl EventDecoder for Gemini {
     fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
+        // Gemini chunks carry no sequence number, but each one reports the cumulative
+        // `candidatesTokenCount` (see the captures in shared/fixtures/provider-streams/gemini):
+        // new output always raises it. A byte-identical repeat of the previous chunk therefore
+        // added no token: it is a transport duplicate, and repeating its whole `functionCall`
+        // parts would run a tool twice. It is dropped here, before anything is emitted.
+        if event.data.contains("\"candidatesTokenCount\"") {
+            if self.data_last.as_deref() == Some(event.data.as_str()) {
+                return true;
+            }
+            self.data_last = Some(event.data.clone());
+        } else {
+            self.data_last = None;
+        }
         let Ok(chunk) = serde_json::from_str::<TextChunk<'_>>(&event.data) else {
             return false;
         };

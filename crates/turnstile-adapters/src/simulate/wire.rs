@@ -454,24 +454,30 @@ fn gemini_arguments(call: &ScriptedCall) -> Value {
 }
 
 fn gemini_frames(reply: &Reply, handle: &str, model: &str, input: u64, output: u64) -> Vec<Frame> {
-    let chunk = |parts: Value, finish: Option<&str>| {
+    // Like the real API, every chunk reports the cumulative `candidatesTokenCount`, which grows
+    // with each chunk of new output (the decoder relies on it to drop transport duplicates).
+    let chunk = |parts: Value, finish: Option<&str>, produced: u64| {
         let mut candidate = json!({"content": {"role": "model", "parts": parts}, "index": 0});
         if let Some(reason) = finish {
             candidate["finishReason"] = json!(reason);
         }
         let mut body = json!({"candidates": [candidate], "modelVersion": model, "responseId": handle});
-        body["usageMetadata"] = if finish.is_some() {
-            json!({"promptTokenCount": input, "candidatesTokenCount": output, "totalTokenCount": input + output})
-        } else {
-            json!({"promptTokenCount": input, "totalTokenCount": input})
-        };
+        body["usageMetadata"] = json!({"promptTokenCount": input, "candidatesTokenCount": produced,
+                                       "totalTokenCount": input + produced});
         body
     };
-    let mut frames = Vec::new();
-    for piece in text_pieces(&reply.text) {
-        frames.push(data_frame(&chunk(json!([{"text": piece}]), None), false));
-    }
+    let pieces = text_pieces(&reply.text);
     let order = call_order(reply);
+    let chunks_with_output = (pieces.len() + usize::from(!order.is_empty())) as u64;
+    let mut produced = 0u64;
+    let mut frames = Vec::new();
+    for piece in pieces {
+        produced += 1;
+        frames.push(data_frame(
+            &chunk(json!([{"text": piece}]), None, produced),
+            false,
+        ));
+    }
     if !order.is_empty() {
         let parts: Vec<Value> = order
             .iter()
@@ -480,9 +486,14 @@ fn gemini_frames(reply: &Reply, handle: &str, model: &str, input: u64, output: u
                 json!({"functionCall": {"name": call.name, "args": gemini_arguments(call)}})
             })
             .collect();
-        frames.push(data_frame(&chunk(Value::Array(parts), None), false));
+        produced += 1;
+        frames.push(data_frame(&chunk(Value::Array(parts), None, produced), false));
     }
-    frames.push(data_frame(&chunk(json!([{"text": ""}]), Some("STOP")), true));
+    let total = output.max(chunks_with_output);
+    frames.push(data_frame(
+        &chunk(json!([{"text": ""}]), Some("STOP"), total),
+        true,
+    ));
     frames
 }
 
