@@ -81,7 +81,11 @@ impl World {
             );
         }
         self.report.checks += 1;
-        let attempts = store!(self, attempts(op)).unwrap_or_default();
+        // Read through the independent connection: it sees only committed rows.
+        let attempts = {
+            let witness = self.witness();
+            self.rt.block_on(witness.attempts(op)).unwrap_or_default()
+        };
         let durable = attempts.iter().any(|attempt| {
             attempt.state == DispatchState::Dispatching && generation.is_none_or(|g| attempt.generation == g)
         });

@@ -175,6 +175,8 @@ pub struct World {
     path: PathBuf,
     pub(crate) rt: tokio::runtime::Runtime,
     ledger: Option<SqliteLedger>,
+    /// A second, independent connection to the same file: what it sees is committed.
+    witness: Option<SqliteLedger>,
     pub(crate) now: u64,
     pub(crate) step: u64,
     pub(crate) phase: Phase,
@@ -278,6 +280,7 @@ impl World {
             path,
             rt,
             ledger: Some(ledger),
+            witness: None,
             now: 1_000_000,
             step: 0,
             phase: Phase::Safety,
@@ -304,6 +307,7 @@ impl World {
                 ..SeedReport::default()
             },
         };
+        world.witness = Some(SqliteLedger::open(&world.path, Synchronous::Full).map_err(|e| e.to_string())?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
             adapter.as_str(),
@@ -322,6 +326,14 @@ impl World {
         match &self.ledger {
             Some(ledger) => ledger,
             None => panic!("ledger used while crashed"),
+        }
+    }
+
+    /// The independent witness connection (falls back to the ledger if it could not reopen).
+    pub(crate) fn witness(&self) -> &SqliteLedger {
+        match &self.witness {
+            Some(witness) => witness,
+            None => self.ledger(),
         }
     }
 
@@ -1202,8 +1214,12 @@ impl World {
             }
         }
         self.ledger = None;
+        self.witness = None;
         match SqliteLedger::open(&self.path, Synchronous::Full) {
-            Ok(ledger) => self.ledger = Some(ledger),
+            Ok(ledger) => {
+                self.ledger = Some(ledger);
+                self.witness = SqliteLedger::open(&self.path, Synchronous::Full).ok();
+            }
             Err(error) => {
                 let step = self.step;
                 self.report
