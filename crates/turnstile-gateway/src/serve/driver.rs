@@ -531,6 +531,10 @@ impl Driver {
                 // driving: the ledger decides (a write that landed is relayed by the watch; one
                 // that did not leaves a lease that the sweep recovers once it runs out).
                 self.stopped = true;
+                if let Some(generation) = self.machine.generation() {
+                    // This process will not finish this generation: its preview is void here.
+                    self.retract(generation, "store_unavailable");
+                }
             }
             // A store error leaves the outcome unknown; the lease will let recovery decide.
             tracing::error!(%operation_id, %error, "ledger write failed");
