@@ -58,7 +58,10 @@ impl ManifestBody {
     /// Compute `manifest_digest` and seal.
     pub fn seal(self) -> DispatchManifest {
         let manifest_digest = Digest::of_canonical(&self);
-        DispatchManifest { body: self, manifest_digest }
+        DispatchManifest {
+            body: self,
+            manifest_digest,
+        }
     }
 }
 

@@ -34,13 +34,22 @@ fn spawn(args: &[&str]) -> (Process, String) {
         .spawn()
         .expect("the turnstile binary runs");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let base = line.split_whitespace().find(|word| word.starts_with("http://")).unwrap().to_owned();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .split_whitespace()
+        .find(|word| word.starts_with("http://"))
+        .unwrap()
+        .to_owned();
     (Process(child), base)
 }
 
 fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|value| value.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
 }
 
 /// ~45 words: with the envelope events, ~50 SSE events per reply.
@@ -51,7 +60,12 @@ fn reply_text() -> String {
 async fn script(client: &reqwest::Client, sim: &str, model: &str, count: usize) {
     let replies: Vec<Value> = (0..count).map(|_| json!({"text": reply_text()})).collect();
     for chunk in replies.chunks(500) {
-        client.post(format!("{sim}/sim/script")).json(&json!({"model": model, "replies": chunk})).send().await.unwrap();
+        client
+            .post(format!("{sim}/sim/script"))
+            .json(&json!({"model": model, "replies": chunk}))
+            .send()
+            .await
+            .unwrap();
     }
 }
 
@@ -72,7 +86,12 @@ async fn one(client: &reqwest::Client, kind: &Kind, index: usize, phase: &str) -
         Kind::Direct { sim } => {
             let body = json!({"model": format!("direct-{phase}"), "max_tokens": 256, "stream": true,
                               "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello?"}]}]});
-            let response = client.post(format!("{sim}/v1/messages")).json(&body).send().await.unwrap();
+            let response = client
+                .post(format!("{sim}/v1/messages"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
             let bytes = response.bytes().await.unwrap();
             assert!(bytes.windows(12).any(|w| w == b"message_stop"));
         }
@@ -95,14 +114,29 @@ async fn one(client: &reqwest::Client, kind: &Kind, index: usize, phase: &str) -
 async fn prepare_conversations(client: &reqwest::Client, gateway: &str, phase: &str, count: usize) {
     let mut tasks = Vec::new();
     for chunk in (0..count).collect::<Vec<_>>().chunks(count.div_ceil(8)) {
-        let (client, gateway, phase, chunk) = (client.clone(), gateway.to_owned(), phase.to_owned(), chunk.to_vec());
+        let (client, gateway, phase, chunk) = (
+            client.clone(),
+            gateway.to_owned(),
+            phase.to_owned(),
+            chunk.to_vec(),
+        );
         tasks.push(tokio::spawn(async move {
             for index in chunk {
                 let id = format!("c-{phase}-{index}");
-                client.post(format!("{gateway}/v1/conversations")).json(&json!({"conversation_id": id})).send().await.unwrap();
+                client
+                    .post(format!("{gateway}/v1/conversations"))
+                    .json(&json!({"conversation_id": id}))
+                    .send()
+                    .await
+                    .unwrap();
                 let turn = json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
                                   "blocks": [{"id": "u1", "kind": "text", "text": "Hello?"}]}});
-                client.post(format!("{gateway}/v1/conversations/{id}/turns")).json(&turn).send().await.unwrap();
+                client
+                    .post(format!("{gateway}/v1/conversations/{id}/turns"))
+                    .json(&turn)
+                    .send()
+                    .await
+                    .unwrap();
             }
         }));
     }
@@ -112,7 +146,13 @@ async fn prepare_conversations(client: &reqwest::Client, gateway: &str, phase: &
 }
 
 /// Closed loop: `concurrency` workers, `requests` in all. Returns requests per second.
-async fn saturate(client: &reqwest::Client, kind: Kind, phase: &str, requests: usize, concurrency: usize) -> f64 {
+async fn saturate(
+    client: &reqwest::Client,
+    kind: Kind,
+    phase: &str,
+    requests: usize,
+    concurrency: usize,
+) -> f64 {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = Vec::new();
@@ -135,14 +175,22 @@ async fn saturate(client: &reqwest::Client, kind: Kind, phase: &str, requests: u
 }
 
 /// Open loop at a fixed rate; returns sorted latencies.
-async fn fixed_rate(client: &reqwest::Client, kind: Kind, phase: &str, requests: usize, rate: usize) -> Vec<Duration> {
+async fn fixed_rate(
+    client: &reqwest::Client,
+    kind: Kind,
+    phase: &str,
+    requests: usize,
+    rate: usize,
+) -> Vec<Duration> {
     let interval = Duration::from_secs_f64(1.0 / rate as f64);
     let started = tokio::time::Instant::now();
     let mut tasks = Vec::new();
     for index in 0..requests {
         tokio::time::sleep_until(started + interval * index as u32).await;
         let (client, kind, phase) = (client.clone(), kind.clone(), phase.to_owned());
-        tasks.push(tokio::spawn(async move { one(&client, &kind, index, &phase).await }));
+        tasks.push(tokio::spawn(
+            async move { one(&client, &kind, index, &phase).await },
+        ));
     }
     let mut latencies = Vec::new();
     for task in tasks {
@@ -163,19 +211,39 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let (_sim, sim) = spawn(&["sim", "--listen", "127.0.0.1:0"]);
     let store = format!("sqlite:{}", dir.path().join("bench.db").display());
-    let (_gateway, gateway) = spawn(&["serve", "--listen", "127.0.0.1:0", "--store", &store, "--sim-url", &sim]);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let (_gateway, gateway) = spawn(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        &store,
+        "--sim-url",
+        &sim,
+    ]);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     runtime.block_on(async {
-        let client = reqwest::Client::builder().pool_max_idle_per_host(256).build().unwrap();
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()
+            .unwrap();
         let fixed = rate * 5;
         for phase in ["warm", "sat", "rate"] {
-            let count = match phase { "warm" => 200, "sat" => requests, _ => fixed };
+            let count = match phase {
+                "warm" => 200,
+                "sat" => requests,
+                _ => fixed,
+            };
             prepare_conversations(&client, &gateway, phase, count).await;
             script(&client, &sim, &format!("gw-{phase}"), count).await;
             script(&client, &sim, &format!("direct-{phase}"), count).await;
         }
         let direct = Kind::Direct { sim: sim.clone() };
-        let through = Kind::Gateway { gateway: gateway.clone() };
+        let through = Kind::Gateway {
+            gateway: gateway.clone(),
+        };
         saturate(&client, direct.clone(), "warm", 200, concurrency).await;
         saturate(&client, through.clone(), "warm", 200, concurrency).await;
 
@@ -185,7 +253,10 @@ fn main() {
         let gateway_latency = fixed_rate(&client, through, "rate", fixed, rate).await;
         println!("saturation ({requests} requests, {concurrency} concurrent):");
         println!("  direct  {direct_rps:>8.0} req/s");
-        println!("  gateway {gateway_rps:>8.0} req/s  ({:.1}% of direct)", 100.0 * gateway_rps / direct_rps);
+        println!(
+            "  gateway {gateway_rps:>8.0} req/s  ({:.1}% of direct)",
+            100.0 * gateway_rps / direct_rps
+        );
         println!("fixed rate {rate} req/s for 5 s:");
         for (name, latencies) in [("direct ", &direct_latency), ("gateway", &gateway_latency)] {
             println!(
@@ -196,7 +267,9 @@ fn main() {
         }
         println!(
             "  added p99 {:.2} ms",
-            (percentile(&gateway_latency, 0.99).as_secs_f64() - percentile(&direct_latency, 0.99).as_secs_f64()) * 1e3
+            (percentile(&gateway_latency, 0.99).as_secs_f64()
+                - percentile(&direct_latency, 0.99).as_secs_f64())
+                * 1e3
         );
     });
 }

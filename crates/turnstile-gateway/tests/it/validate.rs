@@ -29,7 +29,10 @@ fn turnstile(args: &[&str], stdin: Option<&[u8]>) -> Output {
 
 fn json_of(output: &Output) -> Value {
     serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
-        panic!("stdout is not JSON ({error}): {}", String::from_utf8_lossy(&output.stdout))
+        panic!(
+            "stdout is not JSON ({error}): {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
     })
 }
 
@@ -59,11 +62,18 @@ fn every_data_file_exits_with_its_status_and_prints_the_spec_shape() {
         assert_eq!(body["status"], status, "{name}");
         assert_eq!(body["pending"], expected["pending"], "{name}");
         let violations = body["violations"].as_array().unwrap();
-        assert_eq!(violations.len(), expected["violations"].as_array().unwrap().len(), "{name}");
+        assert_eq!(
+            violations.len(),
+            expected["violations"].as_array().unwrap().len(),
+            "{name}"
+        );
         for violation in violations {
             let keys: Vec<&String> = violation.as_object().unwrap().keys().collect();
             assert_eq!(keys, ["block", "call_id", "code", "message", "turn"], "{name}");
-            assert!(violation["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}");
+            assert!(
+                violation["message"].as_str().is_some_and(|m| !m.is_empty()),
+                "{name}"
+            );
         }
         checked += 1;
     }
@@ -75,15 +85,32 @@ fn standard_input_is_read_with_a_dash() {
     let bytes = std::fs::read(repo("tests/data/waiting_no_results_yet.json")).unwrap();
     let output = turnstile(&["validate", "-", "--json"], Some(&bytes));
     assert_eq!(output.status.code(), Some(3));
-    assert_eq!(json_of(&output)["pending"], serde_json::json!(["call-1", "call-2", "call-3"]));
+    assert_eq!(
+        json_of(&output)["pending"],
+        serde_json::json!(["call-1", "call-2", "call-3"])
+    );
 }
 
 #[test]
 fn the_human_summary_names_every_violation_code() {
-    let output = turnstile(&["validate", repo("tests/data/many_rules_broken_at_once.json").to_str().unwrap()], None);
+    let output = turnstile(
+        &[
+            "validate",
+            repo("tests/data/many_rules_broken_at_once.json")
+                .to_str()
+                .unwrap(),
+        ],
+        None,
+    );
     assert_eq!(output.status.code(), Some(1));
     let text = String::from_utf8(output.stdout).unwrap();
-    for code in ["unclosed_arguments", "unknown_kind", "duplicate_result", "orphan_result", "missing_result"] {
+    for code in [
+        "unclosed_arguments",
+        "unknown_kind",
+        "duplicate_result",
+        "orphan_result",
+        "missing_result",
+    ] {
         assert!(text.contains(code), "{code} missing from: {text}");
     }
 }
@@ -97,7 +124,8 @@ fn unreadable_input_exits_2_with_a_message_and_no_stdout() {
     );
     let many_blocks = format!(
         "{{\"format\":\"turnstile.conversation.v1\",\"conversation_id\":\"c\",\"revision\":1,\"turns\":[{{\"id\":\"t\",\"role\":\"user\",\"blocks\":[{}]}}]}}",
-        vec![r#"{"id":"b","kind":"text","text":"x"}"#; turnstile_core::limits::BLOCKS_PER_TURN_MAX + 1].join(",")
+        vec![r#"{"id":"b","kind":"text","text":"x"}"#; turnstile_core::limits::BLOCKS_PER_TURN_MAX + 1]
+            .join(",")
     );
     let many_turns = format!(
         "{{\"format\":\"turnstile.conversation.v1\",\"conversation_id\":\"c\",\"revision\":1,\"turns\":[{}]}}",
@@ -109,7 +137,10 @@ fn unreadable_input_exits_2_with_a_message_and_no_stdout() {
         ("binary", vec![0xff, 0x00, 0x13]),
         ("empty", Vec::new()),
         ("not an object", b"[1,2,3]".to_vec()),
-        ("wrong format", br#"{"format":"turnstile.conversation.v2","turns":[]}"#.to_vec()),
+        (
+            "wrong format",
+            br#"{"format":"turnstile.conversation.v2","turns":[]}"#.to_vec(),
+        ),
         ("missing format", br#"{"turns":[]}"#.to_vec()),
         ("too deep", deep.into_bytes()),
         ("too many blocks in a turn", many_blocks.into_bytes()),
@@ -128,8 +159,18 @@ fn unreadable_input_exits_2_with_a_message_and_no_stdout() {
 
 #[test]
 fn a_missing_file_and_bad_usage_exit_2() {
-    assert_eq!(turnstile(&["validate", "/nonexistent/conversation.json"], None).status.code(), Some(2));
+    assert_eq!(
+        turnstile(&["validate", "/nonexistent/conversation.json"], None)
+            .status
+            .code(),
+        Some(2)
+    );
     assert_eq!(turnstile(&["validate"], None).status.code(), Some(2));
-    assert_eq!(turnstile(&["validate", "a.json", "--frobnicate"], None).status.code(), Some(2));
+    assert_eq!(
+        turnstile(&["validate", "a.json", "--frobnicate"], None)
+            .status
+            .code(),
+        Some(2)
+    );
     assert_eq!(turnstile(&["no-such-command"], None).status.code(), Some(2));
 }
