@@ -78,6 +78,7 @@ fn request(adapter: AdapterId) -> PrepareRequest {
         model: model_for(adapter).into(),
         max_output_tokens: Some(1024),
         stream: true,
+        background: false,
     }
 }
 

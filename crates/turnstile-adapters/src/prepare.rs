@@ -28,6 +28,8 @@ pub struct PrepareRequest {
     pub max_output_tokens: Option<u64>,
     /// Ask the provider for a stream.
     pub stream: bool,
+    /// OpenAI Responses background mode (resumable by handle); other APIs ignore it.
+    pub background: bool,
 }
 
 /// A prepared dispatch: bytes, manifest and the policy the manifest pins.
@@ -72,6 +74,7 @@ pub fn prepare(
         model: request.model.clone(),
         max_output_tokens,
         stream: request.stream,
+        background: request.background,
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,

@@ -31,6 +31,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         model: "probe-model".to_owned(),
         max_output_tokens: 1024,
         stream: true,
+        background: false,
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not

@@ -31,6 +31,9 @@ pub struct RenderOptions {
     pub max_output_tokens: u64,
     /// Whether to ask for a streamed response (the gateway always streams upstream).
     pub stream: bool,
+    /// OpenAI Responses only: run in background mode, so an interrupted stream can be resumed
+    /// by its response id with `starting_after` (ignored by every other API).
+    pub background: bool,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type

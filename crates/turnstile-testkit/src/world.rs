@@ -387,6 +387,7 @@ impl World {
             model: "dst-model".into(),
             max_output_tokens,
             stream: true,
+            background: false,
         };
         match prepare(graph, &request, &self.catalog, &mut self.render_cache) {
             PrepareOutcome::Prepared(prepared) => Ok((prepared.manifest, prepared.rendered.body)),

@@ -21,6 +21,7 @@ fn request(adapter: AdapterId, model: &str, max_output_tokens: Option<u64>) -> P
         model: model.into(),
         max_output_tokens,
         stream: true,
+        background: false,
     }
 }
 

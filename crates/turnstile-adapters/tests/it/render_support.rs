@@ -54,6 +54,7 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         model: model_for(adapter).to_owned(),
         max_output_tokens: 1024,
         stream: true,
+        background: false,
     }
 }
 

@@ -116,6 +116,7 @@ pub fn run(args: &RenderArgs) -> Exit {
         model: args.model.clone(),
         max_output_tokens: Some(max_output_tokens),
         stream: true,
+        background: false,
     };
     let mut cache = RenderCache::new();
     match prepare(graph, &request, &catalog, &mut cache) {

@@ -450,6 +450,11 @@ pub async fn dispatch(
         max_output_tokens: request.max_output_tokens,
         // The gateway always streams from the provider; `stream` only shapes the answer.
         stream: true,
+        // Resumable by handle where the provider is configured for it (Responses only).
+        background: shared
+            .endpoints
+            .get(&request.target.provider)
+            .is_some_and(|endpoint| endpoint.resume_by_handle),
     };
     let outcome = {
         let mut cache = shared.render_cache.lock().await;

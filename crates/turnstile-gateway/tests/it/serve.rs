@@ -470,7 +470,9 @@ fn a_resumable_responses_stream_resumes_by_handle_without_retracting() {
     sim.script(
         "resume",
         json!([two_calls(
-            json!({"disconnect_after_events": 9, "resumable": true})
+            // No `resumable` flag: the gateway asks for background mode, which makes the
+            // response resumable, as on the real API.
+            json!({"disconnect_after_events": 9})
         )]),
     );
     let events = gateway.dispatch("c-resume", "op-resume", "openai-responses@1", "resume");
@@ -487,6 +489,15 @@ fn a_resumable_responses_stream_resumes_by_handle_without_retracting() {
         .filter(|r| r["path"].as_str().unwrap().contains("starting_after"))
         .collect();
     assert_eq!(resumes.len(), 1);
+    let sent = sim
+        .requests()
+        .into_iter()
+        .find(|r| r["path"] == "/v1/responses")
+        .unwrap();
+    assert!(
+        sent["body"].as_str().unwrap().contains("\"background\":true"),
+        "{sent}"
+    );
     assert_eq!(
         assert_sent_bodies_match_manifest(&gateway, &sim, "op-resume"),
         1,

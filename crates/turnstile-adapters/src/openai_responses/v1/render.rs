@@ -117,6 +117,11 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     }
     out.extend_from_slice(b"],\"max_output_tokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    if options.background {
+        // Background mode keeps the response server-side (it needs `store`, on by default),
+        // so an interrupted stream can be resumed with `starting_after` (provider-rules.md).
+        out.extend_from_slice(b",\"background\":true");
+    }
     if options.stream {
         out.extend_from_slice(b",\"stream\":true");
     }
