@@ -96,18 +96,23 @@ fn main() -> ExitCode {
             summary
         }
         None => {
-            let terminal = std::io::stderr().is_terminal() && !args.json;
-            let total = args.seeds;
-            let progress = move |done: u64| {
-                // A plain progress line on a terminal (indicatif is not in the offline registry).
-                if terminal && (done.is_multiple_of(100) || done == total) {
-                    eprint!("\r{done}/{total} seeds");
-                    if done == total {
-                        eprintln!();
-                    }
-                }
+            // indicatif draws only on a terminal; with --json (or a pipe) the bar stays hidden.
+            let bar = if std::io::stderr().is_terminal() && !args.json {
+                indicatif::ProgressBar::new(args.seeds)
+            } else {
+                indicatif::ProgressBar::hidden()
             };
-            run_seeds_with(args.first, args.seeds, args.threads, options, &progress)
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} seeds  {per_sec}  eta {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            let progress = {
+                let bar = bar.clone();
+                move |done: u64| bar.set_position(done)
+            };
+            let summary = run_seeds_with(args.first, args.seeds, args.threads, options, &progress);
+            bar.finish_and_clear();
+            summary
         }
     };
     if args.json {
