@@ -18,40 +18,10 @@ use serde_json::Value;
 use std::borrow::Cow;
 use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, StreamEvent};
 
-/// Decoder for `anthropic-messages@*`.
-#[derive(Clone)]
-pub struct AnthropicDecoder(SseDecoder<Anthropic>);
-
-impl AnthropicDecoder {
-    /// A decoder at the start of a connection.
-    pub fn new() -> AnthropicDecoder {
-        AnthropicDecoder(SseDecoder::with(Anthropic))
-    }
-}
-
-impl Default for AnthropicDecoder {
-    fn default() -> Self {
-        AnthropicDecoder::new()
-    }
-}
-
-impl Decoder for AnthropicDecoder {
-    fn handle_bytes(&mut self, bytes: &[u8]) {
-        self.0.handle_bytes(bytes)
-    }
-    fn handle_end_of_input(&mut self) {
-        self.0.handle_end_of_input()
-    }
-    fn handle_end_of_file(&mut self) {
-        self.0.handle_end_of_file()
-    }
-    fn poll_event(&mut self) -> Option<Sequenced> {
-        self.0.poll_event()
-    }
-    fn fork(&self) -> Box<dyn Decoder> {
-        Box::new(self.clone())
-    }
-}
+sse_decoder!(
+    /// Decoder for `anthropic-messages@*`.
+    AnthropicDecoder, Anthropic, Anthropic
+);
 
 #[derive(Clone)]
 pub(crate) struct Anthropic;

@@ -26,40 +26,10 @@ use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, Stre
 /// Deepest `jsonPath` accepted in Vertex `partialArgs`.
 const PARTIAL_ARGS_PATH_DEPTH_MAX: usize = 32;
 
-/// Decoder for `gemini@*`.
-#[derive(Clone)]
-pub struct GeminiDecoder(SseDecoder<Gemini>);
-
-impl GeminiDecoder {
-    /// A decoder at the start of a connection.
-    pub fn new() -> GeminiDecoder {
-        GeminiDecoder(SseDecoder::with(Gemini::default()))
-    }
-}
-
-impl Default for GeminiDecoder {
-    fn default() -> Self {
-        GeminiDecoder::new()
-    }
-}
-
-impl Decoder for GeminiDecoder {
-    fn handle_bytes(&mut self, bytes: &[u8]) {
-        self.0.handle_bytes(bytes)
-    }
-    fn handle_end_of_input(&mut self) {
-        self.0.handle_end_of_input()
-    }
-    fn handle_end_of_file(&mut self) {
-        self.0.handle_end_of_file()
-    }
-    fn poll_event(&mut self) -> Option<Sequenced> {
-        self.0.poll_event()
-    }
-    fn fork(&self) -> Box<dyn Decoder> {
-        Box::new(self.clone())
-    }
-}
+sse_decoder!(
+    /// Decoder for `gemini@*`.
+    GeminiDecoder, Gemini, Gemini::default()
+);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum OpenKind {

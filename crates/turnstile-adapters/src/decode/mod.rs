@@ -9,6 +9,46 @@
 //! Polling order: after each [`Decoder::handle_bytes`] (or [`Decoder::handle_end_of_input`]),
 //! drain [`Decoder::poll_event`] until `None`.
 
+/// Declares one public decoder type: SSE framing plus one API's event rules, forwarding the
+/// [`Decoder`] methods to [`SseDecoder`] (the API rules type stays private to its module).
+macro_rules! sse_decoder {
+    ($(#[$doc:meta])* $name:ident, $rules:ty, $init:expr) => {
+        $(#[$doc])*
+        #[derive(Clone)]
+        pub struct $name(SseDecoder<$rules>);
+
+        impl $name {
+            /// A decoder at the start of a connection.
+            pub fn new() -> $name {
+                $name(SseDecoder::with($init))
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name::new()
+            }
+        }
+
+        impl Decoder for $name {
+            fn handle_bytes(&mut self, bytes: &[u8]) {
+                self.0.handle_bytes(bytes)
+            }
+            fn handle_end_of_input(&mut self) {
+                self.0.handle_end_of_input()
+            }
+            fn handle_end_of_file(&mut self) {
+                self.0.handle_end_of_file()
+            }
+            fn poll_event(&mut self) -> Option<Sequenced> {
+                self.0.poll_event()
+            }
+            fn fork(&self) -> Box<dyn Decoder> {
+                Box::new(self.clone())
+            }
+        }
+    };
+}
 pub mod anthropic_messages;
 pub mod gemini;
 pub mod openai_chat;

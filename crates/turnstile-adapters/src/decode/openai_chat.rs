@@ -22,40 +22,10 @@ use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, Stre
 
 const TEXT_BLOCK: BlockIndex = BlockIndex(0);
 
-/// Decoder for `openai-chat@*`.
-#[derive(Clone)]
-pub struct OpenAiChatDecoder(SseDecoder<Chat>);
-
-impl OpenAiChatDecoder {
-    /// A decoder at the start of a connection.
-    pub fn new() -> OpenAiChatDecoder {
-        OpenAiChatDecoder(SseDecoder::with(Chat::default()))
-    }
-}
-
-impl Default for OpenAiChatDecoder {
-    fn default() -> Self {
-        OpenAiChatDecoder::new()
-    }
-}
-
-impl Decoder for OpenAiChatDecoder {
-    fn handle_bytes(&mut self, bytes: &[u8]) {
-        self.0.handle_bytes(bytes)
-    }
-    fn handle_end_of_input(&mut self) {
-        self.0.handle_end_of_input()
-    }
-    fn handle_end_of_file(&mut self) {
-        self.0.handle_end_of_file()
-    }
-    fn poll_event(&mut self) -> Option<Sequenced> {
-        self.0.poll_event()
-    }
-    fn fork(&self) -> Box<dyn Decoder> {
-        Box::new(self.clone())
-    }
-}
+sse_decoder!(
+    /// Decoder for `openai-chat@*`.
+    OpenAiChatDecoder, Chat, Chat::default()
+);
 
 #[derive(Clone, Default)]
 pub(crate) struct Chat {

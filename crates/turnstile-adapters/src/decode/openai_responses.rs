@@ -25,40 +25,10 @@ use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, Stre
 /// Content parts per output item that get a distinct block key.
 const PARTS_PER_ITEM_MAX: u64 = 1024;
 
-/// Decoder for `openai-responses@*`.
-#[derive(Clone)]
-pub struct OpenAiResponsesDecoder(SseDecoder<Responses>);
-
-impl OpenAiResponsesDecoder {
-    /// A decoder at the start of a connection (also a resumed one).
-    pub fn new() -> OpenAiResponsesDecoder {
-        OpenAiResponsesDecoder(SseDecoder::with(Responses { tool_seen: false }))
-    }
-}
-
-impl Default for OpenAiResponsesDecoder {
-    fn default() -> Self {
-        OpenAiResponsesDecoder::new()
-    }
-}
-
-impl Decoder for OpenAiResponsesDecoder {
-    fn handle_bytes(&mut self, bytes: &[u8]) {
-        self.0.handle_bytes(bytes)
-    }
-    fn handle_end_of_input(&mut self) {
-        self.0.handle_end_of_input()
-    }
-    fn handle_end_of_file(&mut self) {
-        self.0.handle_end_of_file()
-    }
-    fn poll_event(&mut self) -> Option<Sequenced> {
-        self.0.poll_event()
-    }
-    fn fork(&self) -> Box<dyn Decoder> {
-        Box::new(self.clone())
-    }
-}
+sse_decoder!(
+    /// Decoder for `openai-responses@*`.
+    OpenAiResponsesDecoder, Responses, Responses { tool_seen: false }
+);
 
 #[derive(Clone)]
 pub(crate) struct Responses {
