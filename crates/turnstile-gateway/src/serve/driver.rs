@@ -90,6 +90,8 @@ struct Driver {
     /// The machine can make no further progress here (begin or recovery refused: another
     /// replica or a cancel decided).
     stopped: bool,
+    /// The turn of the winning commit, for the `committed` event.
+    committed_turn: Option<Value>,
 }
 
 fn prepared_of(record: &DispatchRecord) -> Prepared {
@@ -155,6 +157,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, machine: DispatchMachine, s
         idempotency_keys: HashMap::new(),
         state,
         stopped: false,
+        committed_turn: None,
         retracted: HashSet::new(),
         provider_ended: HashSet::new(),
         resume_refused: HashSet::new(),
@@ -295,7 +298,7 @@ impl Driver {
                     } if suppress_interrupt_retract => {}
                     ClientEvent::Retract { generation, reason } => self.retract(generation, reason),
                     ClientEvent::Committed { revision } => {
-                        let turn = self.committed_turn(revision.0).await;
+                        let turn = self.committed_turn.take().unwrap_or(Value::Null);
                         self.emit("committed", json!({"revision": revision.0, "turn": turn}));
                     }
                     ClientEvent::Error {
@@ -325,22 +328,6 @@ impl Driver {
                     // GET /v1/tool-calls. Nothing to do here by design.
                 }
             }
-        }
-    }
-
-    async fn committed_turn(&mut self, revision: u64) -> Value {
-        match self
-            .shared
-            .ledger
-            .conversation(&self.ctx.record.conversation_id)
-            .await
-        {
-            Ok(Some(conversation)) => conversation["turns"]
-                .as_array()
-                .and_then(|turns| turns.iter().find(|turn| turn["revision"] == revision))
-                .cloned()
-                .unwrap_or(Value::Null),
-            _ => Value::Null,
         }
     }
 
@@ -498,6 +485,11 @@ impl Driver {
                     Ok(CommitOutcome::Committed { revision, .. }) => {
                         let from = self.state;
                         self.transitioned(from, DispatchState::Committed);
+                        // The store appends the turn as offered, stamped with its revision:
+                        // the client event needs no second read of the whole history.
+                        let mut committed = turn;
+                        committed["revision"] = json!(revision.0);
+                        self.committed_turn = Some(committed);
                         return Some(StoreAnswer::Committed { revision });
                     }
                     Ok(CommitOutcome::Refused(_)) => {

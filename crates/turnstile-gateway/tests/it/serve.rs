@@ -332,6 +332,8 @@ fn every_wire_format_dispatches_commits_tool_calls_and_takes_their_results() {
         let document = history_is_legal(&gateway, &id);
         assert_eq!(document["revision"], 5);
         assert_eq!(assistant_turns(&document), 2);
+        // The `committed` event carries exactly the turn that became history.
+        assert_eq!(committed[0]["turn"], document["turns"][4], "{adapter}");
         assert_eq!(
             assert_sent_bodies_match_manifest(&gateway, &sim, &format!("op-{id}")),
             1,
