@@ -29,6 +29,27 @@ pub enum Api {
     Gemini,
 }
 
+/// Headers of a plain JSON request.
+pub(crate) const JSON_HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+/// Headers of an Anthropic Messages request (the API version is pinned by the adapter).
+pub(crate) const ANTHROPIC_HEADERS: &[(&str, &str)] = &[
+    ("content-type", "application/json"),
+    ("anthropic-version", "2023-06-01"),
+];
+
+/// Percent-encode a model name for use as one path segment (RFC 3986 unreserved kept).
+fn path_segment(model: &str) -> String {
+    let mut out = String::with_capacity(model.len());
+    for byte in model.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 impl Api {
     /// The id prefix (`openai-chat`, …).
     pub fn as_str(self) -> &'static str {
@@ -37,6 +58,33 @@ impl Api {
             Api::OpenaiResponses => "openai-responses",
             Api::AnthropicMessages => "anthropic-messages",
             Api::Gemini => "gemini",
+        }
+    }
+
+    /// Path and query of a request to this API (the model is part of the path for Gemini
+    /// only). The one place these live: renderers and the gateway's transport both use it.
+    pub fn request_path(self, model: &str, stream: bool) -> String {
+        match self {
+            Api::OpenaiChat => "/v1/chat/completions".to_owned(),
+            Api::OpenaiResponses => "/v1/responses".to_owned(),
+            Api::AnthropicMessages => "/v1/messages".to_owned(),
+            Api::Gemini => {
+                let method = if stream {
+                    ":streamGenerateContent?alt=sse"
+                } else {
+                    ":generateContent"
+                };
+                format!("/v1beta/models/{}{method}", path_segment(model))
+            }
+        }
+    }
+
+    /// The non-secret headers every request to this API carries (credentials are added by the
+    /// transport at send time and never appear here).
+    pub fn request_headers(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Api::AnthropicMessages => ANTHROPIC_HEADERS,
+            Api::OpenaiChat | Api::OpenaiResponses | Api::Gemini => JSON_HEADERS,
         }
     }
 

@@ -38,10 +38,7 @@ pub(crate) const CALL_ID_RULE: CallIdRule = CallIdRule::AsciiWordOrDash;
 
 /// `anthropic-version` is required on every request (Anthropic "Versions" page; SDK
 /// `_client.py` sends `2023-06-01`).
-pub(crate) const HEADERS: &[(&str, &str)] = &[
-    ("content-type", "application/json"),
-    ("anthropic-version", "2023-06-01"),
-];
+pub(crate) const HEADERS: &[(&str, &str)] = crate::registry::ANTHROPIC_HEADERS;
 
 const TAG_SYSTEM: u8 = 1;
 const TAG_CONTENT: u8 = 2;
@@ -222,7 +219,7 @@ pub(crate) fn render(
     ctx.finish(
         Body {
             body: out,
-            path: "/v1/messages".to_owned(),
+            path: crate::registry::Api::AnthropicMessages.request_path(&options.model, options.stream),
         },
         HEADERS,
     )

@@ -41,7 +41,7 @@ pub(crate) struct ChatVersion {
 /// Call-id rule: at most 40 characters.
 pub(crate) const CALL_ID_RULE: CallIdRule = CallIdRule::LengthMax(40);
 
-pub(crate) const HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+pub(crate) const HEADERS: &[(&str, &str)] = crate::registry::JSON_HEADERS;
 
 // Fragment tags.
 const TAG_CONTENT_PART: u8 = 1;
@@ -125,7 +125,7 @@ pub(crate) fn render(
     ctx.finish(
         Body {
             body: out,
-            path: "/v1/chat/completions".to_owned(),
+            path: crate::registry::Api::OpenaiChat.request_path(&options.model, options.stream),
         },
         headers,
     )

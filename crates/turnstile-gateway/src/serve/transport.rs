@@ -9,6 +9,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use std::time::Duration;
 use tokio::sync::mpsc;
+use turnstile_adapters::Api;
 use turnstile_adapters::decode::StreamApi;
 
 /// What one attempt's connection reports, in order.
@@ -40,32 +41,14 @@ pub struct Endpoint {
     pub honours_idempotency_key: bool,
 }
 
-/// Path and non-secret headers of a stored request, derived from its API and model (the
-/// stored bytes are always a streaming request). `tests/it/serve.rs` checks these against
-/// what every adapter version renders.
-pub fn request_line(api: StreamApi, model: &str) -> (String, Vec<(&'static str, &'static str)>) {
-    const JSON: (&str, &str) = ("content-type", "application/json");
+/// The adapters' API for a stream API: where the path and non-secret headers of a stored
+/// request come from (the stored bytes are always a streaming request).
+fn wire_api(api: StreamApi) -> Api {
     match api {
-        StreamApi::OpenAiChat => ("/v1/chat/completions".into(), vec![JSON]),
-        StreamApi::OpenAiResponses => ("/v1/responses".into(), vec![JSON]),
-        StreamApi::AnthropicMessages => (
-            "/v1/messages".into(),
-            vec![JSON, ("anthropic-version", "2023-06-01")],
-        ),
-        _ => {
-            let mut segment = String::with_capacity(model.len());
-            for byte in model.bytes() {
-                if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-                    segment.push(byte as char);
-                } else {
-                    segment.push_str(&format!("%{byte:02X}"));
-                }
-            }
-            (
-                format!("/v1beta/models/{segment}:streamGenerateContent?alt=sse"),
-                vec![JSON],
-            )
-        }
+        StreamApi::OpenAiChat => Api::OpenaiChat,
+        StreamApi::OpenAiResponses => Api::OpenaiResponses,
+        StreamApi::AnthropicMessages => Api::AnthropicMessages,
+        _ => Api::Gemini,
     }
 }
 
@@ -97,10 +80,12 @@ pub fn send_request(
     body: Vec<u8>,
     idempotency_key: &str,
 ) -> Outgoing {
-    let (path, headers) = request_line(api, model);
-    let mut headers: Vec<(String, String)> = headers
-        .into_iter()
-        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+    let wire = wire_api(api);
+    let path = wire.request_path(model, true);
+    let mut headers: Vec<(String, String)> = wire
+        .request_headers()
+        .iter()
+        .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect();
     headers.push(("idempotency-key".into(), idempotency_key.to_owned()));
     Outgoing {

@@ -31,7 +31,7 @@ use crate::render::{
 use crate::tokens;
 use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ResultStatus};
 
-const HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+const HEADERS: &[(&str, &str)] = crate::registry::JSON_HEADERS;
 
 const TAG_PART: u8 = 1;
 const TAG_RESPONSE: u8 = 2;
@@ -260,26 +260,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
     out.extend_from_slice(b"}}");
     ctx.tokens += tokenizer.request_overhead();
-    let method = if options.stream {
-        ":streamGenerateContent?alt=sse"
-    } else {
-        ":generateContent"
-    };
-    let path = format!("/v1beta/models/{}{method}", path_segment(&options.model));
+    let path = crate::registry::Api::Gemini.request_path(&options.model, options.stream);
     ctx.finish(Body { body: out, path }, HEADERS)
-}
-
-/// Percent-encode a model name for use as one path segment (RFC 3986 unreserved kept).
-fn path_segment(model: &str) -> String {
-    let mut out = String::with_capacity(model.len());
-    for byte in model.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(byte as char);
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
 }
 
 fn media(source: &MediaSource, w: &mut Writer) {

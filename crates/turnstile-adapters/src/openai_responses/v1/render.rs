@@ -26,7 +26,7 @@ use crate::render::{
 use crate::tokens;
 use turnstile_core::conversation::{Block, BlockBody, MediaSource, ResultPart, Turn};
 
-const HEADERS: &[(&str, &str)] = &[("content-type", "application/json")];
+const HEADERS: &[(&str, &str)] = crate::registry::JSON_HEADERS;
 const CALL_ID_RULE: CallIdRule = CallIdRule::LengthMax(64);
 
 const TAG_INPUT_PART: u8 = 1;
@@ -150,7 +150,7 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     ctx.finish(
         Body {
             body: out,
-            path: "/v1/responses".to_owned(),
+            path: crate::registry::Api::OpenaiResponses.request_path(&options.model, options.stream),
         },
         HEADERS,
     )
