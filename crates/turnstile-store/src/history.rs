@@ -83,6 +83,33 @@ pub(crate) fn check_append(
     Ok(calls)
 }
 
+/// Validate a whole stamped history at once (an import): `rejected` refuses it.
+pub(crate) fn check_document(
+    conversation_id: &str,
+    tools: &Value,
+    turns: &[Value],
+    revision: Revision,
+) -> Result<(), Vec<Violation>> {
+    if turns.is_empty() {
+        return Err(shape_violation("an imported history needs at least one turn"));
+    }
+    let document = json!({
+        "format": FORMAT_V1,
+        "conversation_id": conversation_id,
+        "revision": revision.0,
+        "tools": tools,
+        "turns": turns,
+    });
+    let conversation = match Conversation::from_value(document) {
+        Ok(conversation) => conversation,
+        Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
+    };
+    match validate(&conversation) {
+        Verdict::Rejected(violations) => Err(violations),
+        Verdict::Ready | Verdict::Waiting { .. } => Ok(()),
+    }
+}
+
 /// The `role` string of a turn, if it has one.
 pub(crate) fn role_of(turn: &Value) -> String {
     turn.get("role").and_then(Value::as_str).unwrap_or("").to_owned()

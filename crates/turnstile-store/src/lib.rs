@@ -51,6 +51,16 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<CreateOutcome, StoreError>;
 
+    /// Create a conversation with a whole validated history in one transaction, at revision
+    /// `turns.len()` (the proxy's stateless import). Imported calls skip the execution ledger.
+    async fn import_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        now: Timestamp,
+    ) -> Result<ImportOutcome, StoreError>;
+
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 

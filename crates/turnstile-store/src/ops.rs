@@ -91,6 +91,60 @@ pub(crate) async fn create_conversation<T: Tx>(
     })
 }
 
+/// Create a conversation together with its whole history in one transaction (the proxy's
+/// stateless import). The history is validated once, as one document, before anything is
+/// written; `ready` and `waiting` histories are accepted. Imported tool calls never enter the
+/// execution ledger: whoever sent the history ran them already.
+pub(crate) async fn import_conversation<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    tools: &Value,
+    turns: &[Value],
+    now: Timestamp,
+) -> Result<ImportOutcome, StoreError> {
+    let mut stamped = Vec::with_capacity(turns.len());
+    for (index, turn) in turns.iter().enumerate() {
+        let Some(turn) = history::stamp_turn(turn, Revision(index as u64 + 1), None) else {
+            return Ok(ImportOutcome::Rejected(vec![turnstile_core::Violation {
+                code: turnstile_core::ViolationCode::InvalidStructure,
+                turn: None,
+                block: None,
+                call_id: None,
+                message: "a turn must be an object".into(),
+            }]));
+        };
+        stamped.push(turn);
+    }
+    let revision = Revision(stamped.len() as u64);
+    if let Err(violations) = history::check_document(conversation_id, tools, &stamped, revision) {
+        return Ok(ImportOutcome::Rejected(violations));
+    }
+    let inserted = tx
+        .execute(
+            "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $4) ON CONFLICT (conversation_id) DO NOTHING",
+            &[
+                conversation_id.into(),
+                revision.0.into(),
+                tools.to_string().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    if inserted != 1 {
+        let current = conversation_head(tx, conversation_id, false)
+            .await?
+            .map_or(Revision(0), |(revision, _)| revision);
+        return Ok(ImportOutcome::AlreadyExists { revision: current });
+    }
+    for turn in &stamped {
+        let revision = Revision(turn["revision"].as_u64().unwrap_or(0));
+        let generation = turn.get("generation").and_then(Value::as_u64).map(Generation);
+        insert_turn(tx, conversation_id, revision, turn, generation, None, now).await?;
+    }
+    Ok(ImportOutcome::Created { revision })
+}
+
 async fn conversation_head<T: Tx>(
     tx: &mut T,
     conversation_id: &str,

@@ -269,6 +269,22 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn import_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        now: Timestamp,
+    ) -> Result<ImportOutcome, StoreError> {
+        in_tx!(self, |tx| ops::import_conversation(
+            &mut tx,
+            conversation_id,
+            tools,
+            turns,
+            now
+        ))
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }

@@ -333,6 +333,18 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn import_conversation(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        now: Timestamp,
+    ) -> Result<ImportOutcome, StoreError> {
+        let (id, tools, turns) = (conversation_id.to_owned(), tools.clone(), turns.to_vec());
+        self.run(move |tx| block_on_ready(ops::import_conversation(tx, &id, &tools, &turns, now)))
+            .await
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         let id = conversation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))

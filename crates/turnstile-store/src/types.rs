@@ -25,6 +25,23 @@ pub enum CreateOutcome {
     AlreadyExists,
 }
 
+/// Answer of `import_conversation`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ImportOutcome {
+    /// Created with the whole history; the conversation is at this revision.
+    Created {
+        /// Number of imported turns.
+        revision: Revision,
+    },
+    /// A conversation with that id exists already (nothing changed).
+    AlreadyExists {
+        /// Its current revision.
+        revision: Revision,
+    },
+    /// The history is illegal; nothing was written.
+    Rejected(Vec<turnstile_core::Violation>),
+}
+
 /// Answer of `append_turn` (HTTP: 200 / 409 / 422 / 404).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AppendOutcome {

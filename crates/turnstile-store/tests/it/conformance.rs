@@ -53,6 +53,7 @@ suite!(
     quarantine_is_bounded_per_dispatch,
     a_tool_turn_appended_directly_closes_its_calls_in_the_ledger,
     migrations_apply_once_and_a_newer_schema_is_refused,
+    an_import_writes_a_whole_legal_history_at_once_or_nothing,
 );
 
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
@@ -1088,4 +1089,86 @@ pub async fn migrations_apply_once_and_a_newer_schema_is_refused(backend: Backen
             ));
         }
     }
+}
+
+pub async fn an_import_writes_a_whole_legal_history_at_once_or_nothing(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    let assistant = {
+        let mut turn = assistant_turn("a", 1);
+        turn["generation"] = json!(1);
+        turn
+    };
+    // Orphan result after the calls: the whole import is refused and nothing exists afterwards.
+    let orphan = json!({"id": "t-r", "role": "tool", "blocks": [{"id": "r", "kind": "tool_result",
+        "call_id": "call-none", "tool": "get_weather", "status": "success", "content": []}]});
+    let turns = vec![user_turn("u1"), assistant.clone(), orphan];
+    let ImportOutcome::Rejected(violations) = store
+        .import_conversation("c", &tools(), &turns, at(1))
+        .await
+        .unwrap()
+    else {
+        panic!("an orphan result was imported");
+    };
+    assert!(
+        violations
+            .iter()
+            .any(|violation| violation.code == ViolationCode::OrphanResult)
+    );
+    assert!(store.conversation("c").await.unwrap().is_none());
+
+    // A legal history: one transaction, revisions 1..n, and no execution-ledger rows.
+    let turns = vec![user_turn("u1"), assistant, user_turn("u2")];
+    let turns = {
+        let mut turns = turns;
+        // The call needs its result before the next user turn.
+        let digest = turnstile_core::Digest::of_value(&json!({"city": "c0"}))
+            .as_str()
+            .to_owned();
+        turns.insert(
+            2,
+            json!({"id": "t-r", "role": "tool", "blocks": [{"id": "r", "kind": "tool_result",
+            "call_id": "a-call-0", "tool": "get_weather", "args_digest": digest, "generation": 1,
+            "status": "success", "content": [{"kind": "text", "text": "sun"}]}]}),
+        );
+        turns
+    };
+    assert_eq!(
+        store
+            .import_conversation("c", &tools(), &turns, at(2))
+            .await
+            .unwrap(),
+        ImportOutcome::Created {
+            revision: Revision(4)
+        }
+    );
+    let document = store.conversation("c").await.unwrap().unwrap();
+    assert_eq!(document["revision"], 4);
+    let revisions: Vec<u64> = document["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|turn| turn["revision"].as_u64().unwrap())
+        .collect();
+    assert_eq!(revisions, vec![1, 2, 3, 4]);
+    assert!(store.tool_calls(None).await.unwrap().is_empty());
+    // The same id again changes nothing.
+    assert_eq!(
+        store
+            .import_conversation("c", &tools(), &turns[..1], at(3))
+            .await
+            .unwrap(),
+        ImportOutcome::AlreadyExists {
+            revision: Revision(4)
+        }
+    );
+    // The imported conversation takes appends like any other.
+    assert_eq!(
+        store
+            .append_turn("c", Revision(4), &assistant_turn("b", 0), at(4))
+            .await
+            .unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(5)
+        }
+    );
 }
