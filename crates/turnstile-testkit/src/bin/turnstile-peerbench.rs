@@ -1,0 +1,944 @@
+//! `turnstile-peerbench`: the Turnstile side of the side-by-side peer benchmarks
+//! (`bench/peers/run`, figures in docs/benchmarks.md "Side by side with the peers").
+//!
+//! - `gen --out DIR`: writes the shared inputs, deterministically: conversations of 20, 200 and
+//!   2,000 blocks with parallel tool calls, each exported in every system's own input format
+//!   (`turnstile.conversation.v1`, OpenAI chat messages for LiteLLM, Vercel `ModelMessage[]`,
+//!   TensorZero input), provider streams of ~1k and ~100k SSE events per API (real wire bytes
+//!   from `turnstile_adapters::simulate::wire`, the simulator's own encoder), and the six bad
+//!   inputs of the correctness probe in every format.
+//! - `micro --inputs DIR --runs N`: times, in this process, the prepare path (parse v1 bytes +
+//!   validate + MessageSequence + render `anthropic-messages@1` + token admission + manifest,
+//!   cold render cache) and decode + assemble of each stream file, each beside its floor in the
+//!   same run (serde_json parse + SHA-256 of the same bytes). One JSON line per measurement.
+//! - `load --target turnstile|chat --base URL ...`: a closed-loop HTTP load generator (fixed
+//!   concurrency), the same client for `turnstile serve`, the LiteLLM proxy and the simulator.
+//!
+//! Timing rule shared with the Python and Node peers' harnesses: one warm-up call, then each
+//! run repeats the operation enough times to last at least `--min-run-ms`; a run's figure is
+//! its elapsed time / repetitions. Medians and min–max are over runs.
+
+use serde_json::{Value, json};
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use turnstile_adapters::decode::StreamApi;
+use turnstile_adapters::simulate::script::{Faults, Reply, ScriptedCall};
+use turnstile_adapters::simulate::wire::{self, Api};
+use turnstile_adapters::{AdapterId, Catalog, Graph, PrepareOutcome, PrepareRequest, RenderCache, prepare};
+use turnstile_core::assemble::{Assembler, AssemblerConfig, Output, Toolset};
+use turnstile_core::{Digest, Generation, MessageSequence, Validated, parse};
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: turnstile-peerbench gen --out DIR\n\
+         \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX]\n\
+         \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
+         [--requests N] [--concurrency C] [--runs R] [--label L]"
+    );
+    std::process::exit(2)
+}
+
+struct Args(Vec<String>);
+
+impl Args {
+    fn value(&self, name: &str) -> Option<String> {
+        self.0
+            .iter()
+            .position(|arg| arg == name)
+            .and_then(|index| self.0.get(index + 1).cloned())
+    }
+    fn number(&self, name: &str, default: u64) -> u64 {
+        self.value(name)
+            .map(|value| value.parse().unwrap_or_else(|_| usage()))
+            .unwrap_or(default)
+    }
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let Some(command) = argv.first().cloned() else {
+        usage()
+    };
+    let args = Args(argv);
+    match command.as_str() {
+        "gen" => generate(Path::new(&args.value("--out").unwrap_or_else(|| usage()))),
+        "micro" => micro(&args),
+        "load" => load(&args),
+        _ => usage(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs
+// ---------------------------------------------------------------------------------------------
+
+const TOOL_NAME: &str = "get_weather";
+const PARAGRAPH: &str = "The committed history is replayed to the provider on every turn, so the \
+adapter renders the same blocks again and again; only the newest turn is new work. Numbers 1, 2, 3.";
+const CITIES: [&str; 6] = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Hanoi"];
+
+fn tool_schema() -> Value {
+    json!({"type": "object", "properties": {"city": {"type": "string"}, "note": {"type": "string"}},
+           "required": ["city"], "additionalProperties": false})
+}
+
+/// One part of a message, independent of any format.
+#[derive(Clone)]
+enum Part {
+    Text(String),
+    Call { id: String, args: Value },
+    Result { id: String, text: String, error: bool },
+    Unknown,
+}
+
+#[derive(Clone)]
+struct Msg {
+    role: &'static str,
+    parts: Vec<Part>,
+}
+
+fn msg(role: &'static str, parts: Vec<Part>) -> Msg {
+    Msg { role, parts }
+}
+
+fn text(value: impl Into<String>) -> Part {
+    Part::Text(value.into())
+}
+
+/// A ready conversation of exactly `blocks` blocks (20, 200, 2,000): a system block, rounds of
+/// user (text) → assistant (text + two parallel calls) → tool (two results, out of order, one
+/// an error), then a closing user question.
+fn conversation(blocks: usize) -> Vec<Msg> {
+    assert!(blocks >= 8 && (blocks - 2) % 6 == 0, "blocks = 2 + 6k");
+    let mut messages = vec![msg("system", vec![text("You are a careful assistant.")])];
+    for round in 0..(blocks - 2) / 6 {
+        let a = format!("call_{round}_a");
+        let b = format!("call_{round}_b");
+        messages.push(msg("user", vec![text(format!("Question {round}: {PARAGRAPH}"))]));
+        messages.push(msg(
+            "assistant",
+            vec![
+                text(format!("Looking up round {round}.")),
+                Part::Call {
+                    id: a.clone(),
+                    args: json!({"city": CITIES[round % CITIES.len()]}),
+                },
+                Part::Call {
+                    id: b.clone(),
+                    args: json!({"city": CITIES[(round + 1) % CITIES.len()], "note": "metric"}),
+                },
+            ],
+        ));
+        messages.push(msg(
+            "tool",
+            vec![
+                Part::Result {
+                    id: b,
+                    text: format!("{round}C, {PARAGRAPH}"),
+                    error: false,
+                },
+                Part::Result {
+                    id: a,
+                    text: "upstream timeout".into(),
+                    error: true,
+                },
+            ],
+        ));
+    }
+    messages.push(msg("user", vec![text("Summarise the weather so far.")]));
+    messages
+}
+
+fn call_name(_id: &str) -> &'static str {
+    TOOL_NAME
+}
+
+fn export_v1(messages: &[Msg], conversation_id: &str) -> Value {
+    let mut turns = Vec::new();
+    let mut block = 0;
+    for (index, message) in messages.iter().enumerate() {
+        let blocks: Vec<Value> = message
+            .parts
+            .iter()
+            .map(|part| {
+                block += 1;
+                let id = format!("b-{block}");
+                match part {
+                    Part::Text(text) => json!({"id": id, "kind": "text", "text": text}),
+                    Part::Call { id: call, args } => {
+                        json!({"id": id, "kind": "tool_call", "call_id": call, "tool": call_name(call), "arguments": args})
+                    }
+                    Part::Result { id: call, text, error } => json!({"id": id, "kind": "tool_result", "call_id": call,
+                        "tool": call_name(call), "status": if *error { "error" } else { "success" },
+                        "content": [{"kind": "text", "text": text}]}),
+                    Part::Unknown => json!({"id": id, "kind": "hologram", "data": "3d"}),
+                }
+            })
+            .collect();
+        let mut turn = json!({"id": format!("t-{}", index + 1), "revision": index + 1, "role": message.role, "blocks": blocks});
+        if message.role == "assistant" {
+            turn["generation"] = json!(1);
+        }
+        turns.push(turn);
+    }
+    json!({"format": "turnstile.conversation.v1", "conversation_id": conversation_id, "revision": messages.len(),
+           "tools": [{"name": TOOL_NAME, "description": "Current weather for a city", "input_schema": tool_schema()}],
+           "turns": turns})
+}
+
+/// OpenAI Chat Completions `messages` + `tools` (LiteLLM's input format).
+fn export_openai(messages: &[Msg]) -> Value {
+    let mut out = Vec::new();
+    for message in messages {
+        match message.role {
+            "tool" => {
+                for part in &message.parts {
+                    if let Part::Result { id, text, .. } = part {
+                        out.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+                    }
+                }
+            }
+            "assistant" => {
+                let text: Vec<&str> = message
+                    .parts
+                    .iter()
+                    .filter_map(|p| {
+                        if let Part::Text(t) = p {
+                            Some(t.as_str())
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let calls: Vec<Value> = message
+                    .parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        Part::Call { id, args } => Some(json!({"id": id, "type": "function",
+                            "function": {"name": call_name(id), "arguments": args.to_string()}})),
+                        _ => None,
+                    })
+                    .collect();
+                let mut value = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text.concat()) }});
+                if !calls.is_empty() {
+                    value["tool_calls"] = json!(calls);
+                }
+                out.push(value);
+            }
+            role => {
+                let only_text = message.parts.len() == 1 && matches!(message.parts[0], Part::Text(_));
+                let content = if only_text {
+                    let Part::Text(text) = &message.parts[0] else {
+                        unreachable!()
+                    };
+                    json!(text)
+                } else {
+                    json!(
+                        message
+                            .parts
+                            .iter()
+                            .map(|p| match p {
+                                Part::Text(t) => json!({"type": "text", "text": t}),
+                                _ => json!({"type": "hologram", "hologram": {"data": "3d"}}),
+                            })
+                            .collect::<Vec<_>>()
+                    )
+                };
+                out.push(json!({"role": role, "content": content}));
+            }
+        }
+    }
+    json!({"messages": out, "tools": [{"type": "function", "function": {"name": TOOL_NAME,
+           "description": "Current weather for a city", "parameters": tool_schema()}}]})
+}
+
+/// Vercel AI SDK `ModelMessage[]` (also a valid `LanguageModelV3Prompt` for the provider-level
+/// conversion) + tools as `{name, description, inputSchema}`.
+fn export_vercel(messages: &[Msg]) -> Value {
+    let out: Vec<Value> = messages
+        .iter()
+        .map(|message| {
+            if message.role == "system" {
+                let text: String = message
+                    .parts
+                    .iter()
+                    .filter_map(|p| if let Part::Text(t) = p { Some(t.as_str()) } else { None })
+                    .collect();
+                return json!({"role": "system", "content": text});
+            }
+            let parts: Vec<Value> = message
+                .parts
+                .iter()
+                .map(|part| match part {
+                    Part::Text(t) => json!({"type": "text", "text": t}),
+                    Part::Call { id, args } => {
+                        json!({"type": "tool-call", "toolCallId": id, "toolName": call_name(id), "input": args})
+                    }
+                    Part::Result { id, text, error } => json!({"type": "tool-result", "toolCallId": id,
+                        "toolName": call_name(id), "output": {"type": if *error { "error-text" } else { "text" }, "value": text}}),
+                    Part::Unknown => json!({"type": "hologram", "data": "3d"}),
+                })
+                .collect();
+            json!({"role": message.role, "content": parts})
+        })
+        .collect();
+    json!({"messages": out, "tools": [{"name": TOOL_NAME, "description": "Current weather for a city", "inputSchema": tool_schema()}]})
+}
+
+/// TensorZero embedded-client `input` (`system` + user/assistant messages with `text`,
+/// `tool_call`, `tool_result` blocks); tool results travel in a user message. A system message
+/// after the first goes in as a message of role `system` (TensorZero has no such role: the
+/// probe shows what the client does with it).
+fn export_tensorzero(messages: &[Msg]) -> Value {
+    let mut system = Value::Null;
+    let mut out = Vec::new();
+    for (index, message) in messages.iter().enumerate() {
+        let parts: Vec<Value> = message
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::Text(t) => json!({"type": "text", "text": t}),
+                Part::Call { id, args } => json!({"type": "tool_call", "id": id, "name": call_name(id), "arguments": args.to_string()}),
+                Part::Result { id, text, .. } => json!({"type": "tool_result", "id": id, "name": call_name(id), "result": text}),
+                Part::Unknown => json!({"type": "hologram", "data": "3d"}),
+            })
+            .collect();
+        match message.role {
+            "system" if index == 0 => {
+                if let Some(Part::Text(t)) = message.parts.first() {
+                    system = json!(t);
+                }
+            }
+            "tool" => out.push(json!({"role": "user", "content": parts})),
+            role => out.push(json!({"role": role, "content": parts})),
+        }
+    }
+    json!({"system": system, "messages": out})
+}
+
+fn write(path: &Path, bytes: &[u8]) {
+    std::fs::write(path, bytes).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+}
+
+fn write_json(path: &Path, value: &Value) {
+    write(path, &serde_json::to_vec(value).unwrap());
+}
+
+/// Stream sizes: (label, text words, parallel calls, argument bytes per call).
+const STREAMS: [(&str, usize, usize, usize); 2] = [("1k", 600, 4, 760), ("100k", 60_000, 40, 8_000)];
+
+fn stream_reply(words: usize, calls: usize, arg_bytes: usize) -> Reply {
+    const WORDS: [&str; 7] = ["the", "weather", "in", "Paris", "is", "mild", "today,"];
+    let text: Vec<&str> = (0..words).map(|i| WORDS[i % 7]).collect();
+    let tool_calls = (0..calls)
+        .map(|call| {
+            let city = CITIES[call % CITIES.len()];
+            let skeleton = json!({"city": city, "note": ""}).to_string().len();
+            let note: String = "metric units please "
+                .chars()
+                .cycle()
+                .take(arg_bytes.saturating_sub(skeleton))
+                .collect();
+            ScriptedCall {
+                id: Some(format!("toolu_{call:03}")),
+                name: TOOL_NAME.into(),
+                arguments: json!({"city": city, "note": note}),
+            }
+        })
+        .collect();
+    Reply {
+        text: text.join(" "),
+        tool_calls,
+        faults: Faults::default(),
+    }
+}
+
+fn api_name(api: Api) -> &'static str {
+    match api {
+        Api::Anthropic => "anthropic",
+        Api::OpenAiChat => "openai-chat",
+        Api::OpenAiResponses => "openai-responses",
+        Api::Gemini => "gemini",
+    }
+}
+
+const STREAM_APIS: [Api; 4] = [Api::Anthropic, Api::OpenAiChat, Api::OpenAiResponses, Api::Gemini];
+
+fn encode(api: Api, reply: &Reply) -> (Vec<u8>, usize) {
+    let ids = wire::call_ids(api, reply, 1);
+    let frames = wire::frames(api, reply, "msg_bench_0001", "bench-model", &ids, 4096);
+    let count = frames.len();
+    (frames.into_iter().flat_map(|frame| frame.bytes).collect(), count)
+}
+
+fn generate(out: &Path) {
+    std::fs::create_dir_all(out.join("probe")).unwrap();
+    let mut meta = json!({"conversations": {}, "streams": {}, "probe": {}});
+    for blocks in [20usize, 200, 2_000] {
+        let messages = conversation(blocks);
+        write_json(
+            &out.join(format!("conv-{blocks}.v1.json")),
+            &export_v1(&messages, &format!("bench-{blocks}")),
+        );
+        write_json(
+            &out.join(format!("conv-{blocks}.openai.json")),
+            &export_openai(&messages),
+        );
+        write_json(
+            &out.join(format!("conv-{blocks}.vercel.json")),
+            &export_vercel(&messages),
+        );
+        write_json(
+            &out.join(format!("conv-{blocks}.tensorzero.json")),
+            &export_tensorzero(&messages),
+        );
+        meta["conversations"][blocks.to_string()] = json!({"messages": messages.len(), "blocks": blocks});
+    }
+    write_json(
+        &out.join("tools.json"),
+        &json!([{"name": TOOL_NAME, "description": "Current weather for a city", "input_schema": tool_schema()}]),
+    );
+    for (label, words, calls, arg_bytes) in STREAMS {
+        let reply = stream_reply(words, calls, arg_bytes);
+        for api in STREAM_APIS {
+            let (bytes, events) = encode(api, &reply);
+            let name = format!("stream-{}-{label}.sse", api_name(api));
+            write(&out.join(&name), &bytes);
+            meta["streams"][format!("{}/{label}", api_name(api))] = json!({"file": name, "events": events,
+                "bytes": bytes.len(), "text_words": words, "calls": calls, "arg_bytes": arg_bytes});
+        }
+    }
+    generate_probe(&out.join("probe"), &mut meta);
+    write_json(&out.join("meta.json"), &meta);
+    println!("inputs written to {}", out.display());
+}
+
+/// The six bad inputs of the correctness probe (five histories and a cut stream).
+fn generate_probe(dir: &Path, meta: &mut Value) {
+    let call = |id: &str, city: &str| Part::Call {
+        id: id.into(),
+        args: json!({"city": city}),
+    };
+    let result = |id: &str, text: &str| Part::Result {
+        id: id.into(),
+        text: text.into(),
+        error: false,
+    };
+    let head = vec![
+        msg("system", vec![text("You are terse.")]),
+        msg("user", vec![text("Weather in Paris and Tokyo?")]),
+        msg(
+            "assistant",
+            vec![text("Checking both."), call("c1", "Paris"), call("c2", "Tokyo")],
+        ),
+    ];
+    let closing = msg("user", vec![text("Thanks. And tomorrow?")]);
+    let good_results = msg("tool", vec![result("c2", "18C"), result("c1", "12C")]);
+    let cases: Vec<(&str, Vec<Msg>)> = vec![
+        (
+            "missing_result",
+            vec![msg("tool", vec![result("c1", "12C")]), closing.clone()],
+        ),
+        (
+            "orphan_result",
+            vec![
+                msg(
+                    "tool",
+                    vec![
+                        result("c1", "12C"),
+                        result("c2", "18C"),
+                        result("c9", "from nowhere"),
+                    ],
+                ),
+                closing.clone(),
+            ],
+        ),
+        (
+            "duplicate_result",
+            vec![
+                msg(
+                    "tool",
+                    vec![
+                        result("c1", "12C"),
+                        result("c1", "13C (again)"),
+                        result("c2", "18C"),
+                    ],
+                ),
+                closing.clone(),
+            ],
+        ),
+        (
+            "unknown_part",
+            vec![
+                good_results.clone(),
+                msg("user", vec![text("Thanks. And tomorrow?"), Part::Unknown]),
+            ],
+        ),
+        (
+            "mid_system",
+            vec![
+                good_results.clone(),
+                msg("system", vec![text("Reminder: answer in French.")]),
+                closing.clone(),
+            ],
+        ),
+    ];
+    for (name, tail) in cases {
+        let mut messages = head.clone();
+        messages.extend(tail);
+        write_json(&dir.join(format!("{name}.v1.json")), &export_v1(&messages, name));
+        write_json(
+            &dir.join(format!("{name}.openai.json")),
+            &export_openai(&messages),
+        );
+        write_json(
+            &dir.join(format!("{name}.vercel.json")),
+            &export_vercel(&messages),
+        );
+        write_json(
+            &dir.join(format!("{name}.tensorzero.json")),
+            &export_tensorzero(&messages),
+        );
+    }
+    // Stream cut inside tool arguments: two parallel calls; the connection ends after the
+    // event that carries the second call's first argument fragment (`{"city":"`), so the
+    // arguments are an unclosed JSON prefix and no stop event arrives.
+    let reply = Reply {
+        text: "Checking both.".into(),
+        tool_calls: vec![
+            ScriptedCall {
+                id: Some("c1".into()),
+                name: TOOL_NAME.into(),
+                arguments: json!({"city": "Paris"}),
+            },
+            ScriptedCall {
+                id: Some("c2".into()),
+                name: TOOL_NAME.into(),
+                arguments: json!({"city": "Tokyo"}),
+            },
+        ],
+        faults: Faults::default(),
+    };
+    for api in [Api::Anthropic, Api::OpenAiChat] {
+        let ids = wire::call_ids(api, &reply, 1);
+        let frames = wire::frames(api, &reply, "msg_probe_0001", "bench-model", &ids, 64);
+        // The second frame that opens a call's arguments (`{"city` as an escaped JSON string):
+        // the first argument fragment of call c2.
+        let needle: &[u8] = b"{\\\"city";
+        let position = frames
+            .iter()
+            .enumerate()
+            .filter(|(_, frame)| frame.bytes.windows(needle.len()).any(|w| w == needle))
+            .map(|(index, _)| index)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{api:?}: no argument fragment of the second call"));
+        let kept = position + 1;
+        let bytes: Vec<u8> = frames[..kept].iter().flat_map(|f| f.bytes.clone()).collect();
+        let name = format!("cut_stream.{}.sse", api_name(api));
+        write(&dir.join(&name), &bytes);
+        meta["probe"][format!("cut_stream/{}", api_name(api))] =
+            json!({"file": name, "events_kept": kept, "events_whole": frames.len()});
+    }
+    meta["probe"]["cut_stream_reply"] = json!({"text": reply.text, "tool_calls": [
+        {"id": "c1", "name": TOOL_NAME, "arguments": {"city": "Paris"}},
+        {"id": "c2", "name": TOOL_NAME, "arguments": {"city": "Tokyo"}}]});
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-process timings
+// ---------------------------------------------------------------------------------------------
+
+struct Timing {
+    samples: Vec<f64>,
+    iterations: u64,
+}
+
+/// One warm-up call, calibration, then `runs` runs of at least `min_run` each.
+fn measure<R>(runs: u64, min_run: Duration, mut op: impl FnMut() -> R) -> Timing {
+    let started = Instant::now();
+    black_box(op());
+    let mut once = started.elapsed().max(Duration::from_nanos(50));
+    // A second warm-up call measures a warm cache.
+    let started = Instant::now();
+    black_box(op());
+    once = once.min(started.elapsed().max(Duration::from_nanos(50)));
+    let iterations = (min_run.as_secs_f64() / once.as_secs_f64()).ceil().max(1.0) as u64;
+    let samples = (0..runs)
+        .map(|_| {
+            let started = Instant::now();
+            for _ in 0..iterations {
+                black_box(op());
+            }
+            started.elapsed().as_secs_f64() / iterations as f64
+        })
+        .collect();
+    Timing { samples, iterations }
+}
+
+fn emit(system: &str, workload: &str, timing: &Timing, extra: Value) {
+    println!(
+        "{}",
+        json!({"system": system, "workload": workload, "unit": "s/op", "samples": timing.samples,
+               "iterations_per_run": timing.iterations, "extra": extra})
+    );
+}
+
+/// The whole prepare path from the file's bytes to the request body and sealed manifest.
+fn prepare_from_bytes(bytes: &[u8], catalog: &Catalog, request: &PrepareRequest) -> (Vec<u8>, Digest) {
+    let conversation = parse::conversation_from_slice(bytes).expect("bench conversation parses");
+    let validated = Validated::new(&conversation).expect("bench conversation is legal");
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence).expect("bench conversation is ready");
+    match prepare(graph, request, catalog, &mut RenderCache::new()) {
+        PrepareOutcome::Prepared(prepared) => {
+            (prepared.rendered.body, prepared.manifest.manifest_digest.clone())
+        }
+        other => panic!("bench conversation prepares: {other:?}"),
+    }
+}
+
+fn floor_json_sha256(bytes: &[u8]) -> Digest {
+    black_box(serde_json::from_slice::<Value>(bytes).unwrap());
+    Digest::of_bytes(bytes)
+}
+
+/// Bytes per network read fed to the decoders (a TLS record).
+const READ_BYTES: usize = 16 * 1024;
+
+fn decode_and_assemble(api: StreamApi, bytes: &[u8], toolset: &Arc<Toolset>) -> usize {
+    let mut decoder = api.decoder();
+    let mut config = AssemblerConfig::new(Generation(1), "t-bench");
+    config.toolset = Some(Arc::clone(toolset));
+    let mut assembler = Assembler::new(config);
+    let mut blocks = 0;
+    let drain = |assembler: &mut Assembler, blocks: &mut usize| {
+        while let Some(output) = assembler.poll_output() {
+            match output {
+                Output::Preview { delta, .. } => {
+                    black_box(delta);
+                }
+                Output::Commit(offer) => *blocks = offer.turn["blocks"].as_array().map_or(0, Vec::len),
+                Output::Retract { reason, .. } => panic!("the bench stream retracted: {reason}"),
+            }
+        }
+    };
+    for read in bytes.chunks(READ_BYTES) {
+        decoder.handle_bytes(read);
+        while let Some(event) = decoder.poll_event() {
+            let _ = assembler.handle_event(Generation(1), event);
+        }
+        drain(&mut assembler, &mut blocks);
+    }
+    decoder.handle_end_of_input();
+    while let Some(event) = decoder.poll_event() {
+        let _ = assembler.handle_event(Generation(1), event);
+    }
+    assembler.handle_end_of_input();
+    drain(&mut assembler, &mut blocks);
+    blocks
+}
+
+/// Floor for a stream: split lines (memchr), parse every `data:` payload with serde_json
+/// (`[DONE]` excepted), SHA-256 of the bytes.
+fn floor_stream(bytes: &[u8]) -> (usize, Digest) {
+    let mut parsed = 0;
+    let mut start = 0;
+    for end in memchr::memchr_iter(b'\n', bytes) {
+        let line = &bytes[start..end];
+        start = end + 1;
+        if let Some(payload) = line.strip_prefix(b"data: ") {
+            if payload != b"[DONE]" {
+                black_box(serde_json::from_slice::<Value>(payload).unwrap());
+                parsed += 1;
+            }
+        }
+    }
+    (parsed, Digest::of_bytes(bytes))
+}
+
+fn stream_api(name: &str) -> StreamApi {
+    match name {
+        "anthropic" => StreamApi::AnthropicMessages,
+        "openai-chat" => StreamApi::OpenAiChat,
+        "openai-responses" => StreamApi::OpenAiResponses,
+        "gemini" => StreamApi::Gemini,
+        other => panic!("unknown stream api {other}"),
+    }
+}
+
+fn micro(args: &Args) {
+    let inputs = PathBuf::from(args.value("--inputs").unwrap_or_else(|| usage()));
+    let runs = args.number("--runs", 5);
+    let min_run = Duration::from_millis(args.number("--min-run-ms", 300));
+    let only = args.value("--only").unwrap_or_default();
+    let meta: Value = serde_json::from_slice(&std::fs::read(inputs.join("meta.json")).unwrap()).unwrap();
+
+    let catalog = Catalog::builtin();
+    let request = PrepareRequest {
+        operation_id: "peerbench".into(),
+        adapter: AdapterId::ALL
+            .into_iter()
+            .find(|adapter| adapter.as_str() == "anthropic-messages@1")
+            .unwrap(),
+        provider: None,
+        model: "claude-sonnet-4-5".into(),
+        max_output_tokens: Some(1024),
+        stream: false,
+        background: false,
+    };
+    for blocks in ["20", "200", "2000"] {
+        let workload = format!("prepare/{blocks}");
+        if !workload.starts_with(&only) {
+            continue;
+        }
+        let bytes = std::fs::read(inputs.join(format!("conv-{blocks}.v1.json"))).unwrap();
+        let (body, _) = prepare_from_bytes(&bytes, &catalog, &request);
+        let timing = measure(runs, min_run, || prepare_from_bytes(&bytes, &catalog, &request));
+        emit(
+            "turnstile",
+            &workload,
+            &timing,
+            json!({"input_bytes": bytes.len(), "body_bytes": body.len(),
+            "what": "parse v1 + validate + MessageSequence + render anthropic-messages@1 (cold cache) + token count + admission + manifest"}),
+        );
+        let timing = measure(runs, min_run, || floor_json_sha256(&bytes));
+        emit(
+            "floor",
+            &workload,
+            &timing,
+            json!({"input_bytes": bytes.len(), "what": "serde_json::from_slice::<Value> + SHA-256 of the v1 file"}),
+        );
+    }
+
+    let tools: Value = serde_json::from_slice(&std::fs::read(inputs.join("tools.json")).unwrap()).unwrap();
+    let toolset = Arc::new(Toolset::from_json(&tools).unwrap());
+    let streams = meta["streams"].as_object().unwrap();
+    let mut keys: Vec<&String> = streams.keys().collect();
+    keys.sort();
+    for key in keys {
+        let workload = format!("stream/{key}");
+        if !workload.starts_with(&only) {
+            continue;
+        }
+        let info = &streams[key];
+        let bytes = std::fs::read(inputs.join(info["file"].as_str().unwrap())).unwrap();
+        let api = stream_api(key.split('/').next().unwrap());
+        let blocks = decode_and_assemble(api, &bytes, &toolset);
+        let timing = measure(runs, min_run, || decode_and_assemble(api, &bytes, &toolset));
+        emit(
+            "turnstile",
+            &workload,
+            &timing,
+            json!({"bytes": bytes.len(), "events": info["events"], "committed_blocks": blocks,
+            "what": "decoder + assembler (schema-checked tool arguments) in 16 KiB reads, to the commit offer"}),
+        );
+        let timing = measure(runs, min_run, || floor_stream(&bytes));
+        emit(
+            "floor",
+            &workload,
+            &timing,
+            json!({"bytes": bytes.len(), "events": info["events"],
+            "what": "memchr lines + serde_json::from_slice::<Value> of every data payload + SHA-256 of the bytes"}),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP load
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum Target {
+    /// `turnstile serve`: create conversation + user turn (untimed), then a non-streaming
+    /// dispatch (timed).
+    Turnstile,
+    /// An OpenAI-compatible `POST /v1/chat/completions` (LiteLLM proxy, or the simulator itself).
+    Chat,
+}
+
+fn load(args: &Args) {
+    let target = match args.value("--target").as_deref() {
+        Some("turnstile") => Target::Turnstile,
+        Some("chat") => Target::Chat,
+        _ => usage(),
+    };
+    let base = args.value("--base").unwrap_or_else(|| usage());
+    let model = args.value("--model").unwrap_or_else(|| "bench".into());
+    let requests = args.number("--requests", 1000) as usize;
+    let concurrency = args.number("--concurrency", 16) as usize;
+    let runs = args.number("--runs", 5);
+    let label = args.value("--label").unwrap_or_else(|| "load".into());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(concurrency * 2)
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        // Warm-up: a few requests through the whole path (connections, lazy imports).
+        let warm = format!("{label}-{stamp}-warm");
+        if target == Target::Turnstile {
+            create_conversations(&client, &base, &warm, 8).await;
+        }
+        for index in 0..8 {
+            one(&client, target, &base, &model, &warm, index).await.unwrap();
+        }
+        let mut samples = Vec::new();
+        let mut p50 = Vec::new();
+        let mut p99 = Vec::new();
+        let mut errors = 0usize;
+        for run in 0..runs {
+            let phase = format!("{label}-{stamp}-{run}");
+            if target == Target::Turnstile {
+                create_conversations(&client, &base, &phase, requests).await;
+            }
+            let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let started = Instant::now();
+            let mut workers = Vec::new();
+            for _ in 0..concurrency {
+                let (client, base, model, phase, next, label) = (
+                    client.clone(),
+                    base.clone(),
+                    model.clone(),
+                    phase.clone(),
+                    next.clone(),
+                    label.clone(),
+                );
+                workers.push(tokio::spawn(async move {
+                    let mut latencies = Vec::new();
+                    let mut errors = 0usize;
+                    loop {
+                        let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if index >= requests {
+                            return (latencies, errors);
+                        }
+                        let begun = Instant::now();
+                        match one(&client, target, &base, &model, &phase, index).await {
+                            Ok(()) => latencies.push(begun.elapsed()),
+                            Err(error) => {
+                                if errors == 0 {
+                                    eprintln!("{label}: request failed: {error}");
+                                }
+                                errors += 1;
+                            }
+                        }
+                    }
+                }));
+            }
+            let mut latencies = Vec::new();
+            for worker in workers {
+                let (mut part, failed) = worker.await.unwrap();
+                latencies.append(&mut part);
+                errors += failed;
+            }
+            let elapsed = started.elapsed().as_secs_f64();
+            latencies.sort();
+            let ok = latencies.len();
+            // Seconds per request at this concurrency (the inverse of throughput), so every
+            // workload in the report compares times.
+            samples.push(elapsed / ok.max(1) as f64);
+            let pick = |p: f64| latencies.get(((ok as f64 * p) as usize).min(ok.saturating_sub(1))).map_or(0.0, |d| d.as_secs_f64());
+            p50.push(pick(0.50));
+            p99.push(pick(0.99));
+            eprintln!(
+                "{label} run {}: {:.0} req/s, p50 {:.2} ms, p99 {:.2} ms, {} errors",
+                run + 1,
+                ok as f64 / elapsed,
+                pick(0.5) * 1e3,
+                pick(0.99) * 1e3,
+                requests - ok
+            );
+        }
+        println!(
+            "{}",
+            json!({"system": label, "workload": "gateway", "unit": "s/request", "samples": samples,
+                   "iterations_per_run": requests, "extra": {"concurrency": concurrency, "p50_s": p50, "p99_s": p99,
+                   "errors": errors, "client": "turnstile-peerbench load (reqwest, closed loop)"}})
+        );
+    });
+}
+
+async fn create_conversations(client: &reqwest::Client, base: &str, phase: &str, count: usize) {
+    let mut tasks = Vec::new();
+    let per = count.div_ceil(8);
+    for lane in 0..8 {
+        let (client, base, phase) = (client.clone(), base.to_owned(), phase.to_owned());
+        tasks.push(tokio::spawn(async move {
+            for index in lane * per..((lane + 1) * per).min(count) {
+                let id = format!("c-{phase}-{index}");
+                let created = client
+                    .post(format!("{base}/v1/conversations"))
+                    .json(&json!({"conversation_id": id}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(created.status().is_success(), "create: {}", created.status());
+                let turn = json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+                                  "blocks": [{"id": "u1", "kind": "text", "text": "Hello?"}]}});
+                let appended = client
+                    .post(format!("{base}/v1/conversations/{id}/turns"))
+                    .json(&turn)
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(appended.status().is_success(), "append: {}", appended.status());
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+async fn one(
+    client: &reqwest::Client,
+    target: Target,
+    base: &str,
+    model: &str,
+    phase: &str,
+    index: usize,
+) -> Result<(), String> {
+    match target {
+        Target::Turnstile => {
+            let body = json!({"operation_id": format!("op-{phase}-{index}"), "stream": false, "max_output_tokens": 256,
+                              "target": {"provider": "sim", "model": model, "adapter": "openai-chat@1"}});
+            let response = client
+                .post(format!("{base}/v1/conversations/c-{phase}-{index}/dispatch"))
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let answer: Value = response.json().await.map_err(|e| e.to_string())?;
+            if answer["state"] != "COMMITTED" {
+                return Err(format!("not committed: {answer}"));
+            }
+        }
+        Target::Chat => {
+            let body = json!({"model": model, "max_tokens": 256,
+                              "messages": [{"role": "user", "content": "Hello?"}]});
+            let response = client
+                .post(format!("{base}/v1/chat/completions"))
+                .header("authorization", "Bearer sk-bench")
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            let answer: Value = response.json().await.map_err(|e| e.to_string())?;
+            if !status.is_success() || answer["choices"][0]["message"]["content"].as_str().is_none() {
+                return Err(format!("{status}: {answer}"));
+            }
+        }
+    }
+    Ok(())
+}
