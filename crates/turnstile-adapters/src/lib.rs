@@ -14,6 +14,7 @@ pub mod anthropic_messages;
 pub mod call_ids;
 pub mod catalog;
 pub mod gemini;
+pub mod import;
 pub mod openai_chat;
 pub mod openai_responses;
 pub mod prepare;

@@ -17,6 +17,7 @@
 //!   contain non-whitespace text"); they carry nothing, so they are left out and the policy
 //!   lists them.
 
+pub(crate) mod import;
 pub mod v1;
 pub mod v2;
 

@@ -14,6 +14,7 @@
 //!   so an image inside a tool result pauses;
 //! - Chat has no reasoning input: reasoning blocks are omitted, and the policy says why.
 
+pub(crate) mod import;
 pub mod v1;
 pub mod v2;
 

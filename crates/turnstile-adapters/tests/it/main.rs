@@ -1,5 +1,9 @@
 //! Integration tests of turnstile-adapters (one binary; modules per area).
 
+mod import_golden;
+mod import_props;
+mod import_refusals;
+mod import_validator;
 mod render_golden;
 mod render_openapi;
 mod render_prepare;

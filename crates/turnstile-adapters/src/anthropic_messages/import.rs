@@ -1,0 +1,297 @@
+//! Anthropic Messages request → v1 document: the inverse of `anthropic_messages::render`, for
+//! both versions (`document` blocks are accepted whichever version rendered the body).
+//!
+//! Mapping (Anthropic "Messages" API reference and "Tool use" guide):
+//! - top-level `system` (a string, or `text` blocks) → a system turn first, one text block per
+//!   system block;
+//! - each message → its turns in order. A `user` message holding `tool_result` blocks splits:
+//!   a run of consecutive `tool_result` blocks is a tool turn, the other blocks a user turn, in
+//!   their order (so text after the results becomes the user turn that follows, and results
+//!   after text stay after it, where the validator judges them). Consecutive messages of one
+//!   role stay separate turns (both are legal v1; Anthropic merges them itself);
+//! - user blocks: `text` → text; `image` (`base64` or `url` source) → image; `document` →
+//!   document (`base64` source with its media type, a `text` source as base64 `text/plain`,
+//!   `url`), `title` → title;
+//! - `tool_result` → tool_result: `call_id` = `tool_use_id`, the envelope of the matched call,
+//!   status `error` when `is_error: true` else `success`, content string → one text part
+//!   (`""` → none), blocks `text` → text, `image` → image;
+//! - assistant blocks (the turn has `generation` 1): `text` → text; `tool_use` → tool_call
+//!   with `input` as the arguments object; `thinking` → reasoning (provider `anthropic`,
+//!   `signature`, the thinking text unless empty); `redacted_thinking` → reasoning with
+//!   `encrypted` = `data`;
+//! - `tools[]{name, description, input_schema}` (no `type`, or `type: "custom"`) → v1 tools;
+//!   `max_tokens`, `stream`.
+//!
+//! Refused as `unrepresentable`: server tools (any tool `type` but `custom`), server-tool and
+//! MCP blocks (`server_tool_use`, `web_search_tool_result`, `mcp_tool_use`, …), `file` sources,
+//! `content` document sources, `search_result` and `container_upload` blocks, any other unknown
+//! block type, documents or images inside a tool result other than images, `mcp_servers`,
+//! `container`. Dropped and reported: every other field (`temperature`, `top_p`, `top_k`,
+//! `stop_sequences`, `tool_choice`, `metadata`, `thinking`, `service_tier`, `cache_control` on
+//! any block, `citations`, document `context`, …).
+
+use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, base64_encode, type_name};
+use serde_json::Value;
+use turnstile_core::conversation::{MediaSource, Role};
+
+pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, ImportError> {
+    top.refuse(
+        "mcp_servers",
+        "MCP servers called by Anthropic (server-side tools)",
+    )?;
+    top.refuse("container", "a code-execution container (server-side state)")?;
+    let model = top.required_string("model")?;
+    let stream = top.bool("stream")?.unwrap_or(false);
+    let max_output_tokens = top.u64("max_tokens")?;
+    if let Some(tools) = top.array("tools")? {
+        for (path, pattern, value) in top.elements("tools", tools) {
+            tool(Obj::new(value, path, pattern)?, builder)?;
+        }
+    }
+    match top.take("system") {
+        None => {}
+        Some(Value::String(text)) => {
+            builder.begin(Role::System, false, "system".into());
+            builder.text(Role::System, text)?;
+            builder.end()?;
+        }
+        Some(Value::Array(blocks)) => {
+            builder.begin(Role::System, false, "system".into());
+            for (path, pattern, value) in top.elements("system", blocks) {
+                let mut block = Obj::new(value, path, pattern)?;
+                let kind = block.required_string("type")?;
+                if kind != "text" {
+                    return Err(ImportError::unrepresentable(
+                        block.path_of("type"),
+                        format!("system block type {kind:?}"),
+                    ));
+                }
+                let text = block.required_string("text")?;
+                block.finish(builder);
+                builder.text(Role::System, text)?;
+            }
+            builder.end()?;
+        }
+        Some(other) => {
+            return Err(ImportError::malformed(
+                "system",
+                format!(
+                    "expected a string or an array of text blocks, found {}",
+                    type_name(&other)
+                ),
+            ));
+        }
+    }
+    let messages = top.required_array("messages")?;
+    for (path, pattern, value) in top.elements("messages", messages) {
+        message(Obj::new(value, path, pattern)?, builder)?;
+    }
+    top.finish(builder);
+    Ok(Head {
+        model,
+        stream,
+        max_output_tokens,
+    })
+}
+
+fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
+    match tool.string("type")?.as_deref() {
+        None | Some("custom") => {}
+        Some(other) => {
+            return Err(ImportError::unrepresentable(
+                tool.path_of("type"),
+                format!("the server tool {other:?} (v1 declares client tools only)"),
+            ));
+        }
+    }
+    let name = tool.required_string("name")?;
+    let description = tool.string("description")?;
+    let schema = match tool.required("input_schema")? {
+        schema @ Value::Object(_) => schema,
+        other => {
+            return Err(ImportError::malformed(
+                tool.path_of("input_schema"),
+                format!("expected an object, found {}", type_name(&other)),
+            ));
+        }
+    };
+    let path = tool.path().to_owned();
+    tool.finish(builder);
+    builder.tool(name, description, Some(schema), &path)
+}
+
+fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
+    let role = match message.required_string("role")?.as_str() {
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        other => {
+            return Err(ImportError::malformed(
+                message.path_of("role"),
+                format!("unknown role {other:?}"),
+            ));
+        }
+    };
+    builder.begin(role, false, message.path().to_owned());
+    match message.required("content")? {
+        Value::String(text) => builder.text(role, text)?,
+        Value::Array(blocks) => {
+            for (path, pattern, value) in message.elements("content", blocks) {
+                block(Obj::new(value, path, pattern)?, role, builder)?;
+            }
+        }
+        other => {
+            return Err(ImportError::malformed(
+                message.path_of("content"),
+                format!(
+                    "expected a string or an array of blocks, found {}",
+                    type_name(&other)
+                ),
+            ));
+        }
+    }
+    builder.end()?;
+    message.finish(builder);
+    Ok(())
+}
+
+fn block(mut block: Obj, role: Role, builder: &mut Builder) -> Result<(), ImportError> {
+    let kind = block.required_string("type")?;
+    block.drop_field("cache_control", builder);
+    match kind.as_str() {
+        "text" => {
+            let text = block.required_string("text")?;
+            builder.text(role, text)?;
+        }
+        "image" => {
+            let source = source(&mut block, builder)?;
+            builder.image(role, source)?;
+        }
+        "document" => {
+            let source = source(&mut block, builder)?;
+            let title = block.string("title")?;
+            builder.document(role, source, title)?;
+        }
+        "tool_result" => {
+            // A tool result is a tool turn, whatever message carried it.
+            let call_id = block.required_string("tool_use_id")?;
+            let status = match block.bool("is_error")? {
+                Some(true) => Status::Error,
+                _ => Status::Success,
+            };
+            let content = result_content(&mut block, builder)?;
+            builder.tool_result(Role::Tool, call_id, None, status, content)?;
+        }
+        "tool_use" => {
+            let call_id = block.required_string("id")?;
+            let name = block.required_string("name")?;
+            let input = match block.required("input")? {
+                input @ Value::Object(_) => input,
+                other => {
+                    return Err(ImportError::malformed(
+                        block.path_of("input"),
+                        format!("expected an object, found {}", type_name(&other)),
+                    ));
+                }
+            };
+            builder.tool_call(role, call_id, name, input)?;
+        }
+        "thinking" => {
+            let signature = block.required_string("signature")?;
+            let text = block.string("thinking")?.filter(|text| !text.is_empty());
+            builder.reasoning(role, "anthropic", Some(signature), None, text)?;
+        }
+        "redacted_thinking" => {
+            let data = block.required_string("data")?;
+            builder.reasoning(role, "anthropic", None, Some(data), None)?;
+        }
+        other => {
+            return Err(ImportError::unrepresentable(
+                block.path_of("type"),
+                format!("content block type {other:?}"),
+            ));
+        }
+    }
+    block.finish(builder);
+    Ok(())
+}
+
+/// The `source` of an image or document block.
+fn source(block: &mut Obj, builder: &mut Builder) -> Result<MediaSource, ImportError> {
+    let mut source = block.required_object("source")?;
+    let kind = source.required_string("type")?;
+    let media = match kind.as_str() {
+        "base64" => MediaSource::Base64 {
+            media_type: source.required_string("media_type")?,
+            data: source.required_string("data")?,
+        },
+        "url" => MediaSource::Url {
+            url: source.required_string("url")?,
+            media_type: None,
+        },
+        "text" => {
+            let media_type = source.string("media_type")?;
+            if let Some(media_type) = media_type.as_deref()
+                && !media_type.starts_with("text/plain")
+            {
+                return Err(ImportError::malformed(
+                    source.path_of("media_type"),
+                    "a text source is text/plain",
+                ));
+            }
+            let text = source.required_string("data")?;
+            MediaSource::Base64 {
+                media_type: "text/plain".into(),
+                data: base64_encode(text.as_bytes()),
+            }
+        }
+        "file" => {
+            return Err(ImportError::unrepresentable(
+                source.path_of("type"),
+                "a file_id reference to a file stored at Anthropic",
+            ));
+        }
+        other => {
+            return Err(ImportError::unrepresentable(
+                source.path_of("type"),
+                format!("source type {other:?}"),
+            ));
+        }
+    };
+    source.finish(builder);
+    Ok(media)
+}
+
+fn result_content(block: &mut Obj, builder: &mut Builder) -> Result<Vec<ResultContent>, ImportError> {
+    match block.take("content") {
+        None => Ok(Vec::new()),
+        Some(Value::String(text)) if text.is_empty() => Ok(Vec::new()),
+        Some(Value::String(text)) => Ok(vec![ResultContent::Text(text)]),
+        Some(Value::Array(parts)) => {
+            let mut content = Vec::with_capacity(parts.len());
+            for (path, pattern, part) in block.elements("content", parts) {
+                let mut part = Obj::new(part, path, pattern)?;
+                let kind = part.required_string("type")?;
+                part.drop_field("cache_control", builder);
+                match kind.as_str() {
+                    "text" => content.push(ResultContent::Text(part.required_string("text")?)),
+                    "image" => content.push(ResultContent::Image(source(&mut part, builder)?)),
+                    other => {
+                        return Err(ImportError::unrepresentable(
+                            part.path_of("type"),
+                            format!("tool result block type {other:?} (v1 results hold text and images)"),
+                        ));
+                    }
+                }
+                part.finish(builder);
+            }
+            Ok(content)
+        }
+        Some(other) => Err(ImportError::malformed(
+            block.path_of("content"),
+            format!(
+                "expected a string or an array of blocks, found {}",
+                type_name(&other)
+            ),
+        )),
+    }
+}
