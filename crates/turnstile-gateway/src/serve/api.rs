@@ -44,7 +44,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
             code,
@@ -52,14 +52,14 @@ impl ApiError {
             extra: Value::Null,
         }
     }
-    fn with(mut self, extra: Value) -> ApiError {
+    pub(crate) fn with(mut self, extra: Value) -> ApiError {
         self.extra = extra;
         self
     }
     fn not_found(what: &str) -> ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such {what}"))
     }
-    fn store(error: turnstile_store::StoreError) -> ApiError {
+    pub(crate) fn store(error: turnstile_store::StoreError) -> ApiError {
         tracing::error!(%error, "store error");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -83,6 +83,25 @@ impl IntoResponse for ApiError {
 
 type ApiResult = Result<Response, ApiError>;
 
+impl ApiError {
+    /// The stable code.
+    pub(crate) fn code(&self) -> &'static str {
+        self.code
+    }
+    /// The HTTP status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+    /// The message.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+    /// Extra fields.
+    pub(crate) fn extra(&self) -> &Value {
+        &self.extra
+    }
+}
+
 /// Who is calling: the tenant prefix for store ids ("" with no tenants configured).
 #[derive(Clone)]
 pub struct Caller {
@@ -90,7 +109,7 @@ pub struct Caller {
 }
 
 impl Caller {
-    fn store_id(&self, id: &str) -> String {
+    pub(crate) fn store_id(&self, id: &str) -> String {
         format!("{}{id}", self.prefix)
     }
     fn client_id<'a>(&self, store_id: &'a str) -> Option<&'a str> {
@@ -100,15 +119,21 @@ impl Caller {
 
 /// Authenticate: with tenants configured, a known bearer token is required.
 pub fn caller(shared: &Shared, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    caller_with_token(shared, token)
+}
+
+/// Authenticate a token found wherever the client's API puts it (the proxy endpoints accept
+/// the SDKs' own headers).
+pub fn caller_with_token(shared: &Shared, token: Option<&str>) -> Result<Caller, ApiError> {
     if shared.tenants.is_empty() {
         return Ok(Caller {
             prefix: String::new(),
         });
     }
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
     let tenant = token.and_then(|token| shared.tenants.iter().find(|(known, _)| known == token));
     match tenant {
         Some((_, name)) => Ok(Caller {
@@ -172,7 +197,7 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
     })
 }
 
-fn violations_json(violations: &[turnstile_core::Violation]) -> Value {
+pub(crate) fn violations_json(violations: &[turnstile_core::Violation]) -> Value {
     serde_json::to_value(violations).unwrap_or(Value::Null)
 }
 
@@ -317,12 +342,16 @@ struct DispatchBody {
     stream: bool,
 }
 
-#[derive(Deserialize)]
-struct Target {
+/// Where a dispatch goes.
+#[derive(Clone, Debug, Deserialize)]
+pub(crate) struct Target {
+    /// Provider name (`sim` by default).
     #[serde(default = "sim_provider")]
-    provider: String,
-    model: String,
-    adapter: String,
+    pub provider: String,
+    /// Model name.
+    pub model: String,
+    /// Adapter id.
+    pub adapter: String,
 }
 
 fn sim_provider() -> String {
@@ -330,7 +359,7 @@ fn sim_provider() -> String {
 }
 
 /// How the dispatch request ends before any dispatch exists (waiting, rejected, paused).
-enum Early {
+pub(crate) enum Early {
     Waiting(Vec<String>),
     Rejected(Vec<turnstile_core::Violation>),
     Paused(Value),
@@ -412,22 +441,53 @@ pub async fn dispatch(
             return Ok(early_response(Early::Rejected(violations), request.stream));
         }
     }
-    let adapter: AdapterId = request.target.adapter.parse().map_err(|_| {
+    match prepare_dispatch(
+        &shared,
+        &conversation,
+        operation_id,
+        &request.target,
+        request.max_output_tokens,
+    )
+    .await?
+    {
+        Started::Record(record) => attach(shared, caller, record, request.stream).await,
+        Started::Early(early) => Ok(early_response(early, request.stream)),
+    }
+}
+
+/// How preparing a dispatch ended: a stored dispatch to attach to, or no dispatch at all.
+pub(crate) enum Started {
+    /// Stored (new or existing with the same manifest).
+    Record(turnstile_store::DispatchRecord),
+    /// Paused: the adapter cannot represent the graph.
+    Early(Early),
+}
+
+/// Render → admission → manifest → `ledger.prepare` for a conversation the validator called
+/// ready. Shared by the dispatch endpoint and the proxy endpoints.
+pub(crate) async fn prepare_dispatch(
+    shared: &Arc<Shared>,
+    conversation: &Conversation,
+    operation_id: String,
+    target: &Target,
+    max_output_tokens: Option<u64>,
+) -> Result<Started, ApiError> {
+    let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "unknown_adapter",
-            format!("no adapter {:?}", request.target.adapter),
+            format!("no adapter {:?}", target.adapter),
         )
     })?;
-    if !shared.endpoints.contains_key(&request.target.provider) {
+    if !shared.endpoints.contains_key(&target.provider) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "unknown_provider",
-            format!("no provider {:?} is configured", request.target.provider),
+            format!("no provider {:?} is configured", target.provider),
         ));
     }
     // Invariant: `validate` said ready just above.
-    let validated = Validated::new(&conversation).map_err(|_| {
+    let validated = Validated::new(conversation).map_err(|_| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
@@ -445,15 +505,15 @@ pub async fn dispatch(
     let prepare_request = PrepareRequest {
         operation_id: operation_id.clone(),
         adapter,
-        provider: Some(request.target.provider.clone()),
-        model: request.target.model.clone(),
-        max_output_tokens: request.max_output_tokens,
+        provider: Some(target.provider.clone()),
+        model: target.model.clone(),
+        max_output_tokens,
         // The gateway always streams from the provider; `stream` only shapes the answer.
         stream: true,
         // Resumable by handle where the provider is configured for it (Responses only).
         background: shared
             .endpoints
-            .get(&request.target.provider)
+            .get(&target.provider)
             .is_some_and(|endpoint| endpoint.resume_by_handle),
     };
     let outcome = {
@@ -465,7 +525,7 @@ pub async fn dispatch(
         PrepareOutcome::Paused(pauses) => {
             let reason = json!({"code": "unrepresentable", "adapter": adapter.as_str(),
                                 "blocks": serde_json::to_value(&pauses).unwrap_or(Value::Null)});
-            return Ok(early_response(Early::Paused(reason), request.stream));
+            return Ok(Started::Early(Early::Paused(reason)));
         }
         PrepareOutcome::OverBudget(over) => {
             return Err(ApiError::new(
@@ -511,17 +571,15 @@ pub async fn dispatch(
             ));
         }
     };
-    attach(shared, caller, record, request.stream).await
+    Ok(Started::Record(record))
 }
 
-/// Attach to a dispatch: its live hub in this process, a new driver for a PREPARED one, the
-/// stored outcome of a finished one, or a watch of one driven by another replica.
-async fn attach(
-    shared: Arc<Shared>,
-    caller: Caller,
+/// The client-event hub of a dispatch: its live hub in this process, a new driver for a
+/// PREPARED one, or a watch of the ledger for one that is finished or driven elsewhere.
+pub(crate) async fn hub_for(
+    shared: &Arc<Shared>,
     record: turnstile_store::DispatchRecord,
-    stream: bool,
-) -> ApiResult {
+) -> Result<Arc<Hub>, ApiError> {
     let operation_id = record.operation_id.clone();
     let hub = {
         let mut hubs = shared.hubs.lock().await;
@@ -530,7 +588,7 @@ async fn attach(
             None if record.state == DispatchState::Prepared => {
                 let hub = Arc::new(Hub::new());
                 hubs.insert(operation_id.clone(), hub.clone());
-                let ctx = context_for(&shared, record.clone(), hub.clone()).await?;
+                let ctx = context_for(shared, record.clone(), hub.clone()).await?;
                 tokio::spawn(driver::drive_new(shared.clone(), ctx));
                 Some(hub)
             }
@@ -546,6 +604,19 @@ async fn attach(
             hub
         }
     };
+    Ok(hub)
+}
+
+/// Attach to a dispatch: its live hub in this process, a new driver for a PREPARED one, the
+/// stored outcome of a finished one, or a watch of one driven by another replica.
+async fn attach(
+    shared: Arc<Shared>,
+    caller: Caller,
+    record: turnstile_store::DispatchRecord,
+    stream: bool,
+) -> ApiResult {
+    let operation_id = record.operation_id.clone();
+    let hub = hub_for(&shared, record).await?;
     let _ = caller;
     if stream {
         let (backlog, finished, receiver) = hub.subscribe();

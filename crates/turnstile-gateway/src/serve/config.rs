@@ -55,6 +55,72 @@ pub struct Config {
     /// them.
     #[serde(default)]
     pub models: Option<toml::Value>,
+    /// Drop-in proxy routes, first match wins. None configured: every model on every proxy
+    /// endpoint goes to the simulator with the endpoint's own API (mode `on`).
+    #[serde(default)]
+    pub routes: Vec<Route>,
+    /// How many shadow diffs `GET /v1/shadow/diffs` keeps (oldest dropped first).
+    #[serde(default = "shadow_diffs_max_default")]
+    pub shadow_diffs_max: usize,
+}
+
+/// Rollout mode of a proxy route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Forward the client's original bytes; render ours beside them and record the diff.
+    Shadow,
+    /// Ours for requests without tools, the original (with a diff recorded) otherwise.
+    OnNoTools,
+    /// Ours: import, validate, render, dispatch through the ledger.
+    On,
+}
+
+/// One proxy route: which client requests it takes and where they go.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// The endpoint's API: `openai-chat`, `openai-responses`, `anthropic-messages`, `gemini`.
+    pub api: String,
+    /// Client model: exact name, a prefix ending in `*`, or `*` (default).
+    #[serde(default = "any_model")]
+    pub model: String,
+    /// Rollout mode (default `on`).
+    #[serde(default = "mode_default")]
+    pub mode: Mode,
+    /// Provider for our request (`sim` or a configured provider).
+    pub provider: String,
+    /// Adapter id for our request; its API may differ from `api` (an Anthropic client served by
+    /// an OpenAI model). Rolling back is naming an older version here.
+    pub adapter: String,
+    /// Model for our request (default: the client's).
+    #[serde(default)]
+    pub target_model: Option<String>,
+    /// Where the client's original bytes go in `shadow` and `on-no-tools` (default `provider`);
+    /// it must speak `api`.
+    #[serde(default)]
+    pub original_provider: Option<String>,
+}
+
+impl Route {
+    /// Whether this route takes a request for `model` on `api`.
+    pub fn matches(&self, api: &str, model: &str) -> bool {
+        self.api == api
+            && match self.model.strip_suffix('*') {
+                Some(prefix) => model.starts_with(prefix),
+                None => self.model == model,
+            }
+    }
+}
+
+fn any_model() -> String {
+    "*".into()
+}
+fn mode_default() -> Mode {
+    Mode::On
+}
+fn shadow_diffs_max_default() -> usize {
+    100
 }
 
 /// One tenant.
@@ -139,6 +205,26 @@ impl Config {
                     "tenant {:?} has neither token nor token_env",
                     tenant.name
                 ));
+            }
+        }
+        for (index, route) in self.routes.iter().enumerate() {
+            let known = |name: &str| name == "sim" || self.providers.contains_key(name);
+            if !matches!(
+                route.api.as_str(),
+                "openai-chat" | "openai-responses" | "anthropic-messages" | "gemini"
+            ) {
+                return Err(format!("routes[{index}]: unknown api {:?}", route.api));
+            }
+            if route.adapter.parse::<turnstile_adapters::AdapterId>().is_err() {
+                return Err(format!("routes[{index}]: unknown adapter {:?}", route.adapter));
+            }
+            if !known(&route.provider) {
+                return Err(format!("routes[{index}]: unknown provider {:?}", route.provider));
+            }
+            if let Some(original) = &route.original_provider {
+                if !known(original) {
+                    return Err(format!("routes[{index}]: unknown original_provider {original:?}"));
+                }
             }
         }
         if self.providers.contains_key("sim") {

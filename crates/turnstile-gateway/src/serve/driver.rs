@@ -92,6 +92,9 @@ struct Driver {
     stopped: bool,
     /// The turn of the winning commit, for the `committed` event.
     committed_turn: Option<Value>,
+    /// Stop reason and usage of each generation's commit offer, for the `committed` event
+    /// (the proxy answers clients with them).
+    offer_facts: HashMap<Generation, Value>,
 }
 
 fn prepared_of(record: &DispatchRecord) -> Prepared {
@@ -158,6 +161,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, machine: DispatchMachine, s
         state,
         stopped: false,
         committed_turn: None,
+        offer_facts: HashMap::new(),
         retracted: HashSet::new(),
         provider_ended: HashSet::new(),
         resume_refused: HashSet::new(),
@@ -299,7 +303,14 @@ impl Driver {
                     ClientEvent::Retract { generation, reason } => self.retract(generation, reason),
                     ClientEvent::Committed { revision } => {
                         let turn = self.committed_turn.take().unwrap_or(Value::Null);
-                        self.emit("committed", json!({"revision": revision.0, "turn": turn}));
+                        let mut data = json!({"revision": revision.0, "turn": turn});
+                        let facts = turn["generation"]
+                            .as_u64()
+                            .and_then(|generation| self.offer_facts.remove(&Generation(generation)));
+                        if let (Some(Value::Object(facts)), Some(object)) = (facts, data.as_object_mut()) {
+                            object.extend(facts);
+                        }
+                        self.emit("committed", data);
                     }
                     ClientEvent::Error {
                         code: code @ ("begin_refused" | "recovery_refused"),
@@ -880,6 +891,12 @@ impl Driver {
                         metrics::bump(metrics::PARTIAL_TOOL_DISPATCH);
                         continue;
                     }
+                    let (input_tokens, output_tokens) = offer.usage.unwrap_or((None, None));
+                    self.offer_facts.insert(
+                        offer.generation,
+                        json!({"stop_reason": offer.stop_reason,
+                               "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}),
+                    );
                     let _ = self.machine.handle_provider(
                         now(),
                         generation,

@@ -33,6 +33,18 @@ pub const ILLEGAL_SENDS: &str = "turnstile_illegal_sends_total";
 pub const DISPATCH_TRANSITIONS: &str = "turnstile_dispatch_transitions_total";
 /// Provider handles refused because they are bound to another manifest.
 pub const FOREIGN_HANDLES: &str = "turnstile_foreign_handle_refusals_total";
+/// Proxy requests by endpoint API, mode and outcome (`ours`, `original`, `refused`).
+pub const PROXY_REQUESTS: &str = "turnstile_proxy_requests_total";
+/// Shadow comparisons by endpoint API.
+pub const SHADOW_COMPARISONS: &str = "turnstile_shadow_comparisons_total";
+/// Shadow differences by endpoint API and kind (`bytes`, `semantic`, `would_reject`,
+/// `not_importable`).
+pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
+
+/// Proxy endpoint APIs used as the `api` label.
+pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
+/// Kinds of shadow difference used as the `kind` label.
+pub const SHADOW_DIFF_KINDS: [&str; 4] = ["bytes", "semantic", "would_reject", "not_importable"];
 
 /// Recovery outcomes used as the `outcome` label.
 pub const RECOVERY_OUTCOMES: [&str; 4] = ["resumed", "replayed", "new_generation", "waiting"];
@@ -78,6 +90,12 @@ pub fn install() -> Result<PrometheusHandle, String> {
             }
         }
     }
+    for api in PROXY_APIS {
+        counter!(SHADOW_COMPARISONS, "api" => api).absolute(0);
+        for kind in SHADOW_DIFF_KINDS {
+            counter!(SHADOW_DIFFS, "api" => api, "kind" => kind).absolute(0);
+        }
+    }
     gauge!(DISPATCH_UNKNOWN_AGE).set(0.0);
     Ok(handle)
 }
@@ -112,4 +130,17 @@ pub fn recovery(outcome: &'static str) {
 /// Set the age of the oldest UNKNOWN attempt.
 pub fn unknown_age(seconds: f64) {
     gauge!(DISPATCH_UNKNOWN_AGE).set(seconds);
+}
+
+/// Count a proxy request.
+pub fn proxy_request(api: &'static str, mode: &'static str, outcome: &'static str) {
+    counter!(PROXY_REQUESTS, "api" => api, "mode" => mode, "outcome" => outcome).increment(1);
+}
+
+/// Count a shadow comparison and each kind of difference it found.
+pub fn shadow(api: &'static str, kinds: &[&'static str]) {
+    counter!(SHADOW_COMPARISONS, "api" => api).increment(1);
+    for kind in kinds {
+        counter!(SHADOW_DIFFS, "api" => api, "kind" => *kind).increment(1);
+    }
 }

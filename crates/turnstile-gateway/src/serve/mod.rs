@@ -8,6 +8,7 @@ pub mod config;
 pub mod driver;
 pub mod hub;
 pub mod metrics;
+pub mod proxy;
 pub mod transport;
 
 use axum::Router;
@@ -55,6 +56,10 @@ pub struct Shared {
     pub catalog: Catalog,
     /// Prometheus exposition.
     pub prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    /// Drop-in proxy routes (empty: everything to the simulator).
+    pub routes: Vec<config::Route>,
+    /// The newest shadow comparisons.
+    pub shadow: proxy::shadow::Diffs,
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -94,6 +99,11 @@ pub fn router(shared: Arc<Shared>) -> Router {
             post(api::submit_tool_result),
         )
         .route("/v1/quarantine", get(api::quarantine))
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/v1/responses", post(proxy::responses))
+        .route("/v1/messages", post(proxy::messages))
+        .route("/v1beta/models/{target}", post(proxy::gemini))
+        .route("/v1/shadow/diffs", get(proxy::shadow_diffs))
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))
         .route("/", get(crate::console::index))
@@ -221,6 +231,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         render_cache: Mutex::new(RenderCache::new()),
         catalog,
         prometheus,
+        routes: config.routes.clone(),
+        shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max),
     });
 
     recover(&shared, &shared.holder.clone()).await?;

@@ -53,10 +53,15 @@ fn wire_api(api: StreamApi) -> Api {
 }
 
 fn auth_header(api: StreamApi, key: &str) -> (&'static str, String) {
+    auth_header_for(wire_api(api), key)
+}
+
+/// The auth header of a provider speaking `api` (the proxy's pass-through uses it).
+pub fn auth_header_for(api: Api, key: &str) -> (&'static str, String) {
     match api {
-        StreamApi::AnthropicMessages => ("x-api-key", key.to_owned()),
-        StreamApi::Gemini => ("x-goog-api-key", key.to_owned()),
-        _ => ("authorization", format!("Bearer {key}")),
+        Api::AnthropicMessages => ("x-api-key", key.to_owned()),
+        Api::Gemini => ("x-goog-api-key", key.to_owned()),
+        Api::OpenaiChat | Api::OpenaiResponses => ("authorization", format!("Bearer {key}")),
     }
 }
 

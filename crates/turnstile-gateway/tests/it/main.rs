@@ -2,6 +2,8 @@
 
 mod assemble;
 mod console;
+mod proxy;
+mod proxy_sdk;
 mod render;
 mod serve;
 mod sim;

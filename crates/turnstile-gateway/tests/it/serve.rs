@@ -18,7 +18,7 @@ pub struct Gateway {
     log: PathBuf,
 }
 
-fn client() -> reqwest::blocking::Client {
+pub fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
@@ -30,7 +30,7 @@ impl Gateway {
         Gateway::start_with(dir, store, Some(&sim.base), extra_config).unwrap()
     }
 
-    fn start_with(
+    pub fn start_with(
         dir: &tempfile::TempDir,
         store: &str,
         sim_url: Option<&str>,
@@ -82,7 +82,7 @@ impl Gateway {
         let _ = self.child.wait();
     }
 
-    fn post(&self, path: &str, body: Value) -> (u16, Value) {
+    pub fn post(&self, path: &str, body: Value) -> (u16, Value) {
         let response = client()
             .post(format!("{}{path}", self.base))
             .json(&body)
@@ -92,7 +92,7 @@ impl Gateway {
         (status, response.json().unwrap_or(Value::Null))
     }
 
-    fn get(&self, path: &str) -> Value {
+    pub fn get(&self, path: &str) -> Value {
         client()
             .get(format!("{}{path}", self.base))
             .send()
@@ -101,7 +101,7 @@ impl Gateway {
             .unwrap()
     }
 
-    fn metric(&self, name_and_labels: &str) -> f64 {
+    pub fn metric(&self, name_and_labels: &str) -> f64 {
         let text = client()
             .get(format!("{}/metrics", self.base))
             .send()
@@ -167,7 +167,7 @@ impl Drop for Gateway {
     }
 }
 
-fn client_events(text: &str) -> Vec<(String, Value)> {
+pub fn client_events(text: &str) -> Vec<(String, Value)> {
     text.split("\n\n")
         .filter(|chunk| !chunk.trim().is_empty())
         .map(|chunk| {
@@ -240,7 +240,7 @@ fn assert_sent_bodies_match_manifest(gateway: &Gateway, sim: &SimProcess, operat
     sent
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

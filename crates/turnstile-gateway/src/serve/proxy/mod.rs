@@ -1,0 +1,761 @@
+//! Drop-in proxy mode: provider-compatible endpoints, so an application adopts Turnstile by
+//! pointing its SDK's base URL at the gateway.
+//!
+//! `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages` and
+//! `POST /v1beta/models/{model}:generateContent|streamGenerateContent`. Each request is:
+//!
+//! 1. authenticated with the SDK's own header (`Authorization: Bearer`, `x-api-key`,
+//!    `x-goog-api-key` or `?key=`; with tenants configured it must be a tenant token);
+//! 2. routed by (endpoint API, model) to a [`RouteSpec`] from the config's `[[routes]]`, or
+//!    with none configured to the simulator with the endpoint's own API (mode `on`);
+//! 3. in mode `on` (and `on-no-tools` for a request without tools): imported into a v1 graph
+//!    (`turnstile_adapters::import`), validated (an illegal sequence gets the provider-style 400
+//!    with our violation codes and is never sent), stored as a new conversation in one
+//!    transaction, rendered with the route's adapter — which may speak another API than the
+//!    client — dispatched through the same ledger and driver as `/v1/conversations/{id}/dispatch`,
+//!    and answered in the client's wire format (`respond`): text streams as it arrives, tool
+//!    calls only from the committed turn;
+//! 4. in mode `shadow` (and `on-no-tools` for a request with tools): forwarded untouched
+//!    (`shadow`), with our rendering compared beside it.
+//!
+//! Stateless clients resend the whole history every time, so every request is its own
+//! conversation (`proxy-<id>`). An `Idempotency-Key` header names it instead: a retry with the
+//! same key and the same history attaches to the first dispatch and never sends twice; the
+//! same key with another history is 409. Committed tool calls are claimed for the client
+//! (holder `proxy-client`) at once: the client runs them and sends the results in its next
+//! request, which is a new conversation.
+
+pub mod respond;
+pub mod shadow;
+
+use super::api::{self, ApiError, Early, Started, Target, caller_with_token, hub_for};
+use super::config::{Mode, Route};
+use super::hub::Hub;
+use super::{Shared, metrics, now};
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use respond::{Addressee, Facts, Part, StreamEncoder, parts_of};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::{Digest as _, Sha256};
+use std::convert::Infallible;
+use std::sync::Arc;
+use turnstile_adapters::AdapterId;
+use turnstile_adapters::Api;
+use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import};
+use turnstile_core::dispatch::Timestamp;
+use turnstile_core::{Conversation, Verdict, validate};
+use turnstile_store::{ImportOutcome, Lease};
+
+/// Holder of the claims on tool calls committed for a proxy client.
+pub const PROXY_CLIENT_HOLDER: &str = "proxy-client";
+/// How long that claim lasts (the client runs the call; nobody else should).
+const PROXY_CLAIM_MS: u64 = 365 * 24 * 3600 * 1000;
+/// Most records `GET /v1/shadow/diffs` answers.
+const SHADOW_DIFFS_LIMIT_MAX: usize = 1000;
+
+/// A resolved route.
+#[derive(Clone, Debug)]
+pub struct RouteSpec {
+    /// Rollout mode.
+    pub mode: Mode,
+    /// `on`, `on-no-tools` or `shadow`, for labels.
+    pub mode_label: &'static str,
+    /// Provider of our request.
+    pub provider: String,
+    /// Our adapter.
+    pub adapter: AdapterId,
+    /// Our model (None: the client's).
+    pub target_model: Option<String>,
+    /// Where the original bytes go.
+    pub original_provider: String,
+}
+
+fn mode_label(mode: Mode) -> &'static str {
+    match mode {
+        Mode::On => "on",
+        Mode::OnNoTools => "on-no-tools",
+        Mode::Shadow => "shadow",
+    }
+}
+
+/// The `api` metric label.
+pub fn api_label(api: Api) -> &'static str {
+    api.as_str()
+}
+
+/// The newest adapter version of an API: the embedded default's choice.
+fn newest_adapter(api: Api) -> AdapterId {
+    AdapterId::ALL
+        .into_iter()
+        .filter(|adapter| adapter.api() == api)
+        .max_by_key(|adapter| adapter.version())
+        .unwrap_or(AdapterId::OpenaiChatV1)
+}
+
+/// First matching route; with no routes configured, the simulator with the endpoint's API.
+fn route_for(routes: &[Route], api: Api, model: &str) -> Option<RouteSpec> {
+    if routes.is_empty() {
+        return Some(RouteSpec {
+            mode: Mode::On,
+            mode_label: "on",
+            provider: "sim".into(),
+            adapter: newest_adapter(api),
+            target_model: None,
+            original_provider: "sim".into(),
+        });
+    }
+    let route = routes.iter().find(|route| route.matches(api.as_str(), model))?;
+    Some(RouteSpec {
+        mode: route.mode,
+        mode_label: mode_label(route.mode),
+        provider: route.provider.clone(),
+        // Invariant: `Config::check` parsed every route's adapter at start-up.
+        adapter: route.adapter.parse().ok()?,
+        target_model: route.target_model.clone(),
+        original_provider: route
+            .original_provider
+            .clone()
+            .unwrap_or_else(|| route.provider.clone()),
+    })
+}
+
+/// A provider-style error response.
+pub fn provider_error(api: Api, status: StatusCode, code: &str, message: &str, extra: &Value) -> Response {
+    (
+        status,
+        Json(respond::error_body(api, status.as_u16(), code, message, extra)),
+    )
+        .into_response()
+}
+
+fn from_api_error(api: Api, error: ApiError) -> Response {
+    provider_error(api, error.status(), error.code(), error.message(), error.extra())
+}
+
+/// The key the client's SDK authenticates with, wherever its API puts it.
+fn client_token<'a>(headers: &'a HeaderMap, query: &'a str) -> Option<&'a str> {
+    let header_value = |name: &str| headers.get(name).and_then(|value| value.to_str().ok());
+    header_value(header::AUTHORIZATION.as_str())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .or_else(|| header_value("x-api-key"))
+        .or_else(|| header_value("x-goog-api-key"))
+        .or_else(|| query.split('&').find_map(|pair| pair.strip_prefix("key=")))
+}
+
+#[derive(Deserialize)]
+struct ModelOnly {
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    handle(shared, Api::OpenaiChat, None, request).await
+}
+
+/// `POST /v1/responses`.
+pub async fn responses(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    handle(shared, Api::OpenaiResponses, None, request).await
+}
+
+/// `POST /v1/messages`.
+pub async fn messages(State(shared): State<Arc<Shared>>, request: Request) -> Response {
+    handle(shared, Api::AnthropicMessages, None, request).await
+}
+
+/// `POST /v1beta/models/{model}:generateContent` and `…:streamGenerateContent`.
+pub async fn gemini(
+    State(shared): State<Arc<Shared>>,
+    Path(target): Path<String>,
+    request: Request,
+) -> Response {
+    let Some((model, method)) = target.rsplit_once(':') else {
+        return provider_error(
+            Api::Gemini,
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "expected {model}:generateContent",
+            &Value::Null,
+        );
+    };
+    let stream = match method {
+        "streamGenerateContent" => true,
+        "generateContent" => false,
+        _ => {
+            return provider_error(
+                Api::Gemini,
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "unknown method",
+                &Value::Null,
+            );
+        }
+    };
+    let call = GeminiCall {
+        model: model.to_owned(),
+        stream,
+    };
+    handle(shared, Api::Gemini, Some(call), request).await
+}
+
+#[derive(Deserialize)]
+pub struct DiffsQuery {
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// `GET /v1/shadow/diffs?limit=N`: the caller's newest shadow records, newest first.
+pub async fn shadow_diffs(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(query): Query<DiffsQuery>,
+) -> Response {
+    let caller = match api::caller(&shared, &headers) {
+        Ok(caller) => caller,
+        Err(error) => return error.into_response(),
+    };
+    let limit = query.limit.unwrap_or(100).min(SHADOW_DIFFS_LIMIT_MAX);
+    let diffs = shared.shadow.newest(&caller.store_id(""), limit);
+    Json(json!({"diffs": diffs})).into_response()
+}
+
+async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let query = parts.uri.query().unwrap_or("").to_owned();
+    let caller = match caller_with_token(&shared, client_token(&parts.headers, &query)) {
+        Ok(caller) => caller,
+        Err(error) => return from_api_error(api, error),
+    };
+    let bytes = match axum::body::to_bytes(body, shared.body_bytes_max).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return provider_error(
+                api,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                &format!("the body exceeds {} bytes", shared.body_bytes_max),
+                &Value::Null,
+            );
+        }
+    };
+    let model = match &gemini {
+        Some(call) => call.model.clone(),
+        None => serde_json::from_slice::<ModelOnly>(&bytes)
+            .ok()
+            .and_then(|body| body.model)
+            .unwrap_or_default(),
+    };
+    let Some(route) = route_for(&shared.routes, api, &model) else {
+        return provider_error(
+            api,
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            &format!("no route for model {model:?} on {}", api.as_str()),
+            &Value::Null,
+        );
+    };
+    let idempotency_key = parts
+        .headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let local_id = match &idempotency_key {
+        Some(key) => {
+            let digest = Sha256::digest(format!("{}\n{key}", api.as_str()).as_bytes());
+            format!("proxy-k-{}", &hex::encode(digest)[..40])
+        }
+        None => format!("proxy-{}", super::fresh_id()),
+    };
+    let conversation_id = caller.store_id(&local_id);
+    let imported = import(api, &bytes, &conversation_id, gemini.clone());
+    let ours = match route.mode {
+        Mode::On => true,
+        Mode::Shadow => false,
+        Mode::OnNoTools => matches!(&imported, Ok(imported) if !imported.has_tools),
+    };
+    if !ours {
+        let path_and_query = original_path(api, gemini.as_ref(), &query);
+        return shadow::forward(
+            shared.clone(),
+            caller.store_id(""),
+            api,
+            route.clone(),
+            path_and_query,
+            parts.headers,
+            bytes,
+            imported,
+            route.mode_label,
+        )
+        .await;
+    }
+    let include_usage = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|body| body["stream_options"]["include_usage"].as_bool())
+        .unwrap_or(false);
+    match serve_ours(
+        &shared,
+        api,
+        &route,
+        imported,
+        conversation_id,
+        idempotency_key.is_some(),
+        include_usage,
+    )
+    .await
+    {
+        Ok(response) => {
+            metrics::proxy_request(api_label(api), route.mode_label, "ours");
+            response
+        }
+        Err(response) => {
+            metrics::proxy_request(api_label(api), route.mode_label, "refused");
+            response
+        }
+    }
+}
+
+/// The original request's path for the provider (Gemini's `key` query parameter dropped: the
+/// provider's key is the gateway's own).
+fn original_path(api: Api, gemini: Option<&GeminiCall>, query: &str) -> String {
+    let query: Vec<&str> = query
+        .split('&')
+        .filter(|pair| !pair.is_empty() && !pair.starts_with("key="))
+        .collect();
+    let path = match (api, gemini) {
+        (Api::Gemini, Some(call)) => {
+            let method = if call.stream {
+                "streamGenerateContent"
+            } else {
+                "generateContent"
+            };
+            let model_path = Api::Gemini.request_path(&call.model, false);
+            // `request_path` encodes the model; swap the method it chose.
+            model_path.replace(":generateContent", &format!(":{method}"))
+        }
+        _ => api.request_path("", false),
+    };
+    if query.is_empty() {
+        path
+    } else {
+        format!("{path}?{}", query.join("&"))
+    }
+}
+
+/// Mode `on`: import → validate → store → prepare → dispatch → answer.
+async fn serve_ours(
+    shared: &Arc<Shared>,
+    api: Api,
+    route: &RouteSpec,
+    imported: Result<Imported, ImportError>,
+    conversation_id: String,
+    keyed: bool,
+    include_usage: bool,
+) -> Result<Response, Response> {
+    let imported = imported.map_err(|error| {
+        provider_error(
+            api,
+            StatusCode::BAD_REQUEST,
+            error.code(),
+            &error.to_string(),
+            &json!({"path": error.path()}),
+        )
+    })?;
+    let conversation = Conversation::from_value(imported.document.clone()).map_err(|error| {
+        provider_error(
+            api,
+            StatusCode::BAD_REQUEST,
+            "invalid_structure",
+            &error.to_string(),
+            &Value::Null,
+        )
+    })?;
+    match validate(&conversation) {
+        Verdict::Ready => {}
+        Verdict::Waiting { pending } => {
+            let pending: Vec<String> = pending.into_iter().map(|call| call.0).collect();
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "tool_results_pending",
+                "the last assistant turn has tool calls without results; nothing was sent",
+                &json!({"pending": pending}),
+            ));
+        }
+        Verdict::Rejected(violations) => {
+            metrics::rejected(&violations);
+            let codes: Vec<&str> = violations
+                .iter()
+                .map(|violation| violation.code.as_str())
+                .collect();
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "illegal_sequence",
+                &format!(
+                    "the conversation is not a legal request ({}); nothing was sent",
+                    codes.join(", ")
+                ),
+                &json!({"violations": api::violations_json(&violations)}),
+            ));
+        }
+    }
+    let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
+    let tools = imported.document["tools"].clone();
+    let stored = shared
+        .ledger
+        .import_conversation(&conversation_id, &tools, &turns, now())
+        .await
+        .map_err(|error| from_api_error(api, ApiError::store(error)))?;
+    match stored {
+        ImportOutcome::Created { .. } => {}
+        ImportOutcome::AlreadyExists { .. } if keyed => {
+            // A retry under the same key: the same history attaches, another one conflicts.
+            let document = shared
+                .ledger
+                .conversation(&conversation_id)
+                .await
+                .map_err(|error| from_api_error(api, ApiError::store(error)))?
+                .unwrap_or(Value::Null);
+            if !same_prefix(&document["turns"], &turns) {
+                return Err(provider_error(
+                    api,
+                    StatusCode::CONFLICT,
+                    "idempotency_conflict",
+                    "this Idempotency-Key was used for another request",
+                    &Value::Null,
+                ));
+            }
+        }
+        ImportOutcome::AlreadyExists { .. } => {
+            return Err(provider_error(
+                api,
+                StatusCode::CONFLICT,
+                "conversation_exists",
+                "a fresh proxy conversation id was taken",
+                &Value::Null,
+            ));
+        }
+        ImportOutcome::Rejected(violations) => {
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "illegal_sequence",
+                "the conversation is not a legal request; nothing was sent",
+                &json!({"violations": api::violations_json(&violations)}),
+            ));
+        }
+    }
+    let client_model = imported.model.clone();
+    let target = Target {
+        provider: route.provider.clone(),
+        model: route
+            .target_model
+            .clone()
+            .unwrap_or_else(|| imported.model.clone()),
+        adapter: route.adapter.as_str().to_owned(),
+    };
+    let operation_id = conversation_id.clone();
+    let started = api::prepare_dispatch(
+        shared,
+        &conversation,
+        operation_id.clone(),
+        &target,
+        imported.max_output_tokens,
+    )
+    .await
+    .map_err(|error| from_api_error(api, error))?;
+    let record = match started {
+        Started::Record(record) => record,
+        Started::Early(Early::Paused(reason)) => {
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "paused",
+                &format!(
+                    "{} cannot represent this conversation; it is paused, never degraded",
+                    route.adapter.as_str()
+                ),
+                &json!({"reason": reason}),
+            ));
+        }
+        Started::Early(_) => {
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "not_ready",
+                "the conversation is not ready",
+                &Value::Null,
+            ));
+        }
+    };
+    let prompt_tokens = record.manifest["prompt_tokens"].as_u64().unwrap_or(0);
+    let hub = hub_for(shared, record)
+        .await
+        .map_err(|error| from_api_error(api, error))?;
+    tokio::spawn(claim_for_client(
+        shared.clone(),
+        conversation_id.clone(),
+        hub.clone(),
+    ));
+    let to = Addressee {
+        api,
+        id: client_response_id(api, &operation_id),
+        model: client_model,
+        created: now().0 / 1000,
+        include_usage,
+    };
+    let mut headers = vec![("x-turnstile-operation-id", local_part(&operation_id).to_owned())];
+    if !imported.dropped.is_empty() {
+        headers.push(("x-turnstile-dropped", imported.dropped.join(",")));
+    }
+    let response = if imported.stream {
+        stream_answer(hub, to, prompt_tokens)
+    } else {
+        whole_answer(hub, to, prompt_tokens).await
+    };
+    let mut response = response;
+    for (name, value) in headers {
+        if let Ok(value) = header::HeaderValue::from_str(&value) {
+            response.headers_mut().insert(name, value);
+        }
+    }
+    Ok(response)
+}
+
+/// The id without the tenant prefix.
+fn local_part(store_id: &str) -> &str {
+    store_id.rsplit_once('~').map_or(store_id, |(_, local)| local)
+}
+
+fn client_response_id(api: Api, operation_id: &str) -> String {
+    let local = local_part(operation_id);
+    match api {
+        Api::OpenaiChat => format!("chatcmpl-{local}"),
+        Api::OpenaiResponses => format!("resp_{local}"),
+        Api::AnthropicMessages => format!("msg_{local}"),
+        Api::Gemini => local.to_owned(),
+    }
+}
+
+/// Stored turns equal the request's (ignoring the stamped revisions).
+fn same_prefix(stored: &Value, turns: &[Value]) -> bool {
+    let strip = |turn: &Value| {
+        let mut turn = turn.clone();
+        if let Some(object) = turn.as_object_mut() {
+            object.remove("revision");
+        }
+        turn
+    };
+    match stored.as_array() {
+        Some(stored) => {
+            stored.len() >= turns.len() && stored.iter().zip(turns).all(|(a, b)| strip(a) == strip(b))
+        }
+        None => false,
+    }
+}
+
+/// Claim the committed tool calls for the proxy client, whether or not it is still connected.
+async fn claim_for_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<Hub>) {
+    let (backlog, finished, mut receiver) = hub.subscribe();
+    let mut events = backlog;
+    let committed = loop {
+        if let Some((_, data)) = events.iter().find(|(event, _)| *event == "committed") {
+            break Some(data.clone());
+        }
+        if finished {
+            break None;
+        }
+        match receiver.recv().await {
+            Ok(Some(message)) => events = vec![message],
+            _ => break None,
+        }
+    };
+    let Some(committed) = committed else { return };
+    let lease = Lease {
+        holder: PROXY_CLIENT_HOLDER.into(),
+        expires_at: Timestamp(now().0.saturating_add(PROXY_CLAIM_MS)),
+    };
+    for part in parts_of(&committed["turn"]) {
+        if let Part::Call { id, .. } = part {
+            if let Err(error) = shared
+                .ledger
+                .claim_tool_call(&conversation_id, &id, &lease, now())
+                .await
+            {
+                tracing::warn!(%error, "claiming a proxy tool call failed");
+            }
+        }
+    }
+}
+
+/// How a dispatch ended, from its events.
+enum Outcome {
+    Committed(Value),
+    Failed { code: String, message: String },
+}
+
+fn outcome_of(event: &str, data: &Value) -> Option<Outcome> {
+    match event {
+        "committed" => Some(Outcome::Committed(data.clone())),
+        "error" => Some(Outcome::Failed {
+            code: data["code"].as_str().unwrap_or("dispatch_error").to_owned(),
+            message: data["message"].as_str().unwrap_or("dispatch error").to_owned(),
+        }),
+        "state" if matches!(data["state"].as_str(), Some("FAILED" | "ABANDONED")) => Some(Outcome::Failed {
+            code: "dispatch_failed".into(),
+            message: format!("the dispatch ended {}", data["state"].as_str().unwrap_or("")),
+        }),
+        _ => None,
+    }
+}
+
+async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
+    let (backlog, finished, mut receiver) = hub.subscribe();
+    let mut outcome = backlog.iter().find_map(|(event, data)| outcome_of(event, data));
+    if outcome.is_none() && !finished {
+        while let Ok(Some((event, data))) = receiver.recv().await {
+            if let Some(found) = outcome_of(event, &data) {
+                outcome = Some(found);
+                if matches!(outcome, Some(Outcome::Committed(_))) {
+                    break;
+                }
+            }
+        }
+    }
+    match outcome {
+        Some(Outcome::Committed(event)) => {
+            let parts = parts_of(&event["turn"]);
+            let facts = Facts::from_event(&event, prompt_tokens, &parts);
+            Json(respond::whole(&to, &parts, &facts)).into_response()
+        }
+        Some(Outcome::Failed { code, message }) => {
+            provider_error(to.api, StatusCode::BAD_GATEWAY, &code, &message, &Value::Null)
+        }
+        None => provider_error(
+            to.api,
+            StatusCode::BAD_GATEWAY,
+            "no_commit",
+            "the dispatch ended without a committed turn",
+            &Value::Null,
+        ),
+    }
+}
+
+/// Stream the answer: forward preview text of the first block while it is the followed
+/// generation's, then everything else from the committed turn. Provider wire formats cannot
+/// take text back, so after a retract the next generation's text is forwarded only past what
+/// was already sent and only while it agrees with it; if it diverges (or the committed turn
+/// does), the stream ends with the provider's error event. The dispatch itself goes on and
+/// commits at most once; a client retrying with the same `Idempotency-Key` gets that commit.
+fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
+    let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    tokio::spawn(async move {
+        let (backlog, finished, mut receiver) = hub.subscribe();
+        let mut encoder = StreamEncoder::new(to, prompt_tokens);
+        let send = |bytes: Vec<u8>| {
+            let sender = sender.clone();
+            async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
+        };
+        if !send(encoder.start()).await {
+            return;
+        }
+        let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
+        let mut live = !finished;
+        // The generation whose preview is followed, the text of its first block so far, and
+        // whether a later block has started (then all further text waits for the commit).
+        let mut generation: Option<u64> = None;
+        let mut first_block = String::new();
+        let mut frozen = false;
+        loop {
+            let (event, data) = match pending.pop_front() {
+                Some(message) => message,
+                None if live => match receiver.recv().await {
+                    Ok(Some(message)) => message,
+                    Ok(None) | Err(_) => {
+                        live = false;
+                        continue;
+                    }
+                },
+                None => {
+                    let _ =
+                        send(encoder.error("no_commit", "the dispatch ended without a committed turn")).await;
+                    return;
+                }
+            };
+            match event {
+                "preview" => {
+                    let this = data["generation"].as_u64();
+                    if generation.is_none() {
+                        generation = this;
+                        first_block.clear();
+                        frozen = false;
+                    }
+                    if frozen || this != generation {
+                        continue;
+                    }
+                    if data["block_index"].as_u64() != Some(0) {
+                        frozen = true;
+                        continue;
+                    }
+                    first_block.push_str(data["delta"].as_str().unwrap_or(""));
+                    // Text already forwarded (by an earlier, retracted generation) is sent
+                    // once: a new generation continues the stream only while it agrees with it.
+                    let forwarded = encoder.forwarded();
+                    let agrees = if first_block.len() <= forwarded.len() {
+                        forwarded.starts_with(first_block.as_str())
+                    } else {
+                        first_block.starts_with(forwarded)
+                    };
+                    if !agrees {
+                        let _ = send(encoder.error("preview_diverged",
+                            "a new attempt produced different text than was already sent; the dispatch continues")).await;
+                        return;
+                    }
+                    if first_block.len() > forwarded.len() {
+                        let rest = first_block[forwarded.len()..].to_owned();
+                        if !send(encoder.text(&rest)).await {
+                            return;
+                        }
+                    }
+                }
+                "retract" => {
+                    if data["generation"].as_u64() == generation {
+                        generation = None;
+                    }
+                }
+                _ => match outcome_of(event, &data) {
+                    Some(Outcome::Committed(event)) => {
+                        let parts = parts_of(&event["turn"]);
+                        let facts = Facts::from_event(&event, prompt_tokens, &parts);
+                        let frames = match encoder.finish(&parts, &facts) {
+                            Ok(frames) => frames,
+                            Err(_) => encoder.error(
+                                "preview_mismatch",
+                                "the committed turn differs from the text already sent",
+                            ),
+                        };
+                        let _ = send(frames).await;
+                        return;
+                    }
+                    Some(Outcome::Failed { code, message }) => {
+                        let _ = send(encoder.error(&code, &message)).await;
+                        return;
+                    }
+                    None => {}
+                },
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
+            out,
+        )))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}

@@ -1,0 +1,726 @@
+//! Answers a proxy client in its own wire format, from what the ledger committed.
+//!
+//! The only content a client ever receives as final is the committed assistant turn. While a
+//! generation streams, its text may be forwarded as it arrives (revocable preview, see
+//! `proxy::mod`); tool calls, reasoning and every later block are emitted only from the
+//! committed turn, whole, so a client never sees half a tool call. Shapes follow the
+//! providers' documented responses (sources in `shared/reference/provider-rules.md`; the
+//! official Python SDKs parse them in `tests/it/proxy_sdk.rs`):
+//!
+//! - OpenAI Chat: `chat.completion` / `chat.completion.chunk` + `data: [DONE]`; several text
+//!   blocks of one turn become one `content` string joined by a blank line (the API has one
+//!   string per message).
+//! - OpenAI Responses: a `response` object / named events with `sequence_number`.
+//! - Anthropic Messages: a `message` / `message_start` … `message_stop`.
+//! - Gemini: `GenerateContentResponse` / `data:` chunks.
+//!
+//! Errors after the stream started are the provider's own mid-stream error event, which the
+//! SDKs raise as an exception.
+
+use serde_json::{Value, json};
+use turnstile_adapters::Api;
+
+/// One piece of a committed turn, in the client's terms.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Part {
+    /// Assistant text.
+    Text(String),
+    /// A complete tool call.
+    Call {
+        /// Call id as committed.
+        id: String,
+        /// Tool name.
+        name: String,
+        /// Arguments as JSON text.
+        arguments: String,
+    },
+    /// Provider reasoning, passed back only to a client of the same provider.
+    Reasoning {
+        /// Which provider produced it.
+        provider: String,
+        /// Readable text, if any.
+        text: Option<String>,
+        /// Signature (Anthropic thinking).
+        signature: Option<String>,
+        /// Opaque data (redacted thinking / encrypted content).
+        encrypted: Option<String>,
+    },
+}
+
+/// The parts of a committed v1 assistant turn, in block order.
+pub fn parts_of(turn: &Value) -> Vec<Part> {
+    let mut parts = Vec::new();
+    for block in turn["blocks"].as_array().into_iter().flatten() {
+        match block["kind"].as_str() {
+            Some("text") => parts.push(Part::Text(block["text"].as_str().unwrap_or("").to_owned())),
+            Some("tool_call") => parts.push(Part::Call {
+                id: block["call_id"].as_str().unwrap_or("").to_owned(),
+                name: block["tool"].as_str().unwrap_or("").to_owned(),
+                arguments: match &block["arguments"] {
+                    Value::String(text) => text.clone(),
+                    other => other.to_string(),
+                },
+            }),
+            Some("reasoning") => parts.push(Part::Reasoning {
+                provider: block["provider"].as_str().unwrap_or("").to_owned(),
+                text: block["text"].as_str().map(str::to_owned),
+                signature: block["signature"].as_str().map(str::to_owned),
+                encrypted: block["encrypted"].as_str().map(str::to_owned),
+            }),
+            _ => {}
+        }
+    }
+    parts
+}
+
+/// Token counts and stop reason for the answer.
+#[derive(Clone, Debug)]
+pub struct Facts {
+    /// Prompt tokens (the provider's report, else our admission count).
+    pub input_tokens: u64,
+    /// Output tokens (the provider's report, else an estimate).
+    pub output_tokens: u64,
+    /// Normalized stop reason (`end_turn`, `tool_use`, `max_tokens`, …).
+    pub stop_reason: String,
+}
+
+impl Facts {
+    /// From the `committed` event's `usage`/`stop_reason`, falling back to the manifest's
+    /// prompt count and a 4-bytes-per-token estimate of the output.
+    pub fn from_event(event: &Value, prompt_tokens: u64, parts: &[Part]) -> Facts {
+        let output_bytes: usize = parts
+            .iter()
+            .map(|part| match part {
+                Part::Text(text) => text.len(),
+                Part::Call { arguments, name, .. } => arguments.len() + name.len(),
+                Part::Reasoning { text, .. } => text.as_ref().map_or(0, String::len),
+            })
+            .sum();
+        Facts {
+            input_tokens: event["usage"]["input_tokens"].as_u64().unwrap_or(prompt_tokens),
+            output_tokens: event["usage"]["output_tokens"]
+                .as_u64()
+                .unwrap_or(output_bytes.div_ceil(4) as u64),
+            stop_reason: match &event["stop_reason"] {
+                Value::String(reason) => reason.clone(),
+                _ => "end_turn".into(),
+            },
+        }
+    }
+}
+
+fn has_calls(parts: &[Part]) -> bool {
+    parts.iter().any(|part| matches!(part, Part::Call { .. }))
+}
+
+fn chat_finish(parts: &[Part], facts: &Facts) -> &'static str {
+    match facts.stop_reason.as_str() {
+        _ if has_calls(parts) => "tool_calls",
+        "max_tokens" => "length",
+        "content_filter" => "content_filter",
+        _ => "stop",
+    }
+}
+
+fn anthropic_stop(parts: &[Part], facts: &Facts) -> &'static str {
+    match facts.stop_reason.as_str() {
+        _ if has_calls(parts) => "tool_use",
+        "max_tokens" => "max_tokens",
+        "stop_sequence" => "stop_sequence",
+        "refusal" => "refusal",
+        _ => "end_turn",
+    }
+}
+
+fn gemini_finish(facts: &Facts) -> &'static str {
+    match facts.stop_reason.as_str() {
+        "max_tokens" => "MAX_TOKENS",
+        "content_filter" => "SAFETY",
+        _ => "STOP",
+    }
+}
+
+fn texts(parts: &[Part]) -> Vec<&str> {
+    parts
+        .iter()
+        .filter_map(|part| match part {
+            Part::Text(text) => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn arguments_value(arguments: &str) -> Value {
+    serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
+}
+
+fn anthropic_content(parts: &[Part]) -> Vec<Value> {
+    parts
+        .iter()
+        .filter_map(|part| match part {
+            Part::Text(text) => Some(json!({"type": "text", "text": text})),
+            Part::Call { id, name, arguments } => {
+                Some(json!({"type": "tool_use", "id": id, "name": name, "input": arguments_value(arguments)}))
+            }
+            Part::Reasoning {
+                provider,
+                text,
+                signature,
+                encrypted,
+            } if provider == "anthropic" => Some(match (signature, encrypted) {
+                (_, Some(data)) if text.is_none() => json!({"type": "redacted_thinking", "data": data}),
+                _ => json!({"type": "thinking", "thinking": text.clone().unwrap_or_default(),
+                            "signature": signature.clone().unwrap_or_default()}),
+            }),
+            Part::Reasoning { .. } => None,
+        })
+        .collect()
+}
+
+fn responses_output(id: &str, parts: &[Part]) -> Vec<Value> {
+    let mut output = Vec::new();
+    for (index, part) in parts.iter().enumerate() {
+        match part {
+            Part::Text(text) => output.push(json!({"id": format!("msg_{id}_{index}"), "type": "message",
+                "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]})),
+            Part::Call {
+                id: call_id,
+                name,
+                arguments,
+            } => output.push(json!({"id": format!("fc_{id}_{index}"), "type": "function_call",
+                "status": "completed", "call_id": call_id, "name": name, "arguments": arguments})),
+            Part::Reasoning {
+                provider,
+                encrypted: Some(encrypted),
+                ..
+            } if provider == "openai" => output.push(json!({"id": format!("rs_{id}_{index}"),
+                "type": "reasoning", "summary": [], "encrypted_content": encrypted})),
+            Part::Reasoning { .. } => {}
+        }
+    }
+    output
+}
+
+fn responses_object(
+    id: &str,
+    model: &str,
+    created: u64,
+    status: &str,
+    output: Vec<Value>,
+    facts: Option<&Facts>,
+) -> Value {
+    let mut object = json!({"id": id, "object": "response", "created_at": created, "status": status,
+        "model": model, "output": output, "parallel_tool_calls": true, "error": null,
+        "incomplete_details": null, "tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"}},
+        "usage": null});
+    if let Some(facts) = facts {
+        object["usage"] = json!({"input_tokens": facts.input_tokens, "output_tokens": facts.output_tokens,
+            "total_tokens": facts.input_tokens + facts.output_tokens,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}});
+        if facts.stop_reason == "max_tokens" {
+            object["status"] = json!("incomplete");
+            object["incomplete_details"] = json!({"reason": "max_output_tokens"});
+        }
+    }
+    object
+}
+
+fn gemini_parts(parts: &[Part]) -> Vec<Value> {
+    parts
+        .iter()
+        .filter_map(|part| match part {
+            Part::Text(text) => Some(json!({"text": text})),
+            Part::Call { name, arguments, .. } => {
+                Some(json!({"functionCall": {"name": name, "args": arguments_value(arguments)}}))
+            }
+            Part::Reasoning {
+                provider,
+                signature: Some(signature),
+                text,
+                ..
+            } if provider == "gemini" => {
+                Some(json!({"text": text.clone().unwrap_or_default(), "thought": true,
+                                                      "thoughtSignature": signature}))
+            }
+            Part::Reasoning { .. } => None,
+        })
+        .collect()
+}
+
+fn gemini_usage(facts: &Facts) -> Value {
+    json!({"promptTokenCount": facts.input_tokens, "candidatesTokenCount": facts.output_tokens,
+           "totalTokenCount": facts.input_tokens + facts.output_tokens})
+}
+
+/// Who the answer is for.
+#[derive(Clone, Debug)]
+pub struct Addressee {
+    /// The client's API.
+    pub api: Api,
+    /// Response id shown to the client.
+    pub id: String,
+    /// Model name shown to the client (the one it asked for).
+    pub model: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// OpenAI Chat `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+/// The non-streaming response body.
+pub fn whole(to: &Addressee, parts: &[Part], facts: &Facts) -> Value {
+    match to.api {
+        Api::OpenaiChat => {
+            let texts = texts(parts);
+            let calls: Vec<Value> = parts
+                .iter()
+                .filter_map(|part| match part {
+                    Part::Call {
+                        id,
+                        name,
+                        arguments,
+                    } => Some(json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})),
+                    _ => None,
+                })
+                .collect();
+            let mut message = json!({"role": "assistant",
+                "content": if texts.is_empty() { Value::Null } else { json!(texts.join("\n\n")) },
+                "refusal": null});
+            if !calls.is_empty() {
+                message["tool_calls"] = Value::Array(calls);
+            }
+            json!({"id": to.id, "object": "chat.completion", "created": to.created, "model": to.model,
+                   "choices": [{"index": 0, "message": message, "logprobs": null,
+                                "finish_reason": chat_finish(parts, facts)}],
+                   "usage": {"prompt_tokens": facts.input_tokens, "completion_tokens": facts.output_tokens,
+                             "total_tokens": facts.input_tokens + facts.output_tokens}})
+        }
+        Api::OpenaiResponses => responses_object(
+            &to.id,
+            &to.model,
+            to.created,
+            "completed",
+            responses_output(&to.id, parts),
+            Some(facts),
+        ),
+        Api::AnthropicMessages => {
+            json!({"id": to.id, "type": "message", "role": "assistant", "model": to.model,
+                   "content": anthropic_content(parts), "stop_reason": anthropic_stop(parts, facts),
+                   "stop_sequence": null,
+                   "usage": {"input_tokens": facts.input_tokens, "output_tokens": facts.output_tokens}})
+        }
+        Api::Gemini => {
+            json!({"candidates": [{"content": {"role": "model", "parts": gemini_parts(parts)},
+                                   "finishReason": gemini_finish(facts), "index": 0}],
+                   "usageMetadata": gemini_usage(facts), "modelVersion": to.model, "responseId": to.id})
+        }
+    }
+}
+
+/// A provider-style error body and the status to send it with.
+pub fn error_body(api: Api, status: u16, code: &str, message: &str, extra: &Value) -> Value {
+    let mut body = match api {
+        Api::OpenaiChat | Api::OpenaiResponses => {
+            let kind = match status {
+                401 => "authentication_error",
+                404 => "not_found_error",
+                409 => "conflict_error",
+                429 => "rate_limit_error",
+                400..=499 => "invalid_request_error",
+                _ => "server_error",
+            };
+            json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+        }
+        Api::AnthropicMessages => {
+            let kind = match status {
+                401 => "authentication_error",
+                404 => "not_found_error",
+                413 => "request_too_large",
+                429 => "rate_limit_error",
+                400..=499 => "invalid_request_error",
+                _ => "api_error",
+            };
+            json!({"type": "error", "error": {"type": kind, "message": message, "code": code}})
+        }
+        Api::Gemini => {
+            let kind = match status {
+                401 => "UNAUTHENTICATED",
+                404 => "NOT_FOUND",
+                409 => "ABORTED",
+                429 => "RESOURCE_EXHAUSTED",
+                400..=499 => "INVALID_ARGUMENT",
+                503 => "UNAVAILABLE",
+                _ => "INTERNAL",
+            };
+            json!({"error": {"code": status, "message": message, "status": kind, "turnstile_code": code}})
+        }
+    };
+    if let Value::Object(extra) = extra {
+        let error = &mut body["error"];
+        for (key, value) in extra {
+            error[key] = value.clone();
+        }
+    }
+    body
+}
+
+/// Why a stream could not be finished from the committed turn.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PreviewMismatch;
+
+/// The streaming answer, one frame at a time. Call order: [`StreamEncoder::start`] once, then
+/// [`StreamEncoder::text`] for forwarded preview text (first block only), then exactly one of
+/// [`StreamEncoder::finish`] or [`StreamEncoder::error`].
+pub struct StreamEncoder {
+    to: Addressee,
+    input_tokens: u64,
+    sequence: u64,
+    text_open: bool,
+    forwarded: String,
+}
+
+fn data(payload: &Value) -> Vec<u8> {
+    format!("data: {payload}\n\n").into_bytes()
+}
+
+fn named(event: &str, payload: &Value) -> Vec<u8> {
+    format!("event: {event}\ndata: {payload}\n\n").into_bytes()
+}
+
+impl StreamEncoder {
+    /// An encoder for `to`; `input_tokens` is the admission count known before dispatch.
+    pub fn new(to: Addressee, input_tokens: u64) -> StreamEncoder {
+        StreamEncoder {
+            to,
+            input_tokens,
+            sequence: 0,
+            text_open: false,
+            forwarded: String::new(),
+        }
+    }
+
+    /// Text forwarded so far.
+    pub fn forwarded(&self) -> &str {
+        &self.forwarded
+    }
+
+    fn responses_event(&mut self, kind: &str, mut payload: Value) -> Vec<u8> {
+        payload["type"] = json!(kind);
+        payload["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        named(kind, &payload)
+    }
+
+    fn chat_chunk(&self, delta: Value, finish: Value) -> Value {
+        json!({"id": self.to.id, "object": "chat.completion.chunk", "created": self.to.created,
+               "model": self.to.model, "choices": [{"index": 0, "delta": delta, "logprobs": null,
+               "finish_reason": finish}]})
+    }
+
+    fn gemini_chunk(&self, parts: Vec<Value>, finish: Option<&str>, facts: Option<&Facts>) -> Value {
+        let mut candidate = json!({"content": {"role": "model", "parts": parts}, "index": 0});
+        if let Some(finish) = finish {
+            candidate["finishReason"] = json!(finish);
+        }
+        let mut chunk =
+            json!({"candidates": [candidate], "modelVersion": self.to.model, "responseId": self.to.id});
+        if let Some(facts) = facts {
+            chunk["usageMetadata"] = gemini_usage(facts);
+        }
+        chunk
+    }
+
+    fn message_item_id(&self) -> String {
+        format!("msg_{}_0", self.to.id)
+    }
+
+    /// The frames that open the answer.
+    pub fn start(&mut self) -> Vec<u8> {
+        match self.to.api {
+            Api::OpenaiChat => {
+                data(&self.chat_chunk(json!({"role": "assistant", "content": ""}), Value::Null))
+            }
+            Api::OpenaiResponses => {
+                let object = responses_object(
+                    &self.to.id,
+                    &self.to.model,
+                    self.to.created,
+                    "in_progress",
+                    Vec::new(),
+                    None,
+                );
+                let mut out = self.responses_event("response.created", json!({"response": object.clone()}));
+                out.extend(self.responses_event("response.in_progress", json!({"response": object})));
+                out
+            }
+            Api::AnthropicMessages => {
+                let mut out = named(
+                    "message_start",
+                    &json!({"type": "message_start", "message": {"id": self.to.id, "type": "message",
+                        "role": "assistant", "model": self.to.model, "content": [], "stop_reason": null,
+                        "stop_sequence": null, "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}),
+                );
+                out.extend(named("ping", &json!({"type": "ping"})));
+                out
+            }
+            // Gemini has no opening frame.
+            Api::Gemini => Vec::new(),
+        }
+    }
+
+    /// Forward preview text of the turn's first block.
+    pub fn text(&mut self, delta: &str) -> Vec<u8> {
+        if delta.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let opening = !self.text_open;
+        self.text_open = true;
+        self.forwarded.push_str(delta);
+        match self.to.api {
+            Api::OpenaiChat => out.extend(data(&self.chat_chunk(json!({"content": delta}), Value::Null))),
+            Api::OpenaiResponses => {
+                let item_id = self.message_item_id();
+                if opening {
+                    out.extend(self.responses_event(
+                        "response.output_item.added",
+                        json!({"output_index": 0, "item": {"id": item_id, "type": "message",
+                            "status": "in_progress", "role": "assistant", "content": []}}),
+                    ));
+                    out.extend(self.responses_event(
+                        "response.content_part.added",
+                        json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                            "part": {"type": "output_text", "text": "", "annotations": []}}),
+                    ));
+                }
+                out.extend(self.responses_event(
+                    "response.output_text.delta",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []}),
+                ));
+            }
+            Api::AnthropicMessages => {
+                if opening {
+                    out.extend(named(
+                        "content_block_start",
+                        &json!({"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}),
+                    ));
+                }
+                out.extend(named(
+                    "content_block_delta",
+                    &json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": delta}}),
+                ));
+            }
+            Api::Gemini => out.extend(data(&self.gemini_chunk(vec![json!({"text": delta})], None, None))),
+        }
+        out
+    }
+
+    /// Close the answer from the committed turn. The forwarded preview must be a prefix of the
+    /// turn's first text block; only the rest is sent. Anything else is a mismatch and the
+    /// caller ends the stream with [`StreamEncoder::error`] instead.
+    pub fn finish(&mut self, parts: &[Part], facts: &Facts) -> Result<Vec<u8>, PreviewMismatch> {
+        let mut rest: Vec<Part> = parts.to_vec();
+        let mut first_suffix = None;
+        if self.text_open {
+            match rest.first() {
+                Some(Part::Text(text)) if text.starts_with(&self.forwarded) => {
+                    first_suffix = Some(text[self.forwarded.len()..].to_owned());
+                    rest.remove(0);
+                }
+                _ => return Err(PreviewMismatch),
+            }
+        }
+        let mut out = Vec::new();
+        if let Some(suffix) = first_suffix.as_deref().filter(|suffix| !suffix.is_empty()) {
+            out.extend(self.text(suffix));
+        }
+        match self.to.api {
+            Api::OpenaiChat => {
+                let mut later_text: Vec<&str> = Vec::new();
+                for part in &rest {
+                    if let Part::Text(text) = part {
+                        later_text.push(text);
+                    }
+                }
+                if !later_text.is_empty() {
+                    let mut joined = String::new();
+                    if self.text_open {
+                        joined.push_str("\n\n");
+                    }
+                    joined.push_str(&later_text.join("\n\n"));
+                    out.extend(data(&self.chat_chunk(json!({"content": joined}), Value::Null)));
+                }
+                let mut index = 0usize;
+                for part in &rest {
+                    if let Part::Call { id, name, arguments } = part {
+                        out.extend(data(&self.chat_chunk(
+                            json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                                "function": {"name": name, "arguments": arguments}}]}),
+                            Value::Null,
+                        )));
+                        index += 1;
+                    }
+                }
+                out.extend(data(
+                    &self.chat_chunk(json!({}), json!(chat_finish(parts, facts))),
+                ));
+                if self.to.include_usage {
+                    out.extend(data(&json!({"id": self.to.id, "object": "chat.completion.chunk",
+                        "created": self.to.created, "model": self.to.model, "choices": [],
+                        "usage": {"prompt_tokens": facts.input_tokens, "completion_tokens": facts.output_tokens,
+                                  "total_tokens": facts.input_tokens + facts.output_tokens}})));
+                }
+                out.extend(b"data: [DONE]\n\n");
+            }
+            Api::OpenaiResponses => {
+                let output = responses_output(&self.to.id, parts);
+                let mut output_index = 0usize;
+                if self.text_open {
+                    let item_id = self.message_item_id();
+                    let text = self.forwarded.clone();
+                    out.extend(self.responses_event(
+                        "response.output_text.done",
+                        json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+                    ));
+                    out.extend(self.responses_event(
+                        "response.content_part.done",
+                        json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                            "part": {"type": "output_text", "text": text, "annotations": []}}),
+                    ));
+                    out.extend(self.responses_event(
+                        "response.output_item.done",
+                        json!({"output_index": 0, "item": output[0].clone()}),
+                    ));
+                    output_index = 1;
+                }
+                for item in output.iter().skip(output_index) {
+                    let mut added = item.clone();
+                    added["status"] = json!("in_progress");
+                    if item["type"] == "function_call" {
+                        added["arguments"] = json!("");
+                    }
+                    out.extend(self.responses_event(
+                        "response.output_item.added",
+                        json!({"output_index": output_index, "item": added}),
+                    ));
+                    if item["type"] == "function_call" {
+                        out.extend(self.responses_event(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": item["id"], "output_index": output_index, "delta": item["arguments"]}),
+                        ));
+                        out.extend(self.responses_event(
+                            "response.function_call_arguments.done",
+                            json!({"item_id": item["id"], "output_index": output_index, "arguments": item["arguments"]}),
+                        ));
+                    }
+                    out.extend(self.responses_event(
+                        "response.output_item.done",
+                        json!({"output_index": output_index, "item": item}),
+                    ));
+                    output_index += 1;
+                }
+                let object = responses_object(
+                    &self.to.id,
+                    &self.to.model,
+                    self.to.created,
+                    "completed",
+                    output,
+                    Some(facts),
+                );
+                let kind = if object["status"] == "incomplete" {
+                    "response.incomplete"
+                } else {
+                    "response.completed"
+                };
+                out.extend(self.responses_event(kind, json!({"response": object})));
+            }
+            Api::AnthropicMessages => {
+                let mut index = 0usize;
+                if self.text_open {
+                    out.extend(named(
+                        "content_block_stop",
+                        &json!({"type": "content_block_stop", "index": 0}),
+                    ));
+                    index = 1;
+                }
+                for block in anthropic_content(&rest) {
+                    let (start, delta) = match block["type"].as_str() {
+                        Some("text") => (
+                            json!({"type": "text", "text": ""}),
+                            Some(json!({"type": "text_delta", "text": block["text"]})),
+                        ),
+                        Some("tool_use") => (
+                            json!({"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}),
+                            Some(
+                                json!({"type": "input_json_delta", "partial_json": block["input"].to_string()}),
+                            ),
+                        ),
+                        Some("thinking") => (
+                            json!({"type": "thinking", "thinking": ""}),
+                            Some(json!({"type": "thinking_delta", "thinking": block["thinking"]})),
+                        ),
+                        _ => (block.clone(), None),
+                    };
+                    out.extend(named(
+                        "content_block_start",
+                        &json!({"type": "content_block_start", "index": index, "content_block": start}),
+                    ));
+                    if let Some(delta) = delta {
+                        out.extend(named(
+                            "content_block_delta",
+                            &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                        ));
+                    }
+                    if block["type"] == "thinking" {
+                        out.extend(named(
+                            "content_block_delta",
+                            &json!({"type": "content_block_delta", "index": index,
+                                "delta": {"type": "signature_delta", "signature": block["signature"]}}),
+                        ));
+                    }
+                    out.extend(named(
+                        "content_block_stop",
+                        &json!({"type": "content_block_stop", "index": index}),
+                    ));
+                    index += 1;
+                }
+                out.extend(named(
+                    "message_delta",
+                    &json!({"type": "message_delta", "delta": {"stop_reason": anthropic_stop(parts, facts),
+                        "stop_sequence": null}, "usage": {"output_tokens": facts.output_tokens}}),
+                ));
+                out.extend(named("message_stop", &json!({"type": "message_stop"})));
+            }
+            Api::Gemini => {
+                let chunk = self.gemini_chunk(gemini_parts(&rest), Some(gemini_finish(facts)), Some(facts));
+                out.extend(data(&chunk));
+            }
+        }
+        Ok(out)
+    }
+
+    /// End the stream with the provider's mid-stream error event.
+    pub fn error(&mut self, code: &str, message: &str) -> Vec<u8> {
+        match self.to.api {
+            Api::OpenaiChat => data(
+                &json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}}),
+            ),
+            Api::OpenaiResponses => {
+                let payload = json!({"code": code, "message": message, "param": null,
+                    "error": {"type": "server_error", "code": code, "message": message}});
+                self.responses_event("error", payload)
+            }
+            Api::AnthropicMessages => named(
+                "error",
+                &json!({"type": "error", "error": {"type": "api_error", "message": message, "code": code}}),
+            ),
+            Api::Gemini => data(
+                &json!({"error": {"code": 500, "message": message, "status": "INTERNAL",
+                                                  "turnstile_code": code}}),
+            ),
+        }
+    }
+}

@@ -1,0 +1,191 @@
+"""The official `openai` and `anthropic` Python SDKs against `turnstile serve` in proxy mode.
+
+Run by `tests/it/proxy_sdk.rs` with the venv `scripts/test` makes; argv[1] is the gateway's
+base URL (embedded default: built-in simulator, scripted through `POST /sim/script` on the
+gateway). Every check reads the SDKs' own parsed objects; any failed assertion or exception
+exits non-zero with the traceback.
+"""
+
+import json
+import sys
+import urllib.request
+
+import anthropic
+import openai
+
+BASE = sys.argv[1]
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TWO_CALLS = {
+    "text": "Checking both.",
+    "tool_calls": [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "get_weather", "arguments": {"city": "Tokyo"}},
+    ],
+}
+ANSWER = {"text": "Paris 12C, Tokyo 20C."}
+
+
+def script(model, replies):
+    request = urllib.request.Request(
+        f"{BASE}/sim/script",
+        data=json.dumps({"model": model, "replies": replies}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200, response.status
+
+
+def results_for(calls):
+    """Tool results, deliberately in the reverse order of the calls (parallel tools finish in any order)."""
+    weather = {"Paris": "12C", "Tokyo": "20C"}
+    return [(call_id, weather[city]) for call_id, city in reversed(calls)]
+
+
+def openai_chat(streaming):
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    model = f"sdk-chat-{'stream' if streaming else 'whole'}"
+    script(model, [TWO_CALLS, ANSWER])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Weather in Paris and Tokyo?"},
+    ]
+    if streaming:
+        with client.chat.completions.stream(model=model, messages=messages, tools=tools) as stream:
+            completion = stream.get_final_completion()
+    else:
+        completion = client.chat.completions.create(model=model, messages=messages, tools=tools)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert len(calls) == 2, calls
+    cities = [json.loads(call.function.arguments)["city"] for call in calls]
+    assert cities == ["Paris", "Tokyo"], cities
+    assert all(call.function.name == "get_weather" for call in calls)
+    assert len({call.id for call in calls}) == 2
+
+    # Stateless follow-up: the whole history again, results in the reverse order.
+    messages.append(choice.message.model_dump(exclude_none=True))
+    for call_id, result in results_for([(call.id, city) for call, city in zip(calls, cities)]):
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+    if streaming:
+        stream = client.chat.completions.create(model=model, messages=messages, tools=tools, stream=True,
+                                                stream_options={"include_usage": True})
+        text = ""
+        usage = None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for delta_choice in chunk.choices:
+                text += delta_choice.delta.content or ""
+        assert usage is not None and usage.prompt_tokens > 0, usage
+    else:
+        completion = client.chat.completions.create(model=model, messages=messages, tools=tools)
+        text = completion.choices[0].message.content
+        assert completion.choices[0].finish_reason == "stop"
+        assert completion.usage.prompt_tokens > 0
+    assert text == ANSWER["text"], text
+
+    # An orphan result is refused with the provider's own error type, carrying our code.
+    bad = messages[:2] + [{"role": "tool", "tool_call_id": "call_nobody", "content": "x"}]
+    try:
+        client.chat.completions.create(model=model, messages=bad)
+    except openai.BadRequestError as error:
+        body = error.response.json()
+        codes = [violation["code"] for violation in body["error"]["violations"]]
+        assert "orphan_result" in codes, body
+    else:
+        raise AssertionError("an orphan tool result was accepted")
+
+
+def openai_responses(streaming):
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    model = f"sdk-responses-{'stream' if streaming else 'whole'}"
+    script(model, [TWO_CALLS, ANSWER])
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER, "strict": True}]
+    items = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+    if streaming:
+        with client.responses.stream(model=model, instructions="Be terse.", input=items, tools=tools) as stream:
+            response = stream.get_final_response()
+    else:
+        response = client.responses.create(model=model, instructions="Be terse.", input=items, tools=tools)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 2, response.output
+    cities = [json.loads(call.arguments)["city"] for call in calls]
+    assert cities == ["Paris", "Tokyo"], cities
+    assert response.output_text == "Checking both.", response.output_text
+
+    items += [item.model_dump(exclude_none=True) for item in response.output]
+    for call_id, result in results_for([(call.call_id, city) for call, city in zip(calls, cities)]):
+        items.append({"type": "function_call_output", "call_id": call_id, "output": result})
+    if streaming:
+        with client.responses.stream(model=model, instructions="Be terse.", input=items, tools=tools) as stream:
+            deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+            response = stream.get_final_response()
+        assert "".join(deltas) == ANSWER["text"], deltas
+    else:
+        response = client.responses.create(model=model, instructions="Be terse.", input=items, tools=tools)
+    assert response.output_text == ANSWER["text"], response.output_text
+    assert response.status == "completed"
+
+
+def anthropic_messages(streaming):
+    client = anthropic.Anthropic(base_url=BASE, api_key="sk-ant-proxy-test", max_retries=0)
+    model = f"sdk-claude-{'stream' if streaming else 'whole'}"
+    script(model, [TWO_CALLS, ANSWER])
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
+    messages = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+    if streaming:
+        with client.messages.stream(model=model, max_tokens=256, system="Be terse.", messages=messages, tools=tools) as stream:
+            message = stream.get_final_message()
+    else:
+        message = client.messages.create(model=model, max_tokens=256, system="Be terse.", messages=messages, tools=tools)
+    assert message.stop_reason == "tool_use", message
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert [use.input for use in uses] == [{"city": "Paris"}, {"city": "Tokyo"}], uses
+    texts = [block.text for block in message.content if block.type == "text"]
+    assert texts == ["Checking both."], texts
+
+    messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]})
+    messages.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": call_id, "content": result}
+        for call_id, result in results_for([(use.id, use.input["city"]) for use in uses])
+    ]})
+    if streaming:
+        with client.messages.stream(model=model, max_tokens=256, system="Be terse.", messages=messages, tools=tools) as stream:
+            text = "".join(stream.text_stream)
+            message = stream.get_final_message()
+        assert text == ANSWER["text"], text
+    else:
+        message = client.messages.create(model=model, max_tokens=256, system="Be terse.", messages=messages, tools=tools)
+    assert message.stop_reason == "end_turn", message
+    assert message.content[0].text == ANSWER["text"], message.content
+    assert message.usage.input_tokens > 0
+
+    # A duplicate result is refused with Anthropic's error type, carrying our code.
+    duplicate = messages[:-1] + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": uses[0].id, "content": "12C"},
+        {"type": "tool_result", "tool_use_id": uses[0].id, "content": "12C"},
+        {"type": "tool_result", "tool_use_id": uses[1].id, "content": "20C"},
+    ]}]
+    try:
+        client.messages.create(model=model, max_tokens=256, messages=duplicate, tools=tools)
+    except anthropic.BadRequestError as error:
+        assert "duplicate_result" in json.dumps(error.body), error.body
+    else:
+        raise AssertionError("a duplicate tool result was accepted")
+
+
+if __name__ == "__main__":
+    for streaming in (False, True):
+        openai_chat(streaming)
+        openai_responses(streaming)
+        anthropic_messages(streaming)
+    print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}")
