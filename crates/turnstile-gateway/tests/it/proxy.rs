@@ -165,6 +165,17 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
         .filter_map(|(_, data)| data["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(content, "Paris 12C, Tokyo 20C.");
+    // Streamed as it arrived (the simulator sends about a word per delta), not in one piece at
+    // the commit.
+    let content_deltas = events
+        .iter()
+        .filter(|(_, data)| {
+            data["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|text| !text.is_empty())
+        })
+        .count();
+    assert!(content_deltas > 1, "{text}");
     assert_eq!(events.last().unwrap().1, json!("[DONE]"));
     let finish: Vec<&Value> = events
         .iter()
@@ -602,4 +613,76 @@ fn a_retry_with_the_same_idempotency_key_attaches_and_never_sends_twice() {
     let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &other, &key);
     assert_eq!(status, 409, "{text}");
     assert_eq!(sim.requests().len(), 1);
+}
+
+/// Text deltas and the error event of an Anthropic stream.
+fn anthropic_text_and_errors(text: &str) -> (String, Vec<Value>) {
+    let events = sse(text);
+    let streamed = events
+        .iter()
+        .filter(|(_, data)| data["delta"]["type"] == "text_delta")
+        .map(|(_, data)| data["delta"]["text"].as_str().unwrap().to_owned())
+        .collect();
+    let errors = events
+        .iter()
+        .filter(|(name, _)| name == "error")
+        .map(|(_, data)| data.clone())
+        .collect();
+    (streamed, errors)
+}
+
+#[test]
+fn a_new_attempt_continues_the_client_stream_only_while_it_agrees_with_the_text_already_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start();
+    let store = format!("sqlite:{}", dir.path().join("t.db").display());
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let request = |model: &str| {
+        json!({"model": model, "max_tokens": 128, "stream": true,
+               "messages": [{"role": "user", "content": "Tell me."}]})
+    };
+    // The connection drops after a few text deltas; the next attempt says the same: the client
+    // sees every word exactly once and no error.
+    let same = "Alpha beta gamma delta epsilon.";
+    sim.script(
+        "claude-same",
+        json!([{"text": same, "faults": {"disconnect_after_events": 5}}, {"text": same}]),
+    );
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request("claude-same"), &[]);
+    assert_eq!(status, 200, "{text}");
+    let (streamed, errors) = anthropic_text_and_errors(&text);
+    assert!(errors.is_empty(), "{text}");
+    assert_eq!(streamed, same);
+    let operation = operation_of(&headers);
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    assert_eq!(dispatch["state"], "COMMITTED");
+    assert!(dispatch["attempts"].as_array().unwrap().len() >= 2, "{dispatch}");
+
+    // The next attempt says something else: what was sent cannot be taken back in the client's
+    // format, so the stream ends with Anthropic's error event and never shows the other text
+    // as a continuation. The dispatch still commits exactly one turn.
+    sim.script(
+        "claude-other",
+        json!([{"text": same, "faults": {"disconnect_after_events": 5}}, {"text": "Zeta eta theta."}]),
+    );
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request("claude-other"), &[]);
+    assert_eq!(status, 200, "{text}");
+    let (streamed, errors) = anthropic_text_and_errors(&text);
+    assert_eq!(errors.len(), 1, "{text}");
+    assert_eq!(errors[0]["error"]["code"], "preview_diverged", "{text}");
+    assert!(
+        same.starts_with(&streamed) && !streamed.is_empty(),
+        "{streamed:?}"
+    );
+    let operation = operation_of(&headers);
+    let mut dispatch = Value::Null;
+    for _ in 0..100 {
+        dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+        if dispatch["state"] == "COMMITTED" {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    assert!(gateway.metric("turnstile_preview_retractions_total") >= 2.0);
 }
