@@ -16,6 +16,8 @@ import statistics
 NAMES = {
     "turnstile": "Turnstile (in-process)",
     "floor": "floor: serde_json parse + SHA-256",
+    "turnstile_part_validate": "… of which parse + validate + MessageSequence",
+    "turnstile_part_render": "… of which render + token count + admission + manifest",
     "litellm": "LiteLLM",
     "litellm_raw_request": "LiteLLM return_raw_request (whole pipeline)",
     "vercel_provider": "Vercel AI SDK provider conversion (getArgs)",
@@ -98,7 +100,7 @@ def table(workload, measurements, unavailable, meta):
     base_name = "turnstile_serve" if family == "gateway" else "turnstile"
     base = measurements.get((workload, base_name))
     if family == "prepare":
-        order = ["turnstile", "floor"] + PEERS_PREPARE
+        order = ["turnstile", "turnstile_part_validate", "turnstile_part_render", "floor"] + PEERS_PREPARE
     elif family == "stream":
         order = ["turnstile", "floor"] + PEERS_STREAM
     else:
@@ -137,7 +139,9 @@ def markdown_table(workload, rows, meta):
             out.append(f"| {name} | " + " | ".join(cells) + " |")
             continue
         ratio = row.get("ratio")
-        if row["system"] in ("floor", "direct"):
+        if row["system"].startswith("turnstile_part"):
+            ratio_text = f"({ratio * 100:.0f}% of Turnstile's time)" if ratio else ""
+        elif row["system"] in ("floor", "direct"):
             ratio_text = f"(Turnstile / floor: {fmt_ratio(1 / ratio)})" if ratio else ""
         elif ratio is not None:
             ratio_text = f"**{fmt_ratio(ratio)}**"

@@ -33,7 +33,7 @@ use turnstile_core::{Digest, Generation, MessageSequence, Validated, parse};
 fn usage() -> ! {
     eprintln!(
         "usage: turnstile-peerbench gen --out DIR\n\
-         \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX]\n\
+         \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX] [--skip-large]\n\
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
          [--requests N] [--concurrency C] [--runs R] [--label L]"
     );
@@ -560,10 +560,12 @@ fn measure<R>(runs: u64, min_run: Duration, mut op: impl FnMut() -> R) -> Timing
     let started = Instant::now();
     black_box(op());
     let mut once = started.elapsed().max(Duration::from_nanos(50));
-    // A second warm-up call measures a warm cache.
-    let started = Instant::now();
-    black_box(op());
-    once = once.min(started.elapsed().max(Duration::from_nanos(50)));
+    // A second warm-up call measures a warm cache (skipped when one call already lasts a run).
+    if once < min_run {
+        let started = Instant::now();
+        black_box(op());
+        once = once.min(started.elapsed().max(Duration::from_nanos(50)));
+    }
     let iterations = (min_run.as_secs_f64() / once.as_secs_f64()).ceil().max(1.0) as u64;
     let samples = (0..runs)
         .map(|_| {
@@ -673,6 +675,12 @@ fn micro(args: &Args) {
     let runs = args.number("--runs", 5);
     let min_run = Duration::from_millis(args.number("--min-run-ms", 300));
     let only = args.value("--only").unwrap_or_default();
+    // `--skip-large` (the harness's --smoke): no 2,000-block conversation, no 100k-event stream.
+    let skip_large = args.0.iter().any(|arg| arg == "--skip-large");
+    let wanted = |workload: &str| {
+        workload.starts_with(&only)
+            && !(skip_large && (workload.ends_with("/2000") || workload.ends_with("/100k")))
+    };
     let meta: Value = serde_json::from_slice(&std::fs::read(inputs.join("meta.json")).unwrap()).unwrap();
 
     let catalog = Catalog::builtin();
@@ -690,7 +698,7 @@ fn micro(args: &Args) {
     };
     for blocks in ["20", "200", "2000"] {
         let workload = format!("prepare/{blocks}");
-        if !workload.starts_with(&only) {
+        if !wanted(&workload) {
             continue;
         }
         let bytes = std::fs::read(inputs.join(format!("conv-{blocks}.v1.json"))).unwrap();
@@ -702,6 +710,35 @@ fn micro(args: &Args) {
             &timing,
             json!({"input_bytes": bytes.len(), "body_bytes": body.len(),
             "what": "parse v1 + validate + MessageSequence + render anthropic-messages@1 (cold cache) + token count + admission + manifest"}),
+        );
+        // Where the time goes: the same path in two halves.
+        let timing = measure(runs, min_run, || {
+            let conversation = parse::conversation_from_slice(&bytes).unwrap();
+            let validated = Validated::new(&conversation).unwrap();
+            let sequence = MessageSequence::build(validated);
+            Graph::new(validated, &sequence).is_ok()
+        });
+        emit(
+            "turnstile_part_validate",
+            &workload,
+            &timing,
+            json!({"what": "parse v1 + validate + MessageSequence + graph"}),
+        );
+        let conversation = parse::conversation_from_slice(&bytes).unwrap();
+        let validated = Validated::new(&conversation).unwrap();
+        let sequence = MessageSequence::build(validated);
+        let graph = Graph::new(validated, &sequence).unwrap();
+        let timing = measure(runs, min_run, || {
+            matches!(
+                prepare(graph, &request, &catalog, &mut RenderCache::new()),
+                PrepareOutcome::Prepared(_)
+            )
+        });
+        emit(
+            "turnstile_part_render",
+            &workload,
+            &timing,
+            json!({"what": "render (cold cache) + token count + admission + manifest"}),
         );
         let timing = measure(runs, min_run, || floor_json_sha256(&bytes));
         emit(
@@ -719,7 +756,7 @@ fn micro(args: &Args) {
     keys.sort();
     for key in keys {
         let workload = format!("stream/{key}");
-        if !workload.starts_with(&only) {
+        if !wanted(&workload) {
             continue;
         }
         let info = &streams[key];
@@ -868,6 +905,12 @@ fn load(args: &Args) {
     });
 }
 
+/// The bearer token sent to chat targets (`PEERBENCH_AUTH`, default `sk-bench`): the LiteLLM
+/// proxy's master key.
+fn auth() -> String {
+    std::env::var("PEERBENCH_AUTH").unwrap_or_else(|_| "sk-bench".into())
+}
+
 async fn create_conversations(client: &reqwest::Client, base: &str, phase: &str, count: usize) {
     let mut tasks = Vec::new();
     let per = count.div_ceil(8);
@@ -928,7 +971,7 @@ async fn one(
                               "messages": [{"role": "user", "content": "Hello?"}]});
             let response = client
                 .post(format!("{base}/v1/chat/completions"))
-                .header("authorization", "Bearer sk-bench")
+                .header("authorization", format!("Bearer {}", auth()))
                 .json(&body)
                 .send()
                 .await
