@@ -686,3 +686,114 @@ fn a_new_attempt_continues_the_client_stream_only_while_it_agrees_with_the_text_
     assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
     assert!(gateway.metric("turnstile_preview_retractions_total") >= 2.0);
 }
+
+#[test]
+fn with_tenants_the_sdk_key_headers_carry_the_tenant_token_and_shadow_records_stay_scoped() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start();
+    let store = format!("sqlite:{}", dir.path().join("t.db").display());
+    let config = r#"
+[[tenants]]
+name = "acme"
+token = "tok-acme"
+
+[[tenants]]
+name = "globex"
+token = "tok-globex"
+
+[[routes]]
+api = "openai-chat"
+model = "shadow-*"
+mode = "shadow"
+provider = "sim"
+adapter = "openai-chat@2"
+
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "anthropic-messages@2"
+"#;
+    let gateway = Gateway::start(&dir, &store, &sim, config);
+    let messages =
+        json!({"model": "claude-t", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, text) = post(
+        &gateway.base,
+        "/v1/messages",
+        &messages,
+        &[("x-api-key", "wrong")],
+    );
+    assert_eq!(status, 401, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["type"], "authentication_error");
+    sim.script("claude-t", json!([{"text": "Hello acme."}]));
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/messages",
+        &messages,
+        &[("x-api-key", "tok-acme")],
+    );
+    assert_eq!(status, 200, "{text}");
+    // The tenant's own dispatch, under its own id; another tenant cannot see it.
+    let operation = operation_of(&headers);
+    let own = client()
+        .get(format!("{}/v1/dispatches/{operation}", gateway.base))
+        .bearer_auth("tok-acme")
+        .send()
+        .unwrap();
+    assert_eq!(own.status().as_u16(), 200);
+    let other = client()
+        .get(format!("{}/v1/dispatches/{operation}", gateway.base))
+        .bearer_auth("tok-globex")
+        .send()
+        .unwrap();
+    assert_eq!(other.status().as_u16(), 404);
+    // The client's key is never forwarded to the provider.
+    assert!(
+        !sim.requests()
+            .iter()
+            .any(|request| request.to_string().contains("tok-acme"))
+    );
+
+    // A streamed shadow request is relayed byte for byte; its record is the tenant's alone.
+    sim.script("shadow-t", json!([{"text": "relayed"}]));
+    let original = r#"{"model":"shadow-t","stream":true,"messages":[{"role":"user","content":"Hi"}]}"#;
+    let response = client()
+        .post(format!("{}/v1/chat/completions", gateway.base))
+        .header("content-type", "application/json")
+        .bearer_auth("tok-globex")
+        .body(original)
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = response.text().unwrap();
+    let content: String = sse(&text)
+        .iter()
+        .filter_map(|(_, data)| data["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "relayed");
+    let diffs = |token: &str| -> Value {
+        let mut found = Value::Null;
+        for _ in 0..100 {
+            found = client()
+                .get(format!("{}/v1/shadow/diffs", gateway.base))
+                .bearer_auth(token)
+                .send()
+                .unwrap()
+                .json()
+                .unwrap();
+            if token != "tok-globex" || !found["diffs"].as_array().unwrap().is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        found
+    };
+    assert_eq!(diffs("tok-globex")["diffs"].as_array().unwrap().len(), 1);
+    assert!(diffs("tok-acme")["diffs"].as_array().unwrap().is_empty());
+}
