@@ -395,11 +395,87 @@ fn gemini_and_responses_clients_get_their_own_formats() {
     assert_eq!(body["object"], "response");
     assert_eq!(body["status"], "completed");
     assert_eq!(body["output"][0]["content"][0]["text"], "Hello there.");
-    // `previous_response_id` needs server-side history: refused, never half-served.
+    // A `previous_response_id` that is not ours names history stored at the provider: refused.
     let request = json!({"model": "resp-proxy", "previous_response_id": "resp_1", "input": "More."});
     let (status, _, text) = post(&gateway.base, "/v1/responses", &request, &[]);
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("unrepresentable"), "{text}");
+}
+
+#[test]
+fn responses_previous_response_id_continues_a_committed_proxy_response_with_tool_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start();
+    let store = format!("sqlite:{}", dir.path().join("t.db").display());
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    sim.script(
+        "resp-chain",
+        json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}, {"text": "A fork."}]),
+    );
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": schema()}]);
+    let request = json!({"model": "resp-chain", "instructions": "Be terse.", "tools": tools,
+                         "input": [{"role": "user", "content": "Weather in Paris and Tokyo?"}]});
+    let (status, _, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let first: Value = serde_json::from_str(&text).unwrap();
+    let calls: Vec<&Value> = first["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|item| item["type"] == "function_call")
+        .collect();
+    assert_eq!(calls.len(), 2);
+    // Only the results, continuing the response by id (results in reverse call order).
+    let outputs = json!([
+        {"type": "function_call_output", "call_id": calls[1]["call_id"], "output": "20C"},
+        {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "12C"}]);
+    let follow_up =
+        json!({"model": "resp-chain", "previous_response_id": first["id"], "tools": tools, "input": outputs});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &follow_up, &[]);
+    assert_eq!(status, 200, "{text}");
+    let second: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(second["output"][0]["content"][0]["text"], "Paris 12C, Tokyo 20C.");
+    // What we sent is the whole history: user, both calls, both results — a legal request.
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    let kinds: Vec<&str> = body["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| item["type"].as_str().unwrap_or("message"))
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|kind| **kind == "function_call").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|kind| **kind == "function_call_output")
+            .count(),
+        2,
+        "{kinds:?}"
+    );
+    // Instructions are not carried over (as at OpenAI): this request had none.
+    assert!(body.get("instructions").is_none(), "{body}");
+    // A result for a call the previous response never made is an orphan, refused unsent.
+    let orphan = json!({"model": "resp-chain", "previous_response_id": first["id"], "input": [
+        {"type": "function_call_output", "call_id": "call_never_made", "output": "x"}]});
+    let before = sim.requests().len();
+    let (status, _, text) = post(&gateway.base, "/v1/responses", &orphan, &[]);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("orphan_result"), "{text}");
+    assert_eq!(sim.requests().len(), before);
+    // Continuing the same response twice forks: both are answered, neither disturbs the other.
+    let fork =
+        json!({"model": "resp-chain", "previous_response_id": first["id"], "tools": tools, "input": outputs});
+    let (status, _, text) = post(&gateway.base, "/v1/responses", &fork, &[]);
+    assert_eq!(status, 200, "{text}");
+    // An unknown proxy id is the provider's 404.
+    let missing = json!({"model": "resp-chain", "previous_response_id": "resp_proxy-nothing", "input": "x"});
+    let (status, _, text) = post(&gateway.base, "/v1/responses", &missing, &[]);
+    assert_eq!(status, 404, "{text}");
 }
 
 #[test]
@@ -424,8 +500,8 @@ adapter = "openai-chat@1"
 "#;
     let gateway = Gateway::start(&dir, &store, &sim, config);
     sim.script("shadow-model", json!([two_calls(), {"text": "fine"}]));
-    // A client's request exactly as its SDK would write it (field order, spacing, temperature).
-    let original = r#"{"model":"shadow-model","temperature":0.2,"messages":[{"role":"user","content":"Weather?"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]}"#;
+    // A client's request exactly as its SDK would write it (field order, spacing, `user`).
+    let original = r#"{"model":"shadow-model","user":"u-42","messages":[{"role":"user","content":"Weather?"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]}"#;
     let response = client()
         .post(format!("{}/v1/chat/completions", gateway.base))
         .header("content-type", "application/json")
@@ -485,7 +561,7 @@ adapter = "openai-chat@1"
     assert_eq!(first["verdict"], "ready", "{first}");
     assert_eq!(first["differs"]["bytes"], true, "{first}");
     assert!(first["bytes"]["first_difference_at"].as_u64().is_some());
-    assert!(first["dropped"].to_string().contains("temperature"), "{first}");
+    assert!(first["dropped"].to_string().contains("user"), "{first}");
     assert_eq!(first["differs"]["semantic"], false, "{first}");
     assert_eq!(
         gateway.metric("turnstile_shadow_comparisons_total{api=\"openai-chat\"}"),

@@ -136,6 +136,23 @@ def openai_responses(streaming):
     assert response.status == "completed"
 
 
+def openai_responses_chained():
+    """The stateful style: the follow-up names the previous response instead of resending it."""
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    model = "sdk-responses-chained"
+    script(model, [TWO_CALLS, ANSWER])
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER, "strict": True}]
+    first = client.responses.create(model=model, instructions="Be terse.", tools=tools,
+                                    input="Weather in Paris and Tokyo?")
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 2, first.output
+    outputs = [{"type": "function_call_output", "call_id": call_id, "output": result}
+               for call_id, result in results_for([(call.call_id, json.loads(call.arguments)["city"]) for call in calls])]
+    second = client.responses.create(model=model, previous_response_id=first.id, tools=tools, input=outputs)
+    assert second.output_text == ANSWER["text"], second.output_text
+    assert second.id != first.id
+
+
 def anthropic_messages(streaming):
     client = anthropic.Anthropic(base_url=BASE, api_key="sk-ant-proxy-test", max_retries=0)
     model = f"sdk-claude-{'stream' if streaming else 'whole'}"
@@ -188,4 +205,5 @@ if __name__ == "__main__":
         openai_chat(streaming)
         openai_responses(streaming)
         anthropic_messages(streaming)
+    openai_responses_chained()
     print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}")

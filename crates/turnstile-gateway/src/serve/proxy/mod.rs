@@ -25,6 +25,7 @@
 //! (holder `proxy-client`) at once: the client runs them and sends the results in its next
 //! request, which is a new conversation.
 
+pub mod previous;
 pub mod respond;
 pub mod shadow;
 
@@ -146,10 +147,21 @@ fn client_token<'a>(headers: &'a HeaderMap, query: &'a str) -> Option<&'a str> {
         .or_else(|| query.split('&').find_map(|pair| pair.strip_prefix("key=")))
 }
 
-#[derive(Deserialize)]
-struct ModelOnly {
+/// The few top-level fields routing needs before the import (serde skips the rest).
+#[derive(Default, Deserialize)]
+struct Peek {
     #[serde(default)]
     model: Option<String>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+}
+
+#[derive(Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -242,12 +254,14 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
             );
         }
     };
+    let peek: Peek = if gemini.is_some() {
+        Peek::default()
+    } else {
+        serde_json::from_slice(&bytes).unwrap_or_default()
+    };
     let model = match &gemini {
         Some(call) => call.model.clone(),
-        None => serde_json::from_slice::<ModelOnly>(&bytes)
-            .ok()
-            .and_then(|body| body.model)
-            .unwrap_or_default(),
+        None => peek.model.clone().unwrap_or_default(),
     };
     let Some(route) = route_for(&shared.routes, api, &model) else {
         return provider_error(
@@ -271,8 +285,28 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         None => format!("proxy-{}", super::fresh_id()),
     };
     let conversation_id = caller.store_id(&local_id);
-    let imported = import(api, &bytes, &conversation_id, gemini.clone());
+    // A Responses request continuing one of *our* responses is always ours (the provider has
+    // never seen that id); any other previous_response_id follows the route's mode.
+    let continued = match peek
+        .previous_response_id
+        .as_deref()
+        .filter(|_| api == Api::OpenaiResponses)
+    {
+        Some(previous) => match previous::conversation_of(previous) {
+            Some(local) => match stored_response(&shared, &caller.store_id(local)).await {
+                Ok(document) => Some(document),
+                Err(response) => return response,
+            },
+            None => None,
+        },
+        None => None,
+    };
+    let imported = match &continued {
+        None => import(api, &bytes, &conversation_id, gemini.clone()),
+        Some(stored) => import_continuation(&bytes, &conversation_id, stored),
+    };
     let ours = match route.mode {
+        _ if continued.is_some() => true,
         Mode::On => true,
         Mode::Shadow => false,
         Mode::OnNoTools => matches!(&imported, Ok(imported) if !imported.has_tools),
@@ -292,9 +326,9 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         )
         .await;
     }
-    let include_usage = serde_json::from_slice::<Value>(&bytes)
-        .ok()
-        .and_then(|body| body["stream_options"]["include_usage"].as_bool())
+    let include_usage = peek
+        .stream_options
+        .and_then(|options| options.include_usage)
         .unwrap_or(false);
     match serve_ours(
         &shared,
@@ -316,6 +350,76 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
             response
         }
     }
+}
+
+/// The stored history of a committed proxy response (`previous_response_id`), or the
+/// provider-style error the client gets instead.
+async fn stored_response(shared: &Arc<Shared>, store_id: &str) -> Result<Value, Response> {
+    let api = Api::OpenaiResponses;
+    let record = shared
+        .ledger
+        .dispatch(store_id)
+        .await
+        .map_err(|error| from_api_error(api, ApiError::store(error)))?;
+    let Some(record) = record else {
+        return Err(provider_error(
+            api,
+            StatusCode::NOT_FOUND,
+            "previous_response_not_found",
+            "no response with that id was committed here",
+            &Value::Null,
+        ));
+    };
+    if record.state != turnstile_core::dispatch::DispatchState::Committed {
+        return Err(provider_error(
+            api,
+            StatusCode::CONFLICT,
+            "previous_response_not_committed",
+            &format!(
+                "that response is {} and cannot be continued yet",
+                record.state.as_str()
+            ),
+            &Value::Null,
+        ));
+    }
+    shared
+        .ledger
+        .conversation(&record.conversation_id)
+        .await
+        .map_err(|error| from_api_error(api, ApiError::store(error)))?
+        .ok_or_else(|| {
+            provider_error(
+                api,
+                StatusCode::NOT_FOUND,
+                "previous_response_not_found",
+                "the response's conversation is gone",
+                &Value::Null,
+            )
+        })
+}
+
+/// Import a Responses request that continues a stored response: its own input imported
+/// without `previous_response_id`, spliced after the stored history.
+fn import_continuation(body: &[u8], conversation_id: &str, stored: &Value) -> Result<Imported, ImportError> {
+    let mut value: Value =
+        turnstile_core::parse::json_from_slice(body).map_err(|error| ImportError::Malformed {
+            path: String::new(),
+            message: error.to_string(),
+        })?;
+    if let Some(object) = value.as_object_mut() {
+        object.remove("previous_response_id");
+    }
+    let bytes = serde_json::to_vec(&value).map_err(|error| ImportError::Malformed {
+        path: String::new(),
+        message: error.to_string(),
+    })?;
+    let mut imported = import(Api::OpenaiResponses, &bytes, conversation_id, None)?;
+    imported.document =
+        previous::splice(stored, &imported.document).map_err(|error| ImportError::Unrepresentable {
+            path: "previous_response_id".into(),
+            what: format!("the stored response cannot be continued: {error:?}"),
+        })?;
+    Ok(imported)
 }
 
 /// The original request's path for the provider (Gemini's `key` query parameter dropped: the
