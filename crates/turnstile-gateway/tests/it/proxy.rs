@@ -873,3 +873,28 @@ adapter = "anthropic-messages@2"
     assert_eq!(diffs("tok-globex")["diffs"].as_array().unwrap().len(), 1);
     assert!(diffs("tok-acme")["diffs"].as_array().unwrap().is_empty());
 }
+
+#[test]
+fn a_provider_refusal_keeps_its_status_in_the_clients_error_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start();
+    let store = format!("sqlite:{}", dir.path().join("t.db").display());
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    sim.script(
+        "claude-busy",
+        json!([{"text": "never", "faults": {"status": 429}}]),
+    );
+    let request =
+        json!({"model": "claude-busy", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 429, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+    let _ = headers;
+    assert_eq!(
+        sim.requests().len(),
+        1,
+        "a refused attempt is not retried blindly"
+    );
+}

@@ -722,11 +722,14 @@ async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Respo
     let mut outcome = backlog.iter().find_map(|(event, data)| outcome_of(event, data));
     if outcome.is_none() && !finished {
         while let Ok(Some((event, data))) = receiver.recv().await {
-            if let Some(found) = outcome_of(event, &data) {
-                outcome = Some(found);
-                if matches!(outcome, Some(Outcome::Committed(_))) {
+            match outcome_of(event, &data) {
+                Some(found @ Outcome::Committed(_)) => {
+                    outcome = Some(found);
                     break;
                 }
+                // The first failure names the cause (a later FAILED state only repeats it).
+                Some(found) if outcome.is_none() => outcome = Some(found),
+                _ => {}
             }
         }
     }
@@ -737,7 +740,15 @@ async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Respo
             Json(respond::whole(&to, &parts, &facts)).into_response()
         }
         Some(Outcome::Failed { code, message }) => {
-            provider_error(to.api, StatusCode::BAD_GATEWAY, &code, &message, &Value::Null)
+            // The provider's own refusal keeps its status (a 429 stays a 429, so the SDK backs
+            // off and retries); everything else is a gateway-side 502.
+            let status = code
+                .strip_prefix("provider_status_")
+                .and_then(|status| status.parse::<u16>().ok())
+                .and_then(|status| StatusCode::from_u16(status).ok())
+                .filter(|status| status.is_client_error() || status.is_server_error())
+                .unwrap_or(StatusCode::BAD_GATEWAY);
+            provider_error(to.api, status, &code, &message, &Value::Null)
         }
         None => provider_error(
             to.api,
