@@ -88,16 +88,23 @@ fn sent_for(gateway: &Gateway, sim: &SimProcess, operation: &str) -> Vec<Value> 
         .collect()
 }
 
+/// A gateway (SQLite in a temporary directory, `extra_config` appended) in front of an
+/// external simulator.
+fn proxy_world(extra_config: &str) -> (tempfile::TempDir, SimProcess, Gateway) {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimProcess::start();
+    let store = format!("sqlite:{}", dir.path().join("t.db").display());
+    let gateway = Gateway::start(&dir, &store, &sim, extra_config);
+    (dir, sim, gateway)
+}
+
 fn operation_of(headers: &reqwest::header::HeaderMap) -> String {
     headers["x-turnstile-operation-id"].to_str().unwrap().to_owned()
 }
 
 #[test]
 fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     sim.script(
         "gpt-proxy",
         json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]),
@@ -200,10 +207,7 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
 
 #[test]
 fn an_illegal_history_gets_a_provider_style_400_with_violation_codes_and_is_never_sent() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     let assistant = json!({"role": "assistant", "content": null, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
         {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Tokyo\"}"}}]});
@@ -296,9 +300,6 @@ fn an_illegal_history_gets_a_provider_style_400_with_violation_codes_and_is_neve
 
 #[test]
 fn an_anthropic_client_is_served_by_an_openai_model_and_streams_tool_calls_only_when_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let config = r#"
 [[routes]]
 api = "anthropic-messages"
@@ -307,7 +308,7 @@ provider = "sim"
 adapter = "openai-chat@2"
 target_model = "gpt-behind-claude"
 "#;
-    let gateway = Gateway::start(&dir, &store, &sim, config);
+    let (_dir, sim, gateway) = proxy_world(config);
     // The first attempt is cut inside the tool arguments: nothing of it may reach the client.
     let mut cut = two_calls();
     cut["faults"] = json!({"cut_at_byte": 700});
@@ -357,10 +358,7 @@ target_model = "gpt-behind-claude"
 
 #[test]
 fn gemini_and_responses_clients_get_their_own_formats() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     sim.script("gemini-proxy", json!([two_calls()]));
     let request = json!({"systemInstruction": {"parts": [{"text": "Be terse."}]},
         "contents": [{"role": "user", "parts": [{"text": "Weather in Paris and Tokyo?"}]}],
@@ -404,10 +402,7 @@ fn gemini_and_responses_clients_get_their_own_formats() {
 
 #[test]
 fn responses_previous_response_id_continues_a_committed_proxy_response_with_tool_results() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     sim.script(
         "resp-chain",
         json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}, {"text": "A fork."}]),
@@ -480,9 +475,6 @@ fn responses_previous_response_id_continues_a_committed_proxy_response_with_tool
 
 #[test]
 fn shadow_forwards_the_original_bytes_and_records_byte_and_semantic_diffs() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let config = r#"
 [[routes]]
 api = "openai-chat"
@@ -498,7 +490,7 @@ mode = "on-no-tools"
 provider = "sim"
 adapter = "openai-chat@1"
 "#;
-    let gateway = Gateway::start(&dir, &store, &sim, config);
+    let (_dir, sim, gateway) = proxy_world(config);
     sim.script("shadow-model", json!([two_calls(), {"text": "fine"}]));
     // A client's request exactly as its SDK would write it (field order, spacing, `user`).
     let original = r#"{"model":"shadow-model","user":"u-42","messages":[{"role":"user","content":"Weather?"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]}"#;
@@ -603,9 +595,6 @@ adapter = "openai-chat@1"
 
 #[test]
 fn rolling_back_to_an_older_adapter_pauses_a_conversation_it_cannot_represent() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let config = r#"
 [[routes]]
 api = "openai-chat"
@@ -619,7 +608,7 @@ model = "new-*"
 provider = "sim"
 adapter = "openai-chat@2"
 "#;
-    let gateway = Gateway::start(&dir, &store, &sim, config);
+    let (_dir, sim, gateway) = proxy_world(config);
     let with_file = |model: &str| {
         json!({"model": model, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "Summarize."},
@@ -657,10 +646,7 @@ adapter = "openai-chat@2"
 
 #[test]
 fn a_retry_with_the_same_idempotency_key_attaches_and_never_sends_twice() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     sim.script("gpt-idem", json!([{"text": "Once."}, {"text": "Twice?"}]));
     let request = chat_request(
         "gpt-idem",
@@ -709,10 +695,7 @@ fn anthropic_text_and_errors(text: &str) -> (String, Vec<Value>) {
 
 #[test]
 fn a_new_attempt_continues_the_client_stream_only_while_it_agrees_with_the_text_already_sent() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     let request = |model: &str| {
         json!({"model": model, "max_tokens": 128, "stream": true,
                "messages": [{"role": "user", "content": "Tell me."}]})
@@ -765,9 +748,6 @@ fn a_new_attempt_continues_the_client_stream_only_while_it_agrees_with_the_text_
 
 #[test]
 fn with_tenants_the_sdk_key_headers_carry_the_tenant_token_and_shadow_records_stay_scoped() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let config = r#"
 [[tenants]]
 name = "acme"
@@ -789,7 +769,7 @@ api = "anthropic-messages"
 provider = "sim"
 adapter = "anthropic-messages@2"
 "#;
-    let gateway = Gateway::start(&dir, &store, &sim, config);
+    let (_dir, sim, gateway) = proxy_world(config);
     let messages =
         json!({"model": "claude-t", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
     let (status, _, text) = post(
@@ -876,10 +856,7 @@ adapter = "anthropic-messages@2"
 
 #[test]
 fn a_provider_refusal_keeps_its_status_in_the_clients_error_shape() {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimProcess::start();
-    let store = format!("sqlite:{}", dir.path().join("t.db").display());
-    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let (_dir, sim, gateway) = proxy_world("");
     sim.script(
         "claude-busy",
         json!([{"text": "never", "faults": {"status": 429}}]),
