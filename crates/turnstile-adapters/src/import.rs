@@ -23,11 +23,15 @@
 //!   imported as it is, so the validator reports it with its spec code. The importer never
 //!   moves, merges, drops or invents a turn or block to make a history legal.
 //!
-//! Request fields the graph does not carry (sampling parameters, `tool_choice`,
-//! `cache_control`, metadata, …) are listed in [`Imported::dropped`], never silently lost; a
-//! field whose value carries nothing (`null`, `[]`, `{}`) is not listed.
+//! Generation settings (temperature, top-p, top-k, stop sequences, seed, penalties) are read
+//! into [`Imported::sampling`] in neutral names and checked against the ranges the client's own
+//! API documents (`sampling.rs`): a value that API would refuse is `invalid_request` here too.
+//! Request fields neither the graph nor the settings carry (`tool_choice`, `cache_control`,
+//! metadata, `logit_bias`, …) are listed in [`Imported::dropped`], never silently lost; a field
+//! whose value carries nothing (`null`, `[]`, `{}`) is not listed.
 
 use crate::registry::Api;
+use crate::sampling::{Sampling, SamplingError};
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use turnstile_core::conversation::{Arguments, MediaSource, Role, Trust};
@@ -50,8 +54,11 @@ pub struct Imported {
     pub max_output_tokens: Option<u64>,
     /// Tool definitions are present, or any tool_call / tool_result block.
     pub has_tools: bool,
-    /// Request fields the graph does not carry that were dropped, as index-free paths
-    /// (`temperature`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
+    /// The generation settings the client asked for, in neutral names, within the ranges its
+    /// API documents (the target adapter's API checks them again when it renders).
+    pub sampling: Sampling,
+    /// Request fields neither the graph nor [`Imported::sampling`] carries, as index-free paths
+    /// (`tool_choice`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
     pub dropped: Vec<String>,
 }
 
@@ -70,8 +77,9 @@ pub struct GeminiCall {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ImportError {
-    /// The body is not JSON, not an object, or a field is missing or has the wrong type for
-    /// the provider's own schema. Code `invalid_request`.
+    /// The body is not JSON, not an object, or a field is missing, has the wrong type, or (a
+    /// generation setting) lies outside the range the provider's own schema documents. Code
+    /// `invalid_request`.
     #[error("malformed request at {path:?}: {message}")]
     Malformed {
         /// Where, like `messages[3].content[0].type` (empty for the whole body).
@@ -173,6 +181,7 @@ pub fn import(
             crate::gemini::import::import(top, call, &mut builder)?
         }
     };
+    check_sampling(api, &head.sampling)?;
     Ok(builder.finish(conversation_id, head))
 }
 
@@ -181,6 +190,31 @@ pub(crate) struct Head {
     pub model: String,
     pub stream: bool,
     pub max_output_tokens: Option<u64>,
+    pub sampling: Sampling,
+}
+
+/// A setting outside the range the client's own API documents is malformed for that API (the
+/// provider would answer 400 too), at the path of the API's own field.
+fn check_sampling(api: Api, sampling: &Sampling) -> Result<(), ImportError> {
+    let Err(error) = sampling.check(api) else {
+        return Ok(());
+    };
+    let setting = error.setting();
+    let field = crate::sampling::field_name(api, setting).unwrap_or(setting.as_str());
+    let path = match api {
+        Api::Gemini => format!("generationConfig.{field}"),
+        _ => field.to_owned(),
+    };
+    let message = match error {
+        SamplingError::OutOfRange { value, min, max, .. } => {
+            format!("{value} is outside the documented range {min} to {max}")
+        }
+        SamplingError::TooMany { count, max, .. } => {
+            format!("{count} stop sequences; at most {max} are allowed")
+        }
+        other => other.to_string(),
+    };
+    Err(ImportError::malformed(path, message))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,6 +341,86 @@ impl Obj {
                 None => Err(self.wrong(key, "a non-negative integer", &value)),
             },
         }
+    }
+
+    /// An optional number field.
+    pub fn f64(&mut self, key: &str) -> Result<Option<f64>, ImportError> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(value) => match value.as_f64() {
+                Some(number) => Ok(Some(number)),
+                None => Err(self.wrong(key, "a number", &value)),
+            },
+        }
+    }
+
+    /// An optional integer field (within i64). With `integral_floats`, a float without a
+    /// fractional part (`40.0`) is accepted as that integer, as protobuf's JSON parser does for
+    /// Gemini's integer fields (and as Google's own SDKs send `top_k`).
+    pub fn i64(&mut self, key: &str, integral_floats: bool) -> Result<Option<i64>, ImportError> {
+        let Some(value) = self.take(key) else {
+            return Ok(None);
+        };
+        if let Some(number) = value.as_i64() {
+            return Ok(Some(number));
+        }
+        match value.as_f64() {
+            // The range check keeps the cast exact: every integral double in it is an i64.
+            Some(number)
+                if integral_floats
+                    && value.is_f64()
+                    && number.fract() == 0.0
+                    && (i64::MIN as f64..i64::MAX as f64).contains(&number) =>
+            {
+                Ok(Some(number as i64))
+            }
+            _ => Err(self.wrong(key, "an integer", &value)),
+        }
+    }
+
+    /// An optional non-negative integer field (see [`Obj::i64`] for `integral_floats`).
+    pub fn count(&mut self, key: &str, integral_floats: bool) -> Result<Option<u64>, ImportError> {
+        if let Some(Value::Number(number)) = self.map.get(key)
+            && number.as_u64().is_some()
+        {
+            return self.u64(key);
+        }
+        match self.i64(key, integral_floats)? {
+            None => Ok(None),
+            Some(number) => u64::try_from(number)
+                .map(Some)
+                .map_err(|_| ImportError::malformed(self.path_of(key), "expected a non-negative integer")),
+        }
+    }
+
+    /// An optional list of strings; with `single`, one string is a list of one (OpenAI Chat's
+    /// `stop`). Absent, `null` and `[]` are the empty list.
+    pub fn strings(&mut self, key: &str, single: bool) -> Result<Vec<String>, ImportError> {
+        let items = match self.take(key) {
+            None => return Ok(Vec::new()),
+            Some(Value::String(text)) if single => return Ok(vec![text]),
+            Some(Value::Array(items)) => items,
+            Some(other) => {
+                let expected = if single {
+                    "a string or an array of strings"
+                } else {
+                    "an array of strings"
+                };
+                return Err(self.wrong(key, expected, &other));
+            }
+        };
+        let path = self.path_of(key);
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(index, item)| match item {
+                Value::String(text) => Ok(text),
+                other => Err(ImportError::malformed(
+                    format!("{path}[{index}]"),
+                    format!("expected a string, found {}", type_name(&other)),
+                )),
+            })
+            .collect()
     }
 
     /// An optional array field.
@@ -854,6 +968,7 @@ impl Builder {
             stream: head.stream,
             max_output_tokens: head.max_output_tokens,
             has_tools,
+            sampling: head.sampling,
             dropped: self.dropped.into_iter().collect(),
         }
     }

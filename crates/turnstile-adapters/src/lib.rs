@@ -22,10 +22,12 @@ pub mod prepare;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod sampling;
 pub mod simulate;
 pub mod tokens;
 
 pub use catalog::Catalog;
-pub use prepare::{PrepareOutcome, PrepareRequest, Prepared, prepare};
+pub use prepare::{PrepareOutcome, PrepareRequest, Prepared, prepare, prepare_with_sampling};
 pub use registry::{AdapterId, Api};
 pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered};
+pub use sampling::{Sampling, SamplingError, Setting};

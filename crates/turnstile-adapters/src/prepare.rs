@@ -5,10 +5,16 @@
 //! beside it, `prompt_tokens` is the count of those same bytes, and admission has already
 //! passed. Credentials never enter: the adapters render no auth header and the manifest has
 //! no field for one.
+//!
+//! Generation settings ([`Sampling`]) go through [`prepare_with_sampling`]; [`prepare`] is the
+//! same with none set. They are a separate argument rather than a field of [`PrepareRequest`]
+//! only so that the struct literals written before settings existed keep compiling (a field
+//! is planned once every caller passes settings; `docs/decisions.md`, 2026-11-30).
 
 use crate::catalog::{Catalog, Match, ModelInfo};
 use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
+use crate::sampling::{Sampling, SamplingError};
 use turnstile_core::Digest;
 use turnstile_core::admission::{Admission, OverBudget, admit};
 use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
@@ -59,13 +65,35 @@ pub enum PrepareOutcome {
     OverBudget(OverBudget),
 }
 
-/// Render, count, admit and seal the manifest.
+/// Render, count, admit and seal the manifest, with no generation settings (the provider's
+/// defaults). Exactly [`prepare_with_sampling`] with [`Sampling::default`].
 pub fn prepare(
     graph: Graph<'_>,
     request: &PrepareRequest,
     catalog: &Catalog,
     cache: &mut RenderCache,
 ) -> PrepareOutcome {
+    match prepare_with_sampling(graph, request, &Sampling::default(), catalog, cache) {
+        Ok(outcome) => outcome,
+        // Invariant: `Sampling::check` only refuses settings that are set, and none is.
+        Err(error) => unreachable!("a request without generation settings was refused: {error}"),
+    }
+}
+
+/// Render, count, admit and seal the manifest, with generation settings written in the
+/// adapter's API fields and recorded in the render policy (so `policy_digest` pins them).
+///
+/// `Err` when the API cannot take a setting (no field for it, or a value outside its documented
+/// range): checked before anything renders, because the request is wrong whatever the graph;
+/// nothing is ever sent without the setting or with a clamped value.
+pub fn prepare_with_sampling(
+    graph: Graph<'_>,
+    request: &PrepareRequest,
+    sampling: &Sampling,
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+) -> Result<PrepareOutcome, SamplingError> {
+    sampling.check(request.adapter.api())?;
     let (model, model_match) = catalog.lookup(request.adapter.api(), &request.model);
     let max_output_tokens = request
         .max_output_tokens
@@ -75,14 +103,16 @@ pub fn prepare(
         max_output_tokens,
         stream: request.stream,
         background: request.background,
+        sampling: sampling.clone(),
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,
-        RenderOutcome::Paused(pauses) => return PrepareOutcome::Paused(pauses),
+        RenderOutcome::Paused(pauses) => return Ok(PrepareOutcome::Paused(pauses)),
+        RenderOutcome::Refused(error) => return Err(error),
     };
     let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
         Admission::Admitted { headroom } => headroom,
-        Admission::Refused(over) => return PrepareOutcome::OverBudget(over),
+        Admission::Refused(over) => return Ok(PrepareOutcome::OverBudget(over)),
     };
     let conversation = graph.conversation();
     let manifest = ManifestBody {
@@ -105,11 +135,11 @@ pub fn prepare(
         request_digest: Digest::of_bytes(&rendered.body),
     }
     .seal();
-    PrepareOutcome::Prepared(Box::new(Prepared {
+    Ok(PrepareOutcome::Prepared(Box::new(Prepared {
         rendered,
         manifest,
         model,
         model_match,
         headroom,
-    }))
+    })))
 }

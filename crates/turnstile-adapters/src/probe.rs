@@ -32,6 +32,9 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         max_output_tokens: 1024,
         stream: true,
         background: false,
+        // Probes render without settings; the sampling fields are pinned by
+        // `tests/it/render_sampling.rs` snapshots instead.
+        sampling: crate::sampling::Sampling::default(),
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not
@@ -44,6 +47,8 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
             "policy": rendered.policy,
         }),
         RenderOutcome::Paused(pauses) => json!({ "paused": pauses }),
+        // Unreachable: no setting is set, so nothing can be refused.
+        RenderOutcome::Refused(error) => json!({ "refused": error.code() }),
     }
 }
 

@@ -13,6 +13,7 @@
 
 use crate::call_ids::{self, CallIdRule};
 use crate::registry::AdapterId;
+use crate::sampling::{Sampling, SamplingError};
 use crate::tokens::Tokenizer;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
@@ -34,6 +35,9 @@ pub struct RenderOptions {
     /// OpenAI Responses only: run in background mode, so an interrupted stream can be resumed
     /// by its response id with `starting_after` (ignored by every other API).
     pub background: bool,
+    /// Generation settings, written in the API's own fields; one the API cannot take refuses
+    /// the render ([`RenderOutcome::Refused`]). The default (nothing set) writes nothing.
+    pub sampling: Sampling,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -162,6 +166,10 @@ pub struct RenderPolicy {
     pub call_ids: Vec<CallIdMapping>,
     /// Blocks omitted (foreign or non-replayable reasoning).
     pub omitted: Vec<Omission>,
+    /// The generation settings sent, in neutral names (left out of the document when none is
+    /// set, so a request without settings has the policy digest it always had).
+    #[serde(skip_serializing_if = "Sampling::is_unset")]
+    pub sampling: Sampling,
 }
 
 impl RenderPolicy {
@@ -189,13 +197,20 @@ pub struct Rendered {
 }
 
 /// The outcome of rendering.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 #[must_use]
+// `Rendered` is the common outcome; boxing it would cost an allocation on every render to
+// shrink the rare ones.
+#[allow(clippy::large_enum_variant)]
 pub enum RenderOutcome {
     /// The request.
     Rendered(Rendered),
     /// Every block (or rule) the adapter cannot represent.
     Paused(Vec<Pause>),
+    /// A generation setting the API cannot take (no field for it, or a value outside its
+    /// documented range). A request error, not a state of the conversation: checked before
+    /// anything renders, and nothing is sent without the setting.
+    Refused(SamplingError),
 }
 
 /// Render a graph with one adapter version.
@@ -206,7 +221,10 @@ pub fn render(
     tokenizer: Tokenizer,
     cache: &mut RenderCache,
 ) -> RenderOutcome {
-    let mut ctx = Ctx::new(adapter, tokenizer, cache, options.stream);
+    if let Err(error) = options.sampling.check(adapter.api()) {
+        return RenderOutcome::Refused(error);
+    }
+    let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
     match adapter {
         AdapterId::OpenaiChatV1 => crate::openai_chat::v1::render::render(graph, options, &mut ctx),
         AdapterId::OpenaiChatV2 => crate::openai_chat::v2::render::render(graph, options, &mut ctx),
@@ -309,10 +327,16 @@ pub(crate) struct Ctx<'c> {
     pub omitted: Vec<Omission>,
     pub tokens: u64,
     stream: bool,
+    sampling: Sampling,
 }
 
 impl<'c> Ctx<'c> {
-    fn new(adapter: AdapterId, tokenizer: Tokenizer, cache: &'c mut RenderCache, stream: bool) -> Ctx<'c> {
+    fn new(
+        adapter: AdapterId,
+        tokenizer: Tokenizer,
+        cache: &'c mut RenderCache,
+        options: &RenderOptions,
+    ) -> Ctx<'c> {
         Ctx {
             adapter,
             tokenizer,
@@ -321,7 +345,8 @@ impl<'c> Ctx<'c> {
             call_ids: Vec::new(),
             omitted: Vec::new(),
             tokens: 0,
-            stream,
+            stream: options.stream,
+            sampling: options.sampling.clone(),
         }
     }
 
@@ -451,6 +476,7 @@ impl<'c> Ctx<'c> {
                 context_wrapping: self.adapter.rules().context_wrapping,
                 call_ids: std::mem::take(&mut self.call_ids),
                 omitted: std::mem::take(&mut self.omitted),
+                sampling: std::mem::take(&mut self.sampling),
             },
         })
     }

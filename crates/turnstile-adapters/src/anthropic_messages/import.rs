@@ -20,17 +20,20 @@
 //!   `signature`, the thinking text unless empty); `redacted_thinking` → reasoning with
 //!   `encrypted` = `data`;
 //! - `tools[]{name, description, input_schema}` (no `type`, or `type: "custom"`) → v1 tools;
-//!   `max_tokens`, `stream`.
+//!   `max_tokens`, `stream`;
+//! - generation settings → [`crate::sampling::Sampling`]: `temperature` (0–1), `top_p`,
+//!   `top_k`, `stop_sequences`.
 //!
 //! Refused as `unrepresentable`: server tools (any tool `type` but `custom`), server-tool and
 //! MCP blocks (`server_tool_use`, `web_search_tool_result`, `mcp_tool_use`, …), `file` sources,
 //! `content` document sources, `search_result` and `container_upload` blocks, any other unknown
 //! block type, documents or images inside a tool result other than images, `mcp_servers`,
-//! `container`. Dropped and reported: every other field (`temperature`, `top_p`, `top_k`,
-//! `stop_sequences`, `tool_choice`, `metadata`, `thinking`, `service_tier`, `cache_control` on
-//! any block, `citations`, document `context`, …).
+//! `container`. Dropped and reported: every other field (`tool_choice`, `metadata`,
+//! `thinking`, `service_tier`, `cache_control` on any block, `citations`, document `context`,
+//! …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, base64_encode, type_name};
+use crate::sampling::Sampling;
 use serde_json::Value;
 use turnstile_core::conversation::{MediaSource, Role};
 
@@ -43,6 +46,13 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let model = top.required_string("model")?;
     let stream = top.bool("stream")?.unwrap_or(false);
     let max_output_tokens = top.u64("max_tokens")?;
+    let sampling = Sampling {
+        temperature: top.f64("temperature")?,
+        top_p: top.f64("top_p")?,
+        top_k: top.count("top_k", false)?,
+        stop: top.strings("stop_sequences", false)?,
+        ..Sampling::default()
+    };
     if let Some(tools) = top.array("tools")? {
         for (path, pattern, value) in top.elements("tools", tools) {
             tool(Obj::new(value, path, pattern)?, builder)?;
@@ -91,6 +101,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         model,
         stream,
         max_output_tokens,
+        sampling,
     })
 }
 

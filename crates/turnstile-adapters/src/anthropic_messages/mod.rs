@@ -155,6 +155,10 @@ pub(crate) fn render(
     crate::render::push_json_string(&mut out, &options.model);
     out.extend_from_slice(b",\"max_tokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    // Top-level `temperature`, `top_p`, `top_k`, `stop_sequences` (table in `sampling.rs`).
+    options
+        .sampling
+        .write_fields(crate::registry::Api::AnthropicMessages, &mut out);
     if !system.is_empty() {
         out.extend_from_slice(b",\"system\":[");
         for (index, block) in system.iter().enumerate() {

@@ -27,7 +27,10 @@
 //!   text part each, anything else → its canonical JSON text; any other `response` object →
 //!   `success` with the object's canonical JSON text as the one part (v1 results hold text);
 //! - `tools[].functionDeclarations[]{name, description, parametersJsonSchema | parameters}` →
-//!   v1 tools (the schema as given); `generationConfig.maxOutputTokens` → `max_output_tokens`.
+//!   v1 tools (the schema as given); `generationConfig.maxOutputTokens` → `max_output_tokens`;
+//! - `generationConfig.{temperature, topP, topK, stopSequences, seed, presencePenalty,
+//!   frequencyPenalty}` (either spelling) → [`crate::sampling::Sampling`]; `topK` and `seed`
+//!   also as integral floats (`40.0`), as protobuf's JSON parser takes them.
 //!
 //! Refused as `unrepresentable`: `cachedContent` (server-side state); tools other than function
 //! declarations (`googleSearch`, `codeExecution`, `urlContext`, …, even when empty: `{}`
@@ -35,9 +38,11 @@
 //! video data; `executableCode`, `codeExecutionResult`, `videoMetadata` parts; a `thought` part
 //! without a signature (v1 reasoning needs one); function responses with `parts`. Dropped and
 //! reported: every other field (`safetySettings`, `toolConfig`, `labels`, the other
-//! `generationConfig` fields, `response` / `responseJsonSchema` of a declaration, …).
+//! `generationConfig` fields such as `responseLogprobs` or `thinkingConfig`, `response` /
+//! `responseJsonSchema` of a declaration, …).
 
 use crate::import::{Builder, GeminiCall, Head, ImportError, Obj, ResultContent, Status, type_name};
+use crate::sampling::Sampling;
 use serde_json::{Map, Value};
 use turnstile_core::conversation::{MediaSource, Role};
 
@@ -70,9 +75,19 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
         "cached content stored at Google (server-side state)",
     )?;
     let mut max_output_tokens = None;
+    let mut sampling = Sampling::default();
     if let Some(mut config) = top.object("generationConfig")? {
         config.camel_case_keys()?;
         max_output_tokens = config.u64("maxOutputTokens")?;
+        sampling = Sampling {
+            temperature: config.f64("temperature")?,
+            top_p: config.f64("topP")?,
+            top_k: config.count("topK", true)?,
+            stop: config.strings("stopSequences", false)?,
+            seed: config.i64("seed", true)?,
+            presence_penalty: config.f64("presencePenalty")?,
+            frequency_penalty: config.f64("frequencyPenalty")?,
+        };
         match config.u64("candidateCount")? {
             None | Some(1) => {}
             Some(0) => {
@@ -155,6 +170,7 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
         model: call.model,
         stream: call.stream,
         max_output_tokens,
+        sampling,
     })
 }
 

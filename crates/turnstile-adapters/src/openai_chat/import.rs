@@ -21,19 +21,23 @@
 //!   text part (`""` → none), parts `text` → text, `image_url` → image;
 //! - `tools[]{type: function, function{name, description, parameters}}` → v1 tools (no
 //!   parameters → `{"type":"object"}`); `max_completion_tokens` (else `max_tokens`) →
-//!   `max_output_tokens`; `stream` → stream.
+//!   `max_output_tokens`; `stream` → stream;
+//! - generation settings → [`crate::sampling::Sampling`]: `temperature`, `top_p`, `stop` (a
+//!   string is one stop sequence, an array up to four), `seed`, `presence_penalty`,
+//!   `frequency_penalty`, within the ranges of the spec (`invalid_request` outside them).
 //!
 //! Refused as `unrepresentable`: `n` > 1; `audio`, `modalities` other than `text`; the
 //! deprecated `functions`, `function_call` and role `function`; `web_search_options`; tools or
 //! tool calls of a type other than `function`; `input_audio` parts; `file_id` references;
 //! assistant `audio`; any unknown content part type. Malformed (`invalid_request`): a missing
 //! `model` / `messages` / `role` / `tool_call_id`, an unknown role, a field of the wrong type.
-//! Dropped and reported: every other field (`temperature`, `top_p`, `stop`, `seed`,
+//! Dropped and reported: every other field (`logit_bias`, `logprobs`, `top_logprobs`,
 //! `tool_choice`, `parallel_tool_calls`, `user`, `metadata`, `stream_options`,
 //! `response_format`, `messages[].name`, an image `detail` other than `auto`, a `strict` flag,
 //! `max_tokens` when `max_completion_tokens` is also given, …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
+use crate::sampling::Sampling;
 use serde_json::{Map, Value};
 use turnstile_core::conversation::{MediaSource, Role};
 
@@ -83,6 +87,15 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
             tool(Obj::new(value, path, pattern)?, builder)?;
         }
     }
+    let sampling = Sampling {
+        temperature: top.f64("temperature")?,
+        top_p: top.f64("top_p")?,
+        stop: top.strings("stop", true)?,
+        seed: top.i64("seed", false)?,
+        presence_penalty: top.f64("presence_penalty")?,
+        frequency_penalty: top.f64("frequency_penalty")?,
+        ..Sampling::default()
+    };
     let messages = top.required_array("messages")?;
     for (path, pattern, value) in top.elements("messages", messages) {
         message(Obj::new(value, path, pattern)?, builder)?;
@@ -92,6 +105,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         model,
         stream,
         max_output_tokens: max_completion_tokens.or(max_tokens),
+        sampling,
     })
 }
 

@@ -99,6 +99,11 @@ pub(crate) fn render(
     out.extend_from_slice(version.max_tokens_field.as_bytes());
     out.extend_from_slice(b"\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    // Top-level `temperature`, `top_p`, `stop`, `seed`, `presence_penalty`,
+    // `frequency_penalty` (`CreateChatCompletionRequest`; table in `sampling.rs`).
+    options
+        .sampling
+        .write_fields(crate::registry::Api::OpenaiChat, &mut out);
     if options.stream {
         out.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
     }

@@ -22,17 +22,20 @@
 //!   status note part stays text), `output` string → one text part (`""` → none) or parts
 //!   `input_text` → text, `input_image` → image;
 //! - `tools[]{type: function, name, description, parameters}` → v1 tools;
-//!   `max_output_tokens`, `stream`.
+//!   `max_output_tokens`, `stream`;
+//! - generation settings → [`crate::sampling::Sampling`]: `temperature`, `top_p` (the only two
+//!   `CreateResponse` has), within the spec's ranges.
 //!
 //! Refused as `unrepresentable`: `previous_response_id`, `conversation`, `prompt` (stored
 //! server-side state: this gateway is stateless), `item_reference` items, every other item type
 //! (hosted tool calls, computer use, MCP, custom tools, …), non-function tools, `input_audio`,
 //! `file_id` references, files inside tool outputs, unknown part types. Dropped and reported:
-//! every other field (`temperature`, `top_p`, `tool_choice`, `parallel_tool_calls`,
+//! every other field (`top_logprobs`, `tool_choice`, `parallel_tool_calls`,
 //! `reasoning`, `text`, `include`, `store`, `truncation`, `metadata`, `user`, `background`,
 //! item `id` / `status`, non-empty `annotations`, a non-`auto` image `detail`, `strict: true`, …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
+use crate::sampling::Sampling;
 use serde_json::{Map, Value};
 use turnstile_core::conversation::{MediaSource, Role};
 
@@ -46,6 +49,11 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let model = top.required_string("model")?;
     let stream = top.bool("stream")?.unwrap_or(false);
     let max_output_tokens = top.u64("max_output_tokens")?;
+    let sampling = Sampling {
+        temperature: top.f64("temperature")?,
+        top_p: top.f64("top_p")?,
+        ..Sampling::default()
+    };
     if let Some(tools) = top.array("tools")? {
         for (path, pattern, value) in top.elements("tools", tools) {
             tool(Obj::new(value, path, pattern)?, builder)?;
@@ -84,6 +92,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         model,
         stream,
         max_output_tokens,
+        sampling,
     })
 }
 

@@ -1,10 +1,11 @@
 //! Golden imports: hand-written requests in the shapes the providers document (each case cites
 //! its docs page), including parallel tool calls and their results in the follow-up request.
 //! One `check(api, body, expected)` helper compares the whole imported document, the request
-//! parameters and the dropped fields with what is written here.
+//! parameters (generation settings included) and the dropped fields with what is written here.
 
 use crate::import_props::{decode, import_as};
 use serde_json::{Value, json};
+use turnstile_adapters::Sampling;
 use turnstile_adapters::import::Imported;
 use turnstile_adapters::registry::Api;
 use turnstile_core::{Digest, Verdict, validate};
@@ -15,6 +16,7 @@ struct Expected {
     stream: bool,
     max_output_tokens: Option<u64>,
     dropped: &'static [&'static str],
+    sampling: Sampling,
     tools: Value,
     turns: Value,
 }
@@ -41,6 +43,7 @@ fn check(api: Api, body: Value, expected: Expected) -> Imported {
     assert_eq!(imported.stream, expected.stream);
     assert_eq!(imported.max_output_tokens, expected.max_output_tokens);
     assert_eq!(imported.dropped, expected.dropped);
+    assert_eq!(imported.sampling, expected.sampling);
     imported
 }
 
@@ -90,10 +93,13 @@ fn chat_parallel_calls_and_their_results_import_as_one_assistant_turn_and_one_to
             dropped: &[
                 "parallel_tool_calls",
                 "stream_options",
-                "temperature",
                 "tool_choice",
                 "tools[].function.strict",
             ],
+            sampling: Sampling {
+                temperature: Some(0.2),
+                ..Sampling::default()
+            },
             tools: json!([{"name": "get_weather", "description": "Get current temperature for a given location.", "input_schema": weather_schema()}]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "system", "blocks": [
@@ -146,6 +152,7 @@ fn chat_user_parts_keep_their_order_and_text_that_reads_like_a_role_stays_text()
             stream: false,
             max_output_tokens: Some(100),
             dropped: &["messages[].content[].image_url.detail", "messages[].name"],
+            sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "system", "blocks": [
@@ -199,6 +206,7 @@ fn responses_reasoning_and_parallel_function_calls_import_as_one_assistant_turn(
             stream: true,
             max_output_tokens: Some(2048),
             dropped: &["include", "input[].id", "input[].status", "store"],
+            sampling: Sampling::default(),
             tools: json!([{"name": "get_weather", "description": "Get current temperature for a given location.", "input_schema": weather_schema()}]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "system", "blocks": [
@@ -239,6 +247,7 @@ fn responses_string_input_and_media_parts_import_as_user_turns() {
             stream: false,
             max_output_tokens: None,
             dropped: &[],
+            sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([{"id": "t-1", "revision": 1, "role": "user", "blocks": [
                 {"id": "t-1-b-1", "kind": "text", "text": "Tell me a three sentence bedtime story about a unicorn."}]}]),
@@ -262,6 +271,7 @@ fn responses_string_input_and_media_parts_import_as_user_turns() {
             stream: false,
             max_output_tokens: None,
             dropped: &["input[].id", "input[].status"],
+            sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "user", "blocks": [
@@ -321,6 +331,7 @@ fn anthropic_results_in_a_user_message_split_into_a_tool_turn_then_the_user_text
                 "thinking",
                 "tool_choice",
             ],
+            sampling: Sampling::default(),
             tools: json!([
                 {"name": "get_weather", "description": "Get the current weather in a given location", "input_schema": weather_schema()},
                 {"name": "get_time", "input_schema": {"type": "object", "properties": {"timezone": {"type": "string"}}}}
@@ -382,6 +393,7 @@ fn anthropic_images_and_documents_import_with_their_sources() {
             stream: false,
             max_output_tokens: Some(64),
             dropped: &["messages[].content[].citations", "messages[].content[].context"],
+            sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "system", "blocks": [
@@ -438,7 +450,11 @@ fn gemini_parallel_calls_get_deterministic_ids_and_responses_pair_by_name() {
             model: "gemini-2.5-flash",
             stream: true,
             max_output_tokens: Some(800),
-            dropped: &["generationConfig.temperature", "toolConfig"],
+            dropped: &["toolConfig"],
+            sampling: Sampling {
+                temperature: Some(1.0),
+                ..Sampling::default()
+            },
             tools: json!([
                 {"name": "power_disco_ball", "description": "Powers the spinning disco ball.", "input_schema": party_schema},
                 {"name": "start_music", "input_schema": {"type": "object"}},
@@ -508,6 +524,7 @@ fn gemini_same_name_calls_pair_in_order_ids_win_and_thoughts_become_reasoning() 
             stream: true,
             max_output_tokens: None,
             dropped: &[],
+            sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "user", "blocks": [
@@ -538,6 +555,138 @@ fn gemini_same_name_calls_pair_in_order_ids_win_and_thoughts_become_reasoning() 
         },
     );
     assert_eq!(validate(&decode(&imported.document)), Verdict::Ready);
+}
+
+/// One user turn saying `text`.
+fn hello_turns(text: &str) -> Value {
+    json!([{"id": "t-1", "revision": 1, "role": "user", "blocks": [{"id": "t-1-b-1", "kind": "text", "text": text}]}])
+}
+
+// Generation settings, each API in its own names (and only its own):
+// https://platform.openai.com/docs/api-reference/chat/create (`temperature`, `top_p`, `stop` as
+// a string or up to 4 strings, `seed`, `presence_penalty`, `frequency_penalty`),
+// https://platform.openai.com/docs/api-reference/responses/create (`temperature`, `top_p`),
+// https://platform.claude.com/docs/en/api/messages (`temperature`, `top_p`, `top_k`,
+// `stop_sequences`), https://ai.google.dev/api/generate-content#generationconfig
+// (`generationConfig.*`, which the REST API also takes in snake case).
+#[test]
+fn generation_settings_import_in_neutral_names_and_leave_the_dropped_list() {
+    let user = json!({"role": "user", "content": "Hi"});
+    let cases: Vec<(Api, Value, Sampling, &[&str])> = vec![
+        (
+            Api::OpenaiChat,
+            json!({"model": "gpt-4o", "messages": [user], "temperature": 0, "top_p": 0.5, "stop": "\n",
+                   "seed": 42, "presence_penalty": -0.5, "frequency_penalty": 1.25, "logit_bias": {"50256": -100},
+                   "logprobs": true, "top_logprobs": 2}),
+            Sampling {
+                temperature: Some(0.0),
+                top_p: Some(0.5),
+                stop: vec!["\n".into()],
+                seed: Some(42),
+                presence_penalty: Some(-0.5),
+                frequency_penalty: Some(1.25),
+                ..Sampling::default()
+            },
+            &["logit_bias", "logprobs", "top_logprobs"],
+        ),
+        (
+            Api::OpenaiChat,
+            json!({"model": "gpt-4o", "messages": [user], "stop": ["END", "Human:"], "seed": -9223372036854775807i64}),
+            Sampling {
+                stop: vec!["END".into(), "Human:".into()],
+                seed: Some(-9_223_372_036_854_775_807),
+                ..Sampling::default()
+            },
+            &[],
+        ),
+        (
+            Api::OpenaiChat,
+            json!({"model": "gpt-4o", "messages": [user], "stop": null, "temperature": null, "stop_sequences": ["x"]}),
+            Sampling::default(),
+            &["stop_sequences"],
+        ),
+        (
+            Api::OpenaiResponses,
+            json!({"model": "gpt-4.1", "input": "Hi", "temperature": 1.5, "top_p": 1, "top_logprobs": 3}),
+            Sampling {
+                temperature: Some(1.5),
+                top_p: Some(1.0),
+                ..Sampling::default()
+            },
+            &["top_logprobs"],
+        ),
+        (
+            Api::OpenaiResponses,
+            json!({"model": "gpt-4.1", "input": "Hi", "seed": 3, "stop": ["x"]}),
+            Sampling::default(),
+            &["seed", "stop"],
+        ),
+        (
+            Api::AnthropicMessages,
+            json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [user], "temperature": 0.0,
+                   "top_p": 0.9, "top_k": 5, "stop_sequences": ["\n\nHuman:", "</answer>"]}),
+            Sampling {
+                temperature: Some(0.0),
+                top_p: Some(0.9),
+                top_k: Some(5),
+                stop: vec!["\n\nHuman:".into(), "</answer>".into()],
+                ..Sampling::default()
+            },
+            &[],
+        ),
+        (
+            Api::Gemini,
+            json!({"contents": [{"role": "user", "parts": [{"text": "Hi"}]}],
+                   "generation_config": {"temperature": 0, "top_p": 0.9, "top_k": 40.0, "stop_sequences": ["x"],
+                                         "seed": 7, "presence_penalty": 0.1, "frequency_penalty": -0.2,
+                                         "response_logprobs": true}}),
+            Sampling {
+                temperature: Some(0.0),
+                top_p: Some(0.9),
+                top_k: Some(40),
+                stop: vec!["x".into()],
+                seed: Some(7),
+                presence_penalty: Some(0.1),
+                frequency_penalty: Some(-0.2),
+            },
+            &["generationConfig.responseLogprobs"],
+        ),
+        (
+            Api::Gemini,
+            json!({"contents": [{"parts": [{"text": "Hi"}]}],
+                   "generationConfig": {"topK": 3, "seed": 12.0, "stopSequences": []}}),
+            Sampling {
+                top_k: Some(3),
+                seed: Some(12),
+                ..Sampling::default()
+            },
+            &[],
+        ),
+    ];
+    for (api, mut body, sampling, dropped) in cases {
+        let (model, max_output_tokens) = match api {
+            Api::AnthropicMessages => ("claude-sonnet-4-5", Some(64)),
+            Api::OpenaiResponses => ("gpt-4.1", None),
+            Api::Gemini => ("gemini-2.5-flash", None),
+            Api::OpenaiChat => ("gpt-4o", None),
+        };
+        if api == Api::OpenaiResponses {
+            body["input"] = json!("Hi");
+        }
+        check(
+            api,
+            body,
+            Expected {
+                model,
+                stream: api == Api::Gemini,
+                max_output_tokens,
+                dropped,
+                sampling,
+                tools: json!([]),
+                turns: hello_turns("Hi"),
+            },
+        );
+    }
 }
 
 #[test]

@@ -11,7 +11,8 @@
 //!   k-th imported call, which is the API's own pairing rule). `semantic_diff` itself
 //!   normalizes what an API cannot keep (see its docs): merged same-role turns, `context` as
 //!   its wrapped text, Chat's text-before-calls order, status notes as statuses;
-//! - the request parameters come back (model, stream, output cap, tools) and the only dropped
+//! - the request parameters come back (model, stream, output cap, tools, and the generation
+//!   settings rendered with it: a random set the API takes, or none) and the only dropped
 //!   fields are the ones the renderer adds that the graph does not carry;
 //! - import∘render is a fixpoint after one round: rendering the imported document and
 //!   importing that again gives the same bytes.
@@ -21,15 +22,16 @@
 //! imported document through `semantic_diff`.
 
 use crate::render_props::{Gen, conversation, run_seed};
-use crate::render_support::{SCENARIOS, data_dir, model_for, render_for};
+use crate::render_sampling::{full_sampling, random_sampling};
+use crate::render_support::{SCENARIOS, data_dir, model_for, render_sampled};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde_json::{Map, Value, json};
 use std::collections::{HashMap, HashSet};
-use turnstile_adapters::AdapterId;
 use turnstile_adapters::import::{GeminiCall, Imported, import, semantic_diff};
 use turnstile_adapters::registry::Api;
 use turnstile_adapters::render::{RenderOutcome, Rendered};
+use turnstile_adapters::{AdapterId, Sampling};
 use turnstile_core::conversation::Conversation;
 use turnstile_core::{Verdict, parse, validate};
 
@@ -117,18 +119,20 @@ fn dropped_by_rendering(api: Api) -> Vec<String> {
     }
 }
 
-fn render_value(document: &Value, adapter: AdapterId) -> RenderOutcome {
-    render_for(&decode(document), adapter)
+fn render_value(document: &Value, adapter: AdapterId, sampling: &Sampling) -> RenderOutcome {
+    render_sampled(&decode(document), adapter, sampling)
 }
 
-/// Every round-trip problem of one conversation with one adapter (empty = none). A pause is
-/// not a problem here: `render_props.rs` checks that pauses are declared.
-pub fn round_trip_problems(original: &Value, adapter: AdapterId) -> Vec<String> {
+/// Every round-trip problem of one conversation with one adapter and generation settings
+/// (empty = none). A pause is not a problem here: `render_props.rs` checks that pauses are
+/// declared.
+pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Sampling) -> Vec<String> {
     let api = adapter.api();
     let model = model_for(adapter);
-    let rendered = match render_value(original, adapter) {
+    let rendered = match render_value(original, adapter, sampling) {
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(_) => return Vec::new(),
+        RenderOutcome::Refused(error) => return vec![format!("refused {sampling:?}: {error}")],
     };
     let imported = match import_as(api, &rendered.body, model) {
         Ok(imported) => imported,
@@ -161,18 +165,25 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId) -> Vec<String> 
     if imported.dropped != dropped_by_rendering(api) {
         problems.push(format!("dropped {:?}", imported.dropped));
     }
+    if imported.sampling != *sampling {
+        problems.push(format!(
+            "sampling: rendered {sampling:?}, imported {:?}",
+            imported.sampling
+        ));
+    }
     if !problems.is_empty() {
         return problems;
     }
     // Fixpoint after one round.
-    let RenderOutcome::Rendered(second) = render_value(&imported.document, adapter) else {
-        return vec!["the imported document pauses".into()];
+    let RenderOutcome::Rendered(second) = render_value(&imported.document, adapter, &imported.sampling)
+    else {
+        return vec!["the imported document pauses or is refused".into()];
     };
     let again = match import_as(api, &second.body, model) {
         Ok(again) => again,
         Err(error) => return vec![format!("second import failed: {error}")],
     };
-    match render_value(&again.document, adapter) {
+    match render_value(&again.document, adapter, &again.sampling) {
         RenderOutcome::Rendered(third) if third.body == second.body => {}
         RenderOutcome::Rendered(third) => problems.push(format!(
             "not a fixpoint:\n{}\n{}",
@@ -180,6 +191,7 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId) -> Vec<String> 
             String::from_utf8_lossy(&third.body)
         )),
         RenderOutcome::Paused(pauses) => problems.push(format!("second round pauses: {pauses:?}")),
+        RenderOutcome::Refused(error) => problems.push(format!("second round is refused: {error}")),
     }
     problems
 }
@@ -190,8 +202,13 @@ fn every_render_scenario_imports_back_to_the_same_meaning_with_every_adapter() {
         let path = data_dir().join(format!("{name}.json"));
         let original: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         for adapter in AdapterId::ALL {
-            let problems = round_trip_problems(&original, adapter);
-            assert!(problems.is_empty(), "{name} × {adapter}: {problems:#?}");
+            for sampling in [Sampling::default(), full_sampling(adapter.api())] {
+                let problems = round_trip_problems(&original, adapter, &sampling);
+                assert!(
+                    problems.is_empty(),
+                    "{name} × {adapter} × {sampling:?}: {problems:#?}"
+                );
+            }
         }
     }
 }
@@ -219,9 +236,18 @@ fn import_of_render_has_the_meaning_of_every_random_legal_conversation_for_every
             let original = conversation(case, documents);
             let decoded = parse::conversation_from_slice(&serde_json::to_vec(&original).unwrap()).unwrap();
             prop_assert_eq!(validate(&decoded), Verdict::Ready, "case {}", case);
+            let mut g = Gen::new(case ^ 0x5A3D_1E7C_0B9F_2468);
             for adapter in AdapterId::ALL {
-                let problems = round_trip_problems(&original, adapter);
-                prop_assert!(problems.is_empty(), "case {case} × {adapter}: {problems:#?}");
+                let sampling = if g.chance(25) {
+                    Sampling::default()
+                } else {
+                    random_sampling(adapter.api(), &mut g)
+                };
+                let problems = round_trip_problems(&original, adapter, &sampling);
+                prop_assert!(
+                    problems.is_empty(),
+                    "case {case} × {adapter} × {sampling:?}: {problems:#?}"
+                );
             }
             Ok(())
         },
@@ -235,7 +261,9 @@ fn import_of_render_has_the_meaning_of_every_random_legal_conversation_for_every
 fn the_same_request_imports_to_the_same_document() {
     let original = conversation(7, true);
     for adapter in AdapterId::ALL {
-        if let RenderOutcome::Rendered(rendered) = render_value(&original, adapter) {
+        if let RenderOutcome::Rendered(rendered) =
+            render_value(&original, adapter, &full_sampling(adapter.api()))
+        {
             let first = import_as(adapter.api(), &rendered.body, "m").unwrap();
             let second = import_as(adapter.api(), &rendered.body, "m").unwrap();
             assert_eq!(first, second, "{adapter}");
@@ -352,6 +380,15 @@ const KEYS: &[&str] = &[
     "error",
     "cache_control",
     "temperature",
+    "top_p",
+    "top_k",
+    "topK",
+    "stop",
+    "stop_sequences",
+    "stopSequences",
+    "seed",
+    "presence_penalty",
+    "frequencyPenalty",
 ];
 
 const VALUES: &[&str] = &[
@@ -506,7 +543,7 @@ proptest! {
         let original = conversation(case, true);
         let mut g = Gen::new(case);
         for adapter in AdapterId::ALL {
-            let RenderOutcome::Rendered(rendered) = render_value(&original, adapter) else {
+            let RenderOutcome::Rendered(rendered) = render_value(&original, adapter, &full_sampling(adapter.api())) else {
                 continue;
             };
             let mut body: Value = serde_json::from_slice(&rendered.body).unwrap();

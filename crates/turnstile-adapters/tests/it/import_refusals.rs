@@ -517,6 +517,125 @@ fn gemini_refusals_and_malformed_requests_name_their_field() {
     assert_eq!((error.code(), error.path()), (MALFORMED, "model"));
 }
 
+// Ranges and counts as each API documents them (`sampling.rs` cites the pages): what the
+// provider itself would answer 400 to is `invalid_request` at the client's own field.
+#[test]
+fn generation_settings_of_the_wrong_type_or_outside_the_clients_api_range_name_their_field() {
+    let chat = |extra: Value| {
+        let mut body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let responses = |extra: Value| {
+        let mut body = json!({"model": "gpt-4.1", "input": "hi"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let anthropic = |extra: Value| {
+        let mut body = json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let gemini = |config: Value| json!({"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "generationConfig": config});
+    let cases: Vec<(Api, Value, &str)> = vec![
+        (Api::OpenaiChat, chat(json!({"temperature": 2.5})), "temperature"),
+        (
+            Api::OpenaiChat,
+            chat(json!({"temperature": "0.2"})),
+            "temperature",
+        ),
+        (Api::OpenaiChat, chat(json!({"top_p": -0.1})), "top_p"),
+        (
+            Api::OpenaiChat,
+            chat(json!({"presence_penalty": 3})),
+            "presence_penalty",
+        ),
+        (
+            Api::OpenaiChat,
+            chat(json!({"frequency_penalty": -2.01})),
+            "frequency_penalty",
+        ),
+        (
+            Api::OpenaiChat,
+            chat(json!({"stop": ["a", "b", "c", "d", "e"]})),
+            "stop",
+        ),
+        (Api::OpenaiChat, chat(json!({"stop": ["a", 1]})), "stop[1]"),
+        (Api::OpenaiChat, chat(json!({"stop": 7})), "stop"),
+        (Api::OpenaiChat, chat(json!({"seed": 1.5})), "seed"),
+        (
+            Api::OpenaiChat,
+            chat(json!({"seed": 9223372036854775808u64})),
+            "seed",
+        ),
+        (
+            Api::OpenaiResponses,
+            responses(json!({"temperature": 2.1})),
+            "temperature",
+        ),
+        (Api::OpenaiResponses, responses(json!({"top_p": 1.5})), "top_p"),
+        (
+            Api::AnthropicMessages,
+            anthropic(json!({"temperature": 1.5})),
+            "temperature",
+        ),
+        (Api::AnthropicMessages, anthropic(json!({"top_p": 2})), "top_p"),
+        (Api::AnthropicMessages, anthropic(json!({"top_k": -1})), "top_k"),
+        (Api::AnthropicMessages, anthropic(json!({"top_k": 2.5})), "top_k"),
+        (
+            Api::AnthropicMessages,
+            anthropic(json!({"stop_sequences": "END"})),
+            "stop_sequences",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"temperature": 2.5})),
+            "generationConfig.temperature",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"top_p": 1.5})),
+            "generationConfig.topP",
+        ),
+        (Api::Gemini, gemini(json!({"topK": -3})), "generationConfig.topK"),
+        (Api::Gemini, gemini(json!({"topK": 2.5})), "generationConfig.topK"),
+        (
+            Api::Gemini,
+            gemini(json!({"topK": 2147483648u64})),
+            "generationConfig.topK",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"seed": 2147483648u64})),
+            "generationConfig.seed",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"stopSequences": ["1", "2", "3", "4", "5", "6"]})),
+            "generationConfig.stopSequences",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"stop_sequences": [true]})),
+            "generationConfig.stopSequences[0]",
+        ),
+        (
+            Api::Gemini,
+            gemini(json!({"presencePenalty": "high"})),
+            "generationConfig.presencePenalty",
+        ),
+    ];
+    for (api, body, path) in cases {
+        check_json(api, body, MALFORMED, path);
+    }
+}
+
 #[test]
 fn bodies_that_are_not_json_objects_or_break_a_limit_are_refused_before_any_import() {
     for api in [

@@ -10,6 +10,7 @@ mod render_prepare;
 mod render_props;
 mod render_registry;
 mod render_rules;
+mod render_sampling;
 mod render_support;
 mod render_upgrade;
 mod stream;

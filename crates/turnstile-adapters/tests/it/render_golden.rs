@@ -24,6 +24,7 @@ fn snapshot_text(name: &str, adapter: AdapterId) -> String {
             "adapter: {adapter}\noutcome: paused\n{}\n",
             serde_json::to_string_pretty(&pauses).unwrap()
         ),
+        RenderOutcome::Refused(error) => panic!("{name} × {adapter}: refused without settings: {error}"),
     }
 }
 

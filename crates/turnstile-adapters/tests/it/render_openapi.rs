@@ -1,14 +1,18 @@
 //! Conformance of rendered OpenAI bodies with OpenAI's official OpenAPI spec
 //! (`shared/fixtures/openapi/openai-openapi.yaml`, read from `$TURNSTILE_SHARED` or
 //! `../shared`, never copied into this repo): `CreateChatCompletionRequest` for both Chat
-//! versions and `CreateResponse` for Responses, over every scenario and random graphs.
+//! versions and `CreateResponse` for Responses, over every scenario and random graphs, each
+//! rendered without generation settings, with every setting the API takes, at the edges of the
+//! documented ranges, and with random settings.
 //! When the spec is not present the test says so plainly on stderr and checks nothing else.
 
-use crate::render_props::conversation as random_conversation;
-use crate::render_support::{SCENARIOS, load, render_for};
+use crate::render_props::{Gen, conversation as random_conversation};
+use crate::render_sampling::{full_sampling, random_sampling};
+use crate::render_support::{SCENARIOS, load, render_sampled};
 use serde_json::Value;
-use turnstile_adapters::AdapterId;
+use turnstile_adapters::registry::Api;
 use turnstile_adapters::render::RenderOutcome;
+use turnstile_adapters::{AdapterId, Sampling};
 use turnstile_core::parse;
 
 fn spec_path() -> std::path::PathBuf {
@@ -75,6 +79,43 @@ fn discriminated_one_of_as_any_of(value: &mut Value) {
     }
 }
 
+/// No settings, every setting the API takes, the edges of its documented ranges, and a random
+/// set.
+fn samplings(api: Api, g: &mut Gen) -> Vec<Sampling> {
+    let mut all = vec![
+        Sampling::default(),
+        full_sampling(api),
+        Sampling {
+            temperature: Some(2.0),
+            top_p: Some(0.0),
+            ..Sampling::default()
+        },
+        Sampling {
+            temperature: Some(0.0),
+            top_p: Some(1.0),
+            ..Sampling::default()
+        },
+    ];
+    if api == Api::OpenaiChat {
+        all.push(Sampling {
+            stop: vec!["a".into(), "\n".into(), "</s>".into(), "".into()],
+            seed: Some(i64::MIN),
+            presence_penalty: Some(-2.0),
+            frequency_penalty: Some(2.0),
+            ..Sampling::default()
+        });
+        all.push(Sampling {
+            stop: vec!["only".into()],
+            seed: Some(i64::MAX),
+            presence_penalty: Some(2.0),
+            frequency_penalty: Some(-2.0),
+            ..Sampling::default()
+        });
+    }
+    all.push(random_sampling(api, g));
+    all
+}
+
 fn validator(spec: &Value, schema: &str) -> jsonschema::Validator {
     let mut root = spec.clone();
     root["$ref"] = Value::String(format!("#/components/schemas/{schema}"));
@@ -118,36 +159,68 @@ fn rendered_openai_bodies_conform_to_the_official_openapi_request_schemas() {
     }
     let mut failures = Vec::new();
     let mut checked = 0;
+    let mut g = Gen::new(0x0A11_5E77_1265);
     for (name, conversation) in &conversations {
         for adapter in [
             AdapterId::OpenaiChatV1,
             AdapterId::OpenaiChatV2,
             AdapterId::OpenaiResponsesV1,
         ] {
-            let RenderOutcome::Rendered(rendered) = render_for(conversation, adapter) else {
-                continue;
-            };
-            let body: Value = serde_json::from_slice(&rendered.body).unwrap();
-            let validator = if adapter == AdapterId::OpenaiResponsesV1 {
-                &responses
-            } else {
-                &chat
-            };
-            for error in validator.iter_errors(&body) {
-                failures.push(format!(
-                    "{name} × {adapter}: {} at {}",
-                    error,
-                    error.instance_path()
-                ));
+            for sampling in samplings(adapter.api(), &mut g) {
+                let RenderOutcome::Rendered(rendered) = render_sampled(conversation, adapter, &sampling)
+                else {
+                    continue;
+                };
+                let body: Value = serde_json::from_slice(&rendered.body).unwrap();
+                let validator = if adapter == AdapterId::OpenaiResponsesV1 {
+                    &responses
+                } else {
+                    &chat
+                };
+                for error in validator.iter_errors(&body) {
+                    failures.push(format!(
+                        "{name} × {adapter} × {sampling:?}: {} at {}",
+                        error,
+                        error.instance_path()
+                    ));
+                }
+                checked += 1;
             }
-            checked += 1;
         }
     }
     eprintln!(
         "OpenAPI conformance: {checked} bodies checked against {}",
         path.display()
     );
-    assert!(checked > 60);
+    assert!(checked > 360);
     failures.truncate(40);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Control: the schemas do check the settings' ranges, so passing above means something.
+    let conversation = load("consecutive_user");
+    for (adapter, field, value) in [
+        (AdapterId::OpenaiChatV2, "temperature", serde_json::json!(2.5)),
+        (
+            AdapterId::OpenaiChatV2,
+            "stop",
+            serde_json::json!(["1", "2", "3", "4", "5"]),
+        ),
+        (AdapterId::OpenaiChatV1, "presence_penalty", serde_json::json!(-3)),
+        (AdapterId::OpenaiResponsesV1, "top_p", serde_json::json!(1.5)),
+    ] {
+        let RenderOutcome::Rendered(rendered) = render_sampled(&conversation, adapter, &Sampling::default())
+        else {
+            panic!("{adapter} renders");
+        };
+        let mut body: Value = serde_json::from_slice(&rendered.body).unwrap();
+        body[field] = value;
+        let validator = if adapter == AdapterId::OpenaiResponsesV1 {
+            &responses
+        } else {
+            &chat
+        };
+        assert!(
+            !validator.is_valid(&body),
+            "{adapter}: {field} out of range passes the schema"
+        );
+    }
 }

@@ -250,6 +250,12 @@ fn every_random_legal_graph_renders_legal_and_lossless_or_pauses_for_a_declared_
                             "case {case} × {adapter}: paused without a document: {pauses:?}"
                         );
                     }
+                    RenderOutcome::Refused(error) => {
+                        proptest::prop_assert!(
+                            false,
+                            "case {case} × {adapter}: refused without settings: {error}"
+                        );
+                    }
                 }
             }
             Ok(())

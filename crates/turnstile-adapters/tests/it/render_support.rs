@@ -1,10 +1,11 @@
-//! Shared helpers of the render tests: scenario loading, one `render_for` per adapter, and a
-//! byte-preserving JSON re-indenter for snapshots.
+//! Shared helpers of the render tests: scenario loading, one `render_for` per adapter (and
+//! `render_sampled` with generation settings), and a byte-preserving JSON re-indenter for
+//! snapshots.
 
 use serde_json::Value;
 use turnstile_adapters::render::{Graph, RenderCache, RenderOptions, RenderOutcome, render};
 use turnstile_adapters::tokens::Tokenizer;
-use turnstile_adapters::{AdapterId, Catalog};
+use turnstile_adapters::{AdapterId, Catalog, Sampling};
 use turnstile_core::conversation::Conversation;
 use turnstile_core::{MessageSequence, Validated, parse};
 
@@ -55,6 +56,7 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         max_output_tokens: 1024,
         stream: true,
         background: false,
+        sampling: Sampling::default(),
     }
 }
 
@@ -62,6 +64,24 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
 pub fn render_for(conversation: &Conversation, adapter: AdapterId) -> RenderOutcome {
     let mut cache = RenderCache::new();
     render_cached(conversation, adapter, &mut cache)
+}
+
+/// Validate, build and render with generation settings and a fresh cache.
+pub fn render_sampled(conversation: &Conversation, adapter: AdapterId, sampling: &Sampling) -> RenderOutcome {
+    let validated = Validated::new(conversation).expect("test conversations are valid");
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence).expect("test conversations are ready");
+    let options = RenderOptions {
+        sampling: sampling.clone(),
+        ..options_for(adapter)
+    };
+    render(
+        adapter,
+        graph,
+        &options,
+        tokenizer_for(adapter),
+        &mut RenderCache::new(),
+    )
 }
 
 pub fn render_cached(

@@ -258,6 +258,11 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     }
     out.extend_from_slice(b",\"generationConfig\":{\"maxOutputTokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    // `generationConfig.{temperature, topP, topK, stopSequences, seed, presencePenalty,
+    // frequencyPenalty}` (table in `sampling.rs`).
+    options
+        .sampling
+        .write_fields(crate::registry::Api::Gemini, &mut out);
     out.extend_from_slice(b"}}");
     ctx.tokens += tokenizer.request_overhead();
     let path = crate::registry::Api::Gemini.request_path(&options.model, options.stream);

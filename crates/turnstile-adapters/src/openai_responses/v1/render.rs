@@ -117,6 +117,11 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     }
     out.extend_from_slice(b"],\"max_output_tokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+    // Top-level `temperature` and `top_p`: the only generation settings `CreateResponse` has
+    // (table in `sampling.rs`).
+    options
+        .sampling
+        .write_fields(crate::registry::Api::OpenaiResponses, &mut out);
     if options.background {
         // Background mode keeps the response server-side (it needs `store`, on by default),
         // so an interrupted stream can be resumed with `starting_after` (provider-rules.md).
