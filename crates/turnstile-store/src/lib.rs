@@ -61,6 +61,14 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<ImportOutcome, StoreError>;
 
+    /// Ids (starting with `id_prefix`) of the conversations whose execution ledger holds a call
+    /// with this id: how the proxy finds the conversation a stateless request continues.
+    async fn conversations_with_call(
+        &self,
+        call_id: &str,
+        id_prefix: &str,
+    ) -> Result<Vec<String>, StoreError>;
+
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 

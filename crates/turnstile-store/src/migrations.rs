@@ -16,12 +16,20 @@ pub struct Migration {
 }
 
 /// Every migration, oldest first.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "ledger",
-    sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
-    postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "ledger",
+        sqlite: include_str!("../migrations/sqlite/0001_ledger.sql"),
+        postgres: include_str!("../migrations/postgres/0001_ledger.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "call_id_index",
+        sqlite: include_str!("../migrations/sqlite/0002_call_id_index.sql"),
+        postgres: include_str!("../migrations/postgres/0002_call_id_index.sql"),
+    },
+];
 
 /// The newest version this build knows.
 pub fn latest() -> i64 {

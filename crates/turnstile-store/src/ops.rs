@@ -145,6 +145,29 @@ pub(crate) async fn import_conversation<T: Tx>(
     Ok(ImportOutcome::Created { revision })
 }
 
+/// Conversations whose ids start with `id_prefix` and that committed a call with this id (the
+/// proxy's continuation lookup; call ids are unique within a conversation, not across).
+pub(crate) async fn conversations_with_call<T: Tx>(
+    tx: &mut T,
+    call_id: &str,
+    id_prefix: &str,
+) -> Result<Vec<String>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT conversation_id FROM tool_calls WHERE call_id = $1 ORDER BY conversation_id",
+            &[call_id.into()],
+        )
+        .await?;
+    let mut found = Vec::new();
+    for row in &rows {
+        let id = row.text(0)?;
+        if id.starts_with(id_prefix) {
+            found.push(id);
+        }
+    }
+    Ok(found)
+}
+
 async fn conversation_head<T: Tx>(
     tx: &mut T,
     conversation_id: &str,

@@ -285,6 +285,16 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn conversations_with_call(
+        &self,
+        call_id: &str,
+        id_prefix: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        in_tx!(self, |tx| ops::conversations_with_call(
+            &mut tx, call_id, id_prefix
+        ))
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }

@@ -345,6 +345,16 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn conversations_with_call(
+        &self,
+        call_id: &str,
+        id_prefix: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        let (call_id, id_prefix) = (call_id.to_owned(), id_prefix.to_owned());
+        self.run(move |tx| block_on_ready(ops::conversations_with_call(tx, &call_id, &id_prefix)))
+            .await
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         let id = conversation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))

@@ -193,7 +193,8 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
         })
         .collect();
     assert_eq!(finish, vec![&json!("stop")]);
-    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let follow_up_operation = operation_of(&headers);
+    let sent = sent_for(&gateway, &sim, &follow_up_operation);
     assert_eq!(sent.len(), 1);
     let sent_body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
     let tool_messages = sent_body["messages"]
@@ -203,6 +204,51 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
         .filter(|message| message["role"] == "tool")
         .count();
     assert_eq!(tool_messages, 2);
+
+    // The follow-up continued the first conversation instead of storing the history again:
+    // one conversation holds the whole session, and the results closed the calls.
+    let dispatch = gateway.get(&format!("/v1/dispatches/{follow_up_operation}"));
+    let conversation_id = dispatch["manifest"]["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        follow_up_operation.starts_with(&format!("{operation}.r")),
+        "{follow_up_operation} after {operation}"
+    );
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    let roles: Vec<&str> = history["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|turn| turn["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        vec!["system", "user", "assistant", "tool", "assistant"],
+        "{history}"
+    );
+    let done = gateway.get("/v1/tool-calls?state=done");
+    assert_eq!(done.to_string().matches(&conversation_id).count(), 2, "{done}");
+
+    // A client that edits its history starts a conversation of its own: same request bytes to
+    // the provider as always, nothing appended to the first one.
+    sim.script("gpt-proxy", json!([{"text": "edited"}]));
+    let mut edited = follow_up.clone();
+    edited[1] = json!({"role": "user", "content": "Weather in Rome and Tokyo?"});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-proxy", json!(edited), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        !operation_of(&headers).starts_with(&operation),
+        "an edited history was appended"
+    );
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    assert_eq!(history["turns"].as_array().unwrap().len(), 5);
 }
 
 #[test]

@@ -998,6 +998,29 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
         .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
         .await
         .unwrap();
+    // The committed calls find their conversation, filtered by id prefix.
+    assert_eq!(
+        store.conversations_with_call("a-call-1", "").await.unwrap(),
+        vec!["c".to_owned()]
+    );
+    assert_eq!(
+        store.conversations_with_call("a-call-1", "c").await.unwrap(),
+        vec!["c".to_owned()]
+    );
+    assert!(
+        store
+            .conversations_with_call("a-call-1", "other~")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .conversations_with_call("a-call-9", "")
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let call = &store.tool_calls(None).await.unwrap()[0];
     let results = json!({"id": "t-results", "role": "tool", "blocks": [
         {"id": "r0", "kind": "tool_result", "call_id": "a-call-0", "tool": "get_weather",
@@ -1160,6 +1183,14 @@ pub async fn an_import_writes_a_whole_legal_history_at_once_or_nothing(backend: 
         ImportOutcome::AlreadyExists {
             revision: Revision(4)
         }
+    );
+    // Imported calls are not in the execution ledger, so nothing finds "c" by them.
+    assert!(
+        store
+            .conversations_with_call("a-call-0", "")
+            .await
+            .unwrap()
+            .is_empty()
     );
     // The imported conversation takes appends like any other.
     assert_eq!(

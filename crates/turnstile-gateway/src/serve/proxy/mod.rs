@@ -25,6 +25,7 @@
 //! (holder `proxy-client`) at once: the client runs them and sends the results in its next
 //! request, which is a new conversation.
 
+pub mod continuation;
 pub mod previous;
 pub mod respond;
 pub mod shadow;
@@ -336,6 +337,7 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         &route,
         imported,
         conversation_id,
+        &caller.store_id("proxy-"),
         idempotency_key.is_some(),
         include_usage,
     )
@@ -382,7 +384,7 @@ async fn stored_response(shared: &Arc<Shared>, store_id: &str) -> Result<Value, 
             &Value::Null,
         ));
     }
-    shared
+    let mut document = shared
         .ledger
         .conversation(&record.conversation_id)
         .await
@@ -395,7 +397,17 @@ async fn stored_response(shared: &Arc<Shared>, store_id: &str) -> Result<Value, 
                 "the response's conversation is gone",
                 &Value::Null,
             )
-        })
+        })?;
+    // The conversation may have moved on since (a stateless continuation appended to it): the
+    // response is the history up to its own committed turn.
+    let committed = record
+        .committed_revision
+        .map_or(0, |revision| revision.0 as usize);
+    if let Some(turns) = document["turns"].as_array_mut() {
+        turns.truncate(committed);
+    }
+    document["revision"] = json!(committed);
+    Ok(document)
 }
 
 /// Import a Responses request that continues a stored response: its own input imported
@@ -456,6 +468,7 @@ async fn serve_ours(
     route: &RouteSpec,
     imported: Result<Imported, ImportError>,
     conversation_id: String,
+    proxy_prefix: &str,
     keyed: bool,
     include_usage: bool,
 ) -> Result<Response, Response> {
@@ -507,52 +520,77 @@ async fn serve_ours(
             ));
         }
     }
-    let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
-    let tools = imported.document["tools"].clone();
-    let stored = shared
-        .ledger
-        .import_conversation(&conversation_id, &tools, &turns, now())
-        .await
-        .map_err(|error| from_api_error(api, ApiError::store(error)))?;
-    match stored {
-        ImportOutcome::Created { .. } => {}
-        ImportOutcome::AlreadyExists { .. } if keyed => {
-            // A retry under the same key: the same history attaches, another one conflicts.
-            let document = shared
-                .ledger
-                .conversation(&conversation_id)
-                .await
-                .map_err(|error| from_api_error(api, ApiError::store(error)))?
-                .unwrap_or(Value::Null);
-            if !same_prefix(&document["turns"], &turns) {
-                return Err(provider_error(
+    // A stateless request that continues a conversation committed here appends to it (an
+    // Idempotency-Key names its own conversation and keeps the retry semantics above).
+    let continued = if keyed {
+        None
+    } else {
+        continuation::find_and_append(shared, proxy_prefix, &imported.document).await
+    };
+    let (conversation_id, operation_id, conversation) = match continued {
+        Some(continued) => {
+            let conversation = Conversation::from_value(continued.document).map_err(|error| {
+                provider_error(
                     api,
-                    StatusCode::CONFLICT,
-                    "idempotency_conflict",
-                    "this Idempotency-Key was used for another request",
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "stored_history_unreadable",
+                    &error.to_string(),
                     &Value::Null,
-                ));
+                )
+            })?;
+            let operation_id = format!("{}.r{}", continued.conversation_id, conversation.revision.0);
+            (continued.conversation_id, operation_id, conversation)
+        }
+        None => {
+            let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
+            let tools = imported.document["tools"].clone();
+            let stored = shared
+                .ledger
+                .import_conversation(&conversation_id, &tools, &turns, now())
+                .await
+                .map_err(|error| from_api_error(api, ApiError::store(error)))?;
+            match stored {
+                ImportOutcome::Created { .. } => {}
+                ImportOutcome::AlreadyExists { .. } if keyed => {
+                    // A retry under the same key: the same history attaches, another one conflicts.
+                    let document = shared
+                        .ledger
+                        .conversation(&conversation_id)
+                        .await
+                        .map_err(|error| from_api_error(api, ApiError::store(error)))?
+                        .unwrap_or(Value::Null);
+                    if !same_prefix(&document["turns"], &turns) {
+                        return Err(provider_error(
+                            api,
+                            StatusCode::CONFLICT,
+                            "idempotency_conflict",
+                            "this Idempotency-Key was used for another request",
+                            &Value::Null,
+                        ));
+                    }
+                }
+                ImportOutcome::AlreadyExists { .. } => {
+                    return Err(provider_error(
+                        api,
+                        StatusCode::CONFLICT,
+                        "conversation_exists",
+                        "a fresh proxy conversation id was taken",
+                        &Value::Null,
+                    ));
+                }
+                ImportOutcome::Rejected(violations) => {
+                    return Err(provider_error(
+                        api,
+                        StatusCode::BAD_REQUEST,
+                        "illegal_sequence",
+                        "the conversation is not a legal request; nothing was sent",
+                        &json!({"violations": api::violations_json(&violations)}),
+                    ));
+                }
             }
+            (conversation_id.clone(), conversation_id, conversation)
         }
-        ImportOutcome::AlreadyExists { .. } => {
-            return Err(provider_error(
-                api,
-                StatusCode::CONFLICT,
-                "conversation_exists",
-                "a fresh proxy conversation id was taken",
-                &Value::Null,
-            ));
-        }
-        ImportOutcome::Rejected(violations) => {
-            return Err(provider_error(
-                api,
-                StatusCode::BAD_REQUEST,
-                "illegal_sequence",
-                "the conversation is not a legal request; nothing was sent",
-                &json!({"violations": api::violations_json(&violations)}),
-            ));
-        }
-    }
+    };
     let client_model = imported.model.clone();
     let target = Target {
         provider: route.provider.clone(),
@@ -562,7 +600,6 @@ async fn serve_ours(
             .unwrap_or_else(|| imported.model.clone()),
         adapter: route.adapter.as_str().to_owned(),
     };
-    let operation_id = conversation_id.clone();
     let started = api::prepare_dispatch(
         shared,
         &conversation,

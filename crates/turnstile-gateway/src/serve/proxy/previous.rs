@@ -92,7 +92,7 @@ pub fn splice(stored: &Value, new: &Value) -> Result<Value, NotContinuable> {
 }
 
 /// A turn with `prefix` before its id and its blocks' ids.
-fn renamed(turn: &Value, prefix: &str) -> Value {
+pub(crate) fn renamed(turn: &Value, prefix: &str) -> Value {
     let mut turn = turn.clone();
     if let Some(id) = turn["id"].as_str() {
         turn["id"] = json!(format!("{prefix}{id}"));
