@@ -28,7 +28,10 @@ NAMES = {
     "litellm_proxy": "LiteLLM proxy (1 worker, default)",
     "litellm_proxy_2w": "LiteLLM proxy (2 workers)",
     "tensorzero_embedded": "TensorZero embedded gateway",
-    "direct": "floor: client → simulator directly",
+    "direct": "floor: client → simulator directly (non-streamed reply)",
+    "direct_stream": "floor: client → simulator directly, streamed reply, kept-alive connections",
+    "turnstile_serve_extra_sim": "Turnstile serve (SQLite FULL) against the TCP_NODELAY simulator build",
+    "direct_stream_extra_sim": "floor: streamed reply from the TCP_NODELAY simulator build, kept-alive",
 }
 PEERS_PREPARE = ["vercel_provider", "vercel_generateText", "litellm", "litellm_raw_request"]
 PEERS_STREAM = ["vercel", "litellm"]
@@ -104,7 +107,8 @@ def table(workload, measurements, unavailable, meta):
     elif family == "stream":
         order = ["turnstile", "floor"] + PEERS_STREAM
     else:
-        order = ["turnstile_serve", "turnstile_serve_tmpfs", "direct"] + PEERS_GATEWAY
+        order = ["turnstile_serve", "turnstile_serve_tmpfs", "direct", "direct_stream",
+                 "turnstile_serve_extra_sim", "direct_stream_extra_sim"] + PEERS_GATEWAY
     rows = []
     for system in order:
         record = measurements.get((workload, system))
@@ -139,9 +143,11 @@ def markdown_table(workload, rows, meta):
             out.append(f"| {name} | " + " | ".join(cells) + " |")
             continue
         ratio = row.get("ratio")
-        if row["system"].startswith("turnstile_part"):
+        if row["system"] == "turnstile_serve_extra_sim":
+            ratio_text = f"(this build is {1 / ratio:.1f}× the reference's throughput)" if ratio else ""
+        elif row["system"].startswith("turnstile_part"):
             ratio_text = f"({ratio * 100:.0f}% of Turnstile's time)" if ratio else ""
-        elif row["system"] in ("floor", "direct"):
+        elif row["system"] in ("floor", "direct") or row["system"].startswith("direct_stream"):
             ratio_text = f"(Turnstile / floor: {fmt_ratio(1 / ratio)})" if ratio else ""
         elif ratio is not None:
             ratio_text = f"**{fmt_ratio(ratio)}**"
@@ -352,6 +358,17 @@ def main():
         verdict = "not measured" if value is None else ("**met**" if value >= minimum else "**missed**")
         report["targets"].append({"target": wording, "ratio": value, "minimum": minimum, "verdict": verdict})
         lines.append(f"| {wording} | {fmt_ratio(value) if value else '—'} | {verdict} |")
+    extra = measurements.get(("gateway", "turnstile_serve_extra_sim"))
+    if extra:
+        for peer, minimum, wording in ((("litellm_proxy", "litellm_proxy_2w"), 20, "≥ 20× the LiteLLM proxy"),
+                                       (("tensorzero_embedded",), 1, "above TensorZero's embedded round trip")):
+            values = [measurements[("gateway", p)]["median"] / extra["median"] for p in peer if ("gateway", p) in measurements]
+            if values:
+                value = min(values)
+                verdict = "**met**" if value >= minimum else "**missed**"
+                text = f"gateway throughput {wording}, against the TCP_NODELAY simulator build"
+                report["targets"].append({"target": text, "ratio": value, "minimum": minimum, "verdict": verdict})
+                lines.append(f"| {text} | {fmt_ratio(value)} | {verdict} |")
     for workload in workloads(measurements):
         if not workload.startswith("stream/"):
             continue

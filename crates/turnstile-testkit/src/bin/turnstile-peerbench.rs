@@ -35,7 +35,7 @@ fn usage() -> ! {
         "usage: turnstile-peerbench gen --out DIR\n\
          \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX] [--skip-large]\n\
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
-         [--requests N] [--concurrency C] [--runs R] [--label L]"
+         [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream]"
     );
     std::process::exit(2)
 }
@@ -793,6 +793,8 @@ enum Target {
     Turnstile,
     /// An OpenAI-compatible `POST /v1/chat/completions` (LiteLLM proxy, or the simulator itself).
     Chat,
+    /// The same with `"stream": true`, read to the end (`[DONE]`).
+    ChatStream,
 }
 
 fn load(args: &Args) {
@@ -807,14 +809,25 @@ fn load(args: &Args) {
     let concurrency = args.number("--concurrency", 16) as usize;
     let runs = args.number("--runs", 5);
     let label = args.value("--label").unwrap_or_else(|| "load".into());
+    let fresh = args.0.iter().any(|arg| arg == "--fresh-connections");
+    // `--stream` (chat targets): ask for a streamed reply and read it to the end.
+    let stream = args.0.iter().any(|arg| arg == "--stream");
+    let target = if target == Target::Chat && stream {
+        Target::ChatStream
+    } else {
+        target
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async move {
+        // `--fresh-connections`: no keep-alive (a new TCP connection per request), to tell a
+        // delayed-ACK stall on a reused connection from work.
+        let idle = if fresh { 0 } else { concurrency * 2 };
         let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(concurrency * 2)
+            .pool_max_idle_per_host(idle)
             .timeout(Duration::from_secs(120))
             .build()
             .unwrap();
@@ -900,7 +913,8 @@ fn load(args: &Args) {
             "{}",
             json!({"system": label, "workload": "gateway", "unit": "s/request", "samples": samples,
                    "iterations_per_run": requests, "extra": {"concurrency": concurrency, "p50_s": p50, "p99_s": p99,
-                   "errors": errors, "client": "turnstile-peerbench load (reqwest, closed loop)"}})
+                   "errors": errors, "fresh_connections": fresh,
+                   "client": "turnstile-peerbench load (reqwest, closed loop)"}})
         );
     });
 }
@@ -966,8 +980,9 @@ async fn one(
                 return Err(format!("not committed: {answer}"));
             }
         }
-        Target::Chat => {
-            let body = json!({"model": model, "max_tokens": 256,
+        Target::Chat | Target::ChatStream => {
+            let streamed = target == Target::ChatStream;
+            let body = json!({"model": model, "max_tokens": 256, "stream": streamed,
                               "messages": [{"role": "user", "content": "Hello?"}]});
             let response = client
                 .post(format!("{base}/v1/chat/completions"))
@@ -977,9 +992,16 @@ async fn one(
                 .await
                 .map_err(|e| e.to_string())?;
             let status = response.status();
-            let answer: Value = response.json().await.map_err(|e| e.to_string())?;
-            if !status.is_success() || answer["choices"][0]["message"]["content"].as_str().is_none() {
-                return Err(format!("{status}: {answer}"));
+            if streamed {
+                let bytes = response.bytes().await.map_err(|e| e.to_string())?;
+                if !status.is_success() || !bytes.ends_with(b"data: [DONE]\n\n") {
+                    return Err(format!("{status}: stream without [DONE]"));
+                }
+            } else {
+                let answer: Value = response.json().await.map_err(|e| e.to_string())?;
+                if !status.is_success() || answer["choices"][0]["message"]["content"].as_str().is_none() {
+                    return Err(format!("{status}: {answer}"));
+                }
             }
         }
     }
