@@ -22,9 +22,10 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use turnstile_adapters::decode::StreamApi;
-use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare};
+use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare_with_sampling};
 use turnstile_adapters::registry::AdapterId;
 use turnstile_adapters::render::Graph;
+use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_core::dispatch::DispatchState;
 use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
 use turnstile_store::{AppendOutcome, ClaimOutcome, CreateOutcome, Lease, ResultOutcome, ToolCallState};
@@ -340,6 +341,12 @@ struct DispatchBody {
     max_output_tokens: Option<u64>,
     #[serde(default)]
     stream: bool,
+    /// Generation settings in neutral names (`temperature`, `top_p`, `top_k`, `stop`, `seed`,
+    /// `presence_penalty`, `frequency_penalty`); absent means none. An unknown name is 422
+    /// `invalid_request`, a setting the adapter's API cannot take 422 `unsupported_setting` or
+    /// `setting_out_of_range` (`docs/decisions.md`, 2026-11-30).
+    #[serde(default)]
+    sampling: Sampling,
 }
 
 /// Where a dispatch goes.
@@ -447,6 +454,7 @@ pub async fn dispatch(
         operation_id,
         &request.target,
         request.max_output_tokens,
+        request.sampling,
     )
     .await?
     {
@@ -463,14 +471,36 @@ pub(crate) enum Started {
     Early(Early),
 }
 
+/// A generation setting the adapter's API cannot take: 422 with the setting's neutral name and
+/// the adapter, plus the documented bounds when it is a range (or count) that was broken.
+fn setting_error(error: SamplingError, adapter: AdapterId) -> ApiError {
+    let mut extra = json!({"setting": error.setting().as_str(), "adapter": adapter.as_str()});
+    match &error {
+        SamplingError::OutOfRange { value, min, max, .. } => {
+            extra["value"] = json!(value);
+            extra["min"] = json!(min);
+            extra["max"] = json!(max);
+        }
+        SamplingError::TooMany { count, max, .. } => {
+            extra["count"] = json!(count);
+            extra["max"] = json!(max);
+        }
+        _ => {}
+    }
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.code(), error.to_string()).with(extra)
+}
+
 /// Render → admission → manifest → `ledger.prepare` for a conversation the validator called
-/// ready. Shared by the dispatch endpoint and the proxy endpoints.
+/// ready. Shared by the dispatch endpoint and the proxy endpoints. `sampling` is checked
+/// against the adapter's API before anything renders: a setting it cannot take is 422
+/// `unsupported_setting` / `setting_out_of_range`, never dropped or clamped.
 pub(crate) async fn prepare_dispatch(
     shared: &Arc<Shared>,
     conversation: &Conversation,
     operation_id: String,
     target: &Target,
     max_output_tokens: Option<u64>,
+    sampling: Sampling,
 ) -> Result<Started, ApiError> {
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
@@ -479,6 +509,9 @@ pub(crate) async fn prepare_dispatch(
             format!("no adapter {:?}", target.adapter),
         )
     })?;
+    sampling
+        .check(adapter.api())
+        .map_err(|error| setting_error(error, adapter))?;
     if !shared.endpoints.contains_key(&target.provider) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -518,9 +551,9 @@ pub(crate) async fn prepare_dispatch(
     };
     let outcome = {
         let mut cache = shared.render_cache.lock().await;
-        prepare(graph, &prepare_request, &shared.catalog, &mut cache)
+        prepare_with_sampling(graph, &prepare_request, &sampling, &shared.catalog, &mut cache)
     };
-    let prepared = match outcome {
+    let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {
         PrepareOutcome::Prepared(prepared) => prepared,
         PrepareOutcome::Paused(pauses) => {
             let reason = json!({"code": "unrepresentable", "adapter": adapter.as_str(),

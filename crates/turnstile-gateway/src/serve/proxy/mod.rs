@@ -606,6 +606,7 @@ async fn serve_ours(
         operation_id.clone(),
         &target,
         imported.max_output_tokens,
+        imported.sampling.clone(),
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
