@@ -921,3 +921,41 @@ fn a_provider_refusal_keeps_its_status_in_the_clients_error_shape() {
         "a refused attempt is not retried blindly"
     );
 }
+
+#[test]
+fn generation_settings_reach_the_provider_in_its_own_fields_or_are_refused_by_name() {
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+model = "claude-*"
+provider = "sim"
+adapter = "openai-chat@2"
+target_model = "gpt-under"
+
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "anthropic-messages@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    sim.script("gpt-under", json!([{"text": "cold"}]));
+    let request = json!({"model": "claude-x", "max_tokens": 64, "temperature": 0, "stop_sequences": ["END"],
+                         "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(body["temperature"].as_f64(), Some(0.0), "{body}");
+    assert_eq!(body["stop"], json!(["END"]), "{body}");
+    assert!(headers.get("x-turnstile-dropped").is_none());
+    // `seed` has no field in Anthropic Messages: refused by name, in the client's error shape,
+    // and nothing is sent.
+    let before = sim.requests().len();
+    let request = json!({"model": "gpt-y", "seed": 7, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 400, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    assert_eq!(body["error"]["setting"], "seed", "{body}");
+    assert_eq!(sim.requests().len(), before);
+}

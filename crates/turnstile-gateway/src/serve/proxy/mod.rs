@@ -135,7 +135,14 @@ pub fn provider_error(api: Api, status: StatusCode, code: &str, message: &str, e
 }
 
 fn from_api_error(api: Api, error: ApiError) -> Response {
-    provider_error(api, error.status(), error.code(), error.message(), error.extra())
+    // Provider APIs answer every problem with the request itself with 400.
+    let status = match error.code() {
+        "unsupported_setting" | "setting_out_of_range" | "over_budget" | "unknown_adapter" => {
+            StatusCode::BAD_REQUEST
+        }
+        _ => error.status(),
+    };
+    provider_error(api, status, error.code(), error.message(), error.extra())
 }
 
 /// The key the client's SDK authenticates with, wherever its API puts it.

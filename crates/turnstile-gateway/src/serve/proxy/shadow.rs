@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use turnstile_adapters::Api;
 use turnstile_adapters::import::{ImportError, Imported, import, semantic_diff};
-use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare};
+use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare_with_sampling};
 use turnstile_adapters::render::{Graph, RenderCache};
 use turnstile_core::{Conversation, MessageSequence, Validated, Verdict, validate};
 
@@ -243,7 +243,17 @@ pub fn compare(
     };
     // A private cache: shadow traffic must not evict the live path's fragments.
     let mut cache = RenderCache::new();
-    let ours = match prepare(graph, &request, &shared.catalog, &mut cache) {
+    let outcome =
+        match prepare_with_sampling(graph, &request, &imported.sampling, &shared.catalog, &mut cache) {
+            Ok(outcome) => outcome,
+            Err(refusal) => {
+                record["differs"]["would_reject"] = json!(true);
+                record["verdict"] = json!(refusal.code());
+                record["refusal"] = json!(refusal.to_string());
+                return record;
+            }
+        };
+    let ours = match outcome {
         PrepareOutcome::Prepared(prepared) => prepared.rendered.body,
         PrepareOutcome::Paused(pauses) => {
             record["differs"]["would_reject"] = json!(true);
