@@ -1,6 +1,6 @@
 // Browser test of the console (run by tests/it/console.rs, never directly in CI):
 // a cut stream's preview appears greyed and marked "preview", is retracted, and the committed
-// turn replaces it. Env: GATEWAY (base URL), SIM (simulator URL), CHROMIUM (executable), PLAYWRIGHT_CORE (module
+// turn replaces it; a shadowed proxy request appears in the rollout view. Env: GATEWAY (base URL), SIM (simulator URL), CHROMIUM (executable), PLAYWRIGHT_CORE (module
 // path), SCREENSHOT (output PNG).
 import { createRequire } from "node:module";
 import assert from "node:assert/strict";
@@ -53,6 +53,17 @@ try {
 
   // 4. The dispatch view shows both attempts with their timelines.
   await page.waitForFunction(() => document.querySelectorAll("[data-testid=attempt]").length === 2, null, { timeout: 20000 });
+
+  // 5. A shadowed proxy request (route `shadow-*`, see console.rs) shows up in the rollout view
+  // with what the validator would have done: an orphan tool result is "rejected".
+  await post("/sim/script", { model: "shadow-console", replies: [{ text: "forwarded" }] }, process.env.SIM);
+  await post("/v1/chat/completions", { model: "shadow-console", messages: [
+    { role: "user", content: "hi" }, { role: "tool", tool_call_id: "call_nobody", content: "x" }] });
+  const row = await page.waitForSelector('[data-testid=shadow-diff][data-verdict=rejected]', { timeout: 20000 });
+  assert.match(await row.innerText(), /shadow-console/);
+  assert.match(await row.innerText(), /orphan_result/);
+  await page.waitForFunction(() => /1 compared/.test(document.querySelector("[data-testid=shadow-summary]").innerText),
+    null, { timeout: 20000 });
   await page.screenshot({ path: process.env.SCREENSHOT, fullPage: true });
   console.log("console test passed; screenshot at " + process.env.SCREENSHOT);
 } finally {

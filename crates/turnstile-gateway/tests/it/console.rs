@@ -1,5 +1,6 @@
 //! The console in a real browser: Debian's Chromium driven by playwright-core (from npm) runs
-//! `tests/console/console.test.mjs` against a gateway and a simulator on loopback. The browser
+//! `tests/console/console.test.mjs` against a gateway (with one shadow proxy route) and a
+//! simulator on loopback. The browser
 //! parts are installed by `scripts/test`; when they are missing this test fails, never skips.
 
 use crate::serve::{Gateway, sqlite};
@@ -18,7 +19,8 @@ fn the_console_shows_preview_retracts_it_and_shows_the_committed_turn() {
     );
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    let shadow_route = "[[routes]]\napi = \"openai-chat\"\nmodel = \"shadow-*\"\nmode = \"shadow\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n";
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, shadow_route);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console/console.test.mjs");
     let screenshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console-screenshot.png");
     let output = Command::new("node")
