@@ -418,6 +418,13 @@ def main():
             if family == "stream":
                 target = STREAM_TARGET
             bars.append((f"{workload} · {NAMES[peer]}", ratio(workload, peer), target))
+    extra = measurements.get(("gateway", "turnstile_serve_extra_sim"))
+    if extra:
+        for peer in PEERS_GATEWAY:
+            if ("gateway", peer) in measurements:
+                target = 20 if peer.startswith("litellm") else 1
+                bars.append((f"gateway, TCP_NODELAY sim build · {NAMES[peer]}",
+                             measurements[("gateway", peer)]["median"] / extra["median"], target))
     subtitle = (f"{env.get('date', '')}, {env.get('cpu', '')}, {env.get('cores', '')} cores; "
                 f"load average {env.get('load_start', '')} → {env.get('load_end', '')}")
     svg = svg_chart(bars, subtitle)
