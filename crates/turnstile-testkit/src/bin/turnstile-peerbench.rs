@@ -111,7 +111,7 @@ fn text(value: impl Into<String>) -> Part {
 /// user (text) → assistant (text + two parallel calls) → tool (two results, out of order, one
 /// an error), then a closing user question.
 fn conversation(blocks: usize) -> Vec<Msg> {
-    assert!(blocks >= 8 && (blocks - 2) % 6 == 0, "blocks = 2 + 6k");
+    assert!(blocks >= 8 && (blocks - 2).is_multiple_of(6), "blocks = 2 + 6k");
     let mut messages = vec![msg("system", vec![text("You are a careful assistant.")])];
     for round in 0..(blocks - 2) / 6 {
         let a = format!("call_{round}_a");
@@ -650,11 +650,11 @@ fn floor_stream(bytes: &[u8]) -> (usize, Digest) {
     for end in memchr::memchr_iter(b'\n', bytes) {
         let line = &bytes[start..end];
         start = end + 1;
-        if let Some(payload) = line.strip_prefix(b"data: ") {
-            if payload != b"[DONE]" {
-                black_box(serde_json::from_slice::<Value>(payload).unwrap());
-                parsed += 1;
-            }
+        if let Some(payload) = line.strip_prefix(b"data: ")
+            && payload != b"[DONE]"
+        {
+            black_box(serde_json::from_slice::<Value>(payload).unwrap());
+            parsed += 1;
         }
     }
     (parsed, Digest::of_bytes(bytes))
