@@ -336,7 +336,8 @@ pub struct CommitOffer {
     pub calls: Vec<CommittedCall>,
     /// The provider's stop reason.
     pub stop_reason: StopReason,
-    /// The last usage report, if any: (input, output) tokens.
+    /// The usage reported, if any: (input, output) tokens, each the last value the provider
+    /// gave for it (reports may carry one field only).
     pub usage: Option<(Option<u64>, Option<u64>)>,
 }
 
@@ -751,7 +752,12 @@ impl Assembler {
             StreamEvent::Usage {
                 input_tokens,
                 output_tokens,
-            } => self.usage = Some((input_tokens, output_tokens)),
+            } => {
+                // Field by field: Anthropic reports input tokens in `message_start` and only
+                // output tokens in `message_delta`; a later report refines, never erases.
+                let (input_last, output_last) = self.usage.unwrap_or((None, None));
+                self.usage = Some((input_tokens.or(input_last), output_tokens.or(output_last)));
+            }
             StreamEvent::Malformed { detail } => return Err(RetractReason::ProtocolViolation { detail }),
             StreamEvent::ProviderError { code, message } => {
                 return Err(RetractReason::ProviderError {

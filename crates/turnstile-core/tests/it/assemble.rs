@@ -538,3 +538,30 @@ fn a_committed_turn_revalidates_as_v1_history() {
         }
     );
 }
+
+#[test]
+fn usage_reports_merge_field_by_field_so_a_later_output_count_keeps_the_input_count() {
+    // Anthropic: input tokens in `message_start`, only output tokens in `message_delta`.
+    let mut events = text_and_call();
+    let end = events.len() - 2;
+    events.insert(
+        1,
+        StreamEvent::Usage {
+            input_tokens: Some(377),
+            output_tokens: Some(1),
+        },
+    );
+    events.insert(
+        end + 1,
+        StreamEvent::Usage {
+            input_tokens: None,
+            output_tokens: Some(42),
+        },
+    );
+    let mut assembler = assembler_with(Some(weather_tools()));
+    let outputs = run(&mut assembler, events);
+    let Some(Output::Commit(offer)) = outputs.last() else {
+        panic!("{outputs:?}")
+    };
+    assert_eq!(offer.usage, Some((Some(377), Some(42))));
+}

@@ -200,6 +200,20 @@ impl Config {
             ));
         }
         for tenant in &self.tenants {
+            // A tenant name is a store-id prefix ending in `~`: a `~` (or anything outside a
+            // plain id) in it could make one tenant's ids a prefix of another's.
+            let plain = !tenant.name.is_empty()
+                && tenant.name.len() <= 64
+                && tenant
+                    .name
+                    .bytes()
+                    .all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.'));
+            if !plain {
+                return Err(format!(
+                    "tenant name {:?} must be 1–64 characters of A–Z a–z 0–9 - _ .",
+                    tenant.name
+                ));
+            }
             if tenant.token.is_none() && tenant.token_env.is_none() {
                 return Err(format!(
                     "tenant {:?} has neither token nor token_env",
@@ -231,5 +245,46 @@ impl Config {
             return Err("provider name \"sim\" is reserved for the simulator (use sim_url)".into());
         }
         Ok(address)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_name_that_could_overlap_another_tenants_ids_is_refused() {
+        for (name, ok) in [
+            ("acme", true),
+            ("a~proxy-x", false),
+            ("", false),
+            ("a b", false),
+            ("team_1.eu-2", true),
+        ] {
+            let config: Config =
+                toml::from_str(&format!("[[tenants]]\nname = {name:?}\ntoken = \"t\"\n")).unwrap();
+            assert_eq!(config.check().is_ok(), ok, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn routes_name_known_apis_adapters_and_providers() {
+        let route = |body: &str| {
+            toml::from_str::<Config>(&format!("[[routes]]\n{body}\n"))
+                .unwrap()
+                .check()
+        };
+        assert!(
+            route("api = \"openai-chat\"\nprovider = \"sim\"\nadapter = \"anthropic-messages@2\"").is_ok()
+        );
+        assert!(route("api = \"openai-chats\"\nprovider = \"sim\"\nadapter = \"openai-chat@1\"").is_err());
+        assert!(route("api = \"openai-chat\"\nprovider = \"sim\"\nadapter = \"openai-chat@9\"").is_err());
+        assert!(route("api = \"openai-chat\"\nprovider = \"nobody\"\nadapter = \"openai-chat@1\"").is_err());
+        assert!(
+            route(
+                "api = \"gemini\"\nprovider = \"sim\"\nadapter = \"gemini@1\"\noriginal_provider = \"nobody\""
+            )
+            .is_err()
+        );
     }
 }

@@ -920,6 +920,41 @@ fn a_provider_refusal_keeps_its_status_in_the_clients_error_shape() {
         1,
         "a refused attempt is not retried blindly"
     );
+    // Streaming too: the status line waits for the first output, so the refusal is an HTTP 429
+    // the SDK raises as its rate-limit error, not a 200 with an error event inside.
+    sim.script(
+        "claude-busy",
+        json!([{"text": "never", "faults": {"status": 429}}]),
+    );
+    let mut request = request;
+    request["stream"] = json!(true);
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 429, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+    // The same Idempotency-Key after the provider recovers starts a new dispatch instead of
+    // replaying the failure for ever.
+    sim.script(
+        "claude-busy",
+        json!([{"text": "never", "faults": {"status": 429}}, {"text": "Recovered."}]),
+    );
+    let request =
+        json!({"model": "claude-busy", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
+    let key = [("idempotency-key", "busy-1")];
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &key);
+    assert_eq!(status, 429, "{text}");
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &key);
+    assert_eq!(status, 200, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["content"][0]["text"], "Recovered.");
+    let retried = operation_of(&headers);
+    assert!(retried.ends_with(".k1"), "{retried}");
+    // …and a third ask attaches to the committed one: no new send.
+    let sent = sim.requests().len();
+    let (status, headers, _) = post(&gateway.base, "/v1/messages", &request, &key);
+    assert_eq!(status, 200);
+    assert_eq!(operation_of(&headers), retried);
+    assert_eq!(sim.requests().len(), sent);
 }
 
 #[test]
@@ -958,4 +993,121 @@ adapter = "anthropic-messages@2"
     assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
     assert_eq!(body["error"]["setting"], "seed", "{body}");
     assert_eq!(sim.requests().len(), before);
+}
+
+#[test]
+fn a_request_arriving_while_a_continuation_is_still_streaming_forks_instead_of_breaking_it() {
+    let (_dir, sim, gateway) = proxy_world("");
+    // R0 commits two calls; R1 (results) continues that conversation and streams slowly; R2 (R1's
+    // history plus a question) arrives meanwhile. Appending R2 would make R1's commit lose.
+    sim.script(
+        "gpt-race",
+        json!([two_calls(),
+        {"text": "Paris 12C and Tokyo 20C, slowly.", "faults": {"delay_ms": 80}},
+        {"text": "A title."}]),
+    );
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-race", question.clone(), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let first_operation = operation_of(&headers);
+    let body: Value = serde_json::from_str(&text).unwrap();
+    let message = body["choices"][0]["message"].clone();
+    let calls = message["tool_calls"].as_array().unwrap().clone();
+    let mut r1 = question.as_array().unwrap().clone();
+    r1.push(message);
+    for call in &calls {
+        r1.push(json!({"role": "tool", "tool_call_id": call["id"], "content": "ok"}));
+    }
+    let mut r2 = r1.clone();
+    r2.push(json!({"role": "assistant", "content": "Paris 12C and Tokyo 20C, slowly."}));
+    r2.push(json!({"role": "user", "content": "Give this a title."}));
+    let base = gateway.base.clone();
+    let slow = {
+        let request = chat_request("gpt-race", json!(r1), false);
+        std::thread::spawn(move || post(&base, "/v1/chat/completions", &request, &[]))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-race", json!(r2), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let forked = operation_of(&headers);
+    let (status, headers, text) = slow.join().unwrap();
+    assert_eq!(status, 200, "the slow continuation must still commit: {text}");
+    let continued = operation_of(&headers);
+    assert!(
+        continued.starts_with(&format!("{first_operation}.r")),
+        "{continued}"
+    );
+    assert!(
+        !forked.starts_with(&first_operation),
+        "{forked} appended onto a running dispatch"
+    );
+    for operation in [&continued, &forked] {
+        assert_eq!(
+            gateway.get(&format!("/v1/dispatches/{operation}"))["state"],
+            "COMMITTED"
+        );
+    }
+    assert!(
+        gateway.get("/v1/quarantine")["quarantine"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[test]
+fn shadow_relays_the_providers_headers_and_a_keyed_retry_with_other_tools_conflicts() {
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+model = "shadow-*"
+mode = "shadow"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "anthropic-messages@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    sim.script(
+        "shadow-busy",
+        json!([{"text": "never", "faults": {"status": 429}}]),
+    );
+    let request =
+        json!({"model": "shadow-busy", "max_tokens": 32, "messages": [{"role": "user", "content": "Hi"}]});
+    let response = client()
+        .post(format!("{}/v1/messages", gateway.base))
+        .json(&request)
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 429);
+    assert_eq!(
+        response.headers()["retry-after"],
+        "1",
+        "the provider's backoff hint must reach the SDK"
+    );
+
+    let tools = |name: &str| json!([{"name": name, "input_schema": {"type": "object"}}]);
+    let keyed = |name: &str| json!({"model": "claude-k", "max_tokens": 32, "tools": tools(name), "messages": [{"role": "user", "content": "Hi"}]});
+    sim.script("claude-k", json!([{"text": "ok"}]));
+    let key = [("idempotency-key", "tools-1")];
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &keyed("get_weather"), &key);
+    assert_eq!(status, 200, "{text}");
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &keyed("get_time"), &key);
+    assert_eq!(
+        status, 409,
+        "the same key with other tools is another request: {text}"
+    );
 }

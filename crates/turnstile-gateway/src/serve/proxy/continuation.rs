@@ -8,9 +8,10 @@
 //!
 //! The lookup key is a call id (`Ledger::conversations_with_call`, scoped to the caller's proxy
 //! conversations); the match is `semantic_diff` over the stored turns, tools included. Anything
-//! else — no call, a different meaning (the client edited or trimmed its history), a revision
-//! that moved under us — falls back to a fresh conversation: continuation saves storage, it never
-//! changes what is sent.
+//! else — no call, a different meaning (the client edited or trimmed its history), a stored
+//! conversation that does not end with a committed assistant turn (another request already
+//! continued it, and its dispatch may be running), a revision that moved under us — falls back to
+//! a fresh conversation: continuation saves storage, it never changes what is sent.
 
 use super::super::{Shared, now};
 use super::previous::renamed;
@@ -60,10 +61,19 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
         let Ok(Some(stored)) = shared.ledger.conversation(&conversation_id).await else {
             continue;
         };
-        let stored_count = stored["turns"].as_array().map_or(0, Vec::len);
+        let stored_turns = stored["turns"].as_array().map_or(&[][..], Vec::as_slice);
+        let stored_count = stored_turns.len();
         // Our history must end at or after the assistant turn the key came from, and the request
         // must bring something new after it.
         if stored_count <= assistant_index || stored_count >= new_turns.len() {
+            continue;
+        }
+        // Only a conversation that ends with a committed assistant turn takes appends: once a
+        // continuation appended after it, a dispatch may be running at that revision, and a
+        // second append would make its commit lose (a paid answer quarantined). The append's
+        // compare-and-set on the revision decides between two requests continuing at once; the
+        // loser forks into a fresh conversation.
+        if stored_turns.last().is_none_or(|turn| turn["role"] != "assistant") {
             continue;
         }
         let mut prefix = imported.clone();

@@ -566,7 +566,7 @@ async fn serve_ours(
                         .await
                         .map_err(|error| from_api_error(api, ApiError::store(error)))?
                         .unwrap_or(Value::Null);
-                    if !same_prefix(&document["turns"], &turns) {
+                    if !same_prefix(&document["turns"], &turns) || document["tools"] != tools {
                         return Err(provider_error(
                             api,
                             StatusCode::CONFLICT,
@@ -595,7 +595,14 @@ async fn serve_ours(
                     ));
                 }
             }
-            (conversation_id.clone(), conversation_id, conversation)
+            let operation_id = if keyed {
+                keyed_operation(shared, &conversation_id)
+                    .await
+                    .map_err(|error| from_api_error(api, ApiError::store(error)))?
+            } else {
+                conversation_id.clone()
+            };
+            (conversation_id, operation_id, conversation)
         }
     };
     let client_model = imported.model.clone();
@@ -662,7 +669,13 @@ async fn serve_ours(
         headers.push(("x-turnstile-dropped", imported.dropped.join(",")));
     }
     let response = if imported.stream {
-        stream_answer(hub, to, prompt_tokens)
+        // The status line waits for the first sign of an answer: a dispatch that fails before
+        // any output (the provider's 429, say) is that HTTP error, so the SDK raises its own
+        // typed exception and backs off, instead of a 200 with an error inside.
+        match failure_before_output(&hub).await {
+            Some(Outcome::Failed { code, message }) => failed_response(api, &code, &message),
+            _ => stream_answer(hub, to, prompt_tokens),
+        }
     } else {
         whole_answer(hub, to, prompt_tokens).await
     };
@@ -673,6 +686,29 @@ async fn serve_ours(
         }
     }
     Ok(response)
+}
+
+/// Most retries under one Idempotency-Key after failed dispatches.
+const KEYED_RETRIES_MAX: u32 = 100;
+
+/// The dispatch a keyed request attaches to: the key's first dispatch, or — when that one (and
+/// each retry after it) ended FAILED or ABANDONED without a commit — the next `<id>.k<n>`, so a
+/// key is never poisoned by a provider's transient refusal.
+async fn keyed_operation(
+    shared: &Arc<Shared>,
+    conversation_id: &str,
+) -> Result<String, turnstile_store::StoreError> {
+    use turnstile_core::dispatch::DispatchState;
+    let mut operation_id = conversation_id.to_owned();
+    for retry in 1..=KEYED_RETRIES_MAX {
+        match shared.ledger.dispatch(&operation_id).await? {
+            Some(record) if matches!(record.state, DispatchState::Failed | DispatchState::Abandoned) => {
+                operation_id = format!("{conversation_id}.k{retry}");
+            }
+            _ => break,
+        }
+    }
+    Ok(operation_id)
 }
 
 /// The id without the tenant prefix.
@@ -762,6 +798,47 @@ fn outcome_of(event: &str, data: &Value) -> Option<Outcome> {
     }
 }
 
+/// The dispatch's failure if it fails before any preview or commit; None as soon as output
+/// (or a commit) appears.
+async fn failure_before_output(hub: &Hub) -> Option<Outcome> {
+    let (backlog, finished, mut receiver) = hub.subscribe();
+    let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
+    let mut live = !finished;
+    loop {
+        let (event, data) = match pending.pop_front() {
+            Some(message) => message,
+            None if live => match receiver.recv().await {
+                Ok(Some(message)) => message,
+                _ => {
+                    live = false;
+                    continue;
+                }
+            },
+            None => return None,
+        };
+        if event == "preview" {
+            return None;
+        }
+        match outcome_of(event, &data) {
+            Some(Outcome::Committed(_)) => return None,
+            Some(failed) => return Some(failed),
+            None => {}
+        }
+    }
+}
+
+/// A failed dispatch as the client's HTTP error: the provider's own refusal keeps its status
+/// (a 429 stays a 429, so SDKs back off and retry); everything else is a gateway-side 502.
+fn failed_response(api: Api, code: &str, message: &str) -> Response {
+    let status = code
+        .strip_prefix("provider_status_")
+        .and_then(|status| status.parse::<u16>().ok())
+        .and_then(|status| StatusCode::from_u16(status).ok())
+        .filter(|status| status.is_client_error() || status.is_server_error())
+        .unwrap_or(StatusCode::BAD_GATEWAY);
+    provider_error(api, status, code, message, &Value::Null)
+}
+
 async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
     let (backlog, finished, mut receiver) = hub.subscribe();
     let mut outcome = backlog.iter().find_map(|(event, data)| outcome_of(event, data));
@@ -784,17 +861,7 @@ async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Respo
             let facts = Facts::from_event(&event, prompt_tokens, &parts);
             Json(respond::whole(&to, &parts, &facts)).into_response()
         }
-        Some(Outcome::Failed { code, message }) => {
-            // The provider's own refusal keeps its status (a 429 stays a 429, so the SDK backs
-            // off and retries); everything else is a gateway-side 502.
-            let status = code
-                .strip_prefix("provider_status_")
-                .and_then(|status| status.parse::<u16>().ok())
-                .and_then(|status| StatusCode::from_u16(status).ok())
-                .filter(|status| status.is_client_error() || status.is_server_error())
-                .unwrap_or(StatusCode::BAD_GATEWAY);
-            provider_error(to.api, status, &code, &message, &Value::Null)
-        }
+        Some(Outcome::Failed { code, message }) => failed_response(to.api, &code, &message),
         None => provider_error(
             to.api,
             StatusCode::BAD_GATEWAY,

@@ -226,26 +226,42 @@ fn responses_object(
     object
 }
 
+/// Gemini parts. A Gemini thought signature belongs on the part that follows it (the
+/// `functionCall` or text part it signs, as the API sends it and as `gemini/v1/render.rs` puts it
+/// back): Gemini 3 refuses a history whose function call lost its signature. A readable thought
+/// is its own `thought: true` part; a signature with nothing after it rides on an empty text part.
 fn gemini_parts(parts: &[Part]) -> Vec<Value> {
-    parts
-        .iter()
-        .filter_map(|part| match part {
-            Part::Text(text) => Some(json!({"text": text})),
+    let mut out = Vec::new();
+    let mut signature_pending: Option<String> = None;
+    for part in parts {
+        let mut value = match part {
+            Part::Text(text) => json!({"text": text}),
             Part::Call { name, arguments, .. } => {
-                Some(json!({"functionCall": {"name": name, "args": arguments_value(arguments)}}))
+                json!({"functionCall": {"name": name, "args": arguments_value(arguments)}})
             }
             Part::Reasoning {
                 provider,
-                signature: Some(signature),
+                signature,
                 text,
                 ..
             } if provider == "gemini" => {
-                Some(json!({"text": text.clone().unwrap_or_default(), "thought": true,
-                                                      "thoughtSignature": signature}))
+                if let Some(text) = text.as_ref().filter(|text| !text.is_empty()) {
+                    out.push(json!({"text": text, "thought": true}));
+                }
+                signature_pending = signature.clone();
+                continue;
             }
-            Part::Reasoning { .. } => None,
-        })
-        .collect()
+            Part::Reasoning { .. } => continue,
+        };
+        if let Some(signature) = signature_pending.take() {
+            value["thoughtSignature"] = json!(signature);
+        }
+        out.push(value);
+    }
+    if let Some(signature) = signature_pending {
+        out.push(json!({"text": "", "thoughtSignature": signature}));
+    }
+    out
 }
 
 fn gemini_usage(facts: &Facts) -> Value {
@@ -602,10 +618,39 @@ impl StreamEncoder {
                     if item["type"] == "function_call" {
                         added["arguments"] = json!("");
                     }
+                    if item["type"] == "message" {
+                        added["content"] = json!([]);
+                    }
                     out.extend(self.responses_event(
                         "response.output_item.added",
                         json!({"output_index": output_index, "item": added}),
                     ));
+                    if item["type"] == "message" {
+                        // The same part and text events a previewed message gets, so SDKs that
+                        // assemble text from deltas see every message.
+                        let text = item["content"][0]["text"].clone();
+                        let item_id = item["id"].clone();
+                        out.extend(self.responses_event(
+                            "response.content_part.added",
+                            json!({"item_id": item_id, "output_index": output_index, "content_index": 0,
+                                "part": {"type": "output_text", "text": "", "annotations": []}}),
+                        ));
+                        out.extend(self.responses_event(
+                            "response.output_text.delta",
+                            json!({"item_id": item_id, "output_index": output_index, "content_index": 0,
+                                "delta": text, "logprobs": []}),
+                        ));
+                        out.extend(self.responses_event(
+                            "response.output_text.done",
+                            json!({"item_id": item_id, "output_index": output_index, "content_index": 0,
+                                "text": text, "logprobs": []}),
+                        ));
+                        out.extend(self.responses_event(
+                            "response.content_part.done",
+                            json!({"item_id": item_id, "output_index": output_index, "content_index": 0,
+                                "part": {"type": "output_text", "text": text, "annotations": []}}),
+                        ));
+                    }
                     if item["type"] == "function_call" {
                         out.extend(self.responses_event(
                             "response.function_call_arguments.delta",
@@ -722,5 +767,121 @@ impl StreamEncoder {
                                                   "turnstile_code": code}}),
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> Facts {
+        Facts {
+            input_tokens: 10,
+            output_tokens: 5,
+            stop_reason: "end_turn".into(),
+        }
+    }
+
+    fn to(api: Api) -> Addressee {
+        Addressee {
+            api,
+            id: "x1".into(),
+            model: "m".into(),
+            created: 1,
+            include_usage: false,
+        }
+    }
+
+    fn events(bytes: &[u8]) -> Vec<(String, Value)> {
+        String::from_utf8_lossy(bytes)
+            .split("\n\n")
+            .filter(|chunk| !chunk.trim().is_empty())
+            .map(|chunk| {
+                let mut name = String::new();
+                let mut data = Value::Null;
+                for line in chunk.lines() {
+                    if let Some(value) = line.strip_prefix("event: ") {
+                        name = value.to_owned();
+                    } else if let Some(value) = line.strip_prefix("data: ") {
+                        data = serde_json::from_str(value).unwrap_or(Value::Null);
+                    }
+                }
+                (name, data)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_gemini_thought_signature_rides_on_the_part_it_signs() {
+        let parts = vec![
+            Part::Reasoning {
+                provider: "gemini".into(),
+                text: None,
+                signature: Some("sig-1".into()),
+                encrypted: None,
+            },
+            Part::Call {
+                id: "c1".into(),
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Paris\"}".into(),
+            },
+            Part::Reasoning {
+                provider: "gemini".into(),
+                text: Some("thinking".into()),
+                signature: Some("sig-2".into()),
+                encrypted: None,
+            },
+        ];
+        let parts = gemini_parts(&parts);
+        assert_eq!(
+            parts,
+            vec![
+                json!({"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}, "thoughtSignature": "sig-1"}),
+                json!({"text": "thinking", "thought": true}),
+                json!({"text": "", "thoughtSignature": "sig-2"}),
+            ]
+        );
+    }
+
+    #[test]
+    fn every_responses_message_item_gets_its_text_events_previewed_or_not() {
+        let parts = vec![
+            Part::Reasoning {
+                provider: "openai".into(),
+                text: None,
+                signature: None,
+                encrypted: Some("enc".into()),
+            },
+            Part::Text("Hello there.".into()),
+        ];
+        let mut encoder = StreamEncoder::new(to(Api::OpenaiResponses), 10);
+        let mut bytes = encoder.start();
+        bytes.extend(encoder.finish(&parts, &facts()).unwrap());
+        let events = events(&bytes);
+        let deltas: String = events
+            .iter()
+            .filter(|(name, _)| name == "response.output_text.delta")
+            .map(|(_, data)| data["delta"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(deltas, "Hello there.");
+        let added = events
+            .iter()
+            .find(|(name, data)| name == "response.output_item.added" && data["item"]["type"] == "message")
+            .unwrap();
+        assert_eq!(added.1["item"]["content"], json!([]));
+        let sequence: Vec<u64> = events
+            .iter()
+            .map(|(_, data)| data["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(sequence, (0..sequence.len() as u64).collect::<Vec<_>>());
+        let completed = &events.last().unwrap().1["response"];
+        assert_eq!(completed["output"][1]["content"][0]["text"], "Hello there.");
+        assert_eq!(
+            events
+                .iter()
+                .filter(|(name, _)| name == "response.content_part.done")
+                .count(),
+            1
+        );
     }
 }

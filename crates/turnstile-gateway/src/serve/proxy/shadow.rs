@@ -72,9 +72,10 @@ impl Diffs {
 
 /// Request headers that carry meaning for the provider and are passed on (never credentials:
 /// the provider's key comes from the gateway's own configuration).
-const FORWARDED_HEADERS: [&str; 5] = [
+const FORWARDED_HEADERS: [&str; 6] = [
     "content-type",
     "accept",
+    "idempotency-key",
     "anthropic-version",
     "anthropic-beta",
     "openai-beta",
@@ -149,20 +150,40 @@ pub async fn forward(
         }
     };
     let status = StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| header::HeaderValue::from_static("application/json"));
+    // The provider's own headers go back too (retry-after, x-should-retry, request ids, rate-limit
+    // counters: SDKs back off by them), except those that describe this one connection.
+    let mut relayed = axum::http::HeaderMap::new();
+    for (name, value) in response.headers() {
+        if !HOP_BY_HOP_HEADERS.contains(&name.as_str()) {
+            relayed.append(name.clone(), value.clone());
+        }
+    }
     let mut out = Response::builder()
         .status(status)
-        .header(header::CONTENT_TYPE, content_type)
         .header("x-turnstile-mode", mode_label)
         .body(Body::from_stream(response.bytes_stream()))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
-    out.headers_mut().remove(header::CONTENT_LENGTH);
+    out.headers_mut().extend(relayed);
+    if !out.headers().contains_key(header::CONTENT_TYPE) {
+        out.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("application/json"),
+        );
+    }
     out
 }
+
+/// Response headers that belong to one connection (RFC 9110 §7.6.1) or to a body we re-frame.
+const HOP_BY_HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+];
 
 /// Where two byte strings first differ (None: identical).
 fn first_difference(ours: &[u8], theirs: &[u8]) -> Option<usize> {
