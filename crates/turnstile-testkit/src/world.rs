@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use turnstile_adapters::decode::{Decoder, StreamApi};
 use turnstile_adapters::{AdapterId, Catalog, Graph, PrepareOutcome, PrepareRequest, RenderCache, prepare};
-use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, Toolset};
+use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, RetractReason, Toolset};
 use turnstile_core::dispatch::{
     ClientEvent, DispatchMachine, DispatchState, Effect, Prepared, ProviderInput, ProviderRecovery,
     QuarantineReason, RecoveryDecision, StoreAnswer, Timestamp, UnknownAttempt, Write, recovery_decision,
@@ -100,6 +100,8 @@ pub(crate) struct Driver {
     resume_refused: HashSet<Generation>,
     resumes: HashMap<Generation, u32>,
     stopped: bool,
+    /// As in the gateway driver: a retract that would repeat on every attempt ends retrying.
+    final_retract: bool,
 }
 
 impl Driver {
@@ -111,7 +113,7 @@ impl Driver {
     }
 
     fn gave_up(&self) -> bool {
-        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX
+        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX || self.final_retract
     }
 }
 
@@ -439,6 +441,7 @@ impl World {
             resume_refused: HashSet::new(),
             resumes: HashMap::new(),
             stopped: false,
+            final_retract: false,
         }
     }
 
@@ -1157,7 +1160,12 @@ impl World {
                 Output::Preview { generation, .. } => {
                     self.history.previewed.insert((driver.op.clone(), generation.0));
                 }
-                Output::Retract { generation, reason } => self.retract(driver, generation, reason.code()),
+                Output::Retract { generation, reason } => {
+                    if matches!(reason, RetractReason::MaxTokensInToolArguments { .. }) {
+                        driver.final_retract = true;
+                    }
+                    self.retract(driver, generation, reason.code())
+                }
                 Output::Commit(offer) => {
                     let mut turn = offer.turn;
                     if self.bugs.expose_before_commit {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use turnstile_adapters::decode::{Decoder, StreamApi};
 use turnstile_core::Digest;
-use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, Toolset};
+use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, RetractReason, Toolset};
 use turnstile_core::dispatch::{
     ClientEvent, DispatchMachine, DispatchState, Effect, Prepared, ProviderInput, ProviderRecovery,
     RecoveryDecision, StoreAnswer, UnknownAttempt, Write, recovery_decision,
@@ -90,6 +90,9 @@ struct Driver {
     /// The machine can make no further progress here (begin or recovery refused: another
     /// replica or a cancel decided).
     stopped: bool,
+    /// A retract reason that would repeat on every attempt of the same bytes (the output cap
+    /// ended the response inside a tool call's arguments): no further attempt is made.
+    final_retract: Option<&'static str>,
     /// The turn of the winning commit, for the `committed` event.
     committed_turn: Option<Value>,
     /// Stop reason and usage of each generation's commit offer, for the `committed` event
@@ -160,6 +163,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, machine: DispatchMachine, s
         idempotency_keys: HashMap::new(),
         state,
         stopped: false,
+        final_retract: None,
         committed_turn: None,
         offer_facts: HashMap::new(),
         retracted: HashSet::new(),
@@ -254,7 +258,7 @@ impl Driver {
     }
 
     fn gave_up(&self) -> bool {
-        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX
+        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX || self.final_retract.is_some()
     }
 
     fn emit(&self, event: &'static str, data: Value) {
@@ -794,10 +798,8 @@ impl Driver {
         // Perform the interruption's own effects (UNKNOWN, retract unless resuming).
         self.perform_effects(resuming).await;
         if self.gave_up() && !resuming {
-            self.emit(
-                "error",
-                json!({"code": "attempts_exhausted", "message": error_message("attempts_exhausted")}),
-            );
+            let code = self.final_retract.unwrap_or("attempts_exhausted");
+            self.emit("error", json!({"code": code, "message": error_message(code)}));
             let _ = self.machine.handle_cancel(now());
             self.perform_effects(false).await;
             return;
@@ -884,6 +886,11 @@ impl Driver {
                 Output::Retract { generation, reason } => {
                     // The machine hears of it as an interruption when the connection ends;
                     // the client hears now, with the assembler's more precise reason.
+                    if matches!(reason, RetractReason::MaxTokensInToolArguments { .. }) {
+                        // The same bytes under the same cap would stop there again: sending
+                        // them again only bills the same truncation.
+                        self.final_retract = Some(reason.code());
+                    }
                     self.retract(generation, reason.code());
                 }
                 Output::Commit(offer) => {
@@ -932,6 +939,9 @@ fn error_message(code: &str) -> &'static str {
         }
         "recovery_refused" => "another replica took over this dispatch",
         "attempts_exhausted" => "the provider did not produce a complete turn within the attempt limit",
+        "max_tokens_in_tool_arguments" => {
+            "the output cap ended the response inside a tool call's arguments; nothing was committed and the same request would stop there again: raise the output cap"
+        }
         "store_unavailable" => "the ledger could not be written; the lease decides what happens next",
         _ => "dispatch error",
     }

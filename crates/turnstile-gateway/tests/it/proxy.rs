@@ -1111,3 +1111,75 @@ adapter = "anthropic-messages@2"
         "the same key with other tools is another request: {text}"
     );
 }
+
+/// A provider on loopback that answers every request with the same captured stream bytes, and
+/// counts the requests.
+fn replaying_provider(capture: Vec<u8>) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = count.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            // Read the head and the declared body, then answer and close.
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 8192];
+            loop {
+                let Ok(read) = stream.read(&mut buffer) else { break };
+                if read == 0 {
+                    break;
+                }
+                request.extend_from_slice(&buffer[..read]);
+                let text = String::from_utf8_lossy(&request).to_string();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|line| {
+                            line.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                        })
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                capture.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(&capture);
+        }
+    });
+    (base, count)
+}
+
+#[test]
+fn a_response_cut_by_the_output_cap_inside_tool_arguments_is_sent_once_and_refused() {
+    // A real Anthropic capture: `max_tokens` reached in the middle of a tool call's JSON input.
+    let shared = std::env::var_os("TURNSTILE_SHARED")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
+    let capture =
+        std::fs::read(shared.join("fixtures/provider-streams/anthropic/max-tokens-mid-tool-input.sse"))
+            .expect("the shared provider captures (scripts/test sets TURNSTILE_SHARED)");
+    let (provider, requests) = replaying_provider(capture);
+    let config = format!(
+        "[providers.replay]\nbase_url = \"{provider}\"\n\n[[routes]]\napi = \"anthropic-messages\"\nprovider = \"replay\"\nadapter = \"anthropic-messages@2\"\n"
+    );
+    let (_dir, _sim, gateway) = proxy_world(&config);
+    let request = json!({"model": "claude-3-7-sonnet-20250219", "max_tokens": 124,
+                         "messages": [{"role": "user", "content": "Write the report."}]});
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 400, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "max_tokens_in_tool_arguments", "{body}");
+    // Retrying the same bytes under the same cap would only bill the same truncation.
+    assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(gateway.metric("turnstile_partial_tool_dispatch_total"), 0.0);
+}

@@ -830,6 +830,10 @@ async fn failure_before_output(hub: &Hub) -> Option<Outcome> {
 /// A failed dispatch as the client's HTTP error: the provider's own refusal keeps its status
 /// (a 429 stays a 429, so SDKs back off and retry); everything else is a gateway-side 502.
 fn failed_response(api: Api, code: &str, message: &str) -> Response {
+    if code == "max_tokens_in_tool_arguments" {
+        // The request itself cannot succeed as sent: its output cap is too small.
+        return provider_error(api, StatusCode::BAD_REQUEST, code, message, &Value::Null);
+    }
     let status = code
         .strip_prefix("provider_status_")
         .and_then(|status| status.parse::<u16>().ok())
