@@ -250,7 +250,10 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     if let Some(control) = sim_control {
         app = app.merge(control);
     }
-    axum::serve(listener, app)
+    // TCP_NODELAY on client connections: client event streams are many small writes (see
+    // `sim::set_nodelay`).
+    use axum::serve::ListenerExt;
+    axum::serve(listener.tap_io(crate::sim::set_nodelay), app)
         .with_graceful_shutdown(shutdown_signal())
         .await
         .map_err(|error| error.to_string())

@@ -122,7 +122,10 @@ pub fn control_router(sim: Sim) -> Router {
 
 /// Serve on a bound listener until the future is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, sim: Sim) -> std::io::Result<()> {
-    axum::serve(listener, router(sim)).await
+    // TCP_NODELAY: streamed events are small writes; with Nagle on, each one after the first on
+    // a kept-alive connection waits for the client's delayed ACK (~40 ms on Linux).
+    use axum::serve::ListenerExt;
+    axum::serve(listener.tap_io(set_nodelay), router(sim)).await
 }
 
 async fn script_post(State(sim): State<Sim>, body: Bytes) -> Response {
@@ -469,4 +472,11 @@ fn stream_response(frames: Vec<Frame>, faults: &Faults) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(ReceiverStream::new(receiver)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Turn Nagle's algorithm off on an accepted connection (streams are many small writes).
+pub fn set_nodelay(tcp: &mut tokio::net::TcpStream) {
+    if let Err(error) = tcp.set_nodelay(true) {
+        tracing::warn!(%error, "TCP_NODELAY could not be set");
+    }
 }
