@@ -256,20 +256,26 @@ fn writer_loop(connection: Connection, queue: mpsc::Receiver<Job>, faults: Arc<F
     }
 }
 
+/// One transaction-control statement through the statement cache: `execute_batch` would
+/// parse it again on every call, and the writer runs several per group commit.
+fn control(connection: &Connection, sql: &str) -> rusqlite::Result<()> {
+    connection.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
 fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
     let finish = |replies: Vec<Reply>, end: BatchEnd| {
         for reply in replies {
             reply(end.clone());
         }
     };
-    if let Err(error) = connection.execute_batch("BEGIN IMMEDIATE") {
+    if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
         let replies = batch.into_iter().map(|job| job(None).0).collect();
         finish(replies, BatchEnd::Failed(error.to_string()));
         return;
     }
     let mut replies = Vec::with_capacity(batch.len());
     for job in batch {
-        let savepoint = connection.execute_batch("SAVEPOINT op");
+        let savepoint = control(connection, "SAVEPOINT op");
         let mut tx = SqliteTx { connection };
         // A panicking operation (a bug) must not take the writer down with the other callers'
         // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
@@ -280,15 +286,17 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
             Err(_) => (Box::new(|_| {}), false),
         };
         let closed = match (savepoint, ok) {
-            (Ok(()), true) => connection.execute_batch("RELEASE op"),
-            (Ok(()), false) => connection.execute_batch("ROLLBACK TO op; RELEASE op"),
+            (Ok(()), true) => control(connection, "RELEASE op"),
+            (Ok(()), false) => {
+                control(connection, "ROLLBACK TO op").and_then(|()| control(connection, "RELEASE op"))
+            }
             (Err(error), _) => Err(error),
         };
         match closed {
             Ok(()) => replies.push(reply),
             Err(error) => {
                 // The transaction is in an unknown state: give up the whole group.
-                let _ = connection.execute_batch("ROLLBACK");
+                let _ = control(connection, "ROLLBACK");
                 replies.push(reply);
                 finish(replies, BatchEnd::Failed(error.to_string()));
                 return;
@@ -297,12 +305,12 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
     }
     match faults.take() {
         Some(Fault::DropBeforeCommit) => {
-            let _ = connection.execute_batch("ROLLBACK");
+            let _ = control(connection, "ROLLBACK");
             finish(replies, BatchEnd::Lost("before commit"));
             return;
         }
         Some(Fault::DropAfterCommit) => {
-            let end = match connection.execute_batch("COMMIT") {
+            let end = match control(connection, "COMMIT") {
                 Ok(()) => BatchEnd::Lost("after commit"),
                 Err(error) => BatchEnd::Failed(error.to_string()),
             };
@@ -311,10 +319,10 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
         }
         None => {}
     }
-    match connection.execute_batch("COMMIT") {
+    match control(connection, "COMMIT") {
         Ok(()) => finish(replies, BatchEnd::Committed),
         Err(error) => {
-            let _ = connection.execute_batch("ROLLBACK");
+            let _ = control(connection, "ROLLBACK");
             finish(replies, BatchEnd::Failed(error.to_string()));
         }
     }

@@ -788,10 +788,7 @@ pub async fn context_for(
 }
 
 /// An SSE response: the backlog, then live events until the end marker.
-fn sse_response(
-    backlog: Vec<super::hub::ClientMessage>,
-    receiver: Option<tokio::sync::broadcast::Receiver<Option<super::hub::ClientMessage>>>,
-) -> Response {
+fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super::hub::Receiver>) -> Response {
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     tokio::spawn(async move {
         let frame = |(event, data): super::hub::ClientMessage| {
@@ -810,8 +807,8 @@ fn sse_response(
                         return;
                     }
                 }
-                Ok(None) | Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                Ok(None) | Err(super::hub::RecvError::Closed) => return,
+                Err(super::hub::RecvError::Lagged(missed)) => {
                     let data = json!({"code": "client_lagged", "message": format!("{missed} events were skipped; GET /v1/dispatches/{{operation_id}} has the outcome")});
                     let _ = sender.send(Ok(frame(("error", data)))).await;
                     return;

@@ -800,7 +800,7 @@ fn outcome_of(event: &str, data: &Value) -> Option<Outcome> {
 
 /// The dispatch's failure if it fails before any preview or commit; None as soon as output
 /// (or a commit) appears.
-async fn failure_before_output(hub: &Hub) -> Option<Outcome> {
+async fn failure_before_output(hub: &Arc<Hub>) -> Option<Outcome> {
     let (backlog, finished, mut receiver) = hub.subscribe();
     let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
     let mut live = !finished;
