@@ -69,6 +69,11 @@ pub trait Ledger: Send + Sync {
         id_prefix: &str,
     ) -> Result<Vec<String>, StoreError>;
 
+    /// Record what the provider said about a committed dispatch's response (stop reason,
+    /// usage) so later attachers get it too; once, and only after the commit. Informational: it
+    /// is not part of any compare-and-set.
+    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError>;
+
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 

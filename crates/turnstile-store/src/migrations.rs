@@ -29,6 +29,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0002_call_id_index.sql"),
         postgres: include_str!("../migrations/postgres/0002_call_id_index.sql"),
     },
+    Migration {
+        version: 3,
+        name: "dispatch_outcome",
+        sqlite: include_str!("../migrations/sqlite/0003_dispatch_outcome.sql"),
+        postgres: include_str!("../migrations/postgres/0003_dispatch_outcome.sql"),
+    },
 ];
 
 /// The newest version this build knows.

@@ -322,7 +322,7 @@ pub(crate) async fn append_turn<T: Tx>(
 // Dispatches
 
 const DISPATCH_COLUMNS: &str = "operation_id, conversation_id, revision, manifest, manifest_digest, \
-     request_digest, request_bytes, provider, state, cancel_generation, active_generation, committed_revision";
+     request_digest, request_bytes, provider, state, cancel_generation, active_generation, committed_revision, outcome";
 
 fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
     Ok(DispatchRecord {
@@ -338,7 +338,25 @@ fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
         cancel_generation: row.uint(9)?,
         active_generation: row.uint_opt(10)?.map(Generation),
         committed_revision: row.uint_opt(11)?.map(Revision),
+        outcome: row.text_opt(12)?.map(|text| json_of(&text)).transpose()?,
     })
+}
+
+/// Record the provider's facts about a committed dispatch's response, once (the first record
+/// wins; a dispatch that did not commit takes none).
+pub(crate) async fn record_outcome<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    outcome: &Value,
+) -> Result<bool, StoreError> {
+    let updated = tx
+        .execute(
+            "UPDATE dispatches SET outcome = $2 WHERE operation_id = $1 AND outcome IS NULL \
+             AND committed_revision IS NOT NULL",
+            &[operation_id.into(), outcome.to_string().into()],
+        )
+        .await?;
+    Ok(updated == 1)
 }
 
 pub(crate) async fn dispatch<T: Tx>(

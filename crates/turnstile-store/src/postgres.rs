@@ -295,6 +295,10 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError> {
+        in_tx!(self, |tx| ops::record_outcome(&mut tx, operation_id, outcome))
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }

@@ -363,6 +363,12 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError> {
+        let (operation_id, outcome) = (operation_id.to_owned(), outcome.clone());
+        self.run(move |tx| block_on_ready(ops::record_outcome(tx, &operation_id, &outcome)))
+            .await
+    }
+
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         let id = conversation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))

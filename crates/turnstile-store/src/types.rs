@@ -88,6 +88,9 @@ pub struct DispatchRecord {
     pub active_generation: Option<Generation>,
     /// The revision of its committed turn, once COMMITTED.
     pub committed_revision: Option<Revision>,
+    /// What the provider said about the committed response (`stop_reason`, `usage`), once
+    /// recorded (`Ledger::record_outcome`).
+    pub outcome: Option<Value>,
 }
 
 /// One attempt (generation) of a dispatch.

@@ -707,7 +707,13 @@ pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hu
                         .unwrap_or(Value::Null),
                     _ => Value::Null,
                 };
-                hub.send("committed", json!({"revision": revision.0, "turn": turn}));
+                let mut data = json!({"revision": revision.0, "turn": turn});
+                if let (Some(Value::Object(outcome)), Some(object)) =
+                    (record.outcome.clone(), data.as_object_mut())
+                {
+                    object.extend(outcome);
+                }
+                hub.send("committed", data);
             }
             break;
         }

@@ -712,6 +712,19 @@ fn a_retry_with_the_same_idempotency_key_attaches_and_never_sends_twice() {
     assert_eq!(second["choices"][0]["message"]["content"], "Once.");
     assert_eq!(operation_of(&headers_1), operation_of(&headers_2));
     assert_eq!(sim.requests().len(), 1);
+    // The retry is answered with the provider's own usage and stop reason, as the first was
+    // (the simulator counts prompt bytes / 4, our admission counter does not).
+    assert_eq!(second["usage"], first["usage"], "{second}");
+    assert_eq!(
+        second["choices"][0]["finish_reason"],
+        first["choices"][0]["finish_reason"]
+    );
+    let dispatch = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers_1)));
+    assert_eq!(dispatch["manifest"]["prompt_tokens"].as_u64().is_some(), true);
+    assert_ne!(
+        first["usage"]["prompt_tokens"], dispatch["manifest"]["prompt_tokens"],
+        "the test needs the provider's count to differ from ours to mean anything"
+    );
     // The same key with another history is a conflict, not a silent reuse.
     let other = chat_request(
         "gpt-idem",

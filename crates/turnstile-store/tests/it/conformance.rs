@@ -118,6 +118,14 @@ pub async fn prepare_is_idempotent_on_the_operation_id_and_a_different_manifest_
         panic!("not created");
     };
     assert_eq!(first.state, DispatchState::Prepared);
+    assert_eq!(first.outcome, None);
+    // A dispatch that has not committed takes no outcome.
+    assert!(
+        !store
+            .record_outcome("op-1", &json!({"stop_reason": "end_turn"}))
+            .await
+            .unwrap()
+    );
     assert_eq!(first.request_bytes, bytes);
     assert_eq!(first.manifest, serde_json::to_value(&manifest).unwrap());
     let PrepareOutcome::Existing(again) = store.prepare(&manifest, &bytes, at(11)).await.unwrap() else {
@@ -998,6 +1006,20 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
         .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
         .await
         .unwrap();
+    // The provider's facts about the committed response are recorded once.
+    let outcome = json!({"stop_reason": "tool_use", "usage": {"input_tokens": 377, "output_tokens": 42}});
+    assert!(store.record_outcome("op-1", &outcome).await.unwrap());
+    assert!(
+        !store
+            .record_outcome("op-1", &json!({"stop_reason": "end_turn"}))
+            .await
+            .unwrap()
+    );
+    assert!(!store.record_outcome("op-unknown", &outcome).await.unwrap());
+    assert_eq!(
+        store.dispatch("op-1").await.unwrap().unwrap().outcome,
+        Some(outcome)
+    );
     // The committed calls find their conversation, filtered by id prefix.
     assert_eq!(
         store.conversations_with_call("a-call-1", "").await.unwrap(),
