@@ -69,11 +69,6 @@ pub trait Ledger: Send + Sync {
         id_prefix: &str,
     ) -> Result<Vec<String>, StoreError>;
 
-    /// Record what the provider said about a committed dispatch's response (stop reason,
-    /// usage) so later attachers get it too; once, and only after the commit. Informational: it
-    /// is not part of any compare-and-set.
-    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError>;
-
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 
@@ -180,6 +175,22 @@ pub trait Ledger: Send + Sync {
         generation: Generation,
         expected_revision: Revision,
         turn: &Value,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.commit_with_outcome(operation_id, generation, expected_revision, turn, None, now)
+            .await
+    }
+
+    /// [`Ledger::commit`], recording in the same transaction what the provider said about the
+    /// response (`stop_reason`, `usage`: the dispatch's `outcome`), so a client attaching later
+    /// is answered with the provider's figures.
+    async fn commit_with_outcome(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        outcome: Option<&Value>,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError>;
 

@@ -342,23 +342,6 @@ fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
     })
 }
 
-/// Record the provider's facts about a committed dispatch's response, once (the first record
-/// wins; a dispatch that did not commit takes none).
-pub(crate) async fn record_outcome<T: Tx>(
-    tx: &mut T,
-    operation_id: &str,
-    outcome: &Value,
-) -> Result<bool, StoreError> {
-    let updated = tx
-        .execute(
-            "UPDATE dispatches SET outcome = $2 WHERE operation_id = $1 AND outcome IS NULL \
-             AND committed_revision IS NOT NULL",
-            &[operation_id.into(), outcome.to_string().into()],
-        )
-        .await?;
-    Ok(updated == 1)
-}
-
 pub(crate) async fn dispatch<T: Tx>(
     tx: &mut T,
     operation_id: &str,
@@ -928,6 +911,7 @@ pub(crate) async fn commit<T: Tx>(
     generation: Generation,
     expected_revision: Revision,
     turn: &Value,
+    outcome: Option<&Value>,
     now: Timestamp,
 ) -> Result<CommitOutcome, StoreError> {
     let Some(record) = dispatch_head(tx, operation_id).await? else {
@@ -987,8 +971,12 @@ pub(crate) async fn commit<T: Tx>(
     }
     tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
     tx.execute(
-        "UPDATE dispatches SET committed_revision = $2 WHERE operation_id = $1",
-        &[operation_id.into(), revision.0.into()],
+        "UPDATE dispatches SET committed_revision = $2, outcome = $3 WHERE operation_id = $1",
+        &[
+            operation_id.into(),
+            revision.0.into(),
+            outcome.map(Value::to_string).into(),
+        ],
     )
     .await?;
     insert_turn(

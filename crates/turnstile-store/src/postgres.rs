@@ -295,10 +295,6 @@ impl Ledger for PgLedger {
         ))
     }
 
-    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError> {
-        in_tx!(self, |tx| ops::record_outcome(&mut tx, operation_id, outcome))
-    }
-
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }
@@ -446,12 +442,13 @@ impl Ledger for PgLedger {
         ))
     }
 
-    async fn commit(
+    async fn commit_with_outcome(
         &self,
         operation_id: &str,
         generation: Generation,
         expected_revision: Revision,
         turn: &Value,
+        outcome: Option<&Value>,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError> {
         in_tx!(self, |tx| ops::commit(
@@ -460,6 +457,7 @@ impl Ledger for PgLedger {
             generation,
             expected_revision,
             turn,
+            outcome,
             now
         ))
     }

@@ -363,12 +363,6 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn record_outcome(&self, operation_id: &str, outcome: &Value) -> Result<bool, StoreError> {
-        let (operation_id, outcome) = (operation_id.to_owned(), outcome.clone());
-        self.run(move |tx| block_on_ready(ops::record_outcome(tx, &operation_id, &outcome)))
-            .await
-    }
-
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         let id = conversation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))
@@ -499,17 +493,28 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn commit(
+    async fn commit_with_outcome(
         &self,
         operation_id: &str,
         generation: Generation,
         expected_revision: Revision,
         turn: &Value,
+        outcome: Option<&Value>,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError> {
-        let (op, turn) = (operation_id.to_owned(), turn.clone());
-        self.run(move |tx| block_on_ready(ops::commit(tx, &op, generation, expected_revision, &turn, now)))
-            .await
+        let (op, turn, outcome) = (operation_id.to_owned(), turn.clone(), outcome.cloned());
+        self.run(move |tx| {
+            block_on_ready(ops::commit(
+                tx,
+                &op,
+                generation,
+                expected_revision,
+                &turn,
+                outcome.as_ref(),
+                now,
+            ))
+        })
+        .await
     }
 
     async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {

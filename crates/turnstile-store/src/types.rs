@@ -89,7 +89,7 @@ pub struct DispatchRecord {
     /// The revision of its committed turn, once COMMITTED.
     pub committed_revision: Option<Revision>,
     /// What the provider said about the committed response (`stop_reason`, `usage`), once
-    /// recorded (`Ledger::record_outcome`).
+    /// recorded in the commit (`Ledger::commit_with_outcome`).
     pub outcome: Option<Value>,
 }
 

@@ -311,21 +311,10 @@ impl Driver {
                         let facts = turn["generation"]
                             .as_u64()
                             .and_then(|generation| self.offer_facts.remove(&Generation(generation)));
-                        if let (Some(Value::Object(facts)), Some(object)) =
-                            (facts.clone(), data.as_object_mut())
-                        {
+                        if let (Some(Value::Object(facts)), Some(object)) = (facts, data.as_object_mut()) {
                             object.extend(facts);
                         }
                         self.emit("committed", data);
-                        // Kept for clients that attach later (same operation id, Idempotency-Key):
-                        // informational, so a failed write only costs them the provider's figures.
-                        if let Some(facts) = facts {
-                            let operation_id = &self.ctx.record.operation_id;
-                            if let Err(error) = self.shared.ledger.record_outcome(operation_id, &facts).await
-                            {
-                                tracing::warn!(%operation_id, %error, "recording the outcome failed");
-                            }
-                        }
                     }
                     ClientEvent::Error {
                         code: code @ ("begin_refused" | "recovery_refused"),
@@ -504,8 +493,18 @@ impl Driver {
                 expected_revision,
                 turn,
             } => {
+                // The provider's stop reason and usage go into the same transaction, for
+                // clients that attach later (same operation id, Idempotency-Key).
+                let outcome = self.offer_facts.get(&generation).cloned();
                 match ledger
-                    .commit(&operation_id, generation, expected_revision, &turn, now())
+                    .commit_with_outcome(
+                        &operation_id,
+                        generation,
+                        expected_revision,
+                        &turn,
+                        outcome.as_ref(),
+                        now(),
+                    )
                     .await
                 {
                     Ok(CommitOutcome::Committed { revision, .. }) => {

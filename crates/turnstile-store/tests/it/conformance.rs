@@ -119,13 +119,6 @@ pub async fn prepare_is_idempotent_on_the_operation_id_and_a_different_manifest_
     };
     assert_eq!(first.state, DispatchState::Prepared);
     assert_eq!(first.outcome, None);
-    // A dispatch that has not committed takes no outcome.
-    assert!(
-        !store
-            .record_outcome("op-1", &json!({"stop_reason": "end_turn"}))
-            .await
-            .unwrap()
-    );
     assert_eq!(first.request_bytes, bytes);
     assert_eq!(first.manifest, serde_json::to_value(&manifest).unwrap());
     let PrepareOutcome::Existing(again) = store.prepare(&manifest, &bytes, at(11)).await.unwrap() else {
@@ -259,8 +252,9 @@ pub async fn a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_re
     );
     to_streaming(&*store, "op-1", generation).await;
     let turn = assistant_turn("a1", 2);
+    let facts = json!({"stop_reason": "tool_use", "usage": {"input_tokens": 377, "output_tokens": 42}});
     let outcome = store
-        .commit("op-1", generation, Revision(1), &turn, at(13))
+        .commit_with_outcome("op-1", generation, Revision(1), &turn, Some(&facts), at(13))
         .await
         .unwrap();
     assert_eq!(
@@ -273,6 +267,8 @@ pub async fn a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_re
     let record = store.dispatch("op-1").await.unwrap().unwrap();
     assert_eq!(record.state, DispatchState::Committed);
     assert_eq!(record.committed_revision, Some(Revision(2)));
+    // The provider's facts are recorded in the commit's own transaction.
+    assert_eq!(record.outcome, Some(facts));
     let document = store.conversation("c").await.unwrap().unwrap();
     assert_eq!(document["revision"], 2);
     assert_eq!(document["turns"][1]["generation"], 1);
@@ -1006,20 +1002,8 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
         .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
         .await
         .unwrap();
-    // The provider's facts about the committed response are recorded once.
-    let outcome = json!({"stop_reason": "tool_use", "usage": {"input_tokens": 377, "output_tokens": 42}});
-    assert!(store.record_outcome("op-1", &outcome).await.unwrap());
-    assert!(
-        !store
-            .record_outcome("op-1", &json!({"stop_reason": "end_turn"}))
-            .await
-            .unwrap()
-    );
-    assert!(!store.record_outcome("op-unknown", &outcome).await.unwrap());
-    assert_eq!(
-        store.dispatch("op-1").await.unwrap().unwrap().outcome,
-        Some(outcome)
-    );
+    // A plain commit records no outcome.
+    assert_eq!(store.dispatch("op-1").await.unwrap().unwrap().outcome, None);
     // The committed calls find their conversation, filtered by id prefix.
     assert_eq!(
         store.conversations_with_call("a-call-1", "").await.unwrap(),
