@@ -426,10 +426,56 @@ fn gemini_and_responses_clients_get_their_own_formats() {
                 .unwrap_or_default()
         })
         .filter(|part| part.get("functionCall").is_some())
-        .map(|part| part["functionCall"]["args"].clone())
+        .map(|part| part["functionCall"].clone())
         .collect();
-    assert_eq!(calls, vec![json!({"city": "Paris"}), json!({"city": "Tokyo"})]);
+    let arguments: Vec<&Value> = calls.iter().map(|call| &call["args"]).collect();
+    assert_eq!(
+        arguments,
+        vec![&json!({"city": "Paris"}), &json!({"city": "Tokyo"})]
+    );
     assert_eq!(events.last().unwrap().1["candidates"][0]["finishReason"], "STOP");
+
+    // The follow-up echoes the call ids in its functionResponses (results in reverse order):
+    // it is answered, and it continues the same conversation.
+    sim.script("gemini-proxy", json!([{"text": "Paris 12C, Tokyo 20C."}]));
+    // The model turn as a client accumulates it: the streamed text, then the calls.
+    let text_streamed: String = events
+        .iter()
+        .flat_map(|(_, data)| {
+            data["candidates"][0]["content"]["parts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|part| part["text"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(text_streamed, "Checking both.");
+    let mut model_parts = vec![json!({"text": text_streamed})];
+    model_parts.extend(calls.iter().map(|call| json!({"functionCall": call})));
+    let model_turn = json!({"role": "model", "parts": model_parts});
+    let responses: Vec<Value> = calls
+        .iter()
+        .rev()
+        .map(|call| json!({"functionResponse": {"id": call["id"], "name": "get_weather", "response": {"output": "ok"}}}))
+        .collect();
+    let mut follow_up = request.clone();
+    follow_up["contents"] = json!([request["contents"][0], model_turn, {"role": "user", "parts": responses}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-proxy:generateContent",
+        &follow_up,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        body["candidates"][0]["content"]["parts"][0]["text"],
+        "Paris 12C, Tokyo 20C."
+    );
+    assert!(
+        operation_of(&headers).contains(".r"),
+        "a Gemini follow-up should continue its conversation"
+    );
 
     sim.script("resp-proxy", json!([{"text": "Hello there."}]));
     let request = json!({"model": "resp-proxy", "instructions": "Be terse.", "input": "Say hello."});

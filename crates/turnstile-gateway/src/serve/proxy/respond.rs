@@ -236,8 +236,11 @@ fn gemini_parts(parts: &[Part]) -> Vec<Value> {
     for part in parts {
         let mut value = match part {
             Part::Text(text) => json!({"text": text}),
-            Part::Call { name, arguments, .. } => {
-                json!({"functionCall": {"name": name, "args": arguments_value(arguments)}})
+            // `id` is Gemini's optional call id: a client that echoes it in its
+            // `functionResponse` pairs results by id, and its follow-up finds the conversation
+            // it continues (the renderer pairs by position and sends none).
+            Part::Call { id, name, arguments } => {
+                json!({"functionCall": {"id": id, "name": name, "args": arguments_value(arguments)}})
             }
             Part::Reasoning {
                 provider,
@@ -836,7 +839,7 @@ mod tests {
         assert_eq!(
             parts,
             vec![
-                json!({"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}, "thoughtSignature": "sig-1"}),
+                json!({"functionCall": {"id": "c1", "name": "get_weather", "args": {"city": "Paris"}}, "thoughtSignature": "sig-1"}),
                 json!({"text": "thinking", "thought": true}),
                 json!({"text": "", "thoughtSignature": "sig-2"}),
             ]
