@@ -421,7 +421,7 @@ pub async fn dispatch(
                 "that operation id belongs to another conversation",
             ));
         }
-        return attach(shared, caller, record, request.stream).await;
+        return attach(shared, caller, record, request.stream, None).await;
     }
 
     let document = shared
@@ -458,7 +458,7 @@ pub async fn dispatch(
     )
     .await?
     {
-        Started::Record(record) => attach(shared, caller, record, request.stream).await,
+        Started::Record(record) => attach(shared, caller, record, request.stream, Some(&conversation)).await,
         Started::Early(early) => Ok(early_response(early, request.stream)),
     }
 }
@@ -612,6 +612,7 @@ pub(crate) async fn prepare_dispatch(
 pub(crate) async fn hub_for(
     shared: &Arc<Shared>,
     record: turnstile_store::DispatchRecord,
+    prepared_from: Option<&Conversation>,
 ) -> Result<Arc<Hub>, ApiError> {
     let operation_id = record.operation_id.clone();
     let hub = {
@@ -621,7 +622,7 @@ pub(crate) async fn hub_for(
             None if record.state == DispatchState::Prepared => {
                 let hub = Arc::new(Hub::new());
                 hubs.insert(operation_id.clone(), hub.clone());
-                let ctx = context_for(shared, record.clone(), hub.clone()).await?;
+                let ctx = context_with(shared, record.clone(), hub.clone(), prepared_from).await?;
                 tokio::spawn(driver::drive_new(shared.clone(), ctx));
                 Some(hub)
             }
@@ -647,9 +648,10 @@ async fn attach(
     caller: Caller,
     record: turnstile_store::DispatchRecord,
     stream: bool,
+    prepared_from: Option<&Conversation>,
 ) -> ApiResult {
     let operation_id = record.operation_id.clone();
-    let hub = hub_for(&shared, record).await?;
+    let hub = hub_for(&shared, record, prepared_from).await?;
     let _ = caller;
     if stream {
         let (backlog, finished, receiver) = hub.subscribe();
@@ -728,6 +730,18 @@ pub async fn context_for(
     record: turnstile_store::DispatchRecord,
     hub: Arc<Hub>,
 ) -> Result<DriveContext, ApiError> {
+    context_with(shared, record, hub, None).await
+}
+
+/// [`context_for`], reusing the conversation the caller just prepared from when it is the one
+/// the dispatch was rendered from (same id and revision) instead of reading and decoding the
+/// whole history again.
+async fn context_with(
+    shared: &Arc<Shared>,
+    record: turnstile_store::DispatchRecord,
+    hub: Arc<Hub>,
+    known: Option<&Conversation>,
+) -> Result<DriveContext, ApiError> {
     let manifest = &record.manifest;
     let adapter = manifest["adapter"].as_str().unwrap_or("");
     let api = StreamApi::for_adapter(adapter).ok_or_else(|| {
@@ -745,19 +759,29 @@ pub async fn context_for(
             format!("provider {:?} is not configured", record.provider),
         )
     })?;
-    let document = shared
-        .ledger
-        .conversation(&record.conversation_id)
-        .await
-        .map_err(ApiError::store)?
-        .ok_or_else(|| ApiError::not_found("conversation"))?;
-    let conversation = Conversation::from_value(document).map_err(|error| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "stored_history_unreadable",
-            error.to_string(),
-        )
-    })?;
+    let known = known.filter(|conversation| {
+        conversation.conversation_id == record.conversation_id && conversation.revision == record.revision
+    });
+    let read;
+    let conversation = match known {
+        Some(conversation) => conversation,
+        None => {
+            let document = shared
+                .ledger
+                .conversation(&record.conversation_id)
+                .await
+                .map_err(ApiError::store)?
+                .ok_or_else(|| ApiError::not_found("conversation"))?;
+            read = Conversation::from_value(document).map_err(|error| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "stored_history_unreadable",
+                    error.to_string(),
+                )
+            })?;
+            &read
+        }
+    };
     let toolset = if conversation.tools.is_empty() {
         None
     } else {

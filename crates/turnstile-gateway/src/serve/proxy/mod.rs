@@ -649,7 +649,7 @@ async fn serve_ours(
         }
     };
     let prompt_tokens = record.manifest["prompt_tokens"].as_u64().unwrap_or(0);
-    let hub = hub_for(shared, record)
+    let hub = hub_for(shared, record, Some(&conversation))
         .await
         .map_err(|error| from_api_error(api, error))?;
     tokio::spawn(claim_for_client(
