@@ -135,12 +135,11 @@ pub fn provider_error(api: Api, status: StatusCode, code: &str, message: &str, e
 }
 
 fn from_api_error(api: Api, error: ApiError) -> Response {
-    // Provider APIs answer every problem with the request itself with 400.
-    let status = match error.code() {
-        "unsupported_setting" | "setting_out_of_range" | "over_budget" | "unknown_adapter" => {
-            StatusCode::BAD_REQUEST
-        }
-        _ => error.status(),
+    // Provider APIs answer every problem with the request itself with 400, where our own API
+    // says 422 (unprocessable: unsupported setting, over budget, unknown adapter, …).
+    let status = match error.status() {
+        StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
+        status => status,
     };
     provider_error(api, status, error.code(), error.message(), error.extra())
 }
