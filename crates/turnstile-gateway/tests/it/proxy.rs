@@ -1090,7 +1090,21 @@ fn a_request_arriving_while_a_continuation_is_still_streaming_forks_instead_of_b
         let request = chat_request("gpt-race", json!(r1), false);
         std::thread::spawn(move || post(&base, "/v1/chat/completions", &request, &[]))
     };
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Send R2 only while R1's dispatch (at the revision its results brought the conversation
+    // to) is still running, so the test always exercises the race it is about.
+    let running = format!("/v1/dispatches/{first_operation}.r3");
+    let mut state = Value::Null;
+    for _ in 0..200 {
+        state = gateway.get(&running)["state"].clone();
+        if matches!(state.as_str(), Some("SENT" | "STREAMING")) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        matches!(state.as_str(), Some("SENT" | "STREAMING")),
+        "R1 was not in flight: {state}"
+    );
     let (status, headers, text) = post(
         &gateway.base,
         "/v1/chat/completions",
