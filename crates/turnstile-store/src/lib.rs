@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod clock;
 pub mod error;
 pub mod faults;
 mod history;
@@ -25,6 +26,7 @@ pub mod sql;
 pub mod sqlite;
 pub mod types;
 
+pub use clock::StoreClock;
 pub use error::StoreError;
 pub use faults::{Fault, FaultInjector};
 pub use postgres::PgLedger;
@@ -232,6 +234,9 @@ pub trait Ledger: Send + Sync {
 
     /// The store's counters.
     async fn counters(&self) -> Result<Counters, StoreError>;
+
+    /// The store's clock ([`clock`]): the time every lease and fencing decision is judged by.
+    async fn store_now(&self) -> Result<Timestamp, StoreError>;
 }
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.

@@ -1361,6 +1361,16 @@ pub(crate) async fn recover_startup<T: Tx>(
     })
 }
 
+/// The store's clock (see [`crate::clock`]).
+pub(crate) async fn store_now<T: Tx>(tx: &mut T) -> Result<Timestamp, StoreError> {
+    let sql = format!("SELECT {}", tx.dialect().now_ms());
+    let rows = tx.query(&sql, &[]).await?;
+    let row = rows
+        .first()
+        .ok_or_else(|| StoreError::Corrupt("the clock query answered no row".into()))?;
+    Ok(Timestamp(row.uint(0)?))
+}
+
 pub(crate) async fn counters<T: Tx>(tx: &mut T) -> Result<Counters, StoreError> {
     let rows = tx.query("SELECT name, value FROM counters", &[]).await?;
     let mut counters = Counters::default();

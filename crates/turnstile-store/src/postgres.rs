@@ -517,4 +517,8 @@ impl Ledger for PgLedger {
     async fn counters(&self) -> Result<Counters, StoreError> {
         in_tx!(self, |tx| ops::counters(&mut tx))
     }
+
+    async fn store_now(&self) -> Result<Timestamp, StoreError> {
+        in_tx!(self, |tx| ops::store_now(&mut tx))
+    }
 }

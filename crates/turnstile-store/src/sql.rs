@@ -137,6 +137,20 @@ pub enum Dialect {
     Postgres,
 }
 
+impl Dialect {
+    /// The SQL expression for the store's own clock in epoch milliseconds: the one clock every
+    /// lease and fencing decision is judged by, whichever process (and whichever local clock)
+    /// issues the statement. PostgreSQL: the server's `clock_timestamp()`. SQLite: the
+    /// connection's `turnstile_now_ms()` function ([`crate::StoreClock`]), the host's system
+    /// clock unless a test gives the store a manual clock.
+    pub fn now_ms(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "turnstile_now_ms()",
+            Dialect::Postgres => "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint",
+        }
+    }
+}
+
 /// An open transaction.
 pub trait Tx {
     /// The database behind it.

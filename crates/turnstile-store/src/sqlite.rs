@@ -20,6 +20,7 @@
 //! request may have been sent for an attempt whose DISPATCHING row is gone. Use it only where
 //! that is acceptable (tests, throwaway gateways).
 
+use crate::clock::StoreClock;
 use crate::error::StoreError;
 use crate::faults::{Fault, FaultInjector};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
@@ -168,7 +169,23 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
 impl SqliteLedger {
     /// Open (creating and migrating if needed) the ledger at `path`.
     pub fn open(path: impl AsRef<Path>, synchronous: Synchronous) -> Result<SqliteLedger, StoreError> {
+        SqliteLedger::open_with_clock(path, synchronous, StoreClock::System)
+    }
+
+    /// Open the ledger at `path` with `clock` as the store's clock (`turnstile_now_ms()` in
+    /// SQL; see [`crate::clock`]).
+    pub fn open_with_clock(
+        path: impl AsRef<Path>,
+        synchronous: Synchronous,
+        clock: StoreClock,
+    ) -> Result<SqliteLedger, StoreError> {
         let mut connection = Connection::open(path)?;
+        connection.create_scalar_function(
+            "turnstile_now_ms",
+            0,
+            rusqlite::functions::FunctionFlags::SQLITE_UTF8,
+            move |_| Ok(i64::try_from(clock.now_ms()).unwrap_or(i64::MAX)),
+        )?;
         connection.busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))?;
         let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -576,5 +593,9 @@ impl Ledger for SqliteLedger {
 
     async fn counters(&self) -> Result<Counters, StoreError> {
         self.run(move |tx| block_on_ready(ops::counters(tx))).await
+    }
+
+    async fn store_now(&self) -> Result<Timestamp, StoreError> {
+        self.run(move |tx| block_on_ready(ops::store_now(tx))).await
     }
 }

@@ -54,7 +54,41 @@ suite!(
     a_tool_turn_appended_directly_closes_its_calls_in_the_ledger,
     migrations_apply_once_and_a_newer_schema_is_refused,
     an_import_writes_a_whole_legal_history_at_once_or_nothing,
+    the_store_clock_is_the_database_s_own,
 );
+
+/// The store's clock is read inside SQL: on a fresh store it is the database host's time (here
+/// the same host), whatever the caller passes as `now` elsewhere.
+pub async fn the_store_clock_is_the_database_s_own(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64;
+    let read = store.store_now().await.expect("store clock").0;
+    let after = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64;
+    // PostgreSQL truncates to milliseconds; allow one for rounding.
+    assert!(
+        read + 1 >= before && read <= after + 1,
+        "store clock {read} outside [{before}, {after}]"
+    );
+}
+
+/// A SQLite store opened with a manual clock reads exactly that clock in SQL (the simulation's
+/// virtual time), and follows it when it moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_store_with_a_manual_clock_reads_it_in_sql() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (clock, handle) = StoreClock::manual(1_000);
+    let store = SqliteLedger::open_with_clock(dir.path().join("ledger.db"), Synchronous::Full, clock)
+        .expect("open sqlite");
+    assert_eq!(store.store_now().await.expect("store clock"), Timestamp(1_000));
+    handle.store(7_500, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(store.store_now().await.expect("store clock"), Timestamp(7_500));
+}
 
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
     backend: Backend,
