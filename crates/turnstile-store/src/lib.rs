@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod clock;
+pub mod drive;
 pub mod error;
 pub mod faults;
 mod history;

@@ -41,6 +41,12 @@ pub const SHADOW_COMPARISONS: &str = "turnstile_shadow_comparisons_total";
 /// `not_importable`).
 pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 
+/// Store operations of the dispatch driver that failed (the driver ended or left the attempt
+/// explicitly; see `turnstile_drive`).
+pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
+/// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
+pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
+
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
 /// Kinds of shadow difference used as the `kind` label.
@@ -77,6 +83,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         PARTIAL_TOOL_DISPATCH,
         ILLEGAL_SENDS,
         FOREIGN_HANDLES,
+        DRIVER_STORE_FAILURES,
     ] {
         counter!(name).absolute(0);
     }
@@ -110,6 +117,23 @@ pub fn rejected(violations: &[turnstile_core::Violation]) {
             _ => {}
         }
     }
+}
+
+/// Count a rejection the store's validator reported by code.
+pub fn rejected_codes(codes: &[ViolationCode]) {
+    for code in codes {
+        counter!(VALIDATOR_REJECTS, "code" => code.as_str()).increment(1);
+        match code {
+            ViolationCode::OrphanResult => counter!(TOOL_RESULT_ORPHANS).increment(1),
+            ViolationCode::DuplicateResult => counter!(TOOL_RESULT_DUPLICATES).increment(1),
+            _ => {}
+        }
+    }
+}
+
+/// Count an input the driver ignored.
+pub fn ignored(reason: &'static str) {
+    counter!(DRIVER_IGNORED, "reason" => reason).increment(1);
 }
 
 /// Count a dispatch transition.

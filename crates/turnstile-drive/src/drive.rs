@@ -1,0 +1,1214 @@
+//! [`Drive`]: one dispatch, from PREPARED (or UNKNOWN after a crash) to its end.
+//!
+//! The driver is an event loop without I/O. Inputs are queued as work; [`Drive::poll_action`]
+//! advances it until it needs something from outside: a store answer (exactly one
+//! [`StoreOp`] is outstanding at a time, and nothing else advances until
+//! [`Drive::handle_store`] answers it), or more input. The core machine's effects always run
+//! before the next piece of queued work, so every machine input is followed by its effects
+//! exactly as a synchronous driver would perform them.
+//!
+//! Polling order for a pump:
+//! 1. call [`Drive::poll_action`] until it answers `None`, performing each [`Action`] in
+//!    order (a [`Action::Store`] is performed and answered before the next poll);
+//! 2. wait for a provider input (`handle_head`, `handle_chunk`, `handle_end`) or until
+//!    [`Drive::poll_timeout`], then call the input or [`Drive::handle_timeout`];
+//! 3. stop when [`Drive::is_finished`].
+
+use crate::types::*;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use turnstile_adapters::decode::{Decoder, StreamApi};
+use turnstile_core::Digest;
+use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, RetractReason, Toolset};
+use turnstile_core::dispatch::{
+    ClientEvent, DispatchMachine, DispatchState, Effect, Handled, IgnoreReason, Prepared, ProviderInput,
+    ProviderRecovery, QuarantineReason, RecoveryDecision, StoreAnswer, Timestamp, UnknownAttempt, Write,
+    recovery_decision,
+};
+use turnstile_core::ids::Generation;
+use turnstile_core::stream::{SeqSource, Sequenced, StreamEvent};
+
+/// Most attempts (generations) started for one dispatch before giving up; each costs a billed
+/// provider call.
+pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = 4;
+/// Most resumes of one generation before it is treated as interrupted for good.
+pub const RESUMES_PER_GENERATION_MAX: u32 = 3;
+/// Most pieces of queued input (a pump that outruns the driver is a bug).
+const WORK_QUEUED_MAX: usize = 65_536;
+
+/// Everything a driver needs that does not change during the dispatch.
+#[derive(Clone)]
+pub struct DriveSpec {
+    /// The stored dispatch.
+    pub basis: DispatchBasis,
+    /// Which stream format the provider speaks.
+    pub api: StreamApi,
+    /// What the provider offers for recovery (resume by handle only for OpenAI Responses).
+    pub recovery: ProviderRecovery,
+    /// The conversation's compiled tools (None: it declares none).
+    pub toolset: Option<Arc<Toolset>>,
+    /// Call ids already in the history.
+    pub call_ids_taken: HashSet<String>,
+    /// Attempt lease.
+    pub lease_ms: u64,
+    /// Attempts already started for this dispatch (durable, from the store): the budget
+    /// counts across restarts.
+    pub attempts_before: u64,
+}
+
+impl std::fmt::Debug for DriveSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriveSpec")
+            .field("operation_id", &self.basis.operation_id)
+            .field("api", &self.api)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One connection's decoding state.
+struct Connection {
+    generation: Generation,
+    decoder: Box<dyn Decoder>,
+    status: Option<u16>,
+    saw_event: bool,
+    /// A resume of an earlier connection of the same generation.
+    resume: bool,
+}
+
+/// Queued work, in order.
+enum Work {
+    Head {
+        connection: ConnectionId,
+        status: u16,
+    },
+    Chunk {
+        connection: ConnectionId,
+        bytes: Vec<u8>,
+    },
+    End {
+        connection: ConnectionId,
+        clean: bool,
+    },
+    Timeout,
+    DrainDecoder(ConnectionId),
+    /// One decoded event, in stages (one machine input per stage).
+    Event {
+        connection: ConnectionId,
+        generation: Generation,
+        stage: u8,
+        sequenced: Sequenced,
+    },
+    DrainAssembler(Generation),
+    ConnectionEnded {
+        connection: ConnectionId,
+        clean: bool,
+        broken_before_head: bool,
+    },
+    AfterEnd {
+        generation: Generation,
+        clean: bool,
+    },
+    /// Read the attempt's stored facts, then decide recovery.
+    Interruption {
+        generation: Generation,
+        provider_ended: bool,
+    },
+    InterruptionTail {
+        tail: Box<Tail>,
+    },
+}
+
+/// What to do after an interruption's own effects ran.
+struct Tail {
+    generation: Generation,
+    attempt: UnknownAttempt,
+    recovery: ProviderRecovery,
+    decision: RecoveryDecision,
+}
+
+/// The continuation of the outstanding store operation.
+enum Pending {
+    MachineWrite(WriteKind),
+    Bind {
+        generation: Generation,
+    },
+    Quarantine,
+    Interruption {
+        generation: Generation,
+        provider_ended: bool,
+        interrupt: bool,
+    },
+    ReplayKey {
+        generation: Generation,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WriteKind {
+    Begin,
+    Transition { from: DispatchState, to: DispatchState },
+    Replay { generation: Generation },
+    AbandonAndRearm,
+    RenewLease,
+    Commit { generation: Generation },
+    Cancel,
+}
+
+impl WriteKind {
+    /// Writes whose answer the machine waits for: if one fails, its outcome is unknown.
+    fn awaited(self) -> bool {
+        matches!(
+            self,
+            WriteKind::Begin
+                | WriteKind::Replay { .. }
+                | WriteKind::AbandonAndRearm
+                | WriteKind::Commit { .. }
+        )
+    }
+}
+
+/// One dispatch's driver. See the module documentation for the polling order.
+pub struct Drive {
+    spec: DriveSpec,
+    machine: DispatchMachine,
+    now: Timestamp,
+    assembler: Option<Assembler>,
+    connections: BTreeMap<ConnectionId, Connection>,
+    connection_next: u64,
+    attempts_started: u64,
+    provider_sequence_last: Option<u64>,
+    idempotency_keys: HashMap<Generation, String>,
+    /// The state as the store knows it (for transition counts).
+    state: DispatchState,
+    retracted: HashSet<Generation>,
+    provider_ended: HashSet<Generation>,
+    resume_refused: HashSet<Generation>,
+    resumes: HashMap<Generation, u32>,
+    stopped: bool,
+    final_retract: Option<&'static str>,
+    committed_turn: Option<Value>,
+    offer_facts: HashMap<Generation, Value>,
+    suppress_interrupt_retract: bool,
+    work: VecDeque<Work>,
+    pending: Option<Pending>,
+    actions: VecDeque<Action>,
+}
+
+impl std::fmt::Debug for Drive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drive")
+            .field("operation_id", &self.spec.basis.operation_id)
+            .field("state", &self.machine.state())
+            .field("generation", &self.machine.generation())
+            .finish_non_exhaustive()
+    }
+}
+
+fn prepared_of(basis: &DispatchBasis) -> Prepared {
+    Prepared {
+        revision: basis.revision,
+        cancel_generation: basis.cancel_generation,
+        request_digest: basis.request_digest.clone(),
+    }
+}
+
+fn ignore_code(reason: IgnoreReason) -> &'static str {
+    match reason {
+        IgnoreReason::ForeignGeneration => "foreign_generation",
+        IgnoreReason::UnexpectedAnswer => "unexpected_answer",
+        IgnoreReason::NotInThisState => "not_in_this_state",
+        IgnoreReason::Finished => "finished",
+    }
+}
+
+impl Drive {
+    /// A driver for a fresh PREPARED dispatch; its first action begins an attempt.
+    pub fn new(spec: DriveSpec, now: Timestamp) -> Drive {
+        let mut machine = DispatchMachine::new(prepared_of(&spec.basis), spec.lease_ms);
+        let started = machine.start(now);
+        let mut drive = Drive::with_machine(spec, machine, DispatchState::Prepared, now);
+        drive.counted(started);
+        drive
+    }
+
+    /// A driver for a dispatch whose active attempt is UNKNOWN (start-up recovery, the lease
+    /// sweep, a takeover).
+    pub fn recovered(spec: DriveSpec, attempt: &UnknownAttempt, now: Timestamp) -> Drive {
+        let recovery = spec.recovery;
+        let decision = recovery_decision(attempt, recovery, now);
+        let machine =
+            DispatchMachine::recover(now, prepared_of(&spec.basis), spec.lease_ms, attempt, recovery);
+        let mut drive = Drive::with_machine(spec, machine, DispatchState::Unknown, now);
+        drive.actions.push_back(Action::Count(Count::Unknown(true)));
+        drive.count_recovery(&decision);
+        drive
+    }
+
+    fn with_machine(
+        spec: DriveSpec,
+        machine: DispatchMachine,
+        state: DispatchState,
+        now: Timestamp,
+    ) -> Drive {
+        Drive {
+            attempts_started: spec.attempts_before,
+            spec,
+            machine,
+            now,
+            assembler: None,
+            connections: BTreeMap::new(),
+            connection_next: 0,
+            provider_sequence_last: None,
+            idempotency_keys: HashMap::new(),
+            state,
+            retracted: HashSet::new(),
+            provider_ended: HashSet::new(),
+            resume_refused: HashSet::new(),
+            resumes: HashMap::new(),
+            stopped: false,
+            final_retract: None,
+            committed_turn: None,
+            offer_facts: HashMap::new(),
+            suppress_interrupt_retract: false,
+            work: VecDeque::new(),
+            pending: None,
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// The operation this driver drives.
+    pub fn operation_id(&self) -> &str {
+        &self.spec.basis.operation_id
+    }
+
+    /// The stored bytes (what an [`Request::Send`] sends).
+    pub fn request_bytes(&self) -> &Arc<Vec<u8>> {
+        &self.spec.basis.request_bytes
+    }
+
+    /// The machine's state.
+    pub fn state(&self) -> DispatchState {
+        self.machine.state()
+    }
+
+    /// The active generation.
+    pub fn generation(&self) -> Option<Generation> {
+        self.machine.generation()
+    }
+
+    /// Attempts started for this dispatch, across restarts.
+    pub fn attempts_started(&self) -> u64 {
+        self.attempts_started
+    }
+
+    /// The driver can make no further progress: a begin or recovery was refused (another
+    /// replica or a cancel decided), or a store write failed and the lease decides.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Nothing more will happen here (the pump may drop the driver once its actions ran).
+    pub fn is_finished(&self) -> bool {
+        if self.pending.is_some() || !self.work.is_empty() || !self.actions.is_empty() {
+            return false;
+        }
+        let state = self.machine.state();
+        self.stopped
+            || state.is_terminal()
+            || (state == DispatchState::Prepared && self.machine.poll_timeout().is_none() && self.gave_up())
+    }
+
+    /// When [`Drive::handle_timeout`] should be called next.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        if self.stopped {
+            return None;
+        }
+        self.machine.poll_timeout()
+    }
+
+    /// Time passed.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.now = now;
+        self.queue(Work::Timeout);
+    }
+
+    /// A provider connection's response head arrived.
+    pub fn handle_head(&mut self, now: Timestamp, connection: ConnectionId, status: u16) {
+        self.now = now;
+        self.queue(Work::Head { connection, status });
+    }
+
+    /// Body bytes arrived on a connection.
+    pub fn handle_chunk(&mut self, now: Timestamp, connection: ConnectionId, bytes: Vec<u8>) {
+        self.now = now;
+        self.queue(Work::Chunk { connection, bytes });
+    }
+
+    /// A connection ended: `clean` when its body ended normally, false when it broke.
+    pub fn handle_end(&mut self, now: Timestamp, connection: ConnectionId, clean: bool) {
+        self.now = now;
+        self.queue(Work::End { connection, clean });
+    }
+
+    /// The answer to the outstanding [`Action::Store`].
+    pub fn handle_store(&mut self, now: Timestamp, result: StoreResult) {
+        self.now = now;
+        // Invariant: pumps answer exactly the operation they were given.
+        let Some(pending) = self.pending.take() else {
+            panic!("a store answer without an outstanding store operation");
+        };
+        match pending {
+            Pending::MachineWrite(kind) => self.write_answered(kind, result),
+            Pending::Bind { generation } => self.bind_answered(generation, result),
+            Pending::Quarantine => {
+                if let StoreResult::Failed(_) = result {
+                    self.actions.push_back(Action::Count(Count::StoreFailure));
+                }
+            }
+            Pending::Interruption {
+                generation,
+                provider_ended,
+                interrupt,
+            } => self.interruption_answered(generation, provider_ended, interrupt, result),
+            Pending::ReplayKey { generation } => {
+                let key = match result {
+                    StoreResult::Attempts(attempts) => attempts
+                        .into_iter()
+                        .find(|attempt| attempt.generation == generation)
+                        .map(|attempt| attempt.idempotency_key),
+                    _ => None,
+                };
+                let key = key.unwrap_or_default();
+                self.idempotency_keys.insert(generation, key.clone());
+                let handled = self.machine.handle_store(
+                    self.now,
+                    StoreAnswer::Replayed {
+                        generation,
+                        idempotency_key: key,
+                    },
+                );
+                self.counted(handled);
+            }
+        }
+    }
+
+    /// The next thing the pump must do.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        if self.actions.is_empty() {
+            self.advance();
+        }
+        self.actions.pop_front()
+    }
+
+    fn queue(&mut self, work: Work) {
+        assert!(
+            self.work.len() < WORK_QUEUED_MAX,
+            "driver input was not polled (WORK_QUEUED_MAX)"
+        );
+        self.work.push_back(work);
+    }
+
+    fn advance(&mut self) {
+        while self.actions.is_empty() && self.pending.is_none() {
+            if let Some(effect) = self.machine.poll_effect() {
+                self.effect(effect);
+                continue;
+            }
+            let Some(work) = self.work.pop_front() else {
+                return;
+            };
+            self.step(work);
+        }
+    }
+
+    fn store(&mut self, op: StoreOp, pending: Pending) {
+        assert!(self.pending.is_none(), "two store operations outstanding");
+        self.pending = Some(pending);
+        self.actions.push_back(Action::Store(op));
+    }
+
+    fn emit(&mut self, event: DriveEvent) {
+        self.actions.push_back(Action::Emit(event));
+    }
+
+    fn emit_error(&mut self, code: &str) {
+        self.emit(DriveEvent::Error {
+            code: code.to_owned(),
+            message: error_message(code),
+        });
+    }
+
+    fn counted(&mut self, handled: Handled) {
+        if let Handled::Ignored(reason) = handled {
+            self.actions
+                .push_back(Action::Count(Count::Ignored(ignore_code(reason))));
+        }
+    }
+
+    fn count_recovery(&mut self, decision: &RecoveryDecision) {
+        // A new generation is counted when its rearm write lands (it may follow a wait).
+        let outcome = match decision {
+            RecoveryDecision::ResumeByHandle { .. } => "resumed",
+            RecoveryDecision::ReplaySameGeneration { .. } => "replayed",
+            RecoveryDecision::WaitUntil(_) => "waiting",
+            RecoveryDecision::AbandonThenNewGeneration { .. } => return,
+        };
+        self.actions.push_back(Action::Count(Count::Recovery(outcome)));
+    }
+
+    fn gave_up(&self) -> bool {
+        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX || self.final_retract.is_some()
+    }
+
+    /// What the provider offers for getting back to `generation`: no resume after a clean end
+    /// (the provider finished that response), after a refused resume, or past the resume cap.
+    fn recovery_for(&self, generation: Generation, clean_end: bool) -> ProviderRecovery {
+        let mut recovery = self.spec.recovery;
+        if clean_end
+            || self.resume_refused.contains(&generation)
+            || self.resumes.get(&generation).copied().unwrap_or(0) >= RESUMES_PER_GENERATION_MAX
+        {
+            recovery.resume_by_handle = false;
+        }
+        recovery
+    }
+
+    /// One retract per generation, whoever noticed first (assembler or machine).
+    fn retract(&mut self, generation: Generation, reason: &str) {
+        if self.retracted.insert(generation) {
+            self.actions.push_back(Action::Count(Count::PreviewRetraction));
+            self.emit(DriveEvent::Retract {
+                generation,
+                reason: reason.to_owned(),
+            });
+        }
+    }
+
+    fn transitioned(&mut self, from: DispatchState, to: DispatchState) {
+        self.actions
+            .push_back(Action::Count(Count::Transition { from, to }));
+        self.state = to;
+        if from == DispatchState::Unknown {
+            self.actions.push_back(Action::Count(Count::Unknown(false)));
+        }
+        if to == DispatchState::Unknown {
+            self.actions.push_back(Action::Count(Count::Unknown(true)));
+        }
+    }
+
+    fn effect(&mut self, effect: Effect) {
+        match effect {
+            Effect::Persist(write) => self.persist(write),
+            Effect::Send {
+                generation,
+                idempotency_key,
+                request_digest,
+            } => self.send(generation, idempotency_key, &request_digest),
+            Effect::Resume { generation, handle } => self.resume(generation, handle),
+            Effect::BindHandle { generation, handle } => {
+                self.store(
+                    StoreOp::BindHandle { generation, handle },
+                    Pending::Bind { generation },
+                );
+            }
+            Effect::Emit(event) => match event {
+                ClientEvent::State { state, generation } => {
+                    self.emit(DriveEvent::State { state, generation });
+                }
+                ClientEvent::Retract {
+                    reason: "interrupted",
+                    ..
+                } if self.suppress_interrupt_retract => {}
+                ClientEvent::Retract { generation, reason } => self.retract(generation, reason),
+                ClientEvent::Committed { revision } => {
+                    let turn = self.committed_turn.take().unwrap_or(Value::Null);
+                    let facts = turn["generation"]
+                        .as_u64()
+                        .and_then(|generation| self.offer_facts.remove(&Generation(generation)));
+                    self.emit(DriveEvent::Committed {
+                        revision,
+                        turn,
+                        facts,
+                    });
+                }
+                ClientEvent::Error {
+                    code: "begin_refused" | "recovery_refused",
+                } => {
+                    // Not an error for the client: the pump switches to watching the dispatch
+                    // that someone else drives (see `stopped`).
+                }
+                ClientEvent::Error { code } => self.emit_error(code),
+            },
+            Effect::Quarantine {
+                generation,
+                reason,
+                content,
+            } => {
+                let reason = match reason {
+                    QuarantineReason::ForeignGeneration => "foreign_generation",
+                    QuarantineReason::Late => "late",
+                };
+                self.quarantine(generation, reason, content);
+            }
+            Effect::ExposeToolCalls { revision } => {
+                // The store inserted them in the commit transaction; executors read the ledger.
+                self.actions.push_back(Action::ExposeToolCalls { revision });
+            }
+        }
+    }
+
+    fn quarantine(&mut self, generation: Generation, reason: &'static str, content: Value) {
+        self.actions.push_back(Action::Count(Count::LateBlock));
+        self.store(
+            StoreOp::Quarantine {
+                generation,
+                reason,
+                content,
+            },
+            Pending::Quarantine,
+        );
+    }
+
+    fn persist(&mut self, write: Write) {
+        let (op, kind) = match write {
+            Write::Begin {
+                expected_revision,
+                expected_cancel_generation,
+                lease_expires_at,
+            } => {
+                if self.gave_up() {
+                    let code = self.final_retract.unwrap_or("attempts_exhausted");
+                    self.emit_error(code);
+                    return;
+                }
+                (
+                    StoreOp::Begin {
+                        expected_revision,
+                        expected_cancel_generation,
+                        lease_expires_at,
+                    },
+                    WriteKind::Begin,
+                )
+            }
+            Write::Transition { generation, from, to } => (
+                StoreOp::Transition { generation, from, to },
+                WriteKind::Transition { from, to },
+            ),
+            Write::Replay {
+                generation,
+                lease_expires_at,
+            } => (
+                StoreOp::Replay {
+                    generation,
+                    lease_expires_at,
+                },
+                WriteKind::Replay { generation },
+            ),
+            Write::AbandonAndRearm { generation } => (
+                StoreOp::AbandonAndRearm {
+                    generation,
+                    provider_ended: self.provider_ended.contains(&generation),
+                },
+                WriteKind::AbandonAndRearm,
+            ),
+            Write::RenewLease {
+                generation,
+                lease_expires_at,
+            } => (
+                StoreOp::RenewLease {
+                    generation,
+                    lease_expires_at,
+                },
+                WriteKind::RenewLease,
+            ),
+            Write::Commit {
+                generation,
+                expected_revision,
+                turn,
+            } => {
+                // The provider's stop reason and usage go into the same transaction, for
+                // clients that attach later (same operation id, Idempotency-Key).
+                let outcome = self.offer_facts.get(&generation).cloned();
+                self.committed_turn = Some(turn.clone());
+                (
+                    StoreOp::Commit {
+                        generation,
+                        expected_revision,
+                        turn,
+                        outcome,
+                    },
+                    WriteKind::Commit { generation },
+                )
+            }
+            Write::Cancel {
+                expected_cancel_generation,
+            } => (
+                StoreOp::Cancel {
+                    expected_cancel_generation,
+                },
+                WriteKind::Cancel,
+            ),
+        };
+        self.store(op, Pending::MachineWrite(kind));
+    }
+
+    fn write_answered(&mut self, kind: WriteKind, result: StoreResult) {
+        let answer = match (kind, result) {
+            (_, StoreResult::Failed(_)) => {
+                self.store_failed(kind);
+                return;
+            }
+            (
+                WriteKind::Begin,
+                StoreResult::Began {
+                    generation,
+                    idempotency_key,
+                },
+            ) => {
+                self.attempts_started += 1;
+                let from = self.state;
+                self.transitioned(from, DispatchState::Dispatching);
+                self.idempotency_keys.insert(generation, idempotency_key.clone());
+                StoreAnswer::Began {
+                    generation,
+                    idempotency_key,
+                }
+            }
+            (WriteKind::Begin, _) => {
+                self.stopped = true;
+                StoreAnswer::BeginRefused
+            }
+            (WriteKind::Transition { from, to }, StoreResult::Applied) => {
+                self.transitioned(from, to);
+                return;
+            }
+            (WriteKind::Transition { .. }, _) => StoreAnswer::TransitionRefused,
+            (WriteKind::Replay { generation }, StoreResult::Applied) => {
+                self.transitioned(DispatchState::Unknown, DispatchState::Dispatching);
+                match self.idempotency_keys.get(&generation).cloned() {
+                    Some(key) => StoreAnswer::Replayed {
+                        generation,
+                        idempotency_key: key,
+                    },
+                    None => {
+                        self.store(StoreOp::ReadAttempts, Pending::ReplayKey { generation });
+                        return;
+                    }
+                }
+            }
+            (WriteKind::Replay { .. }, _) => {
+                self.stopped = true;
+                StoreAnswer::TransitionRefused
+            }
+            (WriteKind::AbandonAndRearm, StoreResult::Applied) => {
+                self.transitioned(DispatchState::Unknown, DispatchState::Abandoned);
+                self.actions
+                    .push_back(Action::Count(Count::Recovery("new_generation")));
+                self.state = DispatchState::Prepared;
+                StoreAnswer::Rearmed
+            }
+            (WriteKind::AbandonAndRearm, _) => {
+                self.stopped = true;
+                StoreAnswer::TransitionRefused
+            }
+            (WriteKind::RenewLease, StoreResult::Applied) => return,
+            (WriteKind::RenewLease, _) => StoreAnswer::LeaseLost,
+            (WriteKind::Commit { .. }, StoreResult::Committed { revision }) => {
+                let from = self.state;
+                self.transitioned(from, DispatchState::Committed);
+                // The store appends the turn as offered, stamped with its revision: the client
+                // event needs no second read of the whole history.
+                if let Some(turn) = &mut self.committed_turn {
+                    turn["revision"] = json!(revision.0);
+                }
+                StoreAnswer::Committed { revision }
+            }
+            (WriteKind::Commit { .. }, StoreResult::CommitRejected(codes)) => {
+                self.committed_turn = None;
+                self.actions.push_back(Action::Count(Count::Rejected(codes)));
+                self.actions.push_back(Action::Count(Count::LateBlock));
+                StoreAnswer::CommitRefused
+            }
+            (WriteKind::Commit { .. }, _) => {
+                self.committed_turn = None;
+                self.actions.push_back(Action::Count(Count::CasConflict));
+                self.actions.push_back(Action::Count(Count::LateBlock));
+                StoreAnswer::CommitRefused
+            }
+            (WriteKind::Cancel, _) => return,
+        };
+        let handled = self.machine.handle_store(self.now, answer);
+        self.counted(handled);
+    }
+
+    /// A store write failed: its outcome is unknown.
+    fn store_failed(&mut self, kind: WriteKind) {
+        self.actions.push_back(Action::Count(Count::StoreFailure));
+        if kind.awaited() {
+            // The machine would wait forever for an answer that will not come. Stop driving:
+            // the ledger decides (a write that landed is relayed by a watcher; one that did
+            // not leaves a lease that the sweep recovers once it runs out).
+            self.stopped = true;
+            if let Some(generation) = self.machine.generation() {
+                // This process will not finish this generation: its preview is void here.
+                self.retract(generation, "store_unavailable");
+            }
+        }
+        self.emit_error("store_unavailable");
+    }
+
+    fn send(&mut self, generation: Generation, idempotency_key: String, request_digest: &str) {
+        // The manifest names the bytes by digest: anything else must never leave.
+        if Digest::of_bytes(&self.spec.basis.request_bytes).as_str() != request_digest {
+            self.actions.push_back(Action::Count(Count::IllegalSend));
+            let handled = self
+                .machine
+                .handle_provider(self.now, generation, ProviderInput::Rejected);
+            self.counted(handled);
+            return;
+        }
+        self.assembler = Some(self.new_assembler(generation, None));
+        self.provider_sequence_last = None;
+        self.open(generation, Request::Send { idempotency_key }, false);
+    }
+
+    fn resume(&mut self, generation: Generation, handle: String) {
+        match &mut self.assembler {
+            Some(assembler) if assembler.generation() == generation => assembler.handle_connection_start(),
+            _ => self.assembler = Some(self.new_assembler(generation, Some(handle.clone()))),
+        }
+        *self.resumes.entry(generation).or_default() += 1;
+        let after_sequence = self.provider_sequence_last;
+        self.open(
+            generation,
+            Request::Resume {
+                handle,
+                after_sequence,
+            },
+            true,
+        );
+    }
+
+    fn new_assembler(&self, generation: Generation, handle_bound: Option<String>) -> Assembler {
+        let mut config = AssemblerConfig::new(
+            generation,
+            format!("{}.g{}", self.spec.basis.operation_id, generation.0),
+        );
+        config.toolset = self.spec.toolset.clone();
+        config.call_ids_taken = self.spec.call_ids_taken.clone();
+        config.handle_bound = handle_bound;
+        Assembler::new(config)
+    }
+
+    fn open(&mut self, generation: Generation, request: Request, resume: bool) {
+        let connection = ConnectionId(self.connection_next);
+        self.connection_next += 1;
+        self.connections.insert(
+            connection,
+            Connection {
+                generation,
+                decoder: self.spec.api.decoder(),
+                status: None,
+                saw_event: false,
+                resume,
+            },
+        );
+        self.actions.push_back(Action::Open {
+            connection,
+            generation,
+            request,
+        });
+    }
+
+    fn bind_answered(&mut self, generation: Generation, result: StoreResult) {
+        match result {
+            StoreResult::BindRefused => {
+                // The handle belongs to another manifest: nothing from it may be merged.
+                self.actions.push_back(Action::Count(Count::ForeignHandle));
+                let closed: Vec<ConnectionId> = self
+                    .connections
+                    .iter()
+                    .filter(|(_, connection)| connection.generation == generation)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for connection in closed {
+                    self.connections.remove(&connection);
+                    self.actions.push_back(Action::Close { connection });
+                }
+                self.interrupted(generation, false, true);
+            }
+            StoreResult::Failed(_) => {
+                // A handle that is not durably bound only loses resume-by-handle after a crash;
+                // the attempt goes on (the lease still fences it).
+                self.actions.push_back(Action::Count(Count::StoreFailure));
+            }
+            _ => {}
+        }
+    }
+
+    /// Start recovery of an interrupted attempt: read what the store holds of it first.
+    /// `interrupt`: the machine still has to hear of the interruption.
+    fn interrupted(&mut self, generation: Generation, provider_ended: bool, interrupt: bool) {
+        self.store(
+            StoreOp::ReadAttempts,
+            Pending::Interruption {
+                generation,
+                provider_ended,
+                interrupt,
+            },
+        );
+    }
+
+    fn interruption_answered(
+        &mut self,
+        generation: Generation,
+        provider_ended: bool,
+        interrupt: bool,
+        result: StoreResult,
+    ) {
+        let record = match result {
+            StoreResult::Attempts(attempts) => attempts
+                .into_iter()
+                .find(|attempt| attempt.generation == generation),
+            _ => None,
+        };
+        let Some(record) = record else {
+            // No durable view of the attempt (a store failure, or it is gone): this driver
+            // cannot decide recovery; stop and leave it to the lease sweep.
+            if interrupt {
+                let handled = self
+                    .machine
+                    .handle_provider(self.now, generation, ProviderInput::Interrupted);
+                self.counted(handled);
+            }
+            self.actions.push_back(Action::Count(Count::StoreFailure));
+            self.stopped = true;
+            return;
+        };
+        let attempt = UnknownAttempt {
+            generation,
+            handle: record.handle.clone().or_else(|| {
+                self.assembler
+                    .as_ref()
+                    .and_then(|assembler| assembler.handle().map(str::to_owned))
+            }),
+            idempotency_key: record.idempotency_key.clone(),
+            lease_expires_at: record.lease_expires_at,
+            provider_confirmed_ended: provider_ended,
+        };
+        if provider_ended {
+            self.provider_ended.insert(generation);
+        }
+        let recovery = self.recovery_for(generation, provider_ended);
+        let decision = recovery_decision(&attempt, recovery, self.now);
+        // The interruption's own effects (UNKNOWN, retract unless resuming) run next.
+        self.suppress_interrupt_retract = matches!(decision, RecoveryDecision::ResumeByHandle { .. });
+        if interrupt {
+            let handled = self
+                .machine
+                .handle_provider(self.now, generation, ProviderInput::Interrupted);
+            self.counted(handled);
+        }
+        self.work.push_front(Work::InterruptionTail {
+            tail: Box::new(Tail {
+                generation,
+                attempt,
+                recovery,
+                decision,
+            }),
+        });
+    }
+
+    fn interruption_tail(&mut self, tail: Tail) {
+        self.suppress_interrupt_retract = false;
+        let resuming = matches!(tail.decision, RecoveryDecision::ResumeByHandle { .. });
+        if self.gave_up() && !resuming {
+            let code = self.final_retract.unwrap_or("attempts_exhausted");
+            self.emit_error(code);
+            let handled = self.machine.handle_cancel(self.now);
+            self.counted(handled);
+            return;
+        }
+        self.count_recovery(&tail.decision);
+        if !resuming {
+            self.assembler = None;
+        }
+        let _ = tail.generation;
+        self.machine = DispatchMachine::recover(
+            self.now,
+            prepared_of(&self.spec.basis),
+            self.spec.lease_ms,
+            &tail.attempt,
+            tail.recovery,
+        );
+        self.state = DispatchState::Unknown;
+    }
+
+    fn step(&mut self, work: Work) {
+        match work {
+            Work::Timeout => {
+                let handled = self.machine.handle_timeout(self.now);
+                self.counted(handled);
+            }
+            Work::Head { connection, status } => {
+                let Some(open) = self.connections.get_mut(&connection) else {
+                    return;
+                };
+                open.status = Some(status);
+                let generation = open.generation;
+                if (200..300).contains(&status) {
+                    let handled = self
+                        .machine
+                        .handle_provider(self.now, generation, ProviderInput::Accepted);
+                    self.counted(handled);
+                }
+            }
+            Work::Chunk { connection, bytes } => {
+                let Some(open) = self.connections.get_mut(&connection) else {
+                    return;
+                };
+                if open.status.is_some_and(|status| !(200..300).contains(&status)) {
+                    return;
+                }
+                open.decoder.handle_bytes(&bytes);
+                self.work.push_front(Work::DrainDecoder(connection));
+            }
+            Work::End { connection, clean } => {
+                let Some(open) = self.connections.get_mut(&connection) else {
+                    return;
+                };
+                let broken_before_head = !clean && open.status.is_none();
+                if clean {
+                    open.decoder.handle_end_of_input();
+                }
+                self.work.push_front(Work::ConnectionEnded {
+                    connection,
+                    clean,
+                    broken_before_head,
+                });
+                self.work.push_front(Work::DrainDecoder(connection));
+            }
+            Work::DrainDecoder(connection) => {
+                let Some(open) = self.connections.get_mut(&connection) else {
+                    return;
+                };
+                let generation = open.generation;
+                let Some(sequenced) = open.decoder.poll_event() else {
+                    return;
+                };
+                self.work.push_front(Work::DrainDecoder(connection));
+                self.work.push_front(Work::Event {
+                    connection,
+                    generation,
+                    stage: 0,
+                    sequenced,
+                });
+            }
+            Work::Event {
+                connection,
+                generation,
+                stage,
+                sequenced,
+            } => self.event(connection, generation, stage, sequenced),
+            Work::DrainAssembler(generation) => self.drain_assembler(generation),
+            Work::ConnectionEnded {
+                connection,
+                clean,
+                broken_before_head,
+            } => self.connection_ended(connection, clean, broken_before_head),
+            Work::AfterEnd { generation, clean } => {
+                if self.machine.state().is_terminal() || self.machine.generation() != Some(generation) {
+                    return;
+                }
+                if matches!(
+                    self.machine.state(),
+                    DispatchState::Dispatching | DispatchState::Sent | DispatchState::Streaming
+                ) {
+                    self.work.push_front(Work::Interruption {
+                        generation,
+                        provider_ended: clean,
+                    });
+                }
+            }
+            Work::Interruption {
+                generation,
+                provider_ended,
+            } => self.interrupted(generation, provider_ended, true),
+            Work::InterruptionTail { tail } => self.interruption_tail(*tail),
+        }
+    }
+
+    fn event(&mut self, connection: ConnectionId, generation: Generation, stage: u8, sequenced: Sequenced) {
+        match stage {
+            0 => {
+                if let Some(open) = self.connections.get_mut(&connection)
+                    && !open.saw_event
+                {
+                    open.saw_event = true;
+                    let handled =
+                        self.machine
+                            .handle_provider(self.now, generation, ProviderInput::FirstEvent);
+                    self.counted(handled);
+                }
+                self.work.push_front(Work::Event {
+                    connection,
+                    generation,
+                    stage: 1,
+                    sequenced,
+                });
+            }
+            1 => {
+                if sequenced.seq.source == SeqSource::Provider {
+                    self.provider_sequence_last = Some(
+                        self.provider_sequence_last
+                            .map_or(sequenced.seq.number, |last| last.max(sequenced.seq.number)),
+                    );
+                }
+                if let StreamEvent::Handle { handle } = &sequenced.event {
+                    let handled = self.machine.handle_provider(
+                        self.now,
+                        generation,
+                        ProviderInput::Handle(handle.clone()),
+                    );
+                    self.counted(handled);
+                }
+                self.work.push_front(Work::Event {
+                    connection,
+                    generation,
+                    stage: 2,
+                    sequenced,
+                });
+            }
+            _ => {
+                let Some(assembler) = &mut self.assembler else {
+                    return;
+                };
+                match assembler.handle_event(generation, sequenced) {
+                    Disposition::Quarantined(material) => {
+                        let content = serde_json::to_value(&*material).unwrap_or(Value::Null);
+                        let from = material.generation;
+                        self.work.push_front(Work::DrainAssembler(generation));
+                        self.quarantine(from, "foreign_generation", content);
+                    }
+                    Disposition::Accepted => self.work.push_front(Work::DrainAssembler(generation)),
+                    Disposition::Ignored(_) => {
+                        self.actions
+                            .push_back(Action::Count(Count::Ignored("assembler_ignored")));
+                        self.work.push_front(Work::DrainAssembler(generation));
+                    }
+                }
+            }
+        }
+    }
+
+    fn drain_assembler(&mut self, generation: Generation) {
+        let Some(assembler) = &mut self.assembler else {
+            return;
+        };
+        let Some(output) = assembler.poll_output() else {
+            return;
+        };
+        self.work.push_front(Work::DrainAssembler(generation));
+        match output {
+            Output::Preview {
+                generation,
+                block_index,
+                delta,
+            } => self.emit(DriveEvent::Preview {
+                generation,
+                block_index: block_index.0,
+                delta,
+            }),
+            Output::Retract { generation, reason } => {
+                // The machine hears of it as an interruption when the connection ends; the
+                // client hears now, with the assembler's more precise reason.
+                if matches!(reason, RetractReason::MaxTokensInToolArguments { .. }) {
+                    // The same bytes under the same cap would stop there again: sending them
+                    // again only bills the same truncation.
+                    self.final_retract = Some(reason.code());
+                }
+                self.retract(generation, reason.code());
+            }
+            Output::Commit(offer) => {
+                if !tool_arguments_complete(&offer.turn) {
+                    self.actions.push_back(Action::Count(Count::PartialToolDispatch));
+                    return;
+                }
+                let (input_tokens, output_tokens) = offer.usage.unwrap_or((None, None));
+                self.offer_facts.insert(
+                    offer.generation,
+                    json!({"stop_reason": offer.stop_reason,
+                           "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}),
+                );
+                let handled = self.machine.handle_provider(
+                    self.now,
+                    generation,
+                    ProviderInput::Completed { turn: offer.turn },
+                );
+                self.counted(handled);
+            }
+        }
+    }
+
+    fn connection_ended(&mut self, connection: ConnectionId, clean: bool, broken_before_head: bool) {
+        let Some(open) = self.connections.remove(&connection) else {
+            return;
+        };
+        let generation = open.generation;
+        if self.machine.generation() != Some(generation) || self.machine.state().is_terminal() {
+            return;
+        }
+        let failed = broken_before_head || open.status.is_some_and(|status| !(200..300).contains(&status));
+        if open.resume && (failed || !open.saw_event) {
+            // The provider refused the resume or had nothing more: no more resumes of this
+            // generation; it is interrupted like any other.
+            self.resume_refused.insert(generation);
+        } else if failed {
+            // Nothing was produced: a refused connection or an error status.
+            let code = match open.status {
+                Some(status) => format!("provider_status_{status}"),
+                None => "provider_unreachable".to_owned(),
+            };
+            self.emit(DriveEvent::Error {
+                code,
+                message: error_message("provider_status"),
+            });
+            let handled = self
+                .machine
+                .handle_provider(self.now, generation, ProviderInput::Rejected);
+            self.counted(handled);
+            return;
+        }
+        let resumable = self.recovery_for(generation, clean).resume_by_handle
+            && self
+                .assembler
+                .as_ref()
+                .is_some_and(|assembler| assembler.handle().is_some());
+        self.work.push_front(Work::AfterEnd { generation, clean });
+        if !resumable {
+            if let Some(assembler) = &mut self.assembler {
+                assembler.handle_end_of_input();
+            }
+            self.work.push_front(Work::DrainAssembler(generation));
+        }
+    }
+}
+
+/// Defence in depth before a commit: every tool_call block carries one complete JSON object.
+/// The assembler only offers such turns; if this ever fails, it is counted as a partial tool
+/// dispatch (the metric that must stay 0) and nothing is committed.
+pub(crate) fn tool_arguments_complete(turn: &Value) -> bool {
+    turn["blocks"].as_array().is_some_and(|blocks| {
+        blocks
+            .iter()
+            .filter(|block| block["kind"] == "tool_call")
+            .all(|block| match &block["arguments"] {
+                Value::Object(_) => true,
+                Value::String(text) => matches!(serde_json::from_str::<Value>(text), Ok(Value::Object(_))),
+                _ => false,
+            })
+    })
+}

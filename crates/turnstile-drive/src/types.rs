@@ -1,0 +1,296 @@
+//! The data that crosses the driver's boundary: what it asks the store to do ([`StoreOp`]) and
+//! what the store answered ([`StoreResult`]), what the pump must do ([`Action`]), what clients
+//! are told ([`DriveEvent`]) and what is counted ([`Count`]).
+
+use serde_json::Value;
+use std::sync::Arc;
+use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::{Generation, Revision, ViolationCode};
+
+/// One provider connection of a dispatch, numbered by the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnectionId(pub u64);
+
+/// What the driver needs of the stored dispatch (the store's `DispatchRecord`, trimmed).
+#[derive(Clone, Debug)]
+pub struct DispatchBasis {
+    /// The operation.
+    pub operation_id: String,
+    /// The revision the dispatch answers.
+    pub revision: Revision,
+    /// The cancel generation the dispatch was prepared under.
+    pub cancel_generation: u64,
+    /// The manifest's `request_digest`.
+    pub request_digest: String,
+    /// The stored bytes; the only bytes that may be sent.
+    pub request_bytes: Arc<Vec<u8>>,
+}
+
+/// An attempt as the store holds it (for recovery decisions).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptView {
+    /// Its generation.
+    pub generation: Generation,
+    /// The provider handle bound to it.
+    pub handle: Option<String>,
+    /// Its idempotency key.
+    pub idempotency_key: String,
+    /// When its lease runs out.
+    pub lease_expires_at: Timestamp,
+}
+
+/// A store operation the pump performs through `turnstile_store::drive::perform`, then answers
+/// with [`crate::Drive::handle_store`]. Exactly one is outstanding at a time.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreOp {
+    /// PREPARED → DISPATCHING, allocating a generation (`Ledger::begin_attempt`).
+    Begin {
+        /// Expected revision.
+        expected_revision: Revision,
+        /// Expected cancel generation.
+        expected_cancel_generation: u64,
+        /// The lease's end.
+        lease_expires_at: Timestamp,
+    },
+    /// A forward transition of the active attempt.
+    Transition {
+        /// Generation.
+        generation: Generation,
+        /// From.
+        from: DispatchState,
+        /// To.
+        to: DispatchState,
+    },
+    /// UNKNOWN → DISPATCHING under the same generation.
+    Replay {
+        /// Generation.
+        generation: Generation,
+        /// The lease's end.
+        lease_expires_at: Timestamp,
+    },
+    /// UNKNOWN → ABANDONED and back to PREPARED.
+    AbandonAndRearm {
+        /// Generation.
+        generation: Generation,
+        /// The provider confirmed the attempt ended.
+        provider_ended: bool,
+    },
+    /// Extend the attempt's lease.
+    RenewLease {
+        /// Generation.
+        generation: Generation,
+        /// The lease's end.
+        lease_expires_at: Timestamp,
+    },
+    /// Bind the provider's handle to the attempt.
+    BindHandle {
+        /// Generation.
+        generation: Generation,
+        /// The handle.
+        handle: String,
+    },
+    /// The canonical commit (with the provider's outcome in the same transaction).
+    Commit {
+        /// Generation.
+        generation: Generation,
+        /// The revision it must land on + 1.
+        expected_revision: Revision,
+        /// The assembled turn.
+        turn: Value,
+        /// Stop reason and usage, if the provider reported them.
+        outcome: Option<Value>,
+    },
+    /// Cancel the dispatch.
+    Cancel {
+        /// Expected cancel generation.
+        expected_cancel_generation: u64,
+    },
+    /// Keep a late or foreign block out of history.
+    Quarantine {
+        /// Generation it came from.
+        generation: Generation,
+        /// Why.
+        reason: &'static str,
+        /// What it was.
+        content: Value,
+    },
+    /// Read the dispatch's attempts.
+    ReadAttempts,
+}
+
+/// The store's answer to a [`StoreOp`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreResult {
+    /// Begin won: a new generation.
+    Began {
+        /// The generation.
+        generation: Generation,
+        /// Its idempotency key.
+        idempotency_key: String,
+    },
+    /// Begin lost (revision moved, cancelled, begun elsewhere).
+    BeginRefused,
+    /// A conditional write applied.
+    Applied,
+    /// A conditional write was refused.
+    Refused,
+    /// Commit won.
+    Committed {
+        /// The new revision.
+        revision: Revision,
+    },
+    /// Commit lost the compare-and-set.
+    CommitRefused,
+    /// The store's validator rejected the turn.
+    CommitRejected(Vec<ViolationCode>),
+    /// The handle belongs to another manifest.
+    BindRefused,
+    /// The attempts.
+    Attempts(Vec<AttemptView>),
+    /// The operation failed; whether it landed is unknown.
+    Failed(String),
+}
+
+/// What a request to the provider is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// Send the stored bytes (the pump sends [`DispatchBasis::request_bytes`]).
+    Send {
+        /// The attempt's idempotency key.
+        idempotency_key: String,
+    },
+    /// Resume a stream by its provider handle.
+    Resume {
+        /// The handle.
+        handle: String,
+        /// The provider sequence number last seen.
+        after_sequence: Option<u64>,
+    },
+}
+
+/// What the pump must do, in order.
+#[derive(Clone, Debug, PartialEq)]
+#[must_use]
+pub enum Action {
+    /// Perform this store operation and answer with [`crate::Drive::handle_store`] before
+    /// polling again.
+    Store(StoreOp),
+    /// Open a provider connection; report what happens on it with the `handle_*` inputs.
+    Open {
+        /// The connection's number.
+        connection: ConnectionId,
+        /// The attempt it belongs to.
+        generation: Generation,
+        /// What to send.
+        request: Request,
+    },
+    /// Drop a connection (its events are no longer wanted).
+    Close {
+        /// The connection.
+        connection: ConnectionId,
+    },
+    /// Tell the dispatch's clients.
+    Emit(DriveEvent),
+    /// Count.
+    Count(Count),
+    /// The commit of `revision` exposed its tool calls to executors (they read the ledger).
+    ExposeToolCalls {
+        /// The revision committed.
+        revision: Revision,
+    },
+}
+
+/// A client event of the dispatch stream (`shared/spec/gateway-api.md`, client stream events).
+#[derive(Clone, Debug, PartialEq)]
+pub enum DriveEvent {
+    /// The dispatch state.
+    State {
+        /// The state.
+        state: DispatchState,
+        /// Active generation.
+        generation: Option<Generation>,
+    },
+    /// Revocable preview text.
+    Preview {
+        /// Generation.
+        generation: Generation,
+        /// Block.
+        block_index: u64,
+        /// Text.
+        delta: String,
+    },
+    /// Void all preview of a generation.
+    Retract {
+        /// Generation.
+        generation: Generation,
+        /// Why (a code).
+        reason: String,
+    },
+    /// The canonical commit.
+    Committed {
+        /// The revision.
+        revision: Revision,
+        /// The committed turn, stamped with its revision.
+        turn: Value,
+        /// Stop reason and usage of the commit offer (`{"stop_reason", "usage"}`), if known.
+        facts: Option<Value>,
+    },
+    /// An error code for the client.
+    Error {
+        /// Code.
+        code: String,
+        /// Human text.
+        message: &'static str,
+    },
+}
+
+/// What a pump counts (the gateway maps these to the spec's metric names).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Count {
+    /// A durable state transition.
+    Transition {
+        /// From.
+        from: DispatchState,
+        /// To.
+        to: DispatchState,
+    },
+    /// A recovery outcome (`resumed`, `replayed`, `waiting`, `new_generation`).
+    Recovery(&'static str),
+    /// A preview retraction.
+    PreviewRetraction,
+    /// A lost canonical compare-and-set.
+    CasConflict,
+    /// A late or foreign block.
+    LateBlock,
+    /// A foreign handle refused.
+    ForeignHandle,
+    /// Stored bytes that do not match the manifest (never sent).
+    IllegalSend,
+    /// A commit offer with incomplete tool arguments (never committed).
+    PartialToolDispatch,
+    /// Violations the store's validator found in an offered turn.
+    Rejected(Vec<ViolationCode>),
+    /// The dispatch entered (true) or left (false) UNKNOWN.
+    Unknown(bool),
+    /// A store failure on the dispatch path (the attempt was ended explicitly).
+    StoreFailure,
+    /// An input the driver ignored, with the reason (stale, duplicate, foreign).
+    Ignored(&'static str),
+}
+
+/// The human message of an error code.
+pub fn error_message(code: &str) -> &'static str {
+    match code {
+        "begin_refused" => {
+            "the dispatch could not begin: the conversation moved, it was cancelled, or another replica began it"
+        }
+        "recovery_refused" => "another replica took over this dispatch",
+        "attempts_exhausted" => "the provider did not produce a complete turn within the attempt limit",
+        "max_tokens_in_tool_arguments" => {
+            "the output cap ended the response inside a tool call's arguments; nothing was committed and the same request would stop there again: raise the output cap"
+        }
+        "store_unavailable" => "the ledger could not be written; the lease decides what happens next",
+        "provider_unreachable" | "provider_status" => "the provider produced nothing",
+        _ => "dispatch error",
+    }
+}

@@ -1,0 +1,169 @@
+//! The one mapping from the driver's [`StoreOp`]s to [`Ledger`] calls, used by every pump
+//! (the gateway's tokio task and the simulation), so what is written for a driver decision is
+//! written the same way everywhere.
+
+use crate::{
+    BeginExpect, BeginOutcome, BindOutcome, CommitOutcome, DispatchRecord, Lease, Ledger, QuarantineEntry,
+    TransitionOutcome,
+};
+use std::sync::Arc;
+use turnstile_core::dispatch::Timestamp;
+use turnstile_drive::{AttemptView, DispatchBasis, StoreOp, StoreResult};
+
+/// What the driver needs of a stored dispatch.
+pub fn basis_of(record: &DispatchRecord) -> DispatchBasis {
+    DispatchBasis {
+        operation_id: record.operation_id.clone(),
+        revision: record.revision,
+        cancel_generation: record.cancel_generation,
+        request_digest: record.request_digest.clone(),
+        request_bytes: Arc::new(record.request_bytes.clone()),
+    }
+}
+
+/// Perform `op` for `operation_id` as lease holder `holder`; the answer for
+/// `Drive::handle_store`. A store error is [`StoreResult::Failed`]: its outcome is unknown.
+pub async fn perform(
+    ledger: &dyn Ledger,
+    holder: &str,
+    operation_id: &str,
+    op: &StoreOp,
+    now: Timestamp,
+) -> StoreResult {
+    let lease = |expires_at| Lease {
+        holder: holder.to_owned(),
+        expires_at,
+    };
+    let failed = |error: crate::StoreError| StoreResult::Failed(error.to_string());
+    let transition = |outcome: Result<TransitionOutcome, crate::StoreError>| match outcome {
+        Ok(TransitionOutcome::Applied) => StoreResult::Applied,
+        Ok(TransitionOutcome::Refused { .. }) => StoreResult::Refused,
+        Err(error) => failed(error),
+    };
+    match op {
+        StoreOp::Begin {
+            expected_revision,
+            expected_cancel_generation,
+            lease_expires_at,
+        } => {
+            let expect = BeginExpect {
+                revision: *expected_revision,
+                cancel_generation: *expected_cancel_generation,
+            };
+            match ledger
+                .begin_attempt(operation_id, expect, &lease(*lease_expires_at), now)
+                .await
+            {
+                Ok(BeginOutcome::Began {
+                    generation,
+                    idempotency_key,
+                }) => StoreResult::Began {
+                    generation,
+                    idempotency_key,
+                },
+                Ok(BeginOutcome::Refused { .. }) => StoreResult::BeginRefused,
+                Err(error) => failed(error),
+            }
+        }
+        StoreOp::Transition { generation, from, to } => transition(
+            ledger
+                .transition(operation_id, *generation, *from, *to, now)
+                .await,
+        ),
+        StoreOp::Replay {
+            generation,
+            lease_expires_at,
+        } => transition(
+            ledger
+                .replay_attempt(operation_id, *generation, &lease(*lease_expires_at), now)
+                .await,
+        ),
+        StoreOp::AbandonAndRearm {
+            generation,
+            provider_ended,
+        } => transition(
+            ledger
+                .abandon_and_rearm(operation_id, *generation, *provider_ended, now)
+                .await,
+        ),
+        StoreOp::RenewLease {
+            generation,
+            lease_expires_at,
+        } => transition(
+            ledger
+                .renew_lease(operation_id, *generation, &lease(*lease_expires_at))
+                .await,
+        ),
+        StoreOp::BindHandle { generation, handle } => {
+            match ledger.bind_handle(operation_id, *generation, handle, now).await {
+                Ok(BindOutcome::Refused { .. }) => StoreResult::BindRefused,
+                Ok(BindOutcome::Bound | BindOutcome::AlreadyBound | BindOutcome::StaleGeneration) => {
+                    StoreResult::Applied
+                }
+                Err(error) => failed(error),
+            }
+        }
+        StoreOp::Commit {
+            generation,
+            expected_revision,
+            turn,
+            outcome,
+        } => match ledger
+            .commit_with_outcome(
+                operation_id,
+                *generation,
+                *expected_revision,
+                turn,
+                outcome.as_ref(),
+                now,
+            )
+            .await
+        {
+            Ok(CommitOutcome::Committed { revision, .. }) => StoreResult::Committed { revision },
+            Ok(CommitOutcome::Refused(_)) => StoreResult::CommitRefused,
+            Ok(CommitOutcome::Rejected(violations)) => {
+                StoreResult::CommitRejected(violations.into_iter().map(|violation| violation.code).collect())
+            }
+            Err(error) => failed(error),
+        },
+        StoreOp::Cancel {
+            expected_cancel_generation,
+        } => match ledger
+            .cancel(operation_id, Some(*expected_cancel_generation), now)
+            .await
+        {
+            Ok(_) => StoreResult::Applied,
+            Err(error) => failed(error),
+        },
+        StoreOp::Quarantine {
+            generation,
+            reason,
+            content,
+        } => {
+            let entry = QuarantineEntry {
+                operation_id: operation_id.to_owned(),
+                generation: *generation,
+                reason: (*reason).to_owned(),
+                content: content.clone(),
+            };
+            match ledger.quarantine(&entry, now).await {
+                Ok(_) => StoreResult::Applied,
+                Err(error) => failed(error),
+            }
+        }
+        StoreOp::ReadAttempts => match ledger.attempts(operation_id).await {
+            Ok(attempts) => StoreResult::Attempts(
+                attempts
+                    .into_iter()
+                    .map(|attempt| AttemptView {
+                        generation: attempt.generation,
+                        handle: attempt.handle,
+                        idempotency_key: attempt.idempotency_key,
+                        lease_expires_at: attempt.lease_expires_at,
+                    })
+                    .collect(),
+            ),
+            Err(error) => failed(error),
+        },
+    }
+}
