@@ -167,3 +167,63 @@ pub async fn perform(
         },
     }
 }
+
+/// Attempts the store already holds for `record`: the attempt budget is durable, counted
+/// across restarts and replicas.
+pub async fn attempts_before(ledger: &dyn Ledger, record: &DispatchRecord) -> u64 {
+    if record.active_generation.is_none() {
+        return 0;
+    }
+    match ledger.attempts(&record.operation_id).await {
+        Ok(attempts) => attempts.len() as u64,
+        // Unread: the highest generation the record names is a lower bound (generations
+        // start at 1 and only grow).
+        Err(_) => record.active_generation.map_or(0, |generation| generation.0),
+    }
+}
+
+/// A dispatch whose active attempt is UNKNOWN, ready for `Drive::recovered`.
+#[derive(Clone, Debug)]
+pub struct Recoverable {
+    /// The stored dispatch.
+    pub record: DispatchRecord,
+    /// Its UNKNOWN attempt.
+    pub attempt: turnstile_core::dispatch::UnknownAttempt,
+}
+
+/// Start-up recovery and the lease sweep, decided once for every pump: live attempts of
+/// `holder` and attempts whose lease expired become UNKNOWN (`Ledger::recover_startup`); each
+/// dispatch whose *active* attempt is UNKNOWN is answered once.
+pub async fn recoverable(
+    ledger: &dyn Ledger,
+    holder: &str,
+    now: Timestamp,
+) -> Result<Vec<Recoverable>, crate::StoreError> {
+    let report = ledger.recover_startup(holder, now).await?;
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for attempt in report.unknown {
+        if !seen.insert(attempt.operation_id.clone()) {
+            continue;
+        }
+        let Some(record) = ledger.dispatch(&attempt.operation_id).await? else {
+            continue;
+        };
+        if record.state != turnstile_core::dispatch::DispatchState::Unknown
+            || record.active_generation != Some(attempt.generation)
+        {
+            continue;
+        }
+        out.push(Recoverable {
+            record,
+            attempt: turnstile_core::dispatch::UnknownAttempt {
+                generation: attempt.generation,
+                handle: attempt.handle.clone(),
+                idempotency_key: attempt.idempotency_key.clone(),
+                lease_expires_at: attempt.lease_expires_at,
+                provider_confirmed_ended: false,
+            },
+        });
+    }
+    Ok(out)
+}

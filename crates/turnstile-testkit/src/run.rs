@@ -12,14 +12,7 @@ use std::sync::{Arc, Mutex};
 
 /// Run one seed.
 pub fn run_seed(seed: u64, trace: bool, bugs: Bugs) -> SeedReport {
-    run_seed_with(
-        seed,
-        Options {
-            trace,
-            bugs,
-            production_store_errors: false,
-        },
-    )
+    run_seed_with(seed, Options { trace, bugs })
 }
 
 /// Run one seed with all options.
@@ -62,11 +55,7 @@ pub fn run_seeds(
     bugs: Bugs,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Summary {
-    let options = Options {
-        trace: false,
-        bugs,
-        production_store_errors: false,
-    };
+    let options = Options { trace: false, bugs };
     run_seeds_with(first, count, threads, options, progress)
 }
 

@@ -1,12 +1,15 @@
-//! The simulation world: the real `DispatchMachine`, the real adapters (render, manifest,
-//! decoders) and assembler, and the real SQLite ledger on a temporary file, with the effects
-//! performed the way `turnstile-gateway`'s `serve/driver.rs` performs them — ported line by
-//! line to a synchronous, single-threaded loop over a virtual clock. The scripted
-//! [`Provider`] is the only stand-in.
+//! The simulation world: the gateway's own dispatch driver ([`turnstile_drive::Drive`]), the
+//! real adapters (render, manifest) and the real SQLite ledger on a temporary file, pumped by a
+//! synchronous, single-threaded loop over a virtual clock. Only the world around the driver is
+//! simulated: the scheduler, the clock, the scripted [`Provider`], faults and crashes. The
+//! driver's store operations go through the same mapping the gateway uses
+//! (`turnstile_store::drive::perform`); start-up recovery and the lease sweep choose what to
+//! recover with the same function (`turnstile_store::drive::recoverable`). This file holds no
+//! dispatch decision of its own; planted bugs are hooks here, on the pump's side.
 //!
 //! One step is one scheduling choice of the seed: deliver the next piece (head, chunk, end) of
 //! one open provider connection (connections interleave in any order), fire the earliest
-//! timer, or sweep expired leases. A crash may follow any effect: every in-memory part is
+//! timer, or sweep expired leases. A crash may follow any action: every in-memory part is
 //! dropped, the same SQLite file is reopened and start-up recovery runs.
 
 use crate::plan::{Bugs, FaultKind, FaultPlan};
@@ -14,24 +17,21 @@ use crate::provider::{Answer, Provider};
 use crate::report::{Invariant, SeedReport};
 use crate::rng::Rng;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use turnstile_adapters::decode::{Decoder, StreamApi};
 use turnstile_adapters::{AdapterId, Catalog, Graph, PrepareOutcome, PrepareRequest, RenderCache, prepare};
-use turnstile_core::assemble::{Assembler, AssemblerConfig, Disposition, Output, RetractReason, Toolset};
-use turnstile_core::dispatch::{
-    ClientEvent, DispatchMachine, DispatchState, Effect, Prepared, ProviderInput, ProviderRecovery,
-    QuarantineReason, RecoveryDecision, StoreAnswer, Timestamp, UnknownAttempt, Write, recovery_decision,
-};
-use turnstile_core::stream::{SeqSource, StreamEvent};
-use turnstile_core::{
-    Conversation, Digest, Generation, MessageSequence, Revision, Validated, Verdict, validate,
+use turnstile_core::assemble::{Assembler, AssemblerConfig, Output, Toolset};
+use turnstile_core::dispatch::{DispatchState, ProviderRecovery, Timestamp};
+use turnstile_core::{Conversation, Generation, MessageSequence, Revision, Validated, Verdict, validate};
+use turnstile_drive::{
+    Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Request, StoreOp, StoreResult,
 };
 use turnstile_store::{
-    BeginExpect, BeginOutcome, BindOutcome, ClaimOutcome, CommitOutcome, DispatchRecord, Fault, Lease,
-    Ledger, PrepareOutcome as StorePrepare, QuarantineEntry, SqliteLedger, Synchronous, ToolCallState,
-    TransitionOutcome,
+    ClaimOutcome, DispatchRecord, Fault, Lease, Ledger, PrepareOutcome as StorePrepare, SqliteLedger,
+    StoreClock, Synchronous, ToolCallState,
 };
 
 /// The lease holder of the simulated gateway (stable across its restarts, as in production).
@@ -50,10 +50,8 @@ pub const STEPS_PER_PHASE_MAX: u64 = 600;
 pub const ROUNDS_MAX: u64 = 3;
 /// Most operations a client starts for one round before moving on.
 pub const OPS_PER_ROUND_MAX: u64 = 3;
-/// As `serve/driver.rs`.
-pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = 4;
-/// As `serve/driver.rs`.
-const RESUMES_PER_GENERATION_MAX: u32 = 3;
+/// The driver's attempt budget (re-exported for the checker).
+pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
 /// Virtual time one delivery may take.
 const DELIVERY_MS_MAX: u64 = 40;
 
@@ -64,57 +62,27 @@ pub struct Options {
     pub trace: bool,
     /// Planted bugs (all off for a real run).
     pub bugs: Bugs,
-    /// Handle a store error on an awaited write exactly as `serve/driver.rs` does today (no
-    /// answer, the driver keeps waiting and keeps the dispatch from the lease sweep). Off: the
-    /// driver stops and leaves the dispatch to the sweep — the fix proposed in
-    /// `docs/reliability.md`, which the default run uses. See `docs/decisions.md`.
-    pub production_store_errors: bool,
 }
 
 /// One provider connection as the gateway's transport sees it.
 pub(crate) struct Conn {
     pub(crate) op: String,
     pub(crate) generation: Generation,
-    decoder: Box<dyn Decoder>,
+    /// The driver's number for it (None: a stray stream no live driver opened).
+    connection: Option<ConnectionId>,
     status: u16,
     head_delivered: bool,
-    saw_event: bool,
-    resume: bool,
-    chunks: VecDeque<Vec<u8>>,
+    chunks: std::collections::VecDeque<Vec<u8>>,
     clean_end: bool,
-    /// Planted bug `commit_late_turn` only: an assembler of the stream's own (old) generation.
-    side: Option<Assembler>,
+    /// Planted bug `commit_late_turn` only: a decoder and assembler of the stream's own
+    /// (old) generation, outside the driver.
+    side: Option<(Box<dyn Decoder>, Assembler)>,
 }
 
-/// One dispatch's driver (the port of `serve/driver.rs::Driver`).
-pub(crate) struct Driver {
+/// One live driver and its dispatch.
+pub(crate) struct SimDriver {
     pub(crate) op: String,
-    record: DispatchRecord,
-    pub(crate) machine: DispatchMachine,
-    assembler: Option<Assembler>,
-    attempts_started: u64,
-    provider_sequence_last: Option<u64>,
-    idempotency_keys: HashMap<Generation, String>,
-    retracted: HashSet<Generation>,
-    provider_ended: HashSet<Generation>,
-    resume_refused: HashSet<Generation>,
-    resumes: HashMap<Generation, u32>,
-    stopped: bool,
-    /// As in the gateway driver: a retract that would repeat on every attempt ends retrying.
-    final_retract: bool,
-}
-
-impl Driver {
-    fn finished(&self) -> bool {
-        let state = self.machine.state();
-        self.stopped
-            || state.is_terminal()
-            || (state == DispatchState::Prepared && self.machine.poll_timeout().is_none() && self.gave_up())
-    }
-
-    fn gave_up(&self) -> bool {
-        self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX || self.final_retract
-    }
+    pub(crate) drive: Drive,
 }
 
 /// What the checker remembers beyond the store.
@@ -171,7 +139,6 @@ pub struct World {
     pub(crate) rng: Rng,
     pub(crate) plan: FaultPlan,
     pub(crate) bugs: Bugs,
-    production_store_errors: bool,
     trace_on: bool,
     _dir: tempfile::TempDir,
     path: PathBuf,
@@ -179,6 +146,8 @@ pub struct World {
     ledger: Option<SqliteLedger>,
     /// A second, independent connection to the same file: what it sees is committed.
     witness: Option<SqliteLedger>,
+    /// The store's clock (the virtual time, read in SQL).
+    store_clock: Arc<AtomicU64>,
     pub(crate) now: u64,
     pub(crate) step: u64,
     pub(crate) phase: Phase,
@@ -192,7 +161,7 @@ pub struct World {
     conns: BTreeMap<u64, Conn>,
     conn_next: u64,
     limbo: Vec<Conn>,
-    pub(crate) drivers: Vec<Driver>,
+    pub(crate) drivers: Vec<SimDriver>,
     pub(crate) ops: Vec<String>,
     ops_in_round: u64,
     rounds_done: u64,
@@ -207,6 +176,7 @@ pub struct World {
 /// Call a ledger method on the current store, synchronously.
 macro_rules! store {
     ($world:expr, $method:ident ( $($arg:expr),* $(,)? )) => {{
+        $world.sync_store_clock();
         let ledger = $world.ledger();
         $world.rt.block_on(ledger.$method($($arg),*))
     }};
@@ -223,28 +193,6 @@ fn tools() -> Value {
             "additionalProperties": false
         }
     }])
-}
-
-fn prepared_of(record: &DispatchRecord) -> Prepared {
-    Prepared {
-        revision: record.revision,
-        cancel_generation: record.cancel_generation,
-        request_digest: record.request_digest.clone(),
-    }
-}
-
-/// Defence in depth before a commit, as in `serve/driver.rs`.
-fn tool_arguments_complete(turn: &Value) -> bool {
-    turn["blocks"].as_array().is_some_and(|blocks| {
-        blocks
-            .iter()
-            .filter(|block| block["kind"] == "tool_call")
-            .all(|block| match &block["arguments"] {
-                Value::Object(_) => true,
-                Value::String(text) => matches!(serde_json::from_str::<Value>(text), Ok(Value::Object(_))),
-                _ => false,
-            })
-    })
 }
 
 impl World {
@@ -268,7 +216,9 @@ impl World {
             .enable_all()
             .build()
             .map_err(|error| error.to_string())?;
-        let ledger = SqliteLedger::open(&path, Synchronous::Full).map_err(|error| error.to_string())?;
+        let (clock, store_clock) = StoreClock::manual(1_000_000);
+        let ledger = SqliteLedger::open_with_clock(&path, Synchronous::Full, clock)
+            .map_err(|error| error.to_string())?;
         let toolset = Arc::new(Toolset::from_json(&tools()).map_err(|error| error.to_string())?);
         let rounds = 1 + rng.below(ROUNDS_MAX);
         let mut world = World {
@@ -276,13 +226,13 @@ impl World {
             rng,
             plan,
             bugs: options.bugs,
-            production_store_errors: options.production_store_errors,
             trace_on: options.trace,
             _dir: dir,
             path,
             rt,
             ledger: Some(ledger),
             witness: None,
+            store_clock,
             now: 1_000_000,
             step: 0,
             phase: Phase::Safety,
@@ -309,7 +259,7 @@ impl World {
                 ..SeedReport::default()
             },
         };
-        world.witness = Some(SqliteLedger::open(&world.path, Synchronous::Full).map_err(|e| e.to_string())?);
+        world.witness = Some(world.open_store()?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
             adapter.as_str(),
@@ -337,6 +287,21 @@ impl World {
             Some(witness) => witness,
             None => self.ledger(),
         }
+    }
+
+    /// Open the store file with the store's (virtual) clock.
+    fn open_store(&self) -> Result<SqliteLedger, String> {
+        SqliteLedger::open_with_clock(
+            &self.path,
+            Synchronous::Full,
+            StoreClock::Manual(Arc::clone(&self.store_clock)),
+        )
+        .map_err(|error| error.to_string())
+    }
+
+    /// The store's clock reads the virtual time.
+    pub(crate) fn sync_store_clock(&self) {
+        self.store_clock.store(self.now, Ordering::SeqCst);
     }
 
     pub(crate) fn ts(&self) -> Timestamp {
@@ -419,423 +384,32 @@ impl World {
         ));
         self.ops.push(operation_id.clone());
         self.ops_in_round += 1;
-        let mut driver = self.driver_for(record);
-        let _ = driver.machine.start(self.ts());
-        self.perform_effects(&mut driver, false);
-        self.drivers.push(driver);
+        let spec = self.spec_for(&record);
+        let drive = Drive::new(spec, self.ts());
+        self.start_driver(SimDriver {
+            op: operation_id,
+            drive,
+        });
         Ok(())
     }
 
-    fn driver_for(&self, record: DispatchRecord) -> Driver {
-        let machine = DispatchMachine::new(prepared_of(&record), LEASE_MS);
-        Driver {
-            op: record.operation_id.clone(),
-            record,
-            machine,
-            assembler: None,
-            attempts_started: 0,
-            provider_sequence_last: None,
-            idempotency_keys: HashMap::new(),
-            retracted: HashSet::new(),
-            provider_ended: HashSet::new(),
-            resume_refused: HashSet::new(),
-            resumes: HashMap::new(),
-            stopped: false,
-            final_retract: false,
-        }
-    }
-
-    fn provider_recovery(&self) -> ProviderRecovery {
-        ProviderRecovery {
-            resume_by_handle: self.plan.resume_by_handle && self.api == StreamApi::OpenAiResponses,
-            honours_idempotency_key: self.plan.honours_idempotency_key,
-        }
-    }
-
-    fn recovery_for(&self, driver: &Driver, generation: Generation, clean_end: bool) -> ProviderRecovery {
-        let mut recovery = self.provider_recovery();
-        if clean_end
-            || driver.resume_refused.contains(&generation)
-            || driver.resumes.get(&generation).copied().unwrap_or(0) >= RESUMES_PER_GENERATION_MAX
-        {
-            recovery.resume_by_handle = false;
-        }
-        recovery
-    }
-
-    fn maybe_crash(&mut self) -> bool {
-        if self.crashed {
-            return true;
-        }
-        if self.phase == Phase::Safety && self.rng.chance(self.plan.crash) {
-            self.crashed = true;
-        }
-        self.crashed
-    }
-
-    fn retract(&mut self, driver: &mut Driver, generation: Generation, reason: &str) {
-        if self.bugs.skip_retract {
-            return;
-        }
-        if driver.retracted.insert(generation) {
-            self.trace(format!("{} g{} retract ({reason})", driver.op, generation.0));
-            self.history.retracted.insert((driver.op.clone(), generation.0));
-        }
-    }
-
-    fn perform_effects(&mut self, driver: &mut Driver, suppress_interrupt_retract: bool) {
-        while let Some(effect) = driver.machine.poll_effect() {
-            if self.crashed {
-                return;
-            }
-            match effect {
-                Effect::Persist(write) => {
-                    if let Some(answer) = self.persist(driver, write) {
-                        let _ = driver.machine.handle_store(self.ts(), answer);
-                    }
-                }
-                Effect::Send {
-                    generation,
-                    idempotency_key,
-                    request_digest,
-                } => self.send(driver, generation, idempotency_key, &request_digest),
-                Effect::Resume { generation, handle } => self.resume(driver, generation, &handle),
-                Effect::BindHandle { generation, handle } => self.bind(driver, generation, &handle),
-                Effect::Emit(event) => match event {
-                    ClientEvent::State { state, generation } => {
-                        self.trace(format!(
-                            "{} state {state} g{:?}",
-                            driver.op,
-                            generation.map(|g| g.0)
-                        ));
-                    }
-                    ClientEvent::Retract {
-                        reason: "interrupted",
-                        ..
-                    } if suppress_interrupt_retract => {}
-                    ClientEvent::Retract { generation, reason } => self.retract(driver, generation, reason),
-                    ClientEvent::Committed { revision } => {
-                        self.trace(format!("{} committed at revision {}", driver.op, revision.0));
-                    }
-                    ClientEvent::Error { code } => self.trace(format!("{} error {code}", driver.op)),
-                },
-                Effect::Quarantine {
-                    generation,
-                    reason,
-                    content,
-                } => {
-                    let reason = match reason {
-                        QuarantineReason::ForeignGeneration => "foreign_generation",
-                        QuarantineReason::Late => "late",
-                    };
-                    self.quarantine(driver, generation, reason, content);
-                }
-                Effect::ExposeToolCalls { revision } => {
-                    // Executors read the ledger's ready calls of the committed revision.
-                    if let Ok(calls) = store!(self, tool_calls(Some(ToolCallState::Ready))) {
-                        for call in calls.into_iter().filter(|call| call.revision == revision) {
-                            self.history.exposed.insert(call.call_id);
-                        }
-                    }
-                }
-            }
-            if self.maybe_crash() {
-                return;
-            }
-        }
-    }
-
-    fn quarantine(&mut self, driver: &mut Driver, generation: Generation, reason: &str, content: Value) {
-        self.trace(format!("{} g{} quarantine {reason}", driver.op, generation.0));
-        self.dirty = true;
-        let now = self.ts();
-        if self.bugs.commit_late_turn && content.get("role").is_some() {
-            // Planted bug: the late turn goes into history without the generation condition.
-            let revision = store!(self, conversation(CONVERSATION_ID))
-                .ok()
-                .flatten()
-                .and_then(|doc| doc["revision"].as_u64())
-                .unwrap_or(0);
-            let _ = store!(
-                self,
-                append_turn(CONVERSATION_ID, Revision(revision), &content, now)
-            );
-            return;
-        }
-        let entry = QuarantineEntry {
-            operation_id: driver.op.clone(),
-            generation,
-            reason: reason.to_owned(),
-            content,
+    /// What the gateway's `context_for` gives a driver.
+    fn spec_for(&mut self, record: &DispatchRecord) -> DriveSpec {
+        let attempts_before = {
+            self.sync_store_clock();
+            let ledger = self.ledger();
+            self.rt
+                .block_on(turnstile_store::drive::attempts_before(ledger, record))
         };
-        let _ = store!(self, quarantine(&entry, now));
-    }
-
-    /// Arm a store fault for the next write, per the plan.
-    fn arm_store_fault(&mut self) {
-        if self.phase == Phase::Safety && self.rng.chance(self.plan.store_drop) {
-            let fault = if self.rng.chance(0.5) {
-                self.report.fault(FaultKind::StoreDropBeforeCommit);
-                Fault::DropBeforeCommit
-            } else {
-                self.report.fault(FaultKind::StoreDropAfterCommit);
-                Fault::DropAfterCommit
-            };
-            self.ledger().faults().arm(fault);
+        DriveSpec {
+            basis: turnstile_store::drive::basis_of(record),
+            api: self.api,
+            recovery: self.provider_recovery(),
+            toolset: Some(self.toolset.clone()),
+            call_ids_taken: self.call_ids_taken(),
+            lease_ms: LEASE_MS,
+            attempts_before,
         }
-    }
-
-    fn persist(&mut self, driver: &mut Driver, write: Write) -> Option<StoreAnswer> {
-        self.dirty = true;
-        let operation_id = driver.op.clone();
-        let now = self.ts();
-        let lease = |expires_at| Lease {
-            holder: HOLDER.to_owned(),
-            expires_at,
-        };
-        let awaited = matches!(
-            write,
-            Write::Begin { .. } | Write::Replay { .. } | Write::AbandonAndRearm { .. } | Write::Commit { .. }
-        );
-        let error = match write {
-            Write::Begin {
-                expected_revision,
-                expected_cancel_generation,
-                lease_expires_at,
-            } => {
-                if driver.gave_up() {
-                    self.trace(format!("{operation_id} attempts exhausted"));
-                    return None;
-                }
-                if self.bugs.send_before_persist {
-                    // Planted bug: the request goes out before the begin write.
-                    let body = driver.record.request_bytes.clone();
-                    self.check_send(&operation_id, None, &body);
-                }
-                let expect = BeginExpect {
-                    revision: expected_revision,
-                    cancel_generation: expected_cancel_generation,
-                };
-                self.arm_store_fault();
-                match store!(
-                    self,
-                    begin_attempt(&operation_id, expect, &lease(lease_expires_at), now)
-                ) {
-                    Ok(BeginOutcome::Began {
-                        generation,
-                        idempotency_key,
-                    }) => {
-                        driver.attempts_started += 1;
-                        driver
-                            .idempotency_keys
-                            .insert(generation, idempotency_key.clone());
-                        return Some(StoreAnswer::Began {
-                            generation,
-                            idempotency_key,
-                        });
-                    }
-                    Ok(BeginOutcome::Refused { .. }) => {
-                        driver.stopped = true;
-                        return Some(StoreAnswer::BeginRefused);
-                    }
-                    Err(error) => error,
-                }
-            }
-            Write::Transition { generation, from, to } => {
-                self.arm_store_fault();
-                match store!(self, transition(&operation_id, generation, from, to, now)) {
-                    Ok(TransitionOutcome::Applied) => return None,
-                    Ok(TransitionOutcome::Refused { .. }) => return Some(StoreAnswer::TransitionRefused),
-                    Err(error) => error,
-                }
-            }
-            Write::Replay {
-                generation,
-                lease_expires_at,
-            } => {
-                self.arm_store_fault();
-                match store!(
-                    self,
-                    replay_attempt(&operation_id, generation, &lease(lease_expires_at), now)
-                ) {
-                    Ok(TransitionOutcome::Applied) => {
-                        let key = match driver.idempotency_keys.get(&generation) {
-                            Some(key) => key.clone(),
-                            None => store!(self, attempts(&operation_id))
-                                .unwrap_or_default()
-                                .into_iter()
-                                .find(|attempt| attempt.generation == generation)
-                                .map(|attempt| attempt.idempotency_key)
-                                .unwrap_or_default(),
-                        };
-                        return Some(StoreAnswer::Replayed {
-                            generation,
-                            idempotency_key: key,
-                        });
-                    }
-                    Ok(TransitionOutcome::Refused { .. }) => {
-                        driver.stopped = true;
-                        return Some(StoreAnswer::TransitionRefused);
-                    }
-                    Err(error) => error,
-                }
-            }
-            Write::AbandonAndRearm { generation } => {
-                let ended = driver.provider_ended.contains(&generation);
-                self.arm_store_fault();
-                match store!(self, abandon_and_rearm(&operation_id, generation, ended, now)) {
-                    Ok(TransitionOutcome::Applied) => return Some(StoreAnswer::Rearmed),
-                    Ok(TransitionOutcome::Refused { .. }) => {
-                        driver.stopped = true;
-                        return Some(StoreAnswer::TransitionRefused);
-                    }
-                    Err(error) => error,
-                }
-            }
-            Write::RenewLease {
-                generation,
-                lease_expires_at,
-            } => {
-                self.arm_store_fault();
-                match store!(
-                    self,
-                    renew_lease(&operation_id, generation, &lease(lease_expires_at))
-                ) {
-                    Ok(TransitionOutcome::Applied) => return None,
-                    Ok(TransitionOutcome::Refused { .. }) => return Some(StoreAnswer::LeaseLost),
-                    Err(error) => error,
-                }
-            }
-            Write::Commit {
-                generation,
-                expected_revision,
-                turn,
-            } => {
-                self.arm_store_fault();
-                match store!(
-                    self,
-                    commit(&operation_id, generation, expected_revision, &turn, now)
-                ) {
-                    Ok(CommitOutcome::Committed { revision, .. }) => {
-                        return Some(StoreAnswer::Committed { revision });
-                    }
-                    Ok(CommitOutcome::Refused(_) | CommitOutcome::Rejected(_)) => {
-                        return Some(StoreAnswer::CommitRefused);
-                    }
-                    Err(error) => error,
-                }
-            }
-            Write::Cancel {
-                expected_cancel_generation,
-            } => {
-                self.arm_store_fault();
-                match store!(self, cancel(&operation_id, Some(expected_cancel_generation), now)) {
-                    Ok(_) => return None,
-                    Err(error) => error,
-                }
-            }
-        };
-        // As the gateway: a store error leaves the outcome unknown; the lease decides.
-        self.trace(format!("{operation_id} store error: {error}"));
-        if awaited && !self.production_store_errors {
-            // The machine will never get its answer: stop (retracting the preview, since this
-            // driver will not commit it), so the lease sweep can take over.
-            driver.stopped = true;
-            if let Some(generation) = driver.machine.generation() {
-                self.retract(driver, generation, "store_unavailable");
-            }
-        }
-        None
-    }
-
-    fn open_connection(&mut self, op: &str, generation: Generation, answer: Answer, resume: bool) {
-        let id = self.conn_next;
-        self.conn_next += 1;
-        self.conns.insert(
-            id,
-            Conn {
-                op: op.to_owned(),
-                generation,
-                decoder: self.api.decoder(),
-                status: answer.status,
-                head_delivered: false,
-                saw_event: false,
-                resume,
-                chunks: answer.chunks,
-                clean_end: answer.clean_end,
-                side: None,
-            },
-        );
-    }
-
-    fn send(
-        &mut self,
-        driver: &mut Driver,
-        generation: Generation,
-        idempotency_key: String,
-        request_digest: &str,
-    ) {
-        if Digest::of_bytes(&driver.record.request_bytes).as_str() != request_digest {
-            self.trace(format!(
-                "{} stored bytes do not match the manifest; not sent",
-                driver.op
-            ));
-            let _ = driver
-                .machine
-                .handle_provider(self.ts(), generation, ProviderInput::Rejected);
-            return;
-        }
-        let mut body = driver.record.request_bytes.clone();
-        if self.bugs.rerender_on_retry && self.history.sent_ops.contains(&driver.op) {
-            // Planted bug: a retry renders afresh with whatever adapter is configured now.
-            let revision = driver.record.revision.0;
-            let adapter = self.adapter;
-            if let Ok((_, fresh)) = self.render_at(revision, adapter, &driver.op.clone(), None) {
-                body = fresh;
-            }
-        }
-        self.check_send(&driver.op, Some(generation), &body);
-        self.history.sent_ops.insert(driver.op.clone());
-        self.report.sends += 1;
-        self.trace(format!(
-            "{} g{} send {} bytes key {idempotency_key}",
-            driver.op,
-            generation.0,
-            body.len()
-        ));
-        driver.assembler = Some(self.new_assembler(driver, generation, None));
-        driver.provider_sequence_last = None;
-        let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
-        let answer = self.provider.request(rng, plan, report, &body, &idempotency_key);
-        let op = driver.op.clone();
-        self.open_connection(&op, generation, answer, false);
-        // An older stream of this dispatch, kept alive across a crash, delivers again now.
-        let mut index = 0;
-        while index < self.limbo.len() {
-            if self.limbo[index].op == op && self.limbo[index].generation < generation {
-                let conn = self.limbo.swap_remove(index);
-                self.report.fault(FaultKind::OldStreamResumed);
-                self.trace(format!("{op} old stream of g{} resumes", conn.generation.0));
-                let id = self.conn_next;
-                self.conn_next += 1;
-                self.conns.insert(id, conn);
-            } else {
-                index += 1;
-            }
-        }
-    }
-
-    fn new_assembler(
-        &mut self,
-        driver: &Driver,
-        generation: Generation,
-        handle_bound: Option<String>,
-    ) -> Assembler {
-        let mut config = AssemblerConfig::new(generation, format!("{}.g{}", driver.op, generation.0));
-        config.toolset = Some(self.toolset.clone());
-        config.call_ids_taken = self.call_ids_taken();
-        config.handle_bound = handle_bound;
-        Assembler::new(config)
     }
 
     fn call_ids_taken(&mut self) -> HashSet<String> {
@@ -852,281 +426,351 @@ impl World {
         taken
     }
 
-    fn resume(&mut self, driver: &mut Driver, generation: Generation, handle: &str) {
-        match &mut driver.assembler {
-            Some(assembler) if assembler.generation() == generation => assembler.handle_connection_start(),
-            _ => driver.assembler = Some(self.new_assembler(driver, generation, Some(handle.to_owned()))),
+    fn provider_recovery(&self) -> ProviderRecovery {
+        ProviderRecovery {
+            resume_by_handle: self.plan.resume_by_handle && self.api == StreamApi::OpenAiResponses,
+            honours_idempotency_key: self.plan.honours_idempotency_key,
         }
-        *driver.resumes.entry(generation).or_default() += 1;
-        self.trace(format!("{} g{} resume {handle}", driver.op, generation.0));
-        let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
-        let answer = self
-            .provider
-            .resume(rng, plan, report, handle, driver.provider_sequence_last);
-        let op = driver.op.clone();
-        self.open_connection(&op, generation, answer, true);
     }
 
-    fn bind(&mut self, driver: &mut Driver, generation: Generation, handle: &str) {
+    fn maybe_crash(&mut self) -> bool {
+        if self.crashed {
+            return true;
+        }
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.crash) {
+            self.crashed = true;
+        }
+        self.crashed
+    }
+
+    /// Perform a new driver's first actions and keep it.
+    fn start_driver(&mut self, mut driver: SimDriver) {
+        self.pump(&mut driver);
+        self.drivers.push(driver);
+    }
+
+    /// Perform every action the driver has, in order, as `serve/driver.rs` does; a crash may
+    /// follow any of them.
+    fn pump(&mut self, driver: &mut SimDriver) {
+        while !self.crashed {
+            let Some(action) = driver.drive.poll_action() else {
+                return;
+            };
+            match action {
+                Action::Store(op) => self.perform_store(driver, op),
+                Action::Open {
+                    connection,
+                    generation,
+                    request,
+                } => self.open(driver, connection, generation, request),
+                Action::Close { connection } => {
+                    let op = driver.op.clone();
+                    self.conns
+                        .retain(|_, conn| !(conn.op == op && conn.connection == Some(connection)));
+                }
+                Action::Emit(event) => self.emitted(driver, event),
+                Action::Count(count) => match count {
+                    Count::PartialToolDispatch => self.report.partial_tool_dispatch += 1,
+                    Count::IllegalSend => self.trace(format!(
+                        "{} stored bytes do not match the manifest; not sent",
+                        driver.op
+                    )),
+                    _ => {}
+                },
+                Action::ExposeToolCalls { revision } => {
+                    // Executors read the ledger's ready calls of the committed revision.
+                    if let Ok(calls) = store!(self, tool_calls(Some(ToolCallState::Ready))) {
+                        for call in calls.into_iter().filter(|call| call.revision == revision) {
+                            self.history.exposed.insert(call.call_id);
+                        }
+                    }
+                }
+            }
+            if self.maybe_crash() {
+                return;
+            }
+        }
+    }
+
+    fn emitted(&mut self, driver: &SimDriver, event: DriveEvent) {
+        match event {
+            DriveEvent::Preview { generation, .. } => {
+                self.history.previewed.insert((driver.op.clone(), generation.0));
+            }
+            DriveEvent::Retract { generation, reason } => {
+                if self.bugs.skip_retract {
+                    return;
+                }
+                self.trace(format!("{} g{} retract ({reason})", driver.op, generation.0));
+                self.history.retracted.insert((driver.op.clone(), generation.0));
+            }
+            DriveEvent::State { state, generation } => {
+                self.trace(format!(
+                    "{} state {state} g{:?}",
+                    driver.op,
+                    generation.map(|g| g.0)
+                ));
+            }
+            DriveEvent::Committed { revision, .. } => {
+                self.trace(format!("{} committed at revision {}", driver.op, revision.0));
+            }
+            DriveEvent::Error { code, .. } => self.trace(format!("{} error {code}", driver.op)),
+        }
+    }
+
+    /// Arm a store fault for the next operation, per the plan.
+    fn arm_store_fault(&mut self) {
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.store_drop) {
+            let fault = if self.rng.chance(0.5) {
+                self.report.fault(FaultKind::StoreDropBeforeCommit);
+                Fault::DropBeforeCommit
+            } else {
+                self.report.fault(FaultKind::StoreDropAfterCommit);
+                Fault::DropAfterCommit
+            };
+            self.ledger().faults().arm(fault);
+        }
+    }
+
+    /// One store operation through the gateway's own mapping, with the plan's faults and the
+    /// planted bugs that live on this side of the driver.
+    fn perform_store(&mut self, driver: &mut SimDriver, mut op: StoreOp) {
         self.dirty = true;
+        match &mut op {
+            StoreOp::Begin { .. } if self.bugs.send_before_persist => {
+                // Planted bug: the request goes out before the begin write.
+                let body = driver.drive.request_bytes().as_ref().clone();
+                self.check_send(&driver.op, None, &body);
+            }
+            StoreOp::Commit { turn, .. } => {
+                if self.bugs.expose_before_commit {
+                    for block in turn["blocks"].as_array().into_iter().flatten() {
+                        if let Some(call_id) = block["call_id"].as_str() {
+                            self.history.exposed.insert(call_id.to_owned());
+                        }
+                    }
+                }
+                if self.bugs.commit_partial_arguments
+                    && let Some(blocks) = turn["blocks"].as_array_mut()
+                {
+                    for block in blocks.iter_mut().filter(|block| block["kind"] == "tool_call") {
+                        let text = match &block["arguments"] {
+                            Value::String(text) => text.clone(),
+                            other => other.to_string(),
+                        };
+                        block["arguments"] =
+                            json!({"city": text.chars().take(3).collect::<String>(), "cut": true});
+                    }
+                }
+            }
+            StoreOp::Quarantine {
+                generation, reason, ..
+            } => {
+                self.trace(format!("{} g{} quarantine {reason}", driver.op, generation.0));
+            }
+            _ => {}
+        }
+        let read = matches!(op, StoreOp::ReadAttempts);
+        if !read {
+            self.arm_store_fault();
+        }
         let now = self.ts();
-        self.arm_store_fault();
-        match store!(self, bind_handle(&driver.op, generation, handle, now)) {
-            Ok(BindOutcome::Refused { .. }) => {
+        self.sync_store_clock();
+        let result = {
+            let ledger = self.ledger();
+            self.rt.block_on(turnstile_store::drive::perform(
+                ledger, HOLDER, &driver.op, &op, now,
+            ))
+        };
+        match (&op, &result) {
+            (StoreOp::BindHandle { generation, handle }, StoreResult::BindRefused) => {
                 self.history.bind_refusals += if self.bugs.miscount_foreign_handles { 2 } else { 1 };
                 self.trace(format!(
                     "{} g{} handle {handle} refused (foreign)",
                     driver.op, generation.0
                 ));
-                let op = driver.op.clone();
-                self.conns
-                    .retain(|_, conn| !(conn.op == op && conn.generation == generation));
-                let _ = driver
-                    .machine
-                    .handle_provider(self.ts(), generation, ProviderInput::Interrupted);
-                self.after_interruption(driver, generation, false);
             }
-            Ok(_) => {}
-            Err(error) => {
+            (StoreOp::BindHandle { .. }, StoreResult::Failed(error)) => {
                 self.history.bind_ambiguous += 1;
                 self.trace(format!("{} bind_handle failed: {error}", driver.op));
+            }
+            (_, StoreResult::Failed(error)) => {
+                self.trace(format!("{} store error: {error}", driver.op));
+            }
+            _ => {}
+        }
+        driver.drive.handle_store(self.ts(), result);
+    }
+
+    fn open(
+        &mut self,
+        driver: &mut SimDriver,
+        connection: ConnectionId,
+        generation: Generation,
+        request: Request,
+    ) {
+        let answer = match request {
+            Request::Send { idempotency_key } => {
+                let mut body = driver.drive.request_bytes().as_ref().clone();
+                if self.bugs.rerender_on_retry && self.history.sent_ops.contains(&driver.op) {
+                    // Planted bug: a retry renders afresh with whatever adapter is configured now.
+                    let revision = store!(self, dispatch(&driver.op))
+                        .ok()
+                        .flatten()
+                        .map_or(0, |record| record.revision.0);
+                    let adapter = self.adapter;
+                    if let Ok((_, fresh)) = self.render_at(revision, adapter, &driver.op.clone(), None) {
+                        body = fresh;
+                    }
+                }
+                self.check_send(&driver.op, Some(generation), &body);
+                self.history.sent_ops.insert(driver.op.clone());
+                self.report.sends += 1;
+                self.trace(format!(
+                    "{} g{} send {} bytes key {idempotency_key}",
+                    driver.op,
+                    generation.0,
+                    body.len()
+                ));
+                let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
+                self.provider.request(rng, plan, report, &body, &idempotency_key)
+            }
+            Request::Resume {
+                handle,
+                after_sequence,
+            } => {
+                self.trace(format!("{} g{} resume {handle}", driver.op, generation.0));
+                let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
+                self.provider.resume(rng, plan, report, &handle, after_sequence)
+            }
+        };
+        let op = driver.op.clone();
+        self.open_connection(&op, generation, Some(connection), answer);
+        // An older stream of this dispatch, kept alive across a crash, delivers again now.
+        let mut index = 0;
+        while index < self.limbo.len() {
+            if self.limbo[index].op == op && self.limbo[index].generation < generation {
+                let mut conn = self.limbo.swap_remove(index);
+                self.report.fault(FaultKind::OldStreamResumed);
+                self.trace(format!("{op} old stream of g{} resumes", conn.generation.0));
+                // Nothing of this process opened it: the driver never hears of it.
+                conn.connection = None;
+                let id = self.conn_next;
+                self.conn_next += 1;
+                self.conns.insert(id, conn);
+            } else {
+                index += 1;
             }
         }
     }
 
+    fn open_connection(
+        &mut self,
+        op: &str,
+        generation: Generation,
+        connection: Option<ConnectionId>,
+        answer: Answer,
+    ) {
+        let id = self.conn_next;
+        self.conn_next += 1;
+        self.conns.insert(
+            id,
+            Conn {
+                op: op.to_owned(),
+                generation,
+                connection,
+                status: answer.status,
+                head_delivered: false,
+                chunks: answer.chunks,
+                clean_end: answer.clean_end,
+                side: None,
+            },
+        );
+    }
+
     /// Deliver the next piece of connection `id` to its dispatch's driver.
     fn deliver(&mut self, id: u64) {
-        let Some(conn) = self.conns.get_mut(&id) else {
+        let Some(conn) = self.conns.get(&id) else {
             return;
         };
         let op = conn.op.clone();
+        if self.bugs.commit_late_turn && conn.connection.is_none() {
+            self.commit_late(id);
+            return;
+        }
         let Some(index) = self.drivers.iter().position(|driver| driver.op == op) else {
             // Nobody listens any more (the driver finished): the connection is dropped.
             self.conns.remove(&id);
             return;
         };
+        let Some(connection) = conn.connection else {
+            // A stray stream: no live driver opened it, so nothing reads it.
+            self.conns.remove(&id);
+            return;
+        };
         let mut driver = self.drivers.swap_remove(index);
-        self.transport_event(&mut driver, id);
+        let now = self.ts();
+        let conn = self.conns.get_mut(&id).map(|conn| {
+            if !conn.head_delivered {
+                conn.head_delivered = true;
+                (Some(conn.status), None, false)
+            } else if let Some(chunk) = conn.chunks.pop_front() {
+                (None, Some(chunk), false)
+            } else {
+                (None, None, conn.clean_end)
+            }
+        });
+        match conn {
+            Some((Some(status), _, _)) => driver.drive.handle_head(now, connection, status),
+            Some((None, Some(chunk), _)) => driver.drive.handle_chunk(now, connection, chunk),
+            Some((None, None, clean)) => {
+                self.conns.remove(&id);
+                driver.drive.handle_end(now, connection, clean);
+            }
+            None => {}
+        }
+        self.pump(&mut driver);
         self.drivers.push(driver);
-    }
-
-    fn transport_event(&mut self, driver: &mut Driver, id: u64) {
-        let Some(conn) = self.conns.get_mut(&id) else {
-            return;
-        };
-        let generation = conn.generation;
-        if !conn.head_delivered {
-            conn.head_delivered = true;
-            if (200..300).contains(&conn.status) {
-                let _ = driver
-                    .machine
-                    .handle_provider(self.ts(), generation, ProviderInput::Accepted);
-                self.perform_effects(driver, false);
-            }
-            return;
-        }
-        if let Some(chunk) = conn.chunks.pop_front() {
-            if !(200..300).contains(&conn.status) {
-                return;
-            }
-            conn.decoder.handle_bytes(&chunk);
-            self.drain_decoder(driver, id);
-            return;
-        }
-        // The end of the body: clean, or a broken connection.
-        let clean_end = conn.clean_end;
-        let status = conn.status;
-        let is_resume = conn.resume;
-        if clean_end {
-            conn.decoder.handle_end_of_input();
-        }
-        self.drain_decoder(driver, id);
-        if self.crashed {
-            return;
-        }
-        let saw_event = self.conns.remove(&id).is_some_and(|conn| conn.saw_event);
-        if driver.machine.generation() != Some(generation) || driver.machine.state().is_terminal() {
-            return;
-        }
-        let failed = !(200..300).contains(&status);
-        if is_resume && (failed || !saw_event) {
-            driver.resume_refused.insert(generation);
-        } else if failed {
-            self.trace(format!(
-                "{} g{} provider status {status}",
-                driver.op, generation.0
-            ));
-            let _ = driver
-                .machine
-                .handle_provider(self.ts(), generation, ProviderInput::Rejected);
-            self.perform_effects(driver, false);
-            return;
-        }
-        let resumable = self.recovery_for(driver, generation, clean_end).resume_by_handle
-            && driver
-                .assembler
-                .as_ref()
-                .is_some_and(|assembler| assembler.handle().is_some());
-        if !resumable {
-            if let Some(assembler) = &mut driver.assembler {
-                assembler.handle_end_of_input();
-            }
-            self.drain_assembler(driver, generation);
-            if self.crashed {
-                return;
-            }
-        }
-        if driver.machine.state().is_terminal() || driver.machine.generation() != Some(generation) {
-            return;
-        }
-        if matches!(
-            driver.machine.state(),
-            DispatchState::Dispatching | DispatchState::Sent | DispatchState::Streaming
-        ) {
-            let _ = driver
-                .machine
-                .handle_provider(self.ts(), generation, ProviderInput::Interrupted);
-            self.after_interruption(driver, generation, clean_end);
-        }
-    }
-
-    fn after_interruption(&mut self, driver: &mut Driver, generation: Generation, provider_ended: bool) {
-        if self.crashed {
-            return;
-        }
-        let attempts = store!(self, attempts(&driver.op)).unwrap_or_default();
-        let Some(record) = attempts
-            .into_iter()
-            .find(|attempt| attempt.generation == generation)
-        else {
-            self.perform_effects(driver, false);
-            return;
-        };
-        let attempt = UnknownAttempt {
-            generation,
-            handle: record.handle.clone().or_else(|| {
-                driver
-                    .assembler
-                    .as_ref()
-                    .and_then(|a| a.handle().map(str::to_owned))
-            }),
-            idempotency_key: record.idempotency_key.clone(),
-            lease_expires_at: record.lease_expires_at,
-            provider_confirmed_ended: provider_ended,
-        };
-        if provider_ended {
-            driver.provider_ended.insert(generation);
-        }
-        let recovery = self.recovery_for(driver, generation, provider_ended);
-        let decision = recovery_decision(&attempt, recovery, self.ts());
-        let resuming = matches!(decision, RecoveryDecision::ResumeByHandle { .. });
-        self.perform_effects(driver, resuming);
-        if self.crashed {
-            return;
-        }
-        if driver.gave_up() && !resuming {
-            self.trace(format!("{} attempts exhausted: cancel", driver.op));
-            let _ = driver.machine.handle_cancel(self.ts());
-            self.perform_effects(driver, false);
-            return;
-        }
-        if !resuming {
-            driver.assembler = None;
-        }
-        let assembler = driver.assembler.take();
-        driver.machine = DispatchMachine::recover(
-            self.ts(),
-            prepared_of(&driver.record),
-            LEASE_MS,
-            &attempt,
-            recovery,
-        );
-        driver.assembler = assembler;
-        self.perform_effects(driver, false);
-    }
-
-    fn drain_decoder(&mut self, driver: &mut Driver, id: u64) {
-        loop {
-            if self.crashed {
-                return;
-            }
-            let Some(conn) = self.conns.get_mut(&id) else {
-                return;
-            };
-            let generation = conn.generation;
-            let Some(sequenced) = conn.decoder.poll_event() else {
-                break;
-            };
-            if !conn.saw_event {
-                conn.saw_event = true;
-                let _ = driver
-                    .machine
-                    .handle_provider(self.ts(), generation, ProviderInput::FirstEvent);
-                self.perform_effects(driver, false);
-                if self.crashed {
-                    return;
-                }
-            }
-            if sequenced.seq.source == SeqSource::Provider {
-                driver.provider_sequence_last = Some(
-                    driver
-                        .provider_sequence_last
-                        .map_or(sequenced.seq.number, |last| last.max(sequenced.seq.number)),
-                );
-            }
-            if let StreamEvent::Handle { handle } = &sequenced.event {
-                let _ = driver.machine.handle_provider(
-                    self.ts(),
-                    generation,
-                    ProviderInput::Handle(handle.clone()),
-                );
-                self.perform_effects(driver, false);
-                if self.crashed {
-                    return;
-                }
-            }
-            if self.bugs.commit_late_turn
-                && driver
-                    .assembler
-                    .as_ref()
-                    .is_some_and(|assembler| assembler.generation() != generation)
-            {
-                self.commit_late(driver, id, generation, sequenced);
-                continue;
-            }
-            let Some(assembler) = &mut driver.assembler else {
-                continue;
-            };
-            match assembler.handle_event(generation, sequenced) {
-                Disposition::Quarantined(material) => {
-                    let content = serde_json::to_value(&*material).unwrap_or(Value::Null);
-                    self.quarantine(driver, material.generation, "foreign_generation", content);
-                }
-                Disposition::Accepted | Disposition::Ignored(_) => {}
-            }
-            self.drain_assembler(driver, generation);
-        }
     }
 
     /// Planted bug: assemble an old generation's stream on its own and append its turn with
     /// `append_turn` (conditional on the revision only, not on the active generation).
-    fn commit_late(
-        &mut self,
-        driver: &mut Driver,
-        id: u64,
-        generation: Generation,
-        sequenced: turnstile_core::stream::Sequenced,
-    ) {
-        let fresh = self.new_assembler(driver, generation, None);
+    fn commit_late(&mut self, id: u64) {
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
-        let side = conn.side.get_or_insert(fresh);
-        let _ = side.handle_event(generation, sequenced);
+        let generation = conn.generation;
+        let op = conn.op.clone();
+        let chunk = if !conn.head_delivered {
+            conn.head_delivered = true;
+            None
+        } else if let Some(chunk) = conn.chunks.pop_front() {
+            Some(chunk)
+        } else {
+            self.conns.remove(&id);
+            return;
+        };
+        let Some(chunk) = chunk else {
+            return;
+        };
+        let api = self.api;
+        let toolset = self.toolset.clone();
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let (decoder, assembler) = conn.side.get_or_insert_with(|| {
+            let mut config = AssemblerConfig::new(generation, format!("{op}.g{}", generation.0));
+            config.toolset = Some(toolset);
+            (api.decoder(), Assembler::new(config))
+        });
+        decoder.handle_bytes(&chunk);
         let mut turns = Vec::new();
-        while let Some(output) = side.poll_output() {
-            if let Output::Commit(offer) = output {
-                turns.push(offer.turn);
+        while let Some(event) = decoder.poll_event() {
+            let _ = assembler.handle_event(generation, event);
+            while let Some(output) = assembler.poll_output() {
+                if let Output::Commit(offer) = output {
+                    turns.push(offer.turn);
+                }
             }
         }
         for turn in turns {
@@ -1137,67 +781,8 @@ impl World {
                 .and_then(|doc| doc["revision"].as_u64())
                 .unwrap_or(0);
             let outcome = store!(self, append_turn(CONVERSATION_ID, Revision(revision), &turn, now));
-            self.trace(format!(
-                "{} g{} late turn appended: {outcome:?}",
-                driver.op, generation.0
-            ));
             self.dirty = true;
-        }
-    }
-
-    fn drain_assembler(&mut self, driver: &mut Driver, generation: Generation) {
-        loop {
-            if self.crashed {
-                return;
-            }
-            let Some(assembler) = &mut driver.assembler else {
-                return;
-            };
-            let Some(output) = assembler.poll_output() else {
-                return;
-            };
-            match output {
-                Output::Preview { generation, .. } => {
-                    self.history.previewed.insert((driver.op.clone(), generation.0));
-                }
-                Output::Retract { generation, reason } => {
-                    if matches!(reason, RetractReason::MaxTokensInToolArguments { .. }) {
-                        driver.final_retract = true;
-                    }
-                    self.retract(driver, generation, reason.code())
-                }
-                Output::Commit(offer) => {
-                    let mut turn = offer.turn;
-                    if self.bugs.expose_before_commit {
-                        for call in &offer.calls {
-                            self.history.exposed.insert(call.call_id.clone());
-                        }
-                        self.dirty = true;
-                    }
-                    if self.bugs.commit_partial_arguments
-                        && let Some(blocks) = turn["blocks"].as_array_mut()
-                    {
-                        for block in blocks.iter_mut().filter(|block| block["kind"] == "tool_call") {
-                            let text = match &block["arguments"] {
-                                Value::String(text) => text.clone(),
-                                other => other.to_string(),
-                            };
-                            block["arguments"] =
-                                json!({"city": text.chars().take(3).collect::<String>(), "cut": true});
-                        }
-                    }
-                    if !tool_arguments_complete(&turn) {
-                        self.report.partial_tool_dispatch += 1;
-                        continue;
-                    }
-                    let _ = driver.machine.handle_provider(
-                        self.ts(),
-                        generation,
-                        ProviderInput::Completed { turn },
-                    );
-                    self.perform_effects(driver, false);
-                }
-            }
+            self.trace(format!("{op} g{} late turn appended: {outcome:?}", generation.0));
         }
     }
 
@@ -1224,10 +809,10 @@ impl World {
         }
         self.ledger = None;
         self.witness = None;
-        match SqliteLedger::open(&self.path, Synchronous::Full) {
+        match self.open_store() {
             Ok(ledger) => {
                 self.ledger = Some(ledger);
-                self.witness = SqliteLedger::open(&self.path, Synchronous::Full).ok();
+                self.witness = self.open_store().ok();
             }
             Err(error) => {
                 let step = self.step;
@@ -1260,10 +845,9 @@ impl World {
                 && record.state == DispatchState::Prepared
                 && !self.drivers.iter().any(|driver| driver.op == op)
             {
-                let mut driver = self.driver_for(record);
-                let _ = driver.machine.start(self.ts());
-                self.perform_effects(&mut driver, false);
-                self.drivers.push(driver);
+                let spec = self.spec_for(&record);
+                let drive = Drive::new(spec, self.ts());
+                self.start_driver(SimDriver { op, drive });
                 if self.crashed {
                     return;
                 }
@@ -1274,48 +858,29 @@ impl World {
     /// Start-up recovery (`serve/mod.rs::recover`), also the lease sweep with [`SWEEP_HOLDER`].
     fn recover(&mut self, holder: &str) {
         let now = self.ts();
-        let Ok(report) = store!(self, recover_startup(holder, now)) else {
+        self.sync_store_clock();
+        let found = {
+            let ledger = self.ledger();
+            self.rt
+                .block_on(turnstile_store::drive::recoverable(ledger, holder, now))
+        };
+        let Ok(found) = found else {
             return;
         };
-        let mut seen = HashSet::new();
-        for attempt in report.unknown {
-            if !seen.insert(attempt.operation_id.clone())
-                || self
-                    .drivers
-                    .iter()
-                    .any(|driver| driver.op == attempt.operation_id)
-            {
+        for turnstile_store::drive::Recoverable { record, attempt } in found {
+            if self.drivers.iter().any(|driver| driver.op == record.operation_id) {
                 continue;
             }
-            let Ok(Some(record)) = store!(self, dispatch(&attempt.operation_id)) else {
-                continue;
-            };
-            if record.state != DispatchState::Unknown || record.active_generation != Some(attempt.generation)
-            {
-                continue;
-            }
-            let unknown = UnknownAttempt {
-                generation: attempt.generation,
-                handle: attempt.handle.clone(),
-                idempotency_key: attempt.idempotency_key.clone(),
-                lease_expires_at: attempt.lease_expires_at,
-                provider_confirmed_ended: false,
-            };
             self.trace(format!(
                 "{} recovered in UNKNOWN g{}",
                 record.operation_id, attempt.generation.0
             ));
-            let recovery = self.provider_recovery();
-            let mut driver = self.driver_for(record);
-            driver.machine = DispatchMachine::recover(
-                self.ts(),
-                prepared_of(&driver.record),
-                LEASE_MS,
-                &unknown,
-                recovery,
-            );
-            self.perform_effects(&mut driver, false);
-            self.drivers.push(driver);
+            let spec = self.spec_for(&record);
+            let drive = Drive::recovered(spec, &attempt, self.ts());
+            self.start_driver(SimDriver {
+                op: record.operation_id.clone(),
+                drive,
+            });
             if self.crashed {
                 return;
             }
@@ -1324,15 +889,15 @@ impl World {
 
     /// One scheduling step. False when nothing is left to do.
     fn schedule(&mut self) -> bool {
-        self.drivers.retain(|driver| !driver.finished());
+        self.drivers.retain(|driver| !driver.drive.is_finished());
         // Timers that are due fire first.
         let due = self
             .drivers
             .iter()
             .enumerate()
-            .filter_map(|(index, driver)| driver.machine.poll_timeout().map(|at| (at, index)))
+            .filter_map(|(index, driver)| driver.drive.poll_timeout().map(|at| (at, index)))
             .filter(|(_, index)| {
-                !(self.bugs.no_lease_timer && self.drivers[*index].machine.state() == DispatchState::Unknown)
+                !(self.bugs.no_lease_timer && self.drivers[*index].drive.state() == DispatchState::Unknown)
             })
             .min();
         if !self.conns.is_empty() {
@@ -1359,8 +924,8 @@ impl World {
 
     fn fire(&mut self, index: usize) {
         let mut driver = self.drivers.swap_remove(index);
-        let _ = driver.machine.handle_timeout(self.ts());
-        self.perform_effects(&mut driver, false);
+        driver.drive.handle_timeout(self.ts());
+        self.pump(&mut driver);
         self.drivers.push(driver);
     }
 

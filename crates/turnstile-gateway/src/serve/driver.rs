@@ -54,18 +54,6 @@ fn provider_recovery(endpoint: &Endpoint, api: StreamApi) -> ProviderRecovery {
     }
 }
 
-/// Attempts the store already holds for this dispatch: the attempt budget is durable.
-async fn attempts_before(shared: &Shared, record: &DispatchRecord) -> u64 {
-    if record.active_generation.is_none() {
-        return 0;
-    }
-    match shared.ledger.attempts(&record.operation_id).await {
-        Ok(attempts) => attempts.len() as u64,
-        // Unknown: count the highest generation the record names (generations start at 1).
-        Err(_) => record.active_generation.map_or(0, |generation| generation.0),
-    }
-}
-
 async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
     DriveSpec {
         basis: turnstile_store::drive::basis_of(&ctx.record),
@@ -74,7 +62,7 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
         toolset: ctx.toolset.clone(),
         call_ids_taken: ctx.call_ids_taken.clone(),
         lease_ms: shared.lease_ms,
-        attempts_before: attempts_before(shared, &ctx.record).await,
+        attempts_before: turnstile_store::drive::attempts_before(shared.ledger.as_ref(), &ctx.record).await,
     }
 }
 

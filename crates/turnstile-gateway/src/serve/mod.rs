@@ -23,7 +23,7 @@ use transport::Endpoint;
 use turnstile_adapters::catalog::Catalog;
 use turnstile_adapters::render::RenderCache;
 use turnstile_core::assemble::ToolsetCache;
-use turnstile_core::dispatch::{Timestamp, UnknownAttempt};
+use turnstile_core::dispatch::Timestamp;
 use turnstile_store::Ledger;
 
 /// State shared by every request and driver.
@@ -265,24 +265,15 @@ pub async fn run(flags: Flags) -> Result<(), String> {
 async fn recover(shared: &Arc<Shared>, holder: &str) -> Result<(), String> {
     // Live attempts of `holder` (this replica's previous incarnation) and attempts of any
     // holder whose lease expired are presumed dead and become UNKNOWN.
-    let report = shared
-        .ledger
-        .recover_startup(holder, now())
+    let recoverable = turnstile_store::drive::recoverable(shared.ledger.as_ref(), holder, now())
         .await
         .map_err(|error| format!("recovery: {error}"))?;
-    let mut seen = std::collections::HashSet::new();
-    for attempt in report.unknown {
-        if !seen.insert(attempt.operation_id.clone())
-            || shared.hubs.lock().await.contains_key(&attempt.operation_id)
-        {
-            continue;
-        }
-        let Ok(Some(record)) = shared.ledger.dispatch(&attempt.operation_id).await else {
-            continue;
-        };
-        if record.state != turnstile_core::dispatch::DispatchState::Unknown
-            || record.active_generation != Some(attempt.generation)
-        {
+    for turnstile_store::drive::Recoverable {
+        record,
+        attempt: unknown,
+    } in recoverable
+    {
+        if shared.hubs.lock().await.contains_key(&record.operation_id) {
             continue;
         }
         let hub = Arc::new(hub::Hub::new());
@@ -296,18 +287,12 @@ async fn recover(shared: &Arc<Shared>, holder: &str) -> Result<(), String> {
             .lock()
             .await
             .insert(record.operation_id.clone(), now());
-        let unknown = UnknownAttempt {
-            generation: attempt.generation,
-            handle: attempt.handle.clone(),
-            idempotency_key: attempt.idempotency_key.clone(),
-            lease_expires_at: attempt.lease_expires_at,
-            provider_confirmed_ended: false,
-        };
+        let operation_id = record.operation_id.clone();
         match api::context_for(shared, record, hub).await {
             Ok(ctx) => {
                 tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown));
             }
-            Err(error) => tracing::error!(operation_id = %attempt.operation_id, ?error, "cannot recover"),
+            Err(error) => tracing::error!(%operation_id, ?error, "cannot recover"),
         }
     }
     Ok(())

@@ -3,7 +3,6 @@
 //! ```text
 //! turnstile-dst --seeds N [--first S] [--threads T] [--json]
 //! turnstile-dst --seed S [--json]        replay one seed, printing its trace
-//! turnstile-dst ... --production-store-errors   store errors handled exactly as serve/driver.rs today
 //! ```
 //! Exit status 0 only when no invariant was violated; 1 on a violation; 2 on bad usage.
 
@@ -17,7 +16,6 @@ struct Args {
     seed: Option<u64>,
     json: bool,
     threads: usize,
-    production_store_errors: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -27,7 +25,6 @@ fn parse() -> Result<Args, String> {
         seed: None,
         json: false,
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        production_store_errors: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -43,7 +40,6 @@ fn parse() -> Result<Args, String> {
             "--seed" => args.seed = Some(value("--seed")?),
             "--threads" => args.threads = value("--threads")? as usize,
             "--json" => args.json = true,
-            "--production-store-errors" => args.production_store_errors = true,
             "-h" | "--help" => {
                 return Err(
                     "usage: turnstile-dst --seeds N [--first S] [--threads T] [--json] | --seed S [--json]"
@@ -78,7 +74,6 @@ fn main() -> ExitCode {
     let options = Options {
         trace: args.seed.is_some(),
         bugs: Bugs::default(),
-        production_store_errors: args.production_store_errors,
     };
     let summary = match args.seed {
         Some(seed) => {
