@@ -55,6 +55,8 @@ pub struct DriveSpec {
     /// Attempts already started for this dispatch (durable, from the store): the budget
     /// counts across restarts.
     pub attempts_before: u64,
+    /// Bounds on every wait.
+    pub timeouts: Timeouts,
 }
 
 impl std::fmt::Debug for DriveSpec {
@@ -74,6 +76,21 @@ struct Connection {
     saw_event: bool,
     /// A resume of an earlier connection of the same generation.
     resume: bool,
+    /// When it was opened, and when something last arrived on it.
+    opened_at: Timestamp,
+    active_at: Timestamp,
+}
+
+impl Connection {
+    /// When this connection has waited too long, by the driver's bounds.
+    fn deadline(&self, timeouts: Timeouts) -> Timestamp {
+        let whole = self.opened_at.plus_ms(timeouts.attempt_ms);
+        let wait = match self.status {
+            None => self.opened_at.plus_ms(timeouts.head_ms),
+            Some(_) => self.active_at.plus_ms(timeouts.idle_ms),
+        };
+        whole.min(wait)
+    }
 }
 
 /// Queued work, in order.
@@ -88,7 +105,7 @@ enum Work {
     },
     End {
         connection: ConnectionId,
-        clean: bool,
+        ending: Ending,
     },
     Timeout,
     DrainDecoder(ConnectionId),
@@ -102,8 +119,7 @@ enum Work {
     DrainAssembler(Generation),
     ConnectionEnded {
         connection: ConnectionId,
-        clean: bool,
-        broken_before_head: bool,
+        ending: Ending,
     },
     AfterEnd {
         generation: Generation,
@@ -325,7 +341,16 @@ impl Drive {
         if self.stopped {
             return None;
         }
-        self.machine.poll_timeout()
+        let timeouts = self.spec.timeouts;
+        let connections = self
+            .connections
+            .values()
+            .map(|connection| connection.deadline(timeouts))
+            .min();
+        match (self.machine.poll_timeout(), connections) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Time passed.
@@ -346,10 +371,10 @@ impl Drive {
         self.queue(Work::Chunk { connection, bytes });
     }
 
-    /// A connection ended: `clean` when its body ended normally, false when it broke.
-    pub fn handle_end(&mut self, now: Timestamp, connection: ConnectionId, clean: bool) {
+    /// A connection ended.
+    pub fn handle_end(&mut self, now: Timestamp, connection: ConnectionId, ending: Ending) {
         self.now = now;
-        self.queue(Work::End { connection, clean });
+        self.queue(Work::End { connection, ending });
     }
 
     /// The answer to the outstanding [`Action::Store`].
@@ -593,6 +618,21 @@ impl Drive {
                     WriteKind::Begin,
                 )
             }
+            Write::Transition {
+                generation,
+                from: DispatchState::Unknown,
+                to: DispatchState::Streaming,
+            } => (
+                // A resume takes the attempt over: the lease moves to this driver.
+                StoreOp::Resume {
+                    generation,
+                    lease_expires_at: self.now.plus_ms(self.spec.lease_ms),
+                },
+                WriteKind::Transition {
+                    from: DispatchState::Unknown,
+                    to: DispatchState::Streaming,
+                },
+            ),
             Write::Transition { generation, from, to } => (
                 StoreOp::Transition { generation, from, to },
                 WriteKind::Transition { from, to },
@@ -668,7 +708,9 @@ impl Drive {
                     idempotency_key,
                 },
             ) => {
-                self.attempts_started += 1;
+                // Generations are allocated one by one per dispatch by the store: the
+                // generation is the durable count of attempts, across restarts and replicas.
+                self.attempts_started = (self.attempts_started + 1).max(generation.0);
                 let from = self.state;
                 self.transitioned(from, DispatchState::Dispatching);
                 self.idempotency_keys.insert(generation, idempotency_key.clone());
@@ -814,6 +856,8 @@ impl Drive {
                 status: None,
                 saw_event: false,
                 resume,
+                opened_at: self.now,
+                active_at: self.now,
             },
         );
         self.actions.push_back(Action::Open {
@@ -950,14 +994,37 @@ impl Drive {
     fn step(&mut self, work: Work) {
         match work {
             Work::Timeout => {
+                // Every wait has a bound: a connection past its deadline (no head, idle, or
+                // the whole attempt) is closed and ends as broken (its outcome at the provider
+                // is unknown, so recovery decides, never a blind resend).
+                let timeouts = self.spec.timeouts;
+                let now = self.now;
+                let expired: Vec<ConnectionId> = self
+                    .connections
+                    .iter()
+                    .filter(|(_, connection)| connection.deadline(timeouts) <= now)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let connection_deadline = !expired.is_empty();
+                for connection in expired {
+                    self.actions.push_back(Action::Count(Count::Timeout));
+                    self.actions.push_back(Action::Close { connection });
+                    self.work.push_back(Work::ConnectionEnded {
+                        connection,
+                        ending: Ending::Broken,
+                    });
+                }
                 let handled = self.machine.handle_timeout(self.now);
-                self.counted(handled);
+                if !connection_deadline {
+                    self.counted(handled);
+                }
             }
             Work::Head { connection, status } => {
                 let Some(open) = self.connections.get_mut(&connection) else {
                     return;
                 };
                 open.status = Some(status);
+                open.active_at = self.now;
                 let generation = open.generation;
                 if (200..300).contains(&status) {
                     let handled = self
@@ -970,25 +1037,21 @@ impl Drive {
                 let Some(open) = self.connections.get_mut(&connection) else {
                     return;
                 };
+                open.active_at = self.now;
                 if open.status.is_some_and(|status| !(200..300).contains(&status)) {
                     return;
                 }
                 open.decoder.handle_bytes(&bytes);
                 self.work.push_front(Work::DrainDecoder(connection));
             }
-            Work::End { connection, clean } => {
+            Work::End { connection, ending } => {
                 let Some(open) = self.connections.get_mut(&connection) else {
                     return;
                 };
-                let broken_before_head = !clean && open.status.is_none();
-                if clean {
+                if ending == Ending::Clean {
                     open.decoder.handle_end_of_input();
                 }
-                self.work.push_front(Work::ConnectionEnded {
-                    connection,
-                    clean,
-                    broken_before_head,
-                });
+                self.work.push_front(Work::ConnectionEnded { connection, ending });
                 self.work.push_front(Work::DrainDecoder(connection));
             }
             Work::DrainDecoder(connection) => {
@@ -1014,11 +1077,7 @@ impl Drive {
                 sequenced,
             } => self.event(connection, generation, stage, sequenced),
             Work::DrainAssembler(generation) => self.drain_assembler(generation),
-            Work::ConnectionEnded {
-                connection,
-                clean,
-                broken_before_head,
-            } => self.connection_ended(connection, clean, broken_before_head),
+            Work::ConnectionEnded { connection, ending } => self.connection_ended(connection, ending),
             Work::AfterEnd { generation, clean } => {
                 if self.machine.state().is_terminal() || self.machine.generation() != Some(generation) {
                     return;
@@ -1131,6 +1190,21 @@ impl Drive {
                     self.final_retract = Some(reason.code());
                 }
                 self.retract(generation, reason.code());
+                // Nothing of this generation can commit any more: stop reading it at once
+                // (a limit breach must not keep a connection open until the provider closes).
+                let open: Vec<ConnectionId> = self
+                    .connections
+                    .iter()
+                    .filter(|(_, connection)| connection.generation == generation)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for connection in open {
+                    self.actions.push_back(Action::Close { connection });
+                    self.work.push_back(Work::ConnectionEnded {
+                        connection,
+                        ending: Ending::Broken,
+                    });
+                }
             }
             Output::Commit(offer) => {
                 if !tool_arguments_complete(&offer.turn) {
@@ -1153,7 +1227,7 @@ impl Drive {
         }
     }
 
-    fn connection_ended(&mut self, connection: ConnectionId, clean: bool, broken_before_head: bool) {
+    fn connection_ended(&mut self, connection: ConnectionId, ending: Ending) {
         let Some(open) = self.connections.remove(&connection) else {
             return;
         };
@@ -1161,13 +1235,16 @@ impl Drive {
         if self.machine.generation() != Some(generation) || self.machine.state().is_terminal() {
             return;
         }
-        let failed = broken_before_head || open.status.is_some_and(|status| !(200..300).contains(&status));
-        if open.resume && (failed || !open.saw_event) {
+        let status_failed = open.status.is_some_and(|status| !(200..300).contains(&status));
+        // Nothing was produced and nothing runs at the provider: a connection that could not
+        // be made, or an error status.
+        let failed = ending == Ending::Unreachable || status_failed;
+        if open.resume && (failed || !open.saw_event || open.status.is_none()) {
             // The provider refused the resume or had nothing more: no more resumes of this
-            // generation; it is interrupted like any other.
+            // generation; it is interrupted like any other. A refused resume says nothing about
+            // whether the response still runs: it is not a confirmed end.
             self.resume_refused.insert(generation);
         } else if failed {
-            // Nothing was produced: a refused connection or an error status.
             let code = match open.status {
                 Some(status) => format!("provider_status_{status}"),
                 None => "provider_unreachable".to_owned(),
@@ -1182,12 +1259,18 @@ impl Drive {
             self.counted(handled);
             return;
         }
-        let resumable = self.recovery_for(generation, clean).resume_by_handle
+        // The provider's own word that the response is over: a successful body that ended
+        // cleanly (a resume only when it delivered something).
+        let confirmed_end = ending == Ending::Clean && !status_failed && (!open.resume || open.saw_event);
+        let resumable = self.recovery_for(generation, confirmed_end).resume_by_handle
             && self
                 .assembler
                 .as_ref()
                 .is_some_and(|assembler| assembler.handle().is_some());
-        self.work.push_front(Work::AfterEnd { generation, clean });
+        self.work.push_front(Work::AfterEnd {
+            generation,
+            clean: confirmed_end,
+        });
         if !resumable {
             if let Some(assembler) = &mut self.assembler {
                 assembler.handle_end_of_input();

@@ -68,6 +68,14 @@ pub enum StoreOp {
         /// The lease's end.
         lease_expires_at: Timestamp,
     },
+    /// UNKNOWN → STREAMING under the same generation (resume by handle), re-fenced to this
+    /// driver's holder.
+    Resume {
+        /// Generation.
+        generation: Generation,
+        /// The lease's end.
+        lease_expires_at: Timestamp,
+    },
     /// UNKNOWN → ABANDONED and back to PREPARED.
     AbandonAndRearm {
         /// Generation.
@@ -149,6 +157,40 @@ pub enum StoreResult {
     Attempts(Vec<AttemptView>),
     /// The operation failed; whether it landed is unknown.
     Failed(String),
+}
+
+/// How a provider connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// The body ended normally.
+    Clean,
+    /// The connection broke or timed out after the request may have reached the provider
+    /// (its outcome there is unknown).
+    Broken,
+    /// The connection could not be made: nothing was sent.
+    Unreachable,
+}
+
+/// Bounds on every wait of an attempt (`docs/operating.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From opening a connection to its response head.
+    pub head_ms: u64,
+    /// Between two pieces of a response body.
+    pub idle_ms: u64,
+    /// From opening a connection to its end, whatever arrives (an endless or ping-only stream
+    /// ends here).
+    pub attempt_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Timeouts {
+        Timeouts {
+            head_ms: 30_000,
+            idle_ms: 60_000,
+            attempt_ms: 600_000,
+        }
+    }
 }
 
 /// What a request to the provider is.
@@ -274,6 +316,8 @@ pub enum Count {
     Unknown(bool),
     /// A store failure on the dispatch path (the attempt was ended explicitly).
     StoreFailure,
+    /// A connection closed because it waited past a bound (head, idle, whole attempt).
+    Timeout,
     /// An input the driver ignored, with the reason (stale, duplicate, foreign).
     Ignored(&'static str),
 }

@@ -23,16 +23,43 @@ pub fn basis_of(record: &DispatchRecord) -> DispatchBasis {
 
 /// Perform `op` for `operation_id` as lease holder `holder`; the answer for
 /// `Drive::handle_store`. A store error is [`StoreResult::Failed`]: its outcome is unknown.
+///
+/// One clock for fencing: every lease this writes and every lease comparison the store makes is
+/// on the store's clock ([`Ledger::store_now`]). `caller_now` is the driver's own clock; a
+/// lease end it asks for is written as the same *duration* from the store's now, and leases
+/// it reads back are moved into its clock the same way, so a replica whose clock is skewed
+/// (by any amount) agrees with every other replica on when a lease runs out.
 pub async fn perform(
     ledger: &dyn Ledger,
     holder: &str,
     operation_id: &str,
     op: &StoreOp,
-    now: Timestamp,
+    caller_now: Timestamp,
 ) -> StoreResult {
+    let fenced = matches!(
+        op,
+        StoreOp::Begin { .. }
+            | StoreOp::Replay { .. }
+            | StoreOp::Resume { .. }
+            | StoreOp::RenewLease { .. }
+            | StoreOp::AbandonAndRearm { .. }
+            | StoreOp::ReadAttempts
+    );
+    let now = if fenced {
+        match ledger.store_now().await {
+            Ok(store_now) => store_now,
+            Err(error) => return StoreResult::Failed(error.to_string()),
+        }
+    } else {
+        caller_now
+    };
+    let clocks = Clocks {
+        caller_now,
+        store_now: now,
+    };
     let lease = |expires_at| Lease {
         holder: holder.to_owned(),
-        expires_at,
+        expires_at: clocks.to_store(expires_at),
     };
     let failed = |error: crate::StoreError| StoreResult::Failed(error.to_string());
     let transition = |outcome: Result<TransitionOutcome, crate::StoreError>| match outcome {
@@ -65,6 +92,14 @@ pub async fn perform(
                 Err(error) => failed(error),
             }
         }
+        StoreOp::Resume {
+            generation,
+            lease_expires_at,
+        } => transition(
+            ledger
+                .resume_attempt(operation_id, *generation, &lease(*lease_expires_at), now)
+                .await,
+        ),
         StoreOp::Transition { generation, from, to } => transition(
             ledger
                 .transition(operation_id, *generation, *from, *to, now)
@@ -159,12 +194,31 @@ pub async fn perform(
                         generation: attempt.generation,
                         handle: attempt.handle,
                         idempotency_key: attempt.idempotency_key,
-                        lease_expires_at: attempt.lease_expires_at,
+                        lease_expires_at: clocks.to_caller(attempt.lease_expires_at),
                     })
                     .collect(),
             ),
             Err(error) => failed(error),
         },
+    }
+}
+
+/// The store's now and a caller's now, read together: durations carry over between them.
+#[derive(Clone, Copy)]
+struct Clocks {
+    caller_now: Timestamp,
+    store_now: Timestamp,
+}
+
+impl Clocks {
+    /// A caller's instant as the same distance from the store's now.
+    fn to_store(self, at: Timestamp) -> Timestamp {
+        Timestamp((self.store_now.0 + at.0).saturating_sub(self.caller_now.0))
+    }
+
+    /// A store instant as the same distance from the caller's now.
+    fn to_caller(self, at: Timestamp) -> Timestamp {
+        Timestamp((self.caller_now.0 + at.0).saturating_sub(self.store_now.0))
     }
 }
 
@@ -199,7 +253,11 @@ pub async fn recoverable(
     holder: &str,
     now: Timestamp,
 ) -> Result<Vec<Recoverable>, crate::StoreError> {
-    let report = ledger.recover_startup(holder, now).await?;
+    let clocks = Clocks {
+        caller_now: now,
+        store_now: ledger.store_now().await?,
+    };
+    let report = ledger.recover_startup(holder, clocks.store_now).await?;
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for attempt in report.unknown {
@@ -220,7 +278,7 @@ pub async fn recoverable(
                 generation: attempt.generation,
                 handle: attempt.handle.clone(),
                 idempotency_key: attempt.idempotency_key.clone(),
-                lease_expires_at: attempt.lease_expires_at,
+                lease_expires_at: clocks.to_caller(attempt.lease_expires_at),
                 provider_confirmed_ended: false,
             },
         });

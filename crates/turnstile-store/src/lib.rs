@@ -131,6 +131,16 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
+    /// UNKNOWN → STREAMING for the same generation (resume by handle), re-fenced to
+    /// `lease.holder` in the same conditional write.
+    async fn resume_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
     /// The old attempt is confirmed dead (its lease expired at `now`, or the provider said it
     /// ended): mark it ABANDONED (a FAILED one stays FAILED) and the dispatch PREPARED again,
     /// so a new generation may begin. Refused while the old lease runs.

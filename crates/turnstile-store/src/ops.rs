@@ -644,16 +644,39 @@ pub(crate) async fn replay_attempt<T: Tx>(
     lease: &Lease,
     now: Timestamp,
 ) -> Result<TransitionOutcome, StoreError> {
-    if !move_both(
+    take_over(
         tx,
         operation_id,
         generation,
-        DispatchState::Unknown,
         DispatchState::Dispatching,
+        lease,
         now,
     )
-    .await?
-    {
+    .await
+}
+
+/// UNKNOWN → STREAMING when resuming by handle, re-fenced to the resuming holder in the same
+/// conditional write (a takeover by another replica renews its own lease afterwards).
+pub(crate) async fn resume_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    lease: &Lease,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    take_over(tx, operation_id, generation, DispatchState::Streaming, lease, now).await
+}
+
+/// UNKNOWN → `to` for the same generation, with the lease moved to `lease.holder`.
+async fn take_over<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    to: DispatchState,
+    lease: &Lease,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    if !move_both(tx, operation_id, generation, DispatchState::Unknown, to, now).await? {
         return refused(tx, operation_id).await;
     }
     tx.execute(

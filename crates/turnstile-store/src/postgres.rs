@@ -382,6 +382,22 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn resume_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::resume_attempt(
+            &mut tx,
+            operation_id,
+            generation,
+            lease,
+            now
+        ))
+    }
+
     async fn abandon_and_rearm(
         &self,
         operation_id: &str,

@@ -456,6 +456,18 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn resume_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        lease: &Lease,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, lease) = (operation_id.to_owned(), lease.clone());
+        self.run(move |tx| block_on_ready(ops::resume_attempt(tx, &op, generation, &lease, now)))
+            .await
+    }
+
     async fn abandon_and_rearm(
         &self,
         operation_id: &str,

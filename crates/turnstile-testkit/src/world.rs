@@ -27,7 +27,8 @@ use turnstile_core::assemble::{Assembler, AssemblerConfig, Output, Toolset};
 use turnstile_core::dispatch::{DispatchState, ProviderRecovery, Timestamp};
 use turnstile_core::{Conversation, Generation, MessageSequence, Revision, Validated, Verdict, validate};
 use turnstile_drive::{
-    Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Request, StoreOp, StoreResult,
+    Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Ending, Request, StoreOp, StoreResult,
+    Timeouts,
 };
 use turnstile_store::{
     ClaimOutcome, DispatchRecord, Fault, Lease, Ledger, PrepareOutcome as StorePrepare, SqliteLedger,
@@ -52,6 +53,12 @@ pub const ROUNDS_MAX: u64 = 3;
 pub const OPS_PER_ROUND_MAX: u64 = 3;
 /// The driver's attempt budget (re-exported for the checker).
 pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
+/// The driver's bounds on every wait, in virtual time.
+pub const TIMEOUTS: Timeouts = Timeouts {
+    head_ms: 2_000,
+    idle_ms: 2_000,
+    attempt_ms: 60_000,
+};
 /// Virtual time one delivery may take.
 const DELIVERY_MS_MAX: u64 = 40;
 
@@ -409,6 +416,7 @@ impl World {
             call_ids_taken: self.call_ids_taken(),
             lease_ms: LEASE_MS,
             attempts_before,
+            timeouts: TIMEOUTS,
         }
     }
 
@@ -725,7 +733,8 @@ impl World {
             Some((None, Some(chunk), _)) => driver.drive.handle_chunk(now, connection, chunk),
             Some((None, None, clean)) => {
                 self.conns.remove(&id);
-                driver.drive.handle_end(now, connection, clean);
+                let ending = if clean { Ending::Clean } else { Ending::Broken };
+                driver.drive.handle_end(now, connection, ending);
             }
             None => {}
         }

@@ -16,6 +16,8 @@ pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
 /// Longest silence between two stream chunks before the attempt counts as interrupted.
 pub const PROVIDER_IDLE_TIMEOUT_MS_DEFAULT: u64 = 60_000;
+/// Default whole-attempt bound (10 minutes).
+pub const PROVIDER_ATTEMPT_TIMEOUT_MS_DEFAULT: u64 = 600_000;
 
 /// The whole configuration.
 #[derive(Clone, Debug, Deserialize)]
@@ -42,6 +44,10 @@ pub struct Config {
     /// Longest gap between stream chunks.
     #[serde(default = "idle_timeout_default")]
     pub provider_idle_timeout_ms: u64,
+    /// Longest one attempt may take from its request to the end of its body, whatever arrives
+    /// (an endless or ping-only stream ends here).
+    #[serde(default = "attempt_timeout_default")]
+    pub provider_attempt_timeout_ms: u64,
     /// Replica id used as lease holder (default: derived from host name and process id).
     #[serde(default)]
     pub replica_id: Option<String>,
@@ -171,6 +177,9 @@ fn connect_timeout_default() -> u64 {
 }
 fn idle_timeout_default() -> u64 {
     PROVIDER_IDLE_TIMEOUT_MS_DEFAULT
+}
+fn attempt_timeout_default() -> u64 {
+    PROVIDER_ATTEMPT_TIMEOUT_MS_DEFAULT
 }
 
 impl Default for Config {

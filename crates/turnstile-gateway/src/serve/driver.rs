@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use turnstile_adapters::decode::StreamApi;
 use turnstile_core::assemble::Toolset;
 use turnstile_core::dispatch::{DispatchState, ProviderRecovery, UnknownAttempt};
-use turnstile_drive::{Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Request};
+use turnstile_drive::{Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Ending, Request};
 use turnstile_store::DispatchRecord;
 
 /// Transport events buffered per dispatch.
@@ -63,6 +63,7 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
         call_ids_taken: ctx.call_ids_taken.clone(),
         lease_ms: shared.lease_ms,
         attempts_before: turnstile_store::drive::attempts_before(shared.ledger.as_ref(), &ctx.record).await,
+        timeouts: shared.timeouts,
     }
 }
 
@@ -115,12 +116,17 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                     TransportEvent::Chunk(bytes) => drive.handle_chunk(now(), connection, bytes.to_vec()),
                     TransportEvent::End => {
                         pump.connections.remove(&connection);
-                        drive.handle_end(now(), connection, true);
+                        drive.handle_end(now(), connection, Ending::Clean);
                     }
                     TransportEvent::Broken(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider connection broke");
                         pump.connections.remove(&connection);
-                        drive.handle_end(now(), connection, false);
+                        drive.handle_end(now(), connection, Ending::Broken);
+                    }
+                    TransportEvent::Unreachable(reason) => {
+                        tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
+                        pump.connections.remove(&connection);
+                        drive.handle_end(now(), connection, Ending::Unreachable);
                     }
                 }
             }
@@ -296,6 +302,7 @@ impl Pump {
             }
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
             Count::Ignored(reason) => metrics::ignored(reason),
+            Count::Timeout => metrics::bump(metrics::PROVIDER_TIMEOUTS),
         }
     }
 }

@@ -44,6 +44,8 @@ pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 /// Store operations of the dispatch driver that failed (the driver ended or left the attempt
 /// explicitly; see `turnstile_drive`).
 pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
+/// Provider connections closed because they waited past a bound (head, idle, whole attempt).
+pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
 pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
 
@@ -84,6 +86,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         ILLEGAL_SENDS,
         FOREIGN_HANDLES,
         DRIVER_STORE_FAILURES,
+        PROVIDER_TIMEOUTS,
     ] {
         counter!(name).absolute(0);
     }

@@ -38,6 +38,8 @@ pub struct Shared {
     pub lease_ms: u64,
     /// Longest gap between stream chunks.
     pub idle: Duration,
+    /// Bounds on every wait of an attempt (head, idle, whole attempt).
+    pub timeouts: turnstile_drive::Timeouts,
     /// This replica's lease-holder id.
     pub holder: String,
     /// (token, tenant name) pairs.
@@ -213,8 +215,10 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         .connect_timeout(Duration::from_millis(config.provider_connect_timeout_ms))
         .build()
         .map_err(|error| format!("HTTP client: {error}"))?;
-    // Stable across restarts, so start-up recovery finds this replica's own live attempts at
-    // once; several replicas on one host must each set `replica_id`.
+    // Unique per process unless configured: two processes never share a lease holder by
+    // accident (a same-host rolling restart would otherwise take the old process's live
+    // attempts for its own crashed ones). A restart therefore recovers its predecessor's
+    // attempts when their leases run out by the store's clock.
     let holder = config.replica_id.clone().unwrap_or_else(default_replica_id);
     let shared = Arc::new(Shared {
         ledger,
@@ -222,6 +226,11 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         endpoints,
         lease_ms: config.lease_ms.clamp(1, turnstile_core::dispatch::LEASE_MS_MAX),
         idle: Duration::from_millis(config.provider_idle_timeout_ms),
+        timeouts: turnstile_drive::Timeouts {
+            head_ms: config.provider_connect_timeout_ms,
+            idle_ms: config.provider_idle_timeout_ms,
+            attempt_ms: config.provider_attempt_timeout_ms,
+        },
         holder,
         tenants,
         body_bytes_max: config.body_bytes_max,
@@ -321,7 +330,11 @@ fn default_replica_id() -> String {
         .filter(|name| !name.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "localhost".to_owned());
-    format!("turnstile@{host}")
+    // Host, process and a start nonce (the start instant in nanoseconds): unique per process.
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos());
+    format!("turnstile@{host}/{}/{nonce:x}", std::process::id())
 }
 
 /// A store URL without its password.

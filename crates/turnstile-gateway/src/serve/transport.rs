@@ -24,8 +24,10 @@ pub enum TransportEvent {
     Chunk(Bytes),
     /// The body ended cleanly.
     End,
-    /// The connection broke, timed out, or never connected (no head was seen then).
+    /// The connection broke or timed out; the request may have reached the provider.
     Broken(String),
+    /// The connection could not be made: nothing was sent.
+    Unreachable(String),
 }
 
 /// Where and how to reach one provider.
@@ -141,10 +143,17 @@ pub async fn perform(
     let response = match request.send().await {
         Ok(response) => response,
         Err(error) => {
-            // reqwest errors name the URL, never headers: no credential can leak here.
-            let _ = events
-                .send(TransportEvent::Broken(error.without_url().to_string()))
-                .await;
+            // reqwest errors name the URL, never headers: no credential can leak here. A
+            // connect error sent nothing; anything else (a pooled connection the provider had
+            // closed, a reset) may have delivered the request.
+            let unreachable = error.is_connect();
+            let reason = error.without_url().to_string();
+            let event = if unreachable {
+                TransportEvent::Unreachable(reason)
+            } else {
+                TransportEvent::Broken(reason)
+            };
+            let _ = events.send(event).await;
             return;
         }
     };
