@@ -34,6 +34,9 @@ use turnstile_core::stream::{SeqSource, Sequenced, StreamEvent};
 pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = 4;
 /// Most resumes of one generation before it is treated as interrupted for good.
 pub const RESUMES_PER_GENERATION_MAX: u32 = 3;
+/// Most replays (same generation, same idempotency key) of one generation before recovery
+/// stops relying on the provider's deduplication and waits for the lease instead.
+pub const REPLAYS_PER_GENERATION_MAX: u32 = 3;
 /// Most pieces of queued input (a pump that outruns the driver is a bug).
 const WORK_QUEUED_MAX: usize = 65_536;
 
@@ -201,6 +204,10 @@ pub struct Drive {
     provider_ended: HashSet<Generation>,
     resume_refused: HashSet<Generation>,
     resumes: HashMap<Generation, u32>,
+    /// Replays made per generation, and generations whose replay cannot help (their
+    /// provider handle belongs to another manifest).
+    replays: HashMap<Generation, u32>,
+    replay_refused: HashSet<Generation>,
     stopped: bool,
     final_retract: Option<&'static str>,
     committed_turn: Option<Value>,
@@ -282,6 +289,8 @@ impl Drive {
             provider_ended: HashSet::new(),
             resume_refused: HashSet::new(),
             resumes: HashMap::new(),
+            replays: HashMap::new(),
+            replay_refused: HashSet::new(),
             stopped: false,
             final_retract: None,
             committed_turn: None,
@@ -498,6 +507,12 @@ impl Drive {
         {
             recovery.resume_by_handle = false;
         }
+        if self.replay_refused.contains(&generation)
+            || self.replays.get(&generation).copied().unwrap_or(0) >= REPLAYS_PER_GENERATION_MAX
+        {
+            // Replaying the same key would only bring back the same answer.
+            recovery.honours_idempotency_key = false;
+        }
         recovery
     }
 
@@ -605,8 +620,12 @@ impl Drive {
                 lease_expires_at,
             } => {
                 if self.gave_up() {
+                    // The budget is spent: end the dispatch durably (ABANDONED), so nothing
+                    // picks a PREPARED dispatch up again and again.
                     let code = self.final_retract.unwrap_or("attempts_exhausted");
                     self.emit_error(code);
+                    let handled = self.machine.handle_cancel(self.now);
+                    self.counted(handled);
                     return;
                 }
                 (
@@ -729,6 +748,7 @@ impl Drive {
             }
             (WriteKind::Transition { .. }, _) => StoreAnswer::TransitionRefused,
             (WriteKind::Replay { generation }, StoreResult::Applied) => {
+                *self.replays.entry(generation).or_default() += 1;
                 self.transitioned(DispatchState::Unknown, DispatchState::Dispatching);
                 match self.idempotency_keys.get(&generation).cloned() {
                     Some(key) => StoreAnswer::Replayed {
@@ -870,8 +890,10 @@ impl Drive {
     fn bind_answered(&mut self, generation: Generation, result: StoreResult) {
         match result {
             StoreResult::BindRefused => {
-                // The handle belongs to another manifest: nothing from it may be merged.
+                // The handle belongs to another manifest: nothing from it may be merged, and a
+                // replay of the same key would bring the same handle back.
                 self.actions.push_back(Action::Count(Count::ForeignHandle));
+                self.replay_refused.insert(generation);
                 let closed: Vec<ConnectionId> = self
                     .connections
                     .iter()

@@ -19,5 +19,7 @@
 mod drive;
 mod types;
 
-pub use drive::{ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, RESUMES_PER_GENERATION_MAX};
+pub use drive::{
+    ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, REPLAYS_PER_GENERATION_MAX, RESUMES_PER_GENERATION_MAX,
+};
 pub use types::*;

@@ -236,22 +236,46 @@ pub async fn attempts_before(ledger: &dyn Ledger, record: &DispatchRecord) -> u6
     }
 }
 
-/// A dispatch whose active attempt is UNKNOWN, ready for `Drive::recovered`.
+/// Most PREPARED dispatches one sweep picks up.
+pub const PREPARED_PICKUP_MAX: u64 = 256;
+
+/// A dispatch nobody drives, ready for a driver.
 #[derive(Clone, Debug)]
-pub struct Recoverable {
+pub enum Recoverable {
+    /// Its active attempt is UNKNOWN: `Drive::recovered`.
+    Unknown {
+        /// The stored dispatch.
+        record: DispatchRecord,
+        /// Its UNKNOWN attempt, its lease in the caller's clock.
+        attempt: turnstile_core::dispatch::UnknownAttempt,
+    },
+    /// PREPARED and not touched for a lease: `Drive::new` (its begin is a compare-and-set,
+    /// so a driver that is about to begin it elsewhere loses nothing).
+    Prepared {
+        /// The stored dispatch.
+        record: DispatchRecord,
+    },
+}
+
+impl Recoverable {
     /// The stored dispatch.
-    pub record: DispatchRecord,
-    /// Its UNKNOWN attempt.
-    pub attempt: turnstile_core::dispatch::UnknownAttempt,
+    pub fn record(&self) -> &DispatchRecord {
+        match self {
+            Recoverable::Unknown { record, .. } | Recoverable::Prepared { record } => record,
+        }
+    }
 }
 
 /// Start-up recovery and the lease sweep, decided once for every pump: live attempts of
-/// `holder` and attempts whose lease expired become UNKNOWN (`Ledger::recover_startup`); each
-/// dispatch whose *active* attempt is UNKNOWN is answered once.
+/// `holder` and attempts whose lease expired (by the store's clock) become UNKNOWN
+/// (`Ledger::recover_startup`), and each dispatch whose *active* attempt is UNKNOWN is answered
+/// once; PREPARED dispatches untouched for `prepared_idle_ms` (0 at start-up: all of them) are
+/// answered too, so no dispatch depends on a request future staying alive.
 pub async fn recoverable(
     ledger: &dyn Ledger,
     holder: &str,
     now: Timestamp,
+    prepared_idle_ms: u64,
 ) -> Result<Vec<Recoverable>, crate::StoreError> {
     let clocks = Clocks {
         caller_now: now,
@@ -272,7 +296,7 @@ pub async fn recoverable(
         {
             continue;
         }
-        out.push(Recoverable {
+        out.push(Recoverable::Unknown {
             record,
             attempt: turnstile_core::dispatch::UnknownAttempt {
                 generation: attempt.generation,
@@ -282,6 +306,19 @@ pub async fn recoverable(
                 provider_confirmed_ended: false,
             },
         });
+    }
+    for operation_id in ledger
+        .prepared_unattended(prepared_idle_ms, PREPARED_PICKUP_MAX)
+        .await?
+    {
+        if !seen.insert(operation_id.clone()) {
+            continue;
+        }
+        if let Some(record) = ledger.dispatch(&operation_id).await?
+            && record.state == turnstile_core::dispatch::DispatchState::Prepared
+        {
+            out.push(Recoverable::Prepared { record });
+        }
     }
     Ok(out)
 }

@@ -246,6 +246,10 @@ pub trait Ledger: Send + Sync {
     /// The store's counters.
     async fn counters(&self) -> Result<Counters, StoreError>;
 
+    /// PREPARED dispatches not updated for `idle_ms` by the store's clock, oldest first (at
+    /// most `limit`): nobody drives them (see `drive::recoverable`).
+    async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError>;
+
     /// The store's clock ([`clock`]): the time every lease and fencing decision is judged by.
     async fn store_now(&self) -> Result<Timestamp, StoreError>;
 }

@@ -512,6 +512,30 @@ pub(crate) async fn begin_attempt<T: Tx>(
         )
         .await?;
     let Some(row) = rows.first() else {
+        // A PREPARED dispatch that can never begin (the conversation moved past its revision,
+        // or its attempt budget is spent) ends here, in the refusal's own transaction: nothing
+        // would ever drive it, and every sweep would pick it up again.
+        let ended = tx
+            .execute(
+                "UPDATE dispatches SET state = 'ABANDONED', updated_at = $3 \
+                 WHERE operation_id = $1 AND state = 'PREPARED' AND (generation_last >= $2 \
+                 OR NOT EXISTS (SELECT 1 FROM conversations c \
+                                WHERE c.conversation_id = dispatches.conversation_id \
+                                AND c.revision = dispatches.revision))",
+                &[operation_id.into(), ATTEMPTS_PER_DISPATCH_MAX.into(), ts(now)],
+            )
+            .await?;
+        if ended == 1 {
+            record_transition(
+                tx,
+                operation_id,
+                None,
+                Some(DispatchState::Prepared),
+                DispatchState::Abandoned,
+                now,
+            )
+            .await?;
+        }
         let found = dispatch_state(tx, operation_id).await?;
         return Ok(BeginOutcome::Refused {
             state: found.map(|(state, _)| state),
@@ -990,6 +1014,20 @@ pub(crate) async fn commit<T: Tx>(
         let reason = commit_refusal(tx, operation_id, generation).await?;
         quarantine_turn(tx, operation_id, generation, "commit_refused", turn, now).await?;
         bump_counter(tx, "canonical_cas_conflicts").await?;
+        if reason == CommitRefusal::RevisionMoved {
+            // Another turn won the revision: this dispatch can never commit. It ends here, in
+            // the refusal's own transaction, instead of staying live until its lease runs out
+            // and being recovered, rearmed and refused again.
+            move_both(
+                tx,
+                operation_id,
+                generation,
+                DispatchState::Streaming,
+                DispatchState::Abandoned,
+                now,
+            )
+            .await?;
+        }
         return Ok(refuse(reason));
     }
     tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
@@ -1382,6 +1420,22 @@ pub(crate) async fn recover_startup<T: Tx>(
         marked_unknown,
         unknown,
     })
+}
+
+/// PREPARED dispatches not updated for `idle_ms` by the store's clock (most `limit`): a
+/// dispatch whose client left before a driver started, or whose driver died before its begin.
+pub(crate) async fn prepared_unattended<T: Tx>(
+    tx: &mut T,
+    idle_ms: u64,
+    limit: u64,
+) -> Result<Vec<String>, StoreError> {
+    let sql = format!(
+        "SELECT operation_id FROM dispatches WHERE state = 'PREPARED' AND updated_at <= {} - $1 \
+         ORDER BY updated_at, operation_id LIMIT $2",
+        tx.dialect().now_ms()
+    );
+    let rows = tx.query(&sql, &[idle_ms.into(), limit.into()]).await?;
+    rows.iter().map(|row| row.text(0)).collect()
 }
 
 /// The store's clock (see [`crate::clock`]).

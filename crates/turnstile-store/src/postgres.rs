@@ -534,6 +534,10 @@ impl Ledger for PgLedger {
         in_tx!(self, |tx| ops::counters(&mut tx))
     }
 
+    async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError> {
+        in_tx!(self, |tx| ops::prepared_unattended(&mut tx, idle_ms, limit))
+    }
+
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         in_tx!(self, |tx| ops::store_now(&mut tx))
     }

@@ -607,6 +607,11 @@ impl Ledger for SqliteLedger {
         self.run(move |tx| block_on_ready(ops::counters(tx))).await
     }
 
+    async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError> {
+        self.run(move |tx| block_on_ready(ops::prepared_unattended(tx, idle_ms, limit)))
+            .await
+    }
+
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         self.run(move |tx| block_on_ready(ops::store_now(tx))).await
     }

@@ -101,6 +101,47 @@ impl World {
         }
     }
 
+    /// At the send of a generation: every older generation of the operation is over — its
+    /// lease ran out by the store's clock, or the provider ended it (an error status, or its
+    /// body delivered to the end) — and the operation stays within its attempt budget.
+    pub(crate) fn check_new_generation(&mut self, op: &str, generation: Generation) {
+        self.report.checks += 1;
+        let step = self.step;
+        let attempts = {
+            let witness = self.witness();
+            self.rt.block_on(witness.attempts(op)).unwrap_or_default()
+        };
+        let store_now = self.now;
+        for attempt in attempts.iter().filter(|attempt| attempt.generation < generation) {
+            let over = self
+                .history
+                .provider_over
+                .contains(&(op.to_owned(), attempt.generation.0))
+                || attempt.lease_expires_at.0 <= store_now;
+            if !over {
+                self.report.violate(
+                    step,
+                    Invariant::EarlyNewGeneration,
+                    format!(
+                        "{op}: g{} sent while g{} may still run (lease until {} > store now {store_now}, provider has not ended it)",
+                        generation.0, attempt.generation.0, attempt.lease_expires_at.0
+                    ),
+                );
+            }
+        }
+        if generation.0 > crate::world::ATTEMPTS_PER_DISPATCH_MAX {
+            self.report.violate(
+                step,
+                Invariant::AttemptBudget,
+                format!(
+                    "{op}: generation {} is over the budget of {} attempts",
+                    generation.0,
+                    crate::world::ATTEMPTS_PER_DISPATCH_MAX
+                ),
+            );
+        }
+    }
+
     /// The invariants over the committed state, after every step.
     /// A step that changed neither the store nor what executors saw cannot change these
     /// invariants: it is skipped (sends are checked at the send itself).
@@ -160,6 +201,31 @@ impl World {
                 {
                     committed_calls.insert(call_id.to_owned(), block["arguments"].clone());
                 }
+            }
+        }
+        // Across operations: every assistant turn answers the latest turn before it that is
+        // not an assistant's; two turns answering the same one are the same question answered
+        // twice (two racing operations, or a loser that arrived after the commit).
+        let mut answers: HashMap<usize, u64> = HashMap::new();
+        let mut question: Option<usize> = None;
+        for (index, turn) in document["turns"].as_array().into_iter().flatten().enumerate() {
+            if turn["role"] == "assistant" {
+                if let Some(question) = question {
+                    *answers.entry(question).or_default() += 1;
+                }
+            } else {
+                question = Some(index);
+            }
+        }
+        for (question, count) in answers {
+            self.report.canonical_turns_per_revision_max =
+                self.report.canonical_turns_per_revision_max.max(count);
+            if count > 1 {
+                self.report.violate(
+                    step,
+                    Invariant::CanonicalTurns,
+                    format!("turn {question}: answered by {count} canonical assistant turns"),
+                );
             }
         }
         let mut ops: Vec<_> = per_op.into_iter().collect();
@@ -290,6 +356,19 @@ impl World {
                         "store counts {counted} foreign-handle refusals, the checker saw {seen} (+{} hidden by store faults)",
                         self.history.bind_ambiguous
                     ),
+                );
+            }
+        }
+        // Liveness: every operation ended (committed, failed or abandoned).
+        self.report.checks += 1;
+        for op in self.ops.clone() {
+            if let Ok(Some(record)) = store!(self, dispatch(&op))
+                && !record.state.is_terminal()
+            {
+                self.report.violate(
+                    step,
+                    Invariant::OperationNotTerminal,
+                    format!("{op}: still {} after the liveness phase", record.state),
                 );
             }
         }

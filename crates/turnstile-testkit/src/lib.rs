@@ -25,3 +25,4 @@ pub mod world;
 pub use plan::{Bugs, FaultKind, FaultPlan};
 pub use report::{Invariant, SeedReport, Summary, Violation};
 pub use run::{Options, run_seed, run_seed_with, run_seeds, run_seeds_with};
+pub use world::LEASE_MS;

@@ -39,6 +39,18 @@ pub enum FaultKind {
     DuplicateResult,
     /// The provider honoured an idempotency key by replaying the first reply.
     IdempotentReplay,
+    /// The provider accepted a request and never sent a response head.
+    HungHead,
+    /// The provider's stream never ended (pings only after some events).
+    EndlessStream,
+    /// The client left after its dispatch was prepared, before a driver started.
+    ClientLeft,
+    /// Two operations raced on one revision (on different replicas).
+    RacingOperations,
+    /// The second replica's clock is skewed against the store's (per seed).
+    ClockSkew,
+    /// The client retried an operation with the same operation id (it attaches).
+    ClientRetry,
 }
 
 impl FaultKind {
@@ -61,6 +73,12 @@ impl FaultKind {
             FaultKind::OrphanResult => "orphan_result",
             FaultKind::DuplicateResult => "duplicate_result",
             FaultKind::IdempotentReplay => "idempotent_replay",
+            FaultKind::HungHead => "hung_head",
+            FaultKind::EndlessStream => "endless_stream",
+            FaultKind::ClientLeft => "client_left",
+            FaultKind::RacingOperations => "racing_operations",
+            FaultKind::ClockSkew => "clock_skew",
+            FaultKind::ClientRetry => "client_retry",
         }
     }
 }
@@ -98,6 +116,18 @@ pub struct FaultPlan {
     pub honours_idempotency_key: bool,
     /// The provider lets Responses streams be resumed by handle.
     pub resume_by_handle: bool,
+    /// Never send a response head (per request).
+    pub hang: f64,
+    /// Stream pings for ever after some events (per request).
+    pub endless: f64,
+    /// The client leaves after its dispatch was prepared (per operation).
+    pub client_leaves: f64,
+    /// Start two operations at once on one revision (per operation).
+    pub race: f64,
+    /// The client retries an operation with the same id (per operation).
+    pub client_retry: f64,
+    /// The second replica's clock minus the store's, in ms (within and beyond the lease).
+    pub skew_ms: i64,
 }
 
 impl FaultPlan {
@@ -116,6 +146,11 @@ impl FaultPlan {
         let resume_refused = rate(0.5);
         let orphan_result = rate(0.8);
         let duplicate_result = rate(0.5);
+        let hang = rate(0.15);
+        let endless = rate(0.15);
+        let client_leaves = rate(0.3);
+        let race = rate(0.5);
+        let client_retry = rate(0.5);
         FaultPlan {
             crash,
             store_drop,
@@ -132,6 +167,18 @@ impl FaultPlan {
             adapter_upgrade: rng.chance(0.5),
             honours_idempotency_key: rng.chance(0.3),
             resume_by_handle: rng.chance(0.5),
+            hang,
+            endless,
+            client_leaves,
+            race,
+            client_retry,
+            skew_ms: match rng.below(5) {
+                0 => 0,
+                1 => 2_500,
+                2 => -2_500,
+                3 => 15_000,
+                _ => -15_000,
+            },
         }
     }
 
@@ -141,6 +188,7 @@ impl FaultPlan {
             adapter_upgrade: false,
             honours_idempotency_key: self.honours_idempotency_key,
             resume_by_handle: self.resume_by_handle,
+            skew_ms: self.skew_ms,
             ..FaultPlan::default()
         }
     }
@@ -167,4 +215,15 @@ pub struct Bugs {
     pub no_lease_timer: bool,
     /// Count foreign-handle refusals twice in the world's own tally (metrics drift).
     pub miscount_foreign_handles: bool,
+    /// Judge leases by each replica's own clock (the store's SQL clock follows the calling
+    /// replica's): the defect "lease expiry judged by each replica's wall clock".
+    pub replica_clock_fencing: bool,
+    /// Resume by handle without moving the lease to the resuming replica (the defect "a
+    /// resumed attempt taken over by another replica never finishes").
+    pub resume_keeps_holder: bool,
+    /// The sweep ignores PREPARED dispatches nobody drives (the defect "a client that
+    /// disconnects while its dispatch is prepared leaves it PREPARED for ever").
+    pub sweep_skips_prepared: bool,
+    /// No bound on how long one attempt may stream (the defect "no stream deadline").
+    pub no_attempt_deadline: bool,
 }

@@ -27,6 +27,10 @@ pub struct Answer {
     pub chunks: VecDeque<Vec<u8>>,
     /// The body ends cleanly (true) or the connection breaks after the last chunk (false).
     pub clean_end: bool,
+    /// The head never arrives (the provider holds the connection).
+    pub hang: bool,
+    /// After its chunks, the body sends pings for ever.
+    pub endless: bool,
 }
 
 /// A reply already produced, for resume and idempotent replay.
@@ -121,6 +125,18 @@ impl Provider {
                 status,
                 chunks: VecDeque::from([body]),
                 clean_end: true,
+                hang: false,
+                endless: false,
+            };
+        }
+        if rng.chance(plan.hang) {
+            report.fault(FaultKind::HungHead);
+            return Answer {
+                status: 200,
+                chunks: VecDeque::new(),
+                clean_end: false,
+                hang: true,
+                endless: false,
             };
         }
         let reply = Provider::reply(rng, &["Paris", "Lagos", "Lima", "Osaka", "Zürich"]);
@@ -186,6 +202,8 @@ impl Provider {
                     status: 400,
                     chunks: VecDeque::from([wire::error_body(self.api, 400).to_string().into_bytes()]),
                     clean_end: true,
+                    hang: false,
+                    endless: false,
                 }
             }
         }
@@ -201,6 +219,14 @@ impl Provider {
     ) -> Answer {
         let mut events = frames;
         let mut clean_end = true;
+        let mut endless = false;
+        if transport_faults && rng.chance(plan.endless) && !events.is_empty() {
+            report.fault(FaultKind::EndlessStream);
+            let keep = rng.index(events.len());
+            events.truncate(keep);
+            endless = true;
+            clean_end = false;
+        }
         if transport_faults {
             if rng.chance(plan.lost_stop) {
                 report.fault(FaultKind::LostStop);
@@ -238,6 +264,8 @@ impl Provider {
             status: 200,
             chunks,
             clean_end,
+            hang: false,
+            endless,
         }
     }
 }

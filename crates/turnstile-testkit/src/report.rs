@@ -27,6 +27,13 @@ pub enum Invariant {
     MetricsMismatch,
     /// An attempt is still UNKNOWN after the liveness phase (or past lease + ε in it).
     UnknownUnresolved,
+    /// A new generation was sent while an older one was not confirmed over (its lease had not
+    /// run out by the store's clock and the provider had not ended it).
+    EarlyNewGeneration,
+    /// An operation made more provider attempts (generations) than the budget.
+    AttemptBudget,
+    /// An operation was not terminal after the liveness phase.
+    OperationNotTerminal,
     /// A real component panicked (an `assert!` of the core, for one).
     Panic,
 }
@@ -44,6 +51,9 @@ impl Invariant {
             Invariant::HistoryInvalid => "history_invalid",
             Invariant::MetricsMismatch => "metrics_mismatch",
             Invariant::UnknownUnresolved => "unknown_unresolved",
+            Invariant::EarlyNewGeneration => "early_new_generation",
+            Invariant::AttemptBudget => "attempt_budget",
+            Invariant::OperationNotTerminal => "operation_not_terminal",
             Invariant::Panic => "panic",
         }
     }
@@ -87,6 +97,14 @@ pub struct SeedReport {
     pub commits: u64,
     /// Provider requests sent.
     pub sends: u64,
+    /// Gateway replicas sharing the store.
+    pub replicas: u64,
+    /// The largest clock skew of a replica against the store's clock, in ms.
+    pub clock_skew_ms_max: u64,
+    /// Client disconnects (left after prepare, or cut by a crash of their replica).
+    pub disconnects: u64,
+    /// Liveness violations (UNKNOWN left, operation not terminal).
+    pub liveness_violations: u64,
     /// The trace, when asked for.
     pub trace: Vec<String>,
 }
@@ -97,6 +115,12 @@ const VIOLATIONS_KEPT_PER_KIND_MAX: usize = 4;
 impl SeedReport {
     /// Record a broken invariant.
     pub fn violate(&mut self, step: u64, invariant: Invariant, detail: String) {
+        if matches!(
+            invariant,
+            Invariant::UnknownUnresolved | Invariant::OperationNotTerminal
+        ) {
+            self.liveness_violations += 1;
+        }
         let kept = self
             .violations
             .iter()
@@ -147,6 +171,14 @@ pub struct Summary {
     pub commits: u64,
     /// Provider requests over all seeds.
     pub sends: u64,
+    /// Most replicas in one seed.
+    pub replicas: u64,
+    /// Largest clock skew of a replica against the store, ms.
+    pub clock_skew_ms_max: u64,
+    /// Client disconnects.
+    pub disconnects: u64,
+    /// Liveness violations.
+    pub liveness_violations: u64,
 }
 
 /// Most violations kept in a summary.
@@ -175,6 +207,10 @@ impl Summary {
         self.unknown_unresolved += report.unknown_unresolved;
         self.commits += report.commits;
         self.sends += report.sends;
+        self.replicas = self.replicas.max(report.replicas);
+        self.clock_skew_ms_max = self.clock_skew_ms_max.max(report.clock_skew_ms_max);
+        self.disconnects += report.disconnects;
+        self.liveness_violations += report.liveness_violations;
     }
 
     /// The headline line of the issue.
@@ -203,6 +239,10 @@ impl Summary {
         out.push_str(&format!(
             "steps {}  checks {}  sends {}  commits {}  violations {}\n",
             self.steps, self.checks, self.sends, self.commits, self.violations_total
+        ));
+        out.push_str(&format!(
+            "replicas {}  clock skew up to {} ms  client disconnects {}  liveness violations {}\n",
+            self.replicas, self.clock_skew_ms_max, self.disconnects, self.liveness_violations
         ));
         for violation in &self.violations {
             out.push_str(&format!(
@@ -235,6 +275,10 @@ impl Summary {
             "partial_tool_dispatch": self.partial_tool_dispatch,
             "canonical_turns_per_revision_max": self.canonical_turns_per_revision_max,
             "unknown_unresolved": self.unknown_unresolved,
+            "replicas": self.replicas,
+            "clock_skew_ms_max": self.clock_skew_ms_max,
+            "disconnects": self.disconnects,
+            "liveness_violations": self.liveness_violations,
         })
     }
 }

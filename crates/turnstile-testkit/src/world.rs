@@ -35,8 +35,8 @@ use turnstile_store::{
     StoreClock, Synchronous, ToolCallState,
 };
 
-/// The lease holder of the simulated gateway (stable across its restarts, as in production).
-pub const HOLDER: &str = "dst-replica";
+/// Gateway replicas sharing the store in every seed.
+pub const REPLICAS: usize = 2;
 /// The holder id the lease sweep uses (as `serve/mod.rs`).
 pub const SWEEP_HOLDER: &str = "turnstile-sweep";
 /// Attempt lease.
@@ -57,7 +57,7 @@ pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATC
 pub const TIMEOUTS: Timeouts = Timeouts {
     head_ms: 2_000,
     idle_ms: 2_000,
-    attempt_ms: 60_000,
+    attempt_ms: 4_000,
 };
 /// Virtual time one delivery may take.
 const DELIVERY_MS_MAX: u64 = 40;
@@ -75,6 +75,12 @@ pub struct Options {
 pub(crate) struct Conn {
     pub(crate) op: String,
     pub(crate) generation: Generation,
+    /// The replica whose transport holds it.
+    replica: usize,
+    /// The head never arrives.
+    hang: bool,
+    /// Pings for ever after the chunks.
+    endless: bool,
     /// The driver's number for it (None: a stray stream no live driver opened).
     connection: Option<ConnectionId>,
     status: u16,
@@ -90,6 +96,18 @@ pub(crate) struct Conn {
 pub(crate) struct SimDriver {
     pub(crate) op: String,
     pub(crate) drive: Drive,
+    /// The replica running it.
+    replica: usize,
+}
+
+/// One gateway process sharing the store.
+#[derive(Clone, Copy, Debug)]
+struct Replica {
+    /// Its clock minus the store's (virtual) clock, ms.
+    skew_ms: i64,
+    /// Restarts so far: each incarnation is a new process with a new lease-holder id (the
+    /// gateway's default replica id is unique per process).
+    incarnation: u64,
 }
 
 /// What the checker remembers beyond the store.
@@ -113,6 +131,9 @@ pub(crate) struct History {
     pub(crate) partial_reported: HashSet<String>,
     /// (operation, generation) committed.
     committed: HashSet<(String, u64)>,
+    /// (operation, generation) the provider is known to have ended (an error status, or a
+    /// body delivered to its clean end): nothing of it runs any more.
+    pub(crate) provider_over: HashSet<(String, u64)>,
 }
 
 impl History {
@@ -167,6 +188,9 @@ pub struct World {
     toolset: Arc<Toolset>,
     conns: BTreeMap<u64, Conn>,
     conn_next: u64,
+    replicas: Vec<Replica>,
+    /// The replica a pending crash kills.
+    crash_replica: usize,
     limbo: Vec<Conn>,
     pub(crate) drivers: Vec<SimDriver>,
     pub(crate) ops: Vec<String>,
@@ -207,6 +231,7 @@ impl World {
     pub fn new(seed: u64, options: Options) -> Result<World, String> {
         let mut rng = Rng::new(seed);
         let plan = FaultPlan::draw(&mut rng);
+        let skew_ms = plan.skew_ms;
         let (api, adapter) = match rng.below(4) {
             0 => (StreamApi::OpenAiChat, AdapterId::OpenaiChatV1),
             1 => (StreamApi::OpenAiResponses, AdapterId::OpenaiResponsesV1),
@@ -252,6 +277,13 @@ impl World {
             toolset,
             conns: BTreeMap::new(),
             conn_next: 0,
+            crash_replica: 0,
+            replicas: (0..REPLICAS)
+                .map(|index| Replica {
+                    skew_ms: if index == 0 { 0 } else { skew_ms },
+                    incarnation: 0,
+                })
+                .collect(),
             limbo: Vec::new(),
             drivers: Vec::new(),
             ops: Vec::new(),
@@ -263,9 +295,14 @@ impl World {
             history: History::default(),
             report: SeedReport {
                 seed,
+                replicas: REPLICAS as u64,
+                clock_skew_ms_max: skew_ms.unsigned_abs(),
                 ..SeedReport::default()
             },
         };
+        if skew_ms != 0 {
+            world.report.fault(FaultKind::ClockSkew);
+        }
         world.witness = Some(world.open_store()?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
@@ -309,6 +346,22 @@ impl World {
     /// The store's clock reads the virtual time.
     pub(crate) fn sync_store_clock(&self) {
         self.store_clock.store(self.now, Ordering::SeqCst);
+    }
+
+    /// Replica `replica`'s own clock.
+    fn local_now(&self, replica: usize) -> Timestamp {
+        let skew = self.replicas[replica].skew_ms;
+        Timestamp(self.now.saturating_add_signed(skew))
+    }
+
+    /// A replica's instant on the virtual (store) clock.
+    fn to_virtual(&self, replica: usize, at: Timestamp) -> u64 {
+        at.0.saturating_add_signed(-self.replicas[replica].skew_ms)
+    }
+
+    /// Replica `replica`'s lease-holder id (new with every restart, as the gateway's default).
+    fn holder(&self, replica: usize) -> String {
+        format!("dst-replica-{replica}.{}", self.replicas[replica].incarnation)
     }
 
     pub(crate) fn ts(&self) -> Timestamp {
@@ -372,6 +425,17 @@ impl World {
 
     /// The client starts a new operation at the conversation's current revision.
     fn start_op(&mut self) -> Result<(), String> {
+        let replica = self.rng.index(REPLICAS);
+        self.start_op_on(replica)?;
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.race) {
+            // Another client asks the same question at the same revision, on the other replica.
+            self.report.fault(FaultKind::RacingOperations);
+            self.start_op_on((replica + 1) % REPLICAS)?;
+        }
+        Ok(())
+    }
+
+    fn start_op_on(&mut self, replica: usize) -> Result<(), String> {
         self.dirty = true;
         let document = store!(self, conversation(CONVERSATION_ID))
             .map_err(|e| e.to_string())?
@@ -380,24 +444,58 @@ impl World {
         let operation_id = format!("op-{}", self.ops.len() + 1);
         let adapter = self.adapter;
         let (manifest, bytes) = self.render_at(revision, adapter, &operation_id, None)?;
-        let now = self.ts();
+        // The replica's own clock stamps what it prepares, as the gateway's does.
+        let now = self.local_now(replica);
         let record = match store!(self, prepare(&manifest, &bytes, now)).map_err(|e| e.to_string())? {
             StorePrepare::Created(record) | StorePrepare::Existing(record) => record,
             other => return Err(format!("prepare refused: {other:?}")),
         };
         self.trace(format!(
-            "client starts {operation_id} at revision {revision} with {}",
+            "client starts {operation_id} at revision {revision} with {} on replica {replica}",
             adapter.as_str()
         ));
         self.ops.push(operation_id.clone());
         self.ops_in_round += 1;
-        let spec = self.spec_for(&record);
-        let drive = Drive::new(spec, self.ts());
-        self.start_driver(SimDriver {
-            op: operation_id,
-            drive,
-        });
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.client_leaves) {
+            // The client went away while its dispatch was being prepared: the request future
+            // is gone before a driver started. Only the sweep can pick the dispatch up.
+            self.report.fault(FaultKind::ClientLeft);
+            self.report.disconnects += 1;
+            self.trace(format!("{operation_id}: client left before a driver started"));
+            return Ok(());
+        }
+        self.drive_prepared(replica, record);
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.client_retry) {
+            // The client retries with the same operation id on any replica: it attaches.
+            self.report.fault(FaultKind::ClientRetry);
+            let again = self.rng.index(REPLICAS);
+            if let Ok(Some(record)) = store!(self, dispatch(&operation_id))
+                && record.state == DispatchState::Prepared
+            {
+                self.drive_prepared(again, record);
+            }
+        }
         Ok(())
+    }
+
+    /// A driver for a PREPARED dispatch on `replica` (a client's request, a client's retry
+    /// with the same operation id, or the sweep).
+    fn drive_prepared(&mut self, replica: usize, record: DispatchRecord) {
+        if self
+            .drivers
+            .iter()
+            .any(|driver| driver.op == record.operation_id && driver.replica == replica)
+        {
+            // The replica already drives it: a retry attaches to the same hub.
+            return;
+        }
+        let spec = self.spec_for(&record);
+        let drive = Drive::new(spec, self.local_now(replica));
+        self.start_driver(SimDriver {
+            op: record.operation_id.clone(),
+            drive,
+            replica,
+        });
     }
 
     /// What the gateway's `context_for` gives a driver.
@@ -416,7 +514,16 @@ impl World {
             call_ids_taken: self.call_ids_taken(),
             lease_ms: LEASE_MS,
             attempts_before,
-            timeouts: TIMEOUTS,
+            timeouts: if self.bugs.no_attempt_deadline {
+                // Planted defect: no bound on a stream that never ends.
+                Timeouts {
+                    attempt_ms: u64::MAX / 4,
+                    idle_ms: u64::MAX / 4,
+                    ..TIMEOUTS
+                }
+            } else {
+                TIMEOUTS
+            },
         }
     }
 
@@ -441,14 +548,22 @@ impl World {
         }
     }
 
-    fn maybe_crash(&mut self) -> bool {
+    /// After an action of `replica`: maybe that process dies now.
+    fn maybe_crash(&mut self, replica: usize) -> bool {
         if self.crashed {
-            return true;
+            // One pending crash at a time; the other replica keeps running until it happens.
+            return self.crash_replica == replica;
         }
         if self.phase == Phase::Safety && self.rng.chance(self.plan.crash) {
             self.crashed = true;
+            self.crash_replica = replica;
         }
         self.crashed
+    }
+
+    /// A crash of `replica` is pending: it does nothing more until it restarts.
+    fn dead(&self, replica: usize) -> bool {
+        self.crashed && self.crash_replica == replica
     }
 
     /// Perform a new driver's first actions and keep it.
@@ -460,7 +575,7 @@ impl World {
     /// Perform every action the driver has, in order, as `serve/driver.rs` does; a crash may
     /// follow any of them.
     fn pump(&mut self, driver: &mut SimDriver) {
-        while !self.crashed {
+        while !self.dead(driver.replica) {
             let Some(action) = driver.drive.poll_action() else {
                 return;
             };
@@ -494,7 +609,7 @@ impl World {
                     }
                 }
             }
-            if self.maybe_crash() {
+            if self.maybe_crash(driver.replica) {
                 return;
             }
         }
@@ -578,18 +693,32 @@ impl World {
             }
             _ => {}
         }
-        let read = matches!(op, StoreOp::ReadAttempts);
-        if !read {
-            self.arm_store_fault();
+        if self.bugs.resume_keeps_holder
+            && let StoreOp::Resume { generation, .. } = op
+        {
+            // Planted defect: the resume leaves the old holder on the attempt.
+            op = StoreOp::Transition {
+                generation,
+                from: DispatchState::Unknown,
+                to: DispatchState::Streaming,
+            };
         }
-        let now = self.ts();
+        // Faults on reads as well as writes.
+        self.arm_store_fault();
+        let now = self.local_now(driver.replica);
+        let holder = self.holder(driver.replica);
         self.sync_store_clock();
+        if self.bugs.replica_clock_fencing {
+            // Planted defect: leases judged by the calling replica's own clock.
+            self.store_clock.store(now.0, Ordering::SeqCst);
+        }
         let result = {
             let ledger = self.ledger();
             self.rt.block_on(turnstile_store::drive::perform(
-                ledger, HOLDER, &driver.op, &op, now,
+                ledger, &holder, &driver.op, &op, now,
             ))
         };
+        self.sync_store_clock();
         match (&op, &result) {
             (StoreOp::BindHandle { generation, handle }, StoreResult::BindRefused) => {
                 self.history.bind_refusals += if self.bugs.miscount_foreign_handles { 2 } else { 1 };
@@ -607,7 +736,7 @@ impl World {
             }
             _ => {}
         }
-        driver.drive.handle_store(self.ts(), result);
+        driver.drive.handle_store(self.local_now(driver.replica), result);
     }
 
     fn open(
@@ -617,6 +746,7 @@ impl World {
         generation: Generation,
         request: Request,
     ) {
+        let resume = matches!(request, Request::Resume { .. });
         let answer = match request {
             Request::Send { idempotency_key } => {
                 let mut body = driver.drive.request_bytes().as_ref().clone();
@@ -632,13 +762,15 @@ impl World {
                     }
                 }
                 self.check_send(&driver.op, Some(generation), &body);
+                self.check_new_generation(&driver.op, generation);
                 self.history.sent_ops.insert(driver.op.clone());
                 self.report.sends += 1;
                 self.trace(format!(
-                    "{} g{} send {} bytes key {idempotency_key}",
+                    "{} g{} send {} bytes key {idempotency_key} (replica {})",
                     driver.op,
                     generation.0,
-                    body.len()
+                    body.len(),
+                    driver.replica
                 ));
                 let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
                 self.provider.request(rng, plan, report, &body, &idempotency_key)
@@ -652,8 +784,14 @@ impl World {
                 self.provider.resume(rng, plan, report, &handle, after_sequence)
             }
         };
+        if !resume && !(200..300).contains(&answer.status) {
+            // An error status: nothing of this attempt runs at the provider.
+            self.history
+                .provider_over
+                .insert((driver.op.clone(), generation.0));
+        }
         let op = driver.op.clone();
-        self.open_connection(&op, generation, Some(connection), answer);
+        self.open_connection(&op, generation, driver.replica, Some(connection), answer);
         // An older stream of this dispatch, kept alive across a crash, delivers again now.
         let mut index = 0;
         while index < self.limbo.len() {
@@ -676,6 +814,7 @@ impl World {
         &mut self,
         op: &str,
         generation: Generation,
+        replica: usize,
         connection: Option<ConnectionId>,
         answer: Answer,
     ) {
@@ -686,6 +825,9 @@ impl World {
             Conn {
                 op: op.to_owned(),
                 generation,
+                replica,
+                hang: answer.hang,
+                endless: answer.endless,
                 connection,
                 status: answer.status,
                 head_delivered: false,
@@ -696,17 +838,31 @@ impl World {
         );
     }
 
+    /// Connections that have something to deliver (a hung head delivers nothing).
+    fn deliverable(&self) -> Vec<u64> {
+        self.conns
+            .iter()
+            .filter(|(_, conn)| !conn.hang)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Deliver the next piece of connection `id` to its dispatch's driver.
     fn deliver(&mut self, id: u64) {
         let Some(conn) = self.conns.get(&id) else {
             return;
         };
         let op = conn.op.clone();
+        let replica = conn.replica;
         if self.bugs.commit_late_turn && conn.connection.is_none() {
             self.commit_late(id);
             return;
         }
-        let Some(index) = self.drivers.iter().position(|driver| driver.op == op) else {
+        let Some(index) = self
+            .drivers
+            .iter()
+            .position(|driver| driver.op == op && driver.replica == replica)
+        else {
             // Nobody listens any more (the driver finished): the connection is dropped.
             self.conns.remove(&id);
             return;
@@ -717,13 +873,15 @@ impl World {
             return;
         };
         let mut driver = self.drivers.swap_remove(index);
-        let now = self.ts();
+        let now = self.local_now(replica);
         let conn = self.conns.get_mut(&id).map(|conn| {
             if !conn.head_delivered {
                 conn.head_delivered = true;
                 (Some(conn.status), None, false)
             } else if let Some(chunk) = conn.chunks.pop_front() {
                 (None, Some(chunk), false)
+            } else if conn.endless {
+                (None, Some(b": ping\n\n".to_vec()), false)
             } else {
                 (None, None, conn.clean_end)
             }
@@ -732,7 +890,13 @@ impl World {
             Some((Some(status), _, _)) => driver.drive.handle_head(now, connection, status),
             Some((None, Some(chunk), _)) => driver.drive.handle_chunk(now, connection, chunk),
             Some((None, None, clean)) => {
-                self.conns.remove(&id);
+                if let Some(conn) = self.conns.remove(&id)
+                    && clean
+                    && (200..300).contains(&conn.status)
+                {
+                    // The provider's body ended: that response is over.
+                    self.history.provider_over.insert((op.clone(), conn.generation.0));
+                }
                 let ending = if clean { Ending::Clean } else { Ending::Broken };
                 driver.drive.handle_end(now, connection, ending);
             }
@@ -795,27 +959,36 @@ impl World {
         }
     }
 
-    /// Crash the gateway: drop every in-memory part, reopen the same file, recover.
+    /// Crash one replica: drop its in-memory parts (drivers, connections, clients' streams),
+    /// reopen the store file, and run its start-up recovery as a new process.
     fn crash(&mut self) {
         self.crashed = false;
         self.dirty = true;
         self.report.fault(FaultKind::Crash);
-        self.trace("CRASH: memory dropped, ledger reopened".into());
+        // The process whose action was the last one dies.
+        let replica = self.crash_replica;
+        self.trace(format!(
+            "CRASH of replica {replica}: memory dropped, ledger reopened"
+        ));
         // Clients' streams are cut: whatever preview they saw is void (the client contract).
-        for driver in &self.drivers {
+        for driver in self.drivers.iter().filter(|driver| driver.replica == replica) {
+            self.report.disconnects += 1;
             for (op, generation) in self.history.previewed.iter() {
                 if *op == driver.op {
                     self.history.retracted.insert((op.clone(), *generation));
                 }
             }
         }
-        self.drivers.clear();
+        self.drivers.retain(|driver| driver.replica != replica);
         let conns = std::mem::take(&mut self.conns);
-        for (_, conn) in conns {
-            if conn.status == 200 && !conn.chunks.is_empty() && self.rng.chance(self.plan.old_stream) {
+        for (id, conn) in conns {
+            if conn.replica != replica {
+                self.conns.insert(id, conn);
+            } else if conn.status == 200 && !conn.chunks.is_empty() && self.rng.chance(self.plan.old_stream) {
                 self.limbo.push(conn);
             }
         }
+        self.replicas[replica].incarnation += 1;
         self.ledger = None;
         self.witness = None;
         match self.open_store() {
@@ -847,50 +1020,56 @@ impl World {
                 self.adapter = upgraded;
             }
         }
-        self.recover(HOLDER);
-        // Clients retry operations still PREPARED (the gateway attaches and drives them).
-        for op in self.ops.clone() {
-            if let Ok(Some(record)) = store!(self, dispatch(&op))
-                && record.state == DispatchState::Prepared
-                && !self.drivers.iter().any(|driver| driver.op == op)
-            {
-                let spec = self.spec_for(&record);
-                let drive = Drive::new(spec, self.ts());
-                self.start_driver(SimDriver { op, drive });
-                if self.crashed {
-                    return;
-                }
-            }
-        }
+        // Start-up recovery of the new process: its own holder id is new, so it finds the old
+        // process's attempts when their leases run out (and every PREPARED dispatch at once).
+        let holder = self.holder(replica);
+        self.recover(replica, &holder, 0);
     }
 
     /// Start-up recovery (`serve/mod.rs::recover`), also the lease sweep with [`SWEEP_HOLDER`].
-    fn recover(&mut self, holder: &str) {
-        let now = self.ts();
+    fn recover(&mut self, replica: usize, holder: &str, prepared_idle_ms: u64) {
+        let now = self.local_now(replica);
         self.sync_store_clock();
         let found = {
             let ledger = self.ledger();
-            self.rt
-                .block_on(turnstile_store::drive::recoverable(ledger, holder, now))
+            self.rt.block_on(turnstile_store::drive::recoverable(
+                ledger,
+                holder,
+                now,
+                prepared_idle_ms,
+            ))
         };
         let Ok(found) = found else {
             return;
         };
-        for turnstile_store::drive::Recoverable { record, attempt } in found {
-            if self.drivers.iter().any(|driver| driver.op == record.operation_id) {
+        for found in found {
+            let op = found.record().operation_id.clone();
+            if self
+                .drivers
+                .iter()
+                .any(|driver| driver.op == op && driver.replica == replica)
+            {
                 continue;
             }
-            self.trace(format!(
-                "{} recovered in UNKNOWN g{}",
-                record.operation_id, attempt.generation.0
-            ));
-            let spec = self.spec_for(&record);
-            let drive = Drive::recovered(spec, &attempt, self.ts());
-            self.start_driver(SimDriver {
-                op: record.operation_id.clone(),
-                drive,
-            });
-            if self.crashed {
+            match found {
+                turnstile_store::drive::Recoverable::Unknown { record, attempt } => {
+                    self.trace(format!(
+                        "{op} recovered in UNKNOWN g{} on replica {replica}",
+                        attempt.generation.0
+                    ));
+                    let spec = self.spec_for(&record);
+                    let drive = Drive::recovered(spec, &attempt, self.local_now(replica));
+                    self.start_driver(SimDriver { op, drive, replica });
+                }
+                turnstile_store::drive::Recoverable::Prepared { record } => {
+                    if self.bugs.sweep_skips_prepared {
+                        continue;
+                    }
+                    self.trace(format!("{op} PREPARED and undriven: driven by replica {replica}"));
+                    self.drive_prepared(replica, record);
+                }
+            }
+            if self.dead(replica) {
                 return;
             }
         }
@@ -899,31 +1078,36 @@ impl World {
     /// One scheduling step. False when nothing is left to do.
     fn schedule(&mut self) -> bool {
         self.drivers.retain(|driver| !driver.drive.is_finished());
-        // Timers that are due fire first.
+        // Timers that are due fire first (each replica's timer, on the virtual clock).
         let due = self
             .drivers
             .iter()
             .enumerate()
-            .filter_map(|(index, driver)| driver.drive.poll_timeout().map(|at| (at, index)))
+            .filter_map(|(index, driver)| {
+                driver
+                    .drive
+                    .poll_timeout()
+                    .map(|at| (self.to_virtual(driver.replica, at), index))
+            })
             .filter(|(_, index)| {
                 !(self.bugs.no_lease_timer && self.drivers[*index].drive.state() == DispatchState::Unknown)
             })
             .min();
-        if !self.conns.is_empty() {
+        let ids = self.deliverable();
+        if !ids.is_empty() {
             if let Some((at, index)) = due
-                && at.0 <= self.now
+                && at <= self.now
             {
                 self.fire(index);
                 return true;
             }
-            let ids: Vec<u64> = self.conns.keys().copied().collect();
             let id = ids[self.rng.index(ids.len())];
             self.now += self.rng.below(DELIVERY_MS_MAX);
             self.deliver(id);
             return true;
         }
         if let Some((at, index)) = due {
-            self.now = self.now.max(at.0);
+            self.now = self.now.max(at);
             self.fire(index);
             return true;
         }
@@ -933,11 +1117,13 @@ impl World {
 
     fn fire(&mut self, index: usize) {
         let mut driver = self.drivers.swap_remove(index);
-        driver.drive.handle_timeout(self.ts());
+        driver.drive.handle_timeout(self.local_now(driver.replica));
         self.pump(&mut driver);
         self.drivers.push(driver);
     }
 
+    /// The lease sweep of a random replica, once the earliest lease of an undriven attempt ran
+    /// out (or a lease after an undriven PREPARED dispatch was seen).
     fn sweep(&mut self) -> bool {
         let mut expiry: Option<u64> = None;
         for op in self.ops.clone() {
@@ -950,15 +1136,32 @@ impl World {
                     expiry = Some(expiry.map_or(at, |e: u64| e.min(at)));
                 }
             }
+            if let Ok(Some(record)) = store!(self, dispatch(&op))
+                && record.state == DispatchState::Prepared
+            {
+                // Stamped by a replica's own clock: at most one skew plus a lease away.
+                let at = self.now + LEASE_MS;
+                expiry = Some(expiry.map_or(at, |e: u64| e.min(at)));
+            }
         }
         let Some(at) = expiry else {
             return false;
         };
         let drivers_before = self.drivers.len();
         self.now = self.now.max(at);
-        self.trace("lease sweep".into());
-        self.recover(SWEEP_HOLDER);
-        self.drivers.len() > drivers_before || self.crashed
+        let replica = self.rng.index(REPLICAS);
+        self.trace(format!("lease sweep on replica {replica}"));
+        self.recover(replica, SWEEP_HOLDER, LEASE_MS);
+        self.drivers.len() > drivers_before || self.crashed || self.sweeps_left_waiting()
+    }
+
+    /// Undriven PREPARED dispatches may need a few sweeps (their stamp is a replica's clock):
+    /// keep sweeping while some are left, within the phase's step bound.
+    fn sweeps_left_waiting(&mut self) -> bool {
+        self.ops.clone().into_iter().any(|op| {
+            !self.drivers.iter().any(|driver| driver.op == op)
+                && matches!(store!(self, dispatch(&op)), Ok(Some(record)) if record.state == DispatchState::Prepared)
+        })
     }
 
     /// The client's next move when the system is quiet. False when the run is over.

@@ -248,6 +248,22 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
         )
         .with(json!({"violations": violations_json(&violations)})));
     }
+    // Tool schemas compile here, not at the first dispatch: a schema the assembler cannot use
+    // is refused before anything depends on it.
+    if !conversation.tools.is_empty() {
+        shared
+            .toolsets
+            .lock()
+            .await
+            .compiled(&conversation.toolset_digest, &conversation.tools)
+            .map_err(|error| {
+                ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid_tool_schema",
+                    error.to_string(),
+                )
+            })?;
+    }
     match shared
         .ledger
         .create_conversation(&caller.store_id(&id), &tools, now())
@@ -347,6 +363,10 @@ struct DispatchBody {
     /// `setting_out_of_range` (`docs/decisions.md`, 2026-11-30).
     #[serde(default)]
     sampling: Sampling,
+    /// The revision the caller answers: another revision is 409 `revision_conflict` and
+    /// nothing is prepared or sent (`shared/spec/gateway-api.md`, "Dispatch guard").
+    #[serde(default)]
+    expected_revision: Option<u64>,
 }
 
 /// Where a dispatch goes.
@@ -396,6 +416,20 @@ pub async fn dispatch(
     Path(id): Path<String>,
     request: Request,
 ) -> ApiResult {
+    // Preparation and the driver's start run in their own task: a client that disconnects
+    // while its dispatch is being prepared drops this future, not the dispatch (the driver
+    // runs to its end and the outcome is readable by operation id).
+    match tokio::spawn(dispatch_detached(shared, id, request)).await {
+        Ok(result) => result,
+        Err(error) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("dispatch task failed: {error}"),
+        )),
+    }
+}
+
+async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) -> ApiResult {
     let (caller, body) = authenticated_json(&shared, request).await?;
     let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
         ApiError::new(
@@ -437,6 +471,16 @@ pub async fn dispatch(
             error.to_string(),
         )
     })?;
+    if let Some(expected) = request.expected_revision
+        && expected != conversation.revision.0
+    {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "revision_conflict",
+            "the conversation is not at the expected revision",
+        )
+        .with(json!({"current_revision": conversation.revision.0})));
+    }
     match validate(&conversation) {
         Verdict::Ready => {}
         Verdict::Waiting { pending } => {
@@ -622,9 +666,19 @@ pub(crate) async fn hub_for(
             None if record.state == DispatchState::Prepared => {
                 let hub = Arc::new(Hub::new());
                 hubs.insert(operation_id.clone(), hub.clone());
-                let ctx = context_with(shared, record.clone(), hub.clone(), prepared_from).await?;
-                tokio::spawn(driver::drive_new(shared.clone(), ctx));
-                Some(hub)
+                match context_with(shared, record.clone(), hub.clone(), prepared_from).await {
+                    Ok(ctx) => {
+                        tokio::spawn(driver::drive_new(shared.clone(), ctx));
+                        Some(hub)
+                    }
+                    Err(error) => {
+                        // No hub without a driver: the dispatch stays PREPARED for the sweep
+                        // (or a later attach) instead of waiting on a hub nobody feeds.
+                        hubs.remove(&operation_id);
+                        hub.finish();
+                        return Err(error);
+                    }
+                }
             }
             None => None,
         }

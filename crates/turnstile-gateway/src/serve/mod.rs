@@ -244,7 +244,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max),
     });
 
-    recover(&shared, &shared.holder.clone()).await?;
+    recover(&shared, &shared.holder.clone(), 0).await?;
     tokio::spawn(sweep(shared.clone()));
 
     let listener = tokio::net::TcpListener::bind(address)
@@ -271,37 +271,43 @@ pub async fn run(flags: Flags) -> Result<(), String> {
 /// Start-up recovery, before the listener opens: this process's (and any expired) live
 /// attempts become UNKNOWN, and each UNKNOWN dispatch gets a driver that resumes, replays or
 /// waits for the old attempt's lease before a new generation.
-async fn recover(shared: &Arc<Shared>, holder: &str) -> Result<(), String> {
+async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> Result<(), String> {
     // Live attempts of `holder` (this replica's previous incarnation) and attempts of any
     // holder whose lease expired are presumed dead and become UNKNOWN.
-    let recoverable = turnstile_store::drive::recoverable(shared.ledger.as_ref(), holder, now())
-        .await
-        .map_err(|error| format!("recovery: {error}"))?;
-    for turnstile_store::drive::Recoverable {
-        record,
-        attempt: unknown,
-    } in recoverable
-    {
-        if shared.hubs.lock().await.contains_key(&record.operation_id) {
-            continue;
-        }
-        let hub = Arc::new(hub::Hub::new());
-        shared
-            .hubs
-            .lock()
+    let recoverable =
+        turnstile_store::drive::recoverable(shared.ledger.as_ref(), holder, now(), prepared_idle_ms)
             .await
-            .insert(record.operation_id.clone(), hub.clone());
-        shared
-            .unknown_since
-            .lock()
-            .await
-            .insert(record.operation_id.clone(), now());
-        let operation_id = record.operation_id.clone();
-        match api::context_for(shared, record, hub).await {
-            Ok(ctx) => {
-                tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown));
+            .map_err(|error| format!("recovery: {error}"))?;
+    for found in recoverable {
+        let operation_id = found.record().operation_id.clone();
+        let hub = {
+            let mut hubs = shared.hubs.lock().await;
+            if hubs.contains_key(&operation_id) {
+                continue;
             }
-            Err(error) => tracing::error!(%operation_id, ?error, "cannot recover"),
+            let hub = Arc::new(hub::Hub::new());
+            hubs.insert(operation_id.clone(), hub.clone());
+            hub
+        };
+        let (record, attempt) = match found {
+            turnstile_store::drive::Recoverable::Unknown { record, attempt } => (record, Some(attempt)),
+            turnstile_store::drive::Recoverable::Prepared { record } => (record, None),
+        };
+        match api::context_for(shared, record, hub.clone()).await {
+            Ok(ctx) => match attempt {
+                Some(unknown) => {
+                    tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown));
+                }
+                None => {
+                    tracing::info!(%operation_id, "driving a PREPARED dispatch nobody drives");
+                    tokio::spawn(driver::drive_new(shared.clone(), ctx));
+                }
+            },
+            Err(error) => {
+                shared.hubs.lock().await.remove(&operation_id);
+                hub.finish();
+                tracing::error!(%operation_id, ?error, "cannot recover");
+            }
         }
     }
     Ok(())
@@ -317,7 +323,7 @@ async fn sweep(shared: Arc<Shared>) {
     let period = Duration::from_millis((shared.lease_ms / 2).max(100));
     loop {
         tokio::time::sleep(period).await;
-        if let Err(error) = recover(&shared, SWEEP_HOLDER).await {
+        if let Err(error) = recover(&shared, SWEEP_HOLDER, shared.lease_ms).await {
             tracing::warn!(%error, "lease sweep failed");
         }
     }

@@ -238,7 +238,8 @@ pub async fn begin_allocates_a_durable_generation_once_and_refuses_a_second_begi
         attempts[0].request_digest,
         store.dispatch("op-1").await.unwrap().unwrap().request_digest
     );
-    // A begin against a revision the conversation left loses too.
+    // A begin against a revision the conversation left loses too, and ends the dispatch
+    // (ABANDONED in the refusal's transaction: it could never begin).
     conversation_at_1(&*store, "d").await;
     let (manifest, bytes) = manifest("op-2", "d", 1, "m");
     let _ = store.prepare(&manifest, &bytes, at(30)).await.unwrap();
@@ -257,10 +258,14 @@ pub async fn begin_allocates_a_durable_generation_once_and_refuses_a_second_begi
             .await
             .unwrap(),
         BeginOutcome::Refused {
-            state: Some(DispatchState::Prepared),
+            state: Some(DispatchState::Abandoned),
             ..
         }
     ));
+    assert_eq!(
+        store.dispatch("op-2").await.unwrap().unwrap().state,
+        DispatchState::Abandoned
+    );
 }
 
 pub async fn a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_records_history(

@@ -76,6 +76,9 @@ enum Seen {
     Skipped,
 }
 
+/// The store's attempt budget (`ops::begin_attempt`).
+const ATTEMPTS_PER_DISPATCH_MAX: u64 = 4;
+
 fn operation_id(op: usize) -> String {
     format!("op-{op}")
 }
@@ -113,7 +116,12 @@ impl Model {
                 let Some(dispatch) = self.dispatches.get_mut(&op) else {
                     return Seen::Refused;
                 };
-                if dispatch.state != DispatchState::Prepared || dispatch.revision != revision {
+                if dispatch.state != DispatchState::Prepared {
+                    return Seen::Refused;
+                }
+                if dispatch.revision != revision || dispatch.last >= ATTEMPTS_PER_DISPATCH_MAX {
+                    // It can never begin: the refusal ends it.
+                    dispatch.state = DispatchState::Abandoned;
                     return Seen::Refused;
                 }
                 dispatch.last += 1;
@@ -166,6 +174,10 @@ impl Model {
                 match refusal {
                     Some(reason) => {
                         self.quarantined += 1;
+                        if reason == CommitRefusal::RevisionMoved {
+                            // Another turn won: the loser ends in the refusal's transaction.
+                            dispatch.state = DispatchState::Abandoned;
+                        }
                         Seen::CommitRefused(reason)
                     }
                     None => {

@@ -97,3 +97,42 @@ fn a_miscounted_metric_is_caught_as_a_metrics_mismatch() {
     };
     caught(bugs, Invariant::MetricsMismatch);
 }
+
+// The defects of issue 15, each planted on the simulation's side of the driver (the same
+// defect the gateway had before its fix) and caught by the checker.
+
+#[test]
+fn judging_leases_by_each_replica_s_own_clock_is_caught_as_an_early_new_generation() {
+    let bugs = Bugs {
+        replica_clock_fencing: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::EarlyNewGeneration);
+}
+
+#[test]
+fn a_resume_that_keeps_the_old_holder_is_caught_as_an_operation_that_never_ends() {
+    let bugs = Bugs {
+        resume_keeps_holder: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::OperationNotTerminal);
+}
+
+#[test]
+fn a_sweep_that_ignores_undriven_prepared_dispatches_is_caught_as_an_operation_that_never_ends() {
+    let bugs = Bugs {
+        sweep_skips_prepared: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::OperationNotTerminal);
+}
+
+#[test]
+fn no_bound_on_an_endless_stream_is_caught_as_an_operation_that_never_ends() {
+    let bugs = Bugs {
+        no_attempt_deadline: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::OperationNotTerminal);
+}

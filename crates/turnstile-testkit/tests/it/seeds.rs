@@ -14,6 +14,10 @@ fn first_seed() -> u64 {
         .unwrap_or(0)
 }
 
+fn crate_lease_ms() -> u64 {
+    turnstile_testkit::LEASE_MS
+}
+
 #[test]
 fn two_thousand_seeded_fault_schedules_break_no_invariant() {
     let first = first_seed();
@@ -29,6 +33,13 @@ fn two_thousand_seeded_fault_schedules_break_no_invariant() {
     assert_eq!(summary.partial_tool_dispatch, 0);
     assert_eq!(summary.canonical_turns_per_revision_max, 1);
     assert_eq!(summary.unknown_unresolved, 0);
+    assert_eq!(summary.liveness_violations, 0);
+    assert_eq!(summary.replicas, 2, "every seed runs two replicas on one store");
+    assert!(
+        summary.clock_skew_ms_max > crate_lease_ms(),
+        "skew beyond the lease was exercised"
+    );
+    assert!(summary.disconnects > 0);
     // The run exercised what it claims to: commits, and every fault kind at least once.
     assert!(summary.commits > CI_SEEDS / 2, "commits {}", summary.commits);
     for kind in [
@@ -48,6 +59,12 @@ fn two_thousand_seeded_fault_schedules_break_no_invariant() {
         "orphan_result",
         "duplicate_result",
         "idempotent_replay",
+        "hung_head",
+        "endless_stream",
+        "client_left",
+        "racing_operations",
+        "clock_skew",
+        "client_retry",
     ] {
         assert!(
             summary
@@ -84,9 +101,13 @@ fn the_json_report_has_exactly_the_issues_keys() {
         [
             "canonical_turns_per_revision_max",
             "checks",
+            "clock_skew_ms_max",
+            "disconnects",
             "faults",
             "illegal_sends",
+            "liveness_violations",
             "partial_tool_dispatch",
+            "replicas",
             "seeds",
             "unknown_unresolved",
             "violations"
