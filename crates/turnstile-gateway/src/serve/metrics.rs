@@ -41,6 +41,17 @@ pub const SHADOW_COMPARISONS: &str = "turnstile_shadow_comparisons_total";
 /// `not_importable`).
 pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 
+/// Claims granted to executors on the tool-call ledger (takeovers of expired claims included).
+pub const TOOL_CALL_CLAIMS: &str = "turnstile_tool_call_claims_total";
+/// Claim leases extended by their current claim.
+pub const TOOL_CALL_RENEWALS: &str = "turnstile_tool_call_renewals_total";
+/// Claims given back by their holder (the call is ready again).
+pub const TOOL_CALL_RELEASES: &str = "turnstile_tool_call_releases_total";
+/// Claims granted on an `expired` call: an earlier claim's lease ran out (the tool may have run).
+pub const TOOL_CALL_EXPIRIES: &str = "turnstile_tool_call_expiries_total";
+/// Tool results refused because their claim was not current (released or taken over).
+pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
+
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
 /// Kinds of shadow difference used as the `kind` label.
@@ -77,6 +88,11 @@ pub fn install() -> Result<PrometheusHandle, String> {
         PARTIAL_TOOL_DISPATCH,
         ILLEGAL_SENDS,
         FOREIGN_HANDLES,
+        TOOL_CALL_CLAIMS,
+        TOOL_CALL_RENEWALS,
+        TOOL_CALL_RELEASES,
+        TOOL_CALL_EXPIRIES,
+        TOOL_RESULT_STALE,
     ] {
         counter!(name).absolute(0);
     }
