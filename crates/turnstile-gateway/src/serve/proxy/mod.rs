@@ -760,14 +760,13 @@ async fn hand_to_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<H
     };
     let Some(committed) = committed else { return };
     for part in parts_of(&committed["turn"]) {
-        if let Part::Call { id, .. } = part {
-            if let Err(error) = shared
+        if let Part::Call { id, .. } = part
+            && let Err(error) = shared
                 .ledger
                 .hand_to_client(&conversation_id, &id, PROXY_CLIENT_HOLDER)
                 .await
-            {
-                tracing::warn!(%error, "handing a proxy tool call to the client failed");
-            }
+        {
+            tracing::warn!(%error, "handing a proxy tool call to the client failed");
         }
     }
 }
