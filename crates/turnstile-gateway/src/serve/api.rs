@@ -887,6 +887,7 @@ pub async fn get_dispatch(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ToolCallQuery {
     state: Option<String>,
 }
@@ -897,9 +898,16 @@ pub struct ToolCallQuery {
 pub async fn tool_calls(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
-    Query(query): Query<ToolCallQuery>,
+    query: Result<Query<ToolCallQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
     let caller = caller(&shared, &headers)?;
+    let Query(query) = query.map_err(|rejection| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            rejection.body_text(),
+        )
+    })?;
     let state = match query.state.as_deref() {
         None => None,
         Some(text) => Some(ToolCallState::parse(text).ok_or_else(|| {

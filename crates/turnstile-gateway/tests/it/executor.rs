@@ -449,11 +449,14 @@ fn executor_bodies_are_strict_leases_are_bounded_and_a_release_needs_the_current
         (status, error["error"]["code"].clone()),
         (422, json!("invalid_request"))
     );
-    let (status, error) = acme.send(reqwest::Method::GET, "/v1/tool-calls?state=lost", None);
-    assert_eq!(
-        (status, error["error"]["code"].clone()),
-        (422, json!("invalid_request"))
-    );
+    for query in ["state=lost", "state=ready&state=done", "status=ready"] {
+        let (status, error) = acme.send(reqwest::Method::GET, &format!("/v1/tool-calls?{query}"), None);
+        assert_eq!(
+            (status, error["error"]["code"].clone()),
+            (422, json!("invalid_request")),
+            "{query}"
+        );
+    }
     assert_eq!(gateway.metric("turnstile_tool_call_releases_total"), 1.0);
     assert_eq!(gateway.metric("turnstile_tool_result_stale_total"), 1.0);
 }
