@@ -1,9 +1,10 @@
 //! Executors on the tool-call ledger over real HTTP (`shared/spec/gateway-api.md`, "Tool-call
-//! ledger for executors"): a gateway process on a real SQLite file, the simulator as the
-//! provider, two executors with their own holder names. One of them dies mid-call (stops
-//! renewing): its call is listed as `expired`, the other claims it with the same idempotency
-//! key, the dead one's late renewal and result are refused as stale, and the conversation
-//! proceeds. Tenant scoping, strict bodies and the metrics ride along.
+//! ledger for executors"): a gateway process on a real SQLite file, or two replicas sharing a
+//! real PostgreSQL (one executor on each), the simulator as the provider, two executors with
+//! their own holder names. One of them dies mid-call (stops renewing): its call is listed as
+//! `expired`, the other claims it with the same idempotency key, the dead one's late renewal and
+//! result are refused as stale, and the conversation proceeds. Tenant scoping, strict bodies and
+//! the metrics ride along.
 
 use crate::serve::{Gateway, client, sqlite};
 use crate::sim::SimProcess;
@@ -11,7 +12,6 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-const TENANTS: &str = "[[tenants]]\nname = \"acme\"\ntoken = \"tok-acme\"\n[[tenants]]\nname = \"globex\"\ntoken = \"tok-globex\"\n";
 const TOOLS: &str = r#"[{"name": "charge_card", "input_schema": {"type": "object",
     "properties": {"cents": {"type": "integer"}}, "required": ["cents"], "additionalProperties": false}}]"#;
 /// Longest the test waits for the store to list a lease as run out.
@@ -174,23 +174,81 @@ fn listed<'v>(calls: &'v [Value], call_id: &str) -> Option<&'v Value> {
 fn an_executor_that_dies_mid_call_is_taken_over_with_the_same_key_and_its_late_result_is_refused() {
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, TENANTS);
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, &tenants("one"));
+    executor_dies_mid_call(&sim, [&gateway, &gateway]);
+}
+
+/// The same with the two executors on two gateway replicas sharing one PostgreSQL: the lease
+/// one replica granted runs out on the store's clock for the other.
+#[test]
+fn on_two_gateways_sharing_postgresql_an_executor_on_one_takes_over_the_dead_executor_s_call_on_the_other() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let sim = SimProcess::start();
+    // Tenant names unique to this run keep its calls apart from earlier runs on the same database.
+    let run = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = Gateway::start(
+        &dir_a,
+        &url,
+        &sim,
+        &format!("replica_id = \"exec-a-{run}\"\n{}", tenants(&run)),
+    );
+    let second = Gateway::start(
+        &dir_b,
+        &url,
+        &sim,
+        &format!("replica_id = \"exec-b-{run}\"\n{}", tenants(&run)),
+    );
+    executor_dies_mid_call(&sim, [&first, &second]);
+}
+
+fn tenants(run: &str) -> String {
+    format!(
+        "[[tenants]]\nname = \"acme-{run}\"\ntoken = \"tok-acme\"\n[[tenants]]\nname = \"globex-{run}\"\ntoken = \"tok-globex\"\n"
+    )
+}
+
+/// A counter summed over the distinct gateways (counters are per process).
+fn metric_sum(gateways: [&Gateway; 2], name: &str) -> f64 {
+    let first = gateways[0].metric(name);
+    if gateways[0].base == gateways[1].base {
+        first
+    } else {
+        first + gateways[1].metric(name)
+    }
+}
+
+/// Executor A works through `gateways[0]`, executor B (and the other tenant) through
+/// `gateways[1]`.
+fn executor_dies_mid_call(sim: &SimProcess, gateways: [&Gateway; 2]) {
     let acme = Api {
-        gateway: &gateway,
+        gateway: gateways[0],
+        token: "tok-acme",
+    };
+    let acme_b = Api {
+        gateway: gateways[1],
         token: "tok-acme",
     };
     let globex = Api {
-        gateway: &gateway,
+        gateway: gateways[1],
         token: "tok-globex",
     };
-    let (first, second) = conversation_with_two_calls(&acme, &sim);
+    let (first, second) = conversation_with_two_calls(&acme, sim);
     let mut tool = ChargeTool::default();
     let a = Executor {
         api: &acme,
         holder: "executor-a",
     };
     let b = Executor {
-        api: &acme,
+        api: &acme_b,
         holder: "executor-b",
     };
 
@@ -323,19 +381,23 @@ fn an_executor_that_dies_mid_call_is_taken_over_with_the_same_key_and_its_late_r
     assert_eq!(first_result["content"][0]["text"], "charged 1200 cents");
 
     // Counted: three claims (one a takeover of an expired lease), four renewals, one stale result.
-    assert_eq!(gateway.metric("turnstile_tool_call_claims_total"), 3.0);
-    assert_eq!(gateway.metric("turnstile_tool_call_expiries_total"), 1.0);
-    assert_eq!(gateway.metric("turnstile_tool_call_renewals_total"), 4.0);
-    assert_eq!(gateway.metric("turnstile_tool_result_stale_total"), 1.0);
-    assert_eq!(gateway.metric("turnstile_tool_call_releases_total"), 0.0);
-    assert_eq!(gateway.metric("turnstile_tool_result_duplicates_total"), 1.0);
+    for (name, count) in [
+        ("turnstile_tool_call_claims_total", 3.0),
+        ("turnstile_tool_call_expiries_total", 1.0),
+        ("turnstile_tool_call_renewals_total", 4.0),
+        ("turnstile_tool_result_stale_total", 1.0),
+        ("turnstile_tool_call_releases_total", 0.0),
+        ("turnstile_tool_result_duplicates_total", 1.0),
+    ] {
+        assert_eq!(metric_sum(gateways, name), count, "{name}");
+    }
 }
 
 #[test]
 fn executor_bodies_are_strict_leases_are_bounded_and_a_release_needs_the_current_claim() {
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, TENANTS);
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, &tenants("one"));
     let acme = Api {
         gateway: &gateway,
         token: "tok-acme",
