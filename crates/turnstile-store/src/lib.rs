@@ -12,6 +12,9 @@
 //!
 //! Time is passed in by the caller ([`Timestamp`], milliseconds since the Unix epoch), as in
 //! the core: the history rows and leases are as reproducible as the core's decisions.
+//! The tool-call ledger's claim leases are the exception: they are set and judged by the
+//! store's own clock inside each statement ([`clock`]; `Ledger::claim_call`), so executors and
+//! replicas with different clocks agree on when a claim ran out.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
