@@ -12,6 +12,9 @@
 //!
 //! Time is passed in by the caller ([`Timestamp`], milliseconds since the Unix epoch), as in
 //! the core: the history rows and leases are as reproducible as the core's decisions.
+//! The tool-call ledger's claim leases are the exception: they are set and judged by the
+//! store's own clock inside each statement ([`clock`]; `Ledger::claim_call`), so executors and
+//! replicas with different clocks agree on when a claim ran out.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -218,7 +221,8 @@ pub trait Ledger: Send + Sync {
     async fn tool_calls(&self, state: Option<ToolCallState>) -> Result<Vec<ToolCallRecord>, StoreError>;
 
     /// ready → claimed (or re-claim after the claim lease expired); the claim counter is the
-    /// fencing token of the result.
+    /// fencing token of the result. The lease lasts `lease.expires_at - now` on the store's
+    /// clock ([`Ledger::claim_call`] is the full form).
     async fn claim_tool_call(
         &self,
         conversation_id: &str,
@@ -252,6 +256,44 @@ pub trait Ledger: Send + Sync {
 
     /// The store's clock ([`clock`]): the time every lease and fencing decision is judged by.
     async fn store_now(&self) -> Result<Timestamp, StoreError>;
+
+    /// Executor claim: ready or expired → claimed for `lease_ms` (1..=[`CLAIM_LEASE_MS_MAX`])
+    /// from the store's clock. Answers the fencing token, the lease's expiry and the call's
+    /// idempotency key (the same for every claim of the call).
+    async fn claim_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+        lease_ms: u64,
+    ) -> Result<CallClaimOutcome, StoreError>;
+
+    /// Extend the current claim's lease to `lease_ms` from the store's clock; refused when the
+    /// claim is not current or its lease already ran out.
+    async fn renew_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StoreError>;
+
+    /// Give a claimed call back (claimed → ready); refused when the claim is not current or
+    /// its lease already ran out.
+    async fn release_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+    ) -> Result<ReleaseOutcome, StoreError>;
+
+    /// The proxy handed the call to its client (ready → client); `false` when it was not ready.
+    async fn hand_to_client(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+    ) -> Result<bool, StoreError>;
 }
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.

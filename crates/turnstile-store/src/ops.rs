@@ -1161,21 +1161,45 @@ pub(crate) async fn quarantined<T: Tx>(tx: &mut T, limit: u64) -> Result<Vec<Qua
 // ---------------------------------------------------------------------------------------------
 // Tool-call ledger
 
-const TOOL_CALL_COLUMNS: &str = "conversation_id, call_id, revision, generation, tool, arguments, args_digest, \
-     state, claim, claim_holder, claim_expires_at, result_revision";
+/// The idempotency key of a committed tool call: the same for every claim of the call (so a
+/// second executor that takes over an expired claim passes the tool the key the first one did),
+/// derived from the store's conversation id, the call id and the generation that made the call,
+/// and free of client text. 64 hex digits of SHA-256 behind `tc-`.
+pub fn tool_call_idempotency_key(conversation_id: &str, call_id: &str, generation: Generation) -> String {
+    let digest =
+        Digest::of_bytes(format!("tool-call\n{conversation_id}\n{call_id}\n{}", generation.0).as_bytes());
+    format!("tc-{}", digest.as_str().trim_start_matches("sha256:"))
+}
+
+/// The listed columns; the state is judged by the store's clock inside the statement (a
+/// `claimed` row whose lease ran out reads `expired`).
+fn tool_call_columns(dialect: Dialect) -> String {
+    format!(
+        "conversation_id, call_id, revision, generation, tool, arguments, args_digest, \
+         CASE WHEN state = 'claimed' AND claim_expires_at <= {now} THEN 'expired' ELSE state END, \
+         claim, claim_holder, claim_expires_at, result_revision",
+        now = dialect.now_ms()
+    )
+}
+
+fn tool_call_state(text: &str) -> Result<ToolCallState, StoreError> {
+    ToolCallState::parse(text).ok_or_else(|| StoreError::Corrupt(format!("tool call state {text:?}")))
+}
 
 fn tool_call_from_row(row: &Row) -> Result<ToolCallRecord, StoreError> {
-    let state_text = row.text(7)?;
+    let conversation_id = row.text(0)?;
+    let call_id = row.text(1)?;
+    let generation = Generation(row.uint(3)?);
     Ok(ToolCallRecord {
-        conversation_id: row.text(0)?,
-        call_id: row.text(1)?,
+        idempotency_key: tool_call_idempotency_key(&conversation_id, &call_id, generation),
+        conversation_id,
+        call_id,
         revision: Revision(row.uint(2)?),
-        generation: Generation(row.uint(3)?),
+        generation,
         tool: row.text(4)?,
         arguments: json_of(&row.text(5)?)?,
         args_digest: row.text(6)?,
-        state: ToolCallState::parse(&state_text)
-            .ok_or_else(|| StoreError::Corrupt(format!("tool call state {state_text:?}")))?,
+        state: tool_call_state(&row.text(7)?)?,
         claim: row.uint(8)?,
         claim_holder: row.text_opt(9)?,
         claim_expires_at: row.uint_opt(10)?.map(Timestamp),
@@ -1187,24 +1211,86 @@ pub(crate) async fn tool_calls<T: Tx>(
     tx: &mut T,
     state: Option<ToolCallState>,
 ) -> Result<Vec<ToolCallRecord>, StoreError> {
-    let rows = match state {
-        Some(state) => {
-            let sql = format!(
-                "SELECT {TOOL_CALL_COLUMNS} FROM tool_calls WHERE state = $1 \
-                 ORDER BY conversation_id, revision, position"
-            );
-            tx.query(&sql, &[state.as_str().into()]).await?
-        }
-        None => {
-            let sql = format!(
-                "SELECT {TOOL_CALL_COLUMNS} FROM tool_calls ORDER BY conversation_id, revision, position"
-            );
-            tx.query(&sql, &[]).await?
-        }
+    let columns = tool_call_columns(tx.dialect());
+    let now = tx.dialect().now_ms();
+    let condition = match state {
+        None => String::new(),
+        Some(ToolCallState::Claimed) => format!("WHERE state = 'claimed' AND claim_expires_at > {now} "),
+        Some(ToolCallState::Expired) => format!("WHERE state = 'claimed' AND claim_expires_at <= {now} "),
+        Some(stored) => format!("WHERE state = '{}' ", stored.as_str()),
     };
+    let sql =
+        format!("SELECT {columns} FROM tool_calls {condition}ORDER BY conversation_id, revision, position");
+    let rows = tx.query(&sql, &[]).await?;
     rows.iter().map(tool_call_from_row).collect()
 }
 
+/// One call's listed state (store clock), or None when there is no such call: the explanation
+/// of a refused claim, renewal or release (never what decides it).
+async fn listed_state<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+) -> Result<Option<ToolCallState>, StoreError> {
+    let sql = format!(
+        "SELECT CASE WHEN state = 'claimed' AND claim_expires_at <= {now} THEN 'expired' ELSE state END \
+         FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
+        now = tx.dialect().now_ms()
+    );
+    let rows = tx.query(&sql, &[conversation_id.into(), call_id.into()]).await?;
+    rows.first().map(|row| tool_call_state(&row.text(0)?)).transpose()
+}
+
+/// ready or expired → claimed, with a lease of `lease_ms` from the store's clock. Two
+/// conditional writes, each deciding alone: first the takeover of an expired claim (so the
+/// answer can say the tool may have run), then the claim of a ready call.
+pub(crate) async fn claim_call<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    holder: &str,
+    lease_ms: u64,
+) -> Result<CallClaimOutcome, StoreError> {
+    let now = tx.dialect().now_ms();
+    let lease_ms = lease_ms.clamp(1, CLAIM_LEASE_MS_MAX);
+    for (condition, took_over_expired) in [
+        (format!("state = 'claimed' AND claim_expires_at <= {now}"), true),
+        ("state = 'ready'".to_owned(), false),
+    ] {
+        let sql = format!(
+            "UPDATE tool_calls SET state = 'claimed', claim = claim + 1, claim_holder = $3, \
+             claim_expires_at = {now} + $4 WHERE conversation_id = $1 AND call_id = $2 AND {condition} \
+             RETURNING claim, claim_expires_at, generation"
+        );
+        let rows = tx
+            .query(
+                &sql,
+                &[
+                    conversation_id.into(),
+                    call_id.into(),
+                    holder.into(),
+                    lease_ms.into(),
+                ],
+            )
+            .await?;
+        if let Some(row) = rows.first() {
+            let generation = Generation(row.uint(2)?);
+            return Ok(CallClaimOutcome::Claimed(CallClaim {
+                claim: row.uint(0)?,
+                lease_expires_at: Timestamp(row.uint(1)?),
+                idempotency_key: tool_call_idempotency_key(conversation_id, call_id, generation),
+                took_over_expired,
+            }));
+        }
+    }
+    Ok(match listed_state(tx, conversation_id, call_id).await? {
+        None => CallClaimOutcome::NotFound,
+        Some(state) => CallClaimOutcome::Unavailable { state },
+    })
+}
+
+/// The older claim form: the lease's length is `lease.expires_at - now` (only the caller's
+/// duration is used); the lease itself runs on the store's clock, as every claim's does.
 pub(crate) async fn claim_tool_call<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -1212,38 +1298,97 @@ pub(crate) async fn claim_tool_call<T: Tx>(
     lease: &Lease,
     now: Timestamp,
 ) -> Result<ClaimOutcome, StoreError> {
+    let lease_ms = lease.expires_at.0.saturating_sub(now.0);
+    Ok(
+        match claim_call(tx, conversation_id, call_id, &lease.holder, lease_ms).await? {
+            CallClaimOutcome::Claimed(granted) => ClaimOutcome::Claimed { claim: granted.claim },
+            CallClaimOutcome::Unavailable { state } => ClaimOutcome::Unavailable { state },
+            CallClaimOutcome::NotFound => ClaimOutcome::NotFound,
+        },
+    )
+}
+
+/// Extend the current claim's lease to `lease_ms` from the store's clock; only while the claim
+/// is current and its lease has not run out (after that the call was listed as expired and may
+/// be someone else's).
+pub(crate) async fn renew_call<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    claim: u64,
+    lease_ms: u64,
+) -> Result<RenewOutcome, StoreError> {
+    let now = tx.dialect().now_ms();
+    let lease_ms = lease_ms.clamp(1, CLAIM_LEASE_MS_MAX);
+    let sql = format!(
+        "UPDATE tool_calls SET claim_expires_at = {now} + $4 WHERE conversation_id = $1 AND call_id = $2 \
+         AND state = 'claimed' AND claim = $3 AND claim_expires_at > {now} RETURNING claim_expires_at"
+    );
     let rows = tx
         .query(
-            "UPDATE tool_calls SET state = 'claimed', claim = claim + 1, claim_holder = $3, claim_expires_at = $4 \
-             WHERE conversation_id = $1 AND call_id = $2 \
-             AND (state = 'ready' OR (state = 'claimed' AND claim_expires_at <= $5)) RETURNING claim",
+            &sql,
             &[
                 conversation_id.into(),
                 call_id.into(),
-                lease.holder.as_str().into(),
-                ts(lease.expires_at),
-                ts(now),
+                claim.into(),
+                lease_ms.into(),
             ],
         )
         .await?;
     if let Some(row) = rows.first() {
-        return Ok(ClaimOutcome::Claimed { claim: row.uint(0)? });
+        return Ok(RenewOutcome::Renewed {
+            lease_expires_at: Timestamp(row.uint(0)?),
+        });
     }
-    let rows = tx
-        .query(
-            "SELECT state FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
-            &[conversation_id.into(), call_id.into()],
+    Ok(match listed_state(tx, conversation_id, call_id).await? {
+        None => RenewOutcome::NotFound,
+        Some(state) => RenewOutcome::StaleClaim { state },
+    })
+}
+
+/// claimed → ready, by the current claim while its lease runs. The claim counter stays, so the
+/// released claim's late result is refused and the next claim gets a new number.
+pub(crate) async fn release_call<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    claim: u64,
+) -> Result<ReleaseOutcome, StoreError> {
+    let sql = format!(
+        "UPDATE tool_calls SET state = 'ready', claim_holder = NULL, claim_expires_at = NULL \
+         WHERE conversation_id = $1 AND call_id = $2 AND state = 'claimed' AND claim = $3 \
+         AND claim_expires_at > {now}",
+        now = tx.dialect().now_ms()
+    );
+    let released = tx
+        .execute(&sql, &[conversation_id.into(), call_id.into(), claim.into()])
+        .await?;
+    if released == 1 {
+        return Ok(ReleaseOutcome::Released);
+    }
+    Ok(match listed_state(tx, conversation_id, call_id).await? {
+        None => ReleaseOutcome::NotFound,
+        Some(state) => ReleaseOutcome::StaleClaim { state },
+    })
+}
+
+/// ready → client: the proxy handed the call to the client in the provider's response; the
+/// client's follow-up carries the result (an appended tool turn closes it). `false` when the
+/// call was not ready (someone claimed it first, or it is answered already).
+pub(crate) async fn hand_to_client<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    call_id: &str,
+    holder: &str,
+) -> Result<bool, StoreError> {
+    let handed = tx
+        .execute(
+            "UPDATE tool_calls SET state = 'client', claim_holder = $3, claim_expires_at = NULL \
+             WHERE conversation_id = $1 AND call_id = $2 AND state = 'ready'",
+            &[conversation_id.into(), call_id.into(), holder.into()],
         )
         .await?;
-    match rows.first() {
-        None => Ok(ClaimOutcome::NotFound),
-        Some(row) => {
-            let text = row.text(0)?;
-            let state = ToolCallState::parse(&text)
-                .ok_or_else(|| StoreError::Corrupt(format!("tool call state {text:?}")))?;
-            Ok(ClaimOutcome::Unavailable { state })
-        }
-    }
+    Ok(handed == 1)
 }
 
 pub(crate) async fn submit_tool_result<T: Tx>(
@@ -1255,8 +1400,10 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     content: &Value,
     now: Timestamp,
 ) -> Result<ResultOutcome, StoreError> {
-    let sql =
-        format!("SELECT {TOOL_CALL_COLUMNS} FROM tool_calls WHERE conversation_id = $1 AND call_id = $2");
+    let sql = format!(
+        "SELECT {} FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
+        tool_call_columns(tx.dialect())
+    );
     let rows = tx.query(&sql, &[conversation_id.into(), call_id.into()]).await?;
     let Some(call) = rows.first().map(tool_call_from_row).transpose()? else {
         return Ok(ResultOutcome::NotFound);
@@ -1265,7 +1412,11 @@ pub(crate) async fn submit_tool_result<T: Tx>(
         bump_counter(tx, "tool_result_duplicates").await?;
         return Ok(ResultOutcome::Duplicate);
     }
-    if call.state != ToolCallState::Claimed || call.claim != claim {
+    // The latest claim's result is accepted even after its lease ran out, as long as nobody
+    // claimed the call again (that would have bumped the claim number): the claim number, not
+    // the lease, fences results (`docs/decisions.md`, 2026-12-01).
+    let claimed = matches!(call.state, ToolCallState::Claimed | ToolCallState::Expired);
+    if !claimed || call.claim != claim {
         return Ok(ResultOutcome::StaleClaim);
     }
     let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {

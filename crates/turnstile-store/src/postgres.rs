@@ -541,4 +541,64 @@ impl Ledger for PgLedger {
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         in_tx!(self, |tx| ops::store_now(&mut tx))
     }
+
+    async fn claim_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+        lease_ms: u64,
+    ) -> Result<CallClaimOutcome, StoreError> {
+        in_tx!(self, |tx| ops::claim_call(
+            &mut tx,
+            conversation_id,
+            call_id,
+            holder,
+            lease_ms
+        ))
+    }
+
+    async fn renew_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StoreError> {
+        in_tx!(self, |tx| ops::renew_call(
+            &mut tx,
+            conversation_id,
+            call_id,
+            claim,
+            lease_ms
+        ))
+    }
+
+    async fn release_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        in_tx!(self, |tx| ops::release_call(
+            &mut tx,
+            conversation_id,
+            call_id,
+            claim
+        ))
+    }
+
+    async fn hand_to_client(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+    ) -> Result<bool, StoreError> {
+        in_tx!(self, |tx| ops::hand_to_client(
+            &mut tx,
+            conversation_id,
+            call_id,
+            holder
+        ))
+    }
 }

@@ -615,4 +615,50 @@ impl Ledger for SqliteLedger {
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         self.run(move |tx| block_on_ready(ops::store_now(tx))).await
     }
+
+    async fn claim_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+        lease_ms: u64,
+    ) -> Result<CallClaimOutcome, StoreError> {
+        let (id, call, holder) = (conversation_id.to_owned(), call_id.to_owned(), holder.to_owned());
+        self.run(move |tx| block_on_ready(ops::claim_call(tx, &id, &call, &holder, lease_ms)))
+            .await
+    }
+
+    async fn renew_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StoreError> {
+        let (id, call) = (conversation_id.to_owned(), call_id.to_owned());
+        self.run(move |tx| block_on_ready(ops::renew_call(tx, &id, &call, claim, lease_ms)))
+            .await
+    }
+
+    async fn release_call(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        claim: u64,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let (id, call) = (conversation_id.to_owned(), call_id.to_owned());
+        self.run(move |tx| block_on_ready(ops::release_call(tx, &id, &call, claim)))
+            .await
+    }
+
+    async fn hand_to_client(
+        &self,
+        conversation_id: &str,
+        call_id: &str,
+        holder: &str,
+    ) -> Result<bool, StoreError> {
+        let (id, call, holder) = (conversation_id.to_owned(), call_id.to_owned(), holder.to_owned());
+        self.run(move |tx| block_on_ready(ops::hand_to_client(tx, &id, &call, &holder)))
+            .await
+    }
 }

@@ -275,30 +275,67 @@ pub struct QuarantineRecord {
     pub at: Timestamp,
 }
 
-/// State of a committed tool call in the execution ledger.
+/// Longest lease an executor may ask for on a claim (the dispatch lease's limit).
+pub const CLAIM_LEASE_MS_MAX: u64 = turnstile_core::dispatch::LEASE_MS_MAX;
+
+/// State of a committed tool call in the execution ledger, as listed.
+///
+/// ```text
+///            claim                      result (claim = current)
+///   ready ──────────▶ claimed ─────────────────────────────────▶ done
+///     ▲   ◀──────────    │  ▲ renew (claim = current, lease running)  ▲
+///     │     release      │  │                                         │
+///     │                  │ lease ran out (store clock)                │ result (claim = current)
+///     │                  ▼                                            │
+///     │               expired ──── claim again (claim + 1, same idempotency key) ──▶ claimed
+///     │
+///     └─ handed to the proxy client ──▶ client ── follow-up carrying the result ──▶ done
+/// ```
+///
+/// `expired` is not stored: it is a `claimed` row whose `claim_expires_at` is at or before the
+/// store's clock, computed inside every statement that reads or changes the row, so a lease runs
+/// out at the same instant for every replica and needs no sweeper. Every change is fenced by the
+/// claim number; a tool turn appended directly closes the call from any state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ToolCallState {
     /// Committed, waiting for an executor.
     Ready,
-    /// An executor holds it under a lease.
+    /// An executor holds it under a lease that is still running.
     Claimed,
+    /// Its last claim's lease ran out without a result: it may have run, its outcome is
+    /// unknown; it can be claimed again (with the same idempotency key).
+    Expired,
+    /// Handed to the proxy client that received it in the provider's response: the client runs
+    /// it and its follow-up request carries the result. Never offered to executors.
+    Client,
     /// Its result is committed history.
     Done,
 }
 
 impl ToolCallState {
-    /// The stored string.
+    /// Every state, in lifecycle order.
+    pub const ALL: [ToolCallState; 5] = [
+        ToolCallState::Ready,
+        ToolCallState::Claimed,
+        ToolCallState::Expired,
+        ToolCallState::Client,
+        ToolCallState::Done,
+    ];
+
+    /// The listed string.
     pub fn as_str(self) -> &'static str {
         match self {
             ToolCallState::Ready => "ready",
             ToolCallState::Claimed => "claimed",
+            ToolCallState::Expired => "expired",
+            ToolCallState::Client => "client",
             ToolCallState::Done => "done",
         }
     }
 
-    /// Parse the stored string.
+    /// Parse the listed string.
     pub fn parse(text: &str) -> Option<ToolCallState> {
-        [ToolCallState::Ready, ToolCallState::Claimed, ToolCallState::Done]
+        ToolCallState::ALL
             .into_iter()
             .find(|state| state.as_str() == text)
     }
@@ -321,19 +358,23 @@ pub struct ToolCallRecord {
     pub arguments: Value,
     /// `sha256:` of the canonical arguments.
     pub args_digest: String,
-    /// Ledger state.
+    /// Ledger state, judged by the store's clock at the read.
     pub state: ToolCallState,
-    /// Claim counter: the fencing token of the current claim.
+    /// Claim counter: how many claims the call has had, and the fencing token of the latest.
     pub claim: u64,
-    /// Current claim holder.
+    /// Holder of the latest claim (while claimed or expired).
     pub claim_holder: Option<String>,
-    /// Claim lease expiry.
+    /// When the latest claim's lease runs (or ran) out, by the store's clock.
     pub claim_expires_at: Option<Timestamp>,
     /// Revision of the tool turn holding its result, once done.
     pub result_revision: Option<Revision>,
+    /// The idempotency key every claim of this call is given
+    /// ([`crate::ops::tool_call_idempotency_key`]).
+    pub idempotency_key: String,
 }
 
-/// Answer of `claim_tool_call`.
+/// Answer of `claim_tool_call` (the older form of [`CallClaimOutcome`], kept for callers that
+/// need only the fencing token).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// Claimed; present `claim` with the result.
@@ -347,6 +388,65 @@ pub enum ClaimOutcome {
         state: ToolCallState,
     },
     /// No such call in the ledger.
+    NotFound,
+}
+
+/// A claim as granted by `claim_call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallClaim {
+    /// Fencing token of this claim (also how many claims the call has had).
+    pub claim: u64,
+    /// When its lease runs out, by the store's clock.
+    pub lease_expires_at: Timestamp,
+    /// The call's idempotency key: the same for every claim of the call, for the executor to
+    /// pass to the tool.
+    pub idempotency_key: String,
+    /// The call was `expired` (an earlier claim's lease ran out): the tool may have run already.
+    pub took_over_expired: bool,
+}
+
+/// Answer of `claim_call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallClaimOutcome {
+    /// Claimed.
+    Claimed(CallClaim),
+    /// Claimed by someone whose lease is still running, handed to the proxy client, or done.
+    Unavailable {
+        /// Its state.
+        state: ToolCallState,
+    },
+    /// No such call in the ledger.
+    NotFound,
+}
+
+/// Answer of `renew_call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RenewOutcome {
+    /// The lease runs until this instant (store clock).
+    Renewed {
+        /// New expiry.
+        lease_expires_at: Timestamp,
+    },
+    /// The claim is not the current one, or its lease already ran out: nothing changed.
+    StaleClaim {
+        /// The call's state as found.
+        state: ToolCallState,
+    },
+    /// No such call.
+    NotFound,
+}
+
+/// Answer of `release_call`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// The call is `ready` again.
+    Released,
+    /// The claim is not the current one, or its lease already ran out: nothing changed.
+    StaleClaim {
+        /// The call's state as found.
+        state: ToolCallState,
+    },
+    /// No such call.
     NotFound,
 }
 

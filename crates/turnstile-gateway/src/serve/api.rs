@@ -28,7 +28,10 @@ use turnstile_adapters::render::Graph;
 use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_core::dispatch::DispatchState;
 use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
-use turnstile_store::{AppendOutcome, ClaimOutcome, CreateOutcome, Lease, ResultOutcome, ToolCallState};
+use turnstile_store::{
+    AppendOutcome, CLAIM_LEASE_MS_MAX, CallClaimOutcome, CreateOutcome, ReleaseOutcome, RenewOutcome,
+    ResultOutcome, ToolCallState,
+};
 
 /// Longest id a client may choose.
 pub const ID_BYTES_MAX: usize = 128;
@@ -938,23 +941,34 @@ pub async fn get_dispatch(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ToolCallQuery {
     state: Option<String>,
 }
 
+/// The execution ledger (`GET /v1/tool-calls?state=ready|claimed|expired|done`, and `client`
+/// for calls handed to a proxy client). States are judged by the store's clock at the read:
+/// a claim whose lease ran out is listed as `expired`.
 pub async fn tool_calls(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
-    Query(query): Query<ToolCallQuery>,
+    query: Result<Query<ToolCallQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
     let caller = caller(&shared, &headers)?;
+    let Query(query) = query.map_err(|rejection| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            rejection.body_text(),
+        )
+    })?;
     let state = match query.state.as_deref() {
         None => None,
         Some(text) => Some(ToolCallState::parse(text).ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "invalid_request",
-                "state is ready, claimed or done",
+                "state is ready, claimed, expired, client or done",
             )
         })?),
     };
@@ -965,10 +979,102 @@ pub async fn tool_calls(
             let conversation_id = caller.client_id(&call.conversation_id)?.to_owned();
             Some(json!({"conversation_id": conversation_id, "call_id": call.call_id, "revision": call.revision.0,
                         "generation": call.generation.0, "tool": call.tool, "arguments": call.arguments,
-                        "args_digest": call.args_digest, "state": call.state.as_str(), "claim": call.claim}))
+                        "args_digest": call.args_digest, "state": call.state.as_str(), "claim": call.claim,
+                        "claims": call.claim, "holder": call.claim_holder,
+                        "claim_expires_at": call.claim_expires_at.map(|at| at.0),
+                        "idempotency_key": call.idempotency_key}))
         })
         .collect();
     Ok(Json(json!({"tool_calls": calls})).into_response())
+}
+
+/// `POST …/claim`: `{"holder"?, "lease_ms"?}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClaimBody {
+    #[serde(default)]
+    holder: Option<String>,
+    #[serde(default)]
+    lease_ms: Option<u64>,
+}
+
+/// `POST …/renew`: `{"claim", "lease_ms"?}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RenewBody {
+    claim: u64,
+    #[serde(default)]
+    lease_ms: Option<u64>,
+}
+
+/// `POST …/release`: `{"claim"}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    claim: u64,
+}
+
+/// `POST …/result`: `{"claim", "status"?, "content"?}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResultBody {
+    claim: u64,
+    #[serde(default = "success_status")]
+    status: String,
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+fn success_status() -> String {
+    "success".into()
+}
+
+/// Authenticate and read a strict executor body (422 `invalid_request` on unknown fields,
+/// missing or mistyped ones).
+async fn executor_body<T: serde::de::DeserializeOwned>(
+    shared: &Shared,
+    request: Request,
+) -> Result<(Caller, T), ApiError> {
+    let (caller, body) = authenticated_json(shared, request).await?;
+    if !body.is_object() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            "the body must be a JSON object",
+        ));
+    }
+    let body = serde_json::from_value(body).map_err(|error| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            error.to_string(),
+        )
+    })?;
+    Ok((caller, body))
+}
+
+/// A claim lease: the gateway's `lease_ms` when absent, else 1..=`CLAIM_LEASE_MS_MAX` (refused,
+/// never clamped).
+fn claim_lease_ms(shared: &Shared, lease_ms: Option<u64>) -> Result<u64, ApiError> {
+    match lease_ms {
+        None => Ok(shared.lease_ms.clamp(1, CLAIM_LEASE_MS_MAX)),
+        Some(ms) if (1..=CLAIM_LEASE_MS_MAX).contains(&ms) => Ok(ms),
+        Some(_) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            format!("lease_ms must be 1–{CLAIM_LEASE_MS_MAX}"),
+        )
+        .with(json!({"limit": "CLAIM_LEASE_MS_MAX"}))),
+    }
+}
+
+fn stale_claim(state: ToolCallState) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "stale_claim",
+        "the claim is not the call's current one, or its lease ran out",
+    )
+    .with(json!({"state": state.as_str()}))
 }
 
 pub async fn claim_tool_call(
@@ -976,31 +1082,86 @@ pub async fn claim_tool_call(
     Path((conversation_id, call_id)): Path<(String, String)>,
     request: Request,
 ) -> ApiResult {
-    let (caller, body) = authenticated_json(&shared, request).await?;
-    let lease_ms = body["lease_ms"]
-        .as_u64()
-        .unwrap_or(shared.lease_ms)
-        .min(turnstile_core::dispatch::LEASE_MS_MAX);
-    let lease = Lease {
-        holder: body["holder"].as_str().unwrap_or("executor").to_owned(),
-        expires_at: now().plus_ms(lease_ms),
-    };
+    let (caller, body): (_, ClaimBody) = executor_body(&shared, request).await?;
+    let lease_ms = claim_lease_ms(&shared, body.lease_ms)?;
+    let holder = body.holder.unwrap_or_else(|| "executor".to_owned());
+    if holder.is_empty() || holder.len() > ID_BYTES_MAX || holder.chars().any(char::is_control) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+            format!("holder must be 1–{ID_BYTES_MAX} bytes without control characters"),
+        ));
+    }
     match shared
         .ledger
-        .claim_tool_call(&caller.store_id(&conversation_id), &call_id, &lease, now())
+        .claim_call(&caller.store_id(&conversation_id), &call_id, &holder, lease_ms)
         .await
         .map_err(ApiError::store)?
     {
-        ClaimOutcome::Claimed { claim } => {
-            Ok(Json(json!({"claim": claim, "lease_expires_at": lease.expires_at.0})).into_response())
-        }
-        ClaimOutcome::Unavailable { state } => {
-            Err(
-                ApiError::new(StatusCode::CONFLICT, "unavailable", "the call is claimed or done")
-                    .with(json!({"state": state.as_str()})),
+        CallClaimOutcome::Claimed(granted) => {
+            metrics::bump(metrics::TOOL_CALL_CLAIMS);
+            if granted.took_over_expired {
+                metrics::bump(metrics::TOOL_CALL_EXPIRIES);
+            }
+            Ok(Json(
+                json!({"claim": granted.claim, "lease_expires_at": granted.lease_expires_at.0,
+                           "idempotency_key": granted.idempotency_key,
+                           "took_over_expired": granted.took_over_expired}),
             )
+            .into_response())
         }
-        ClaimOutcome::NotFound => Err(ApiError::not_found("tool call")),
+        CallClaimOutcome::Unavailable { state } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "unavailable",
+            "the call is claimed, handed to the client, or done",
+        )
+        .with(json!({"state": state.as_str()}))),
+        CallClaimOutcome::NotFound => Err(ApiError::not_found("tool call")),
+    }
+}
+
+/// `POST /v1/tool-calls/{conversation_id}/{call_id}/renew`.
+pub async fn renew_tool_call(
+    State(shared): State<Arc<Shared>>,
+    Path((conversation_id, call_id)): Path<(String, String)>,
+    request: Request,
+) -> ApiResult {
+    let (caller, body): (_, RenewBody) = executor_body(&shared, request).await?;
+    let lease_ms = claim_lease_ms(&shared, body.lease_ms)?;
+    match shared
+        .ledger
+        .renew_call(&caller.store_id(&conversation_id), &call_id, body.claim, lease_ms)
+        .await
+        .map_err(ApiError::store)?
+    {
+        RenewOutcome::Renewed { lease_expires_at } => {
+            metrics::bump(metrics::TOOL_CALL_RENEWALS);
+            Ok(Json(json!({"claim": body.claim, "lease_expires_at": lease_expires_at.0})).into_response())
+        }
+        RenewOutcome::StaleClaim { state } => Err(stale_claim(state)),
+        RenewOutcome::NotFound => Err(ApiError::not_found("tool call")),
+    }
+}
+
+/// `POST /v1/tool-calls/{conversation_id}/{call_id}/release`.
+pub async fn release_tool_call(
+    State(shared): State<Arc<Shared>>,
+    Path((conversation_id, call_id)): Path<(String, String)>,
+    request: Request,
+) -> ApiResult {
+    let (caller, body): (_, ReleaseBody) = executor_body(&shared, request).await?;
+    match shared
+        .ledger
+        .release_call(&caller.store_id(&conversation_id), &call_id, body.claim)
+        .await
+        .map_err(ApiError::store)?
+    {
+        ReleaseOutcome::Released => {
+            metrics::bump(metrics::TOOL_CALL_RELEASES);
+            Ok(Json(json!({"claim": body.claim, "state": ToolCallState::Ready.as_str()})).into_response())
+        }
+        ReleaseOutcome::StaleClaim { state } => Err(stale_claim(state)),
+        ReleaseOutcome::NotFound => Err(ApiError::not_found("tool call")),
     }
 }
 
@@ -1009,23 +1170,15 @@ pub async fn submit_tool_result(
     Path((conversation_id, call_id)): Path<(String, String)>,
     request: Request,
 ) -> ApiResult {
-    let (caller, body) = authenticated_json(&shared, request).await?;
-    let claim = body["claim"].as_u64().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
-            "claim is required",
-        )
-    })?;
-    let status = body["status"].as_str().unwrap_or("success").to_owned();
-    let content = body.get("content").cloned().unwrap_or(json!([]));
+    let (caller, body): (_, ResultBody) = executor_body(&shared, request).await?;
+    let content = body.content.unwrap_or(json!([]));
     let outcome = shared
         .ledger
         .submit_tool_result(
             &caller.store_id(&conversation_id),
             &call_id,
-            claim,
-            &status,
+            body.claim,
+            &body.status,
             &content,
             now(),
         )
@@ -1033,11 +1186,14 @@ pub async fn submit_tool_result(
         .map_err(ApiError::store)?;
     match outcome {
         ResultOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
-        ResultOutcome::StaleClaim => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "stale_claim",
-            "the claim expired and was taken over",
-        )),
+        ResultOutcome::StaleClaim => {
+            metrics::bump(metrics::TOOL_RESULT_STALE);
+            Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "stale_claim",
+                "the claim is not the call's current one (it was released or taken over)",
+            ))
+        }
         ResultOutcome::Duplicate => {
             metrics::bump(metrics::TOOL_RESULT_DUPLICATES);
             Err(ApiError::new(
@@ -1101,6 +1257,7 @@ pub async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
     }
 }
 
-pub async fn fallback() -> ApiError {
-    ApiError::not_found("route")
+/// Unrouted requests: 404 in the API's JSON error shape.
+pub async fn fallback() -> ApiResult {
+    Err(ApiError::not_found("route"))
 }

@@ -48,6 +48,16 @@ pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
 pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
 pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
+/// Claims granted to executors on the tool-call ledger (takeovers of expired claims included).
+pub const TOOL_CALL_CLAIMS: &str = "turnstile_tool_call_claims_total";
+/// Claim leases extended by their current claim.
+pub const TOOL_CALL_RENEWALS: &str = "turnstile_tool_call_renewals_total";
+/// Claims given back by their holder (the call is ready again).
+pub const TOOL_CALL_RELEASES: &str = "turnstile_tool_call_releases_total";
+/// Claims granted on an `expired` call: an earlier claim's lease ran out (the tool may have run).
+pub const TOOL_CALL_EXPIRIES: &str = "turnstile_tool_call_expiries_total";
+/// Tool results refused because their claim was not current (released or taken over).
+pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
 
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
@@ -87,6 +97,11 @@ pub fn install() -> Result<PrometheusHandle, String> {
         FOREIGN_HANDLES,
         DRIVER_STORE_FAILURES,
         PROVIDER_TIMEOUTS,
+        TOOL_CALL_CLAIMS,
+        TOOL_CALL_RENEWALS,
+        TOOL_CALL_RELEASES,
+        TOOL_CALL_EXPIRIES,
+        TOOL_RESULT_STALE,
     ] {
         counter!(name).absolute(0);
     }

@@ -97,6 +97,14 @@ pub fn router(shared: Arc<Shared>) -> Router {
             post(api::claim_tool_call),
         )
         .route(
+            "/v1/tool-calls/{conversation_id}/{call_id}/renew",
+            post(api::renew_tool_call),
+        )
+        .route(
+            "/v1/tool-calls/{conversation_id}/{call_id}/release",
+            post(api::release_tool_call),
+        )
+        .route(
             "/v1/tool-calls/{conversation_id}/{call_id}/result",
             post(api::submit_tool_result),
         )

@@ -2,6 +2,7 @@
 
 mod assemble;
 mod console;
+mod executor;
 mod proxy;
 mod proxy_sdk;
 mod render;

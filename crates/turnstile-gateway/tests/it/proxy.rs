@@ -145,7 +145,29 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
             |message| message["role"] == "user" && message.to_string().contains("assistant: ignore that")
         )
     );
-    // The committed calls are claimed for the client, not left ready for someone else.
+    // The committed calls are handed to the client (state `client`: no claim, no lease), not
+    // left ready for an executor; the hand-off follows the commit, so poll for it (bounded).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let handed = loop {
+        let handed = gateway.get("/v1/tool-calls?state=client")["tool_calls"]
+            .as_array()
+            .unwrap()
+            .clone();
+        if handed.len() == 2 {
+            break handed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not handed to the client: {handed:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    assert!(
+        handed.iter().all(|call| call["claims"] == 0
+            && call["claim_expires_at"].is_null()
+            && call["holder"] == "proxy-client"),
+        "{handed:?}"
+    );
     let ready = gateway.get("/v1/tool-calls?state=ready");
     assert!(
         !ready
@@ -230,6 +252,11 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
     );
     let done = gateway.get("/v1/tool-calls?state=done");
     assert_eq!(done.to_string().matches(&conversation_id).count(), 2, "{done}");
+    assert_eq!(
+        gateway.get("/v1/tool-calls?state=client")["tool_calls"],
+        json!([]),
+        "the follow-up's results closed the handed calls"
+    );
 
     // A client that edits its history starts a conversation of its own: same request bytes to
     // the provider as always, nothing appended to the first one.

@@ -686,7 +686,7 @@ pub async fn tool_results_need_the_current_claim_and_append_tool_turns_through_t
         "not claimed yet"
     );
     let ClaimOutcome::Claimed { claim } = store
-        .claim_tool_call("c", "a-call-0", &lease("exec-1", 1_000), at(23))
+        .claim_tool_call("c", "a-call-0", &lease("exec-1", 600_023), at(23))
         .await
         .unwrap()
     else {
@@ -701,7 +701,13 @@ pub async fn tool_results_need_the_current_claim_and_append_tool_turns_through_t
             state: ToolCallState::Claimed
         }
     );
-    // The first executor's lease expires; a second one re-claims with a new fencing token.
+    // The first executor's lease expires (shortened to 1 ms; the store's clock decides when it
+    // ran out); a second one re-claims with a new fencing token.
+    assert!(matches!(
+        store.renew_call("c", "a-call-0", claim, 1).await.unwrap(),
+        RenewOutcome::Renewed { .. }
+    ));
+    wait_until_not_claimed(&*store, "c", "a-call-0").await;
     let ClaimOutcome::Claimed { claim: second } = store
         .claim_tool_call("c", "a-call-0", &lease("exec-2", 3_000), at(1_000))
         .await

@@ -87,7 +87,7 @@ async fn step(store: &Store, index: usize, sent: &mut SentLog) -> Result<(), Sto
             .await
             .map(drop),
         8 => store
-            .claim_tool_call(CONVERSATION, "a-call-0", &lease("exec", 1_000), at(9))
+            .claim_tool_call(CONVERSATION, "a-call-0", &lease("exec", 10), at(9))
             .await
             .map(drop),
         9 => store
@@ -95,7 +95,7 @@ async fn step(store: &Store, index: usize, sent: &mut SentLog) -> Result<(), Sto
             .await
             .map(drop),
         10 => store
-            .claim_tool_call(CONVERSATION, "a-call-1", &lease("exec", 1_000), at(11))
+            .claim_tool_call(CONVERSATION, "a-call-1", &lease("exec", 12), at(11))
             .await
             .map(drop),
         11 => store
@@ -227,6 +227,8 @@ async fn finish(store: &Store, sent: &mut SentLog) {
             continue;
         }
         now += 1;
+        // A claim taken before the crash (a 1 ms lease on the store's clock) runs out first.
+        wait_until_not_claimed(&**store, CONVERSATION, &call.call_id).await;
         let ClaimOutcome::Claimed { claim } = store
             .claim_tool_call(
                 CONVERSATION,

@@ -10,3 +10,4 @@ mod machine;
 mod model;
 mod races;
 mod support;
+mod tool_ledger;

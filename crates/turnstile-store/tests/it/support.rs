@@ -299,3 +299,32 @@ pub async fn check_invariants(store: &dyn Ledger, conversation_ids: &[String]) {
         "tool-call ledger = tool calls of committed turns"
     );
 }
+
+/// Poll the listing (bounded, 10 s) until the call's state is no longer `claimed` (its lease ran
+/// out by the store's clock, or it moved on): how tests wait for an expiry without sleeping for it.
+pub async fn wait_until_not_claimed(
+    store: &dyn Ledger,
+    conversation_id: &str,
+    call_id: &str,
+) -> ToolCallState {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let state = store
+            .tool_calls(None)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|call| call.conversation_id == conversation_id && call.call_id == call_id)
+            .map(|call| call.state);
+        match state {
+            Some(ToolCallState::Claimed) => {}
+            Some(state) => return state,
+            None => panic!("{conversation_id}/{call_id} is not in the ledger"),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{conversation_id}/{call_id} still claimed after 10 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}

@@ -48,14 +48,11 @@ use std::sync::Arc;
 use turnstile_adapters::AdapterId;
 use turnstile_adapters::Api;
 use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import};
-use turnstile_core::dispatch::Timestamp;
 use turnstile_core::{Conversation, Verdict, validate};
-use turnstile_store::{ImportOutcome, Lease};
+use turnstile_store::ImportOutcome;
 
-/// Holder of the claims on tool calls committed for a proxy client.
+/// Holder recorded on tool calls handed to a proxy client (state `client`).
 pub const PROXY_CLIENT_HOLDER: &str = "proxy-client";
-/// How long that claim lasts (the client runs the call; nobody else should).
-const PROXY_CLAIM_MS: u64 = 365 * 24 * 3600 * 1000;
 /// Most records `GET /v1/shadow/diffs` answers.
 const SHADOW_DIFFS_LIMIT_MAX: usize = 1000;
 
@@ -651,7 +648,7 @@ async fn serve_ours(
     let hub = hub_for(shared, record, Some(&conversation))
         .await
         .map_err(|error| from_api_error(api, error))?;
-    tokio::spawn(claim_for_client(
+    tokio::spawn(hand_to_client(
         shared.clone(),
         conversation_id.clone(),
         hub.clone(),
@@ -742,8 +739,11 @@ fn same_prefix(stored: &Value, turns: &[Value]) -> bool {
     }
 }
 
-/// Claim the committed tool calls for the proxy client, whether or not it is still connected.
-async fn claim_for_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<Hub>) {
+/// Hand the committed tool calls to the proxy client, whether or not it is still connected:
+/// the client runs them and its follow-up request carries the results (continuation appends
+/// them, which closes the calls). Handed, not claimed: no lease runs out and no executor is
+/// offered them.
+async fn hand_to_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<Hub>) {
     let (backlog, finished, mut receiver) = hub.subscribe();
     let mut events = backlog;
     let committed = loop {
@@ -759,19 +759,14 @@ async fn claim_for_client(shared: Arc<Shared>, conversation_id: String, hub: Arc
         }
     };
     let Some(committed) = committed else { return };
-    let lease = Lease {
-        holder: PROXY_CLIENT_HOLDER.into(),
-        expires_at: Timestamp(now().0.saturating_add(PROXY_CLAIM_MS)),
-    };
     for part in parts_of(&committed["turn"]) {
-        if let Part::Call { id, .. } = part {
-            if let Err(error) = shared
+        if let Part::Call { id, .. } = part
+            && let Err(error) = shared
                 .ledger
-                .claim_tool_call(&conversation_id, &id, &lease, now())
+                .hand_to_client(&conversation_id, &id, PROXY_CLIENT_HOLDER)
                 .await
-            {
-                tracing::warn!(%error, "claiming a proxy tool call failed");
-            }
+        {
+            tracing::warn!(%error, "handing a proxy tool call to the client failed");
         }
     }
 }
