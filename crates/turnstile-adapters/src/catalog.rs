@@ -175,4 +175,3 @@ pub fn exact_openai_tokenizer(model: &str) -> Option<Tokenizer> {
         _ => None,
     }
 }
-

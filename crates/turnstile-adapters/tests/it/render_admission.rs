@@ -109,14 +109,18 @@ fn schema(depth: u32) -> BoxedStrategy<Value> {
     ];
     leaf.prop_recursive(depth, 64, 8, |inner| {
         prop_oneof![
-            (prop::collection::btree_map(identifier(), inner.clone(), 1..8), description()).prop_map(
-                |(properties, text)| {
+            (
+                prop::collection::btree_map(identifier(), inner.clone(), 1..8),
+                description()
+            )
+                .prop_map(|(properties, text)| {
                     let required: Vec<&String> = properties.keys().take(2).collect();
                     json!({"type": "object", "description": text, "properties": properties,
                            "required": required, "additionalProperties": false})
-                }
-            ),
-            inner.clone().prop_map(|items| json!({"type": "array", "items": items})),
+                }),
+            inner
+                .clone()
+                .prop_map(|items| json!({"type": "array", "items": items})),
             prop::collection::vec(inner.clone(), 1..4).prop_map(|any| json!({"anyOf": any})),
             prop::collection::vec(inner.clone(), 1..4).prop_map(|all| json!({"allOf": all})),
             prop::collection::vec(inner, 1..4).prop_map(|one| json!({"oneOf": one})),
@@ -208,7 +212,10 @@ fn cookbook_formula_would_miss_the_defs_block_and_admission_does_not() {
     let conversation = conversation_with(&[defs_tool()]);
     let schema_text = serde_json::to_string(&defs_tool()["input_schema"]).unwrap();
     let schema_tokens = Tokenizer::O200kBase.count(&schema_text);
-    assert!(schema_tokens > 8_000, "the $defs block alone is {schema_tokens} tokens");
+    assert!(
+        schema_tokens > 8_000,
+        "the $defs block alone is {schema_tokens} tokens"
+    );
     for adapter in AdapterId::ALL {
         let (_, prompt_tokens) = rendered(&conversation, adapter);
         assert!(

@@ -106,14 +106,24 @@ fn a_result_lacking_tool_args_digest_or_generation_is_result_mismatch() {
         .iter()
         .enumerate()
         .find_map(|(t, turn)| {
-            let b = turn["blocks"].as_array()?.iter().position(|b| b["kind"] == "tool_result")?;
+            let b = turn["blocks"]
+                .as_array()?
+                .iter()
+                .position(|b| b["kind"] == "tool_result")?;
             Some((t, b))
         })
         .expect("the case has results");
-    let omissions: [&[&str]; 4] = [&["tool"], &["args_digest"], &["generation"], &["tool", "args_digest", "generation"]];
+    let omissions: [&[&str]; 4] = [
+        &["tool"],
+        &["args_digest"],
+        &["generation"],
+        &["tool", "args_digest", "generation"],
+    ];
     for omitted in omissions {
         let mut conversation = original.clone();
-        let result = conversation["turns"][turn]["blocks"][block].as_object_mut().unwrap();
+        let result = conversation["turns"][turn]["blocks"][block]
+            .as_object_mut()
+            .unwrap();
         for field in omitted {
             assert!(result.remove(*field).is_some(), "{field}");
         }

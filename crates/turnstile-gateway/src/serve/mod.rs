@@ -246,7 +246,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         "turnstile serve listening on http://{bound} (store {}, sim {sim_url})",
         redact(&config.store)
     );
-    let mut app = router(shared);
+    let mut app = api::harden(router(shared));
     if let Some(control) = sim_control {
         app = app.merge(control);
     }

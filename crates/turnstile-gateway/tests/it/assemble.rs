@@ -235,7 +235,11 @@ fn a_capture_with_bytes_that_are_not_utf8_exits_6_with_a_protocol_violation() {
     ] {
         let bytes = std::fs::read(fixtures().join(dir).join(name)).unwrap();
         // Just inside the first text value: `"text":"H…` → `"text":"\xFFH…`.
-        let key: &[u8] = if dir == "openai-responses" { b"\"delta\":\"" } else { b"\"text\":\"" };
+        let key: &[u8] = if dir == "openai-responses" {
+            b"\"delta\":\""
+        } else {
+            b"\"text\":\""
+        };
         let at = bytes
             .windows(key.len() + 1)
             .position(|window| window.starts_with(key) && window[key.len()].is_ascii_alphabetic())
@@ -243,9 +247,15 @@ fn a_capture_with_bytes_that_are_not_utf8_exits_6_with_a_protocol_violation() {
             + key.len();
         let mut corrupted = bytes.clone();
         corrupted.insert(at, 0xFF);
-        let intact = turnstile(&["assemble", "-", "--adapter", adapter_of(dir), "--json"], Some(&bytes));
+        let intact = turnstile(
+            &["assemble", "-", "--adapter", adapter_of(dir), "--json"],
+            Some(&bytes),
+        );
         assert_eq!(intact.status.code(), Some(0), "{dir}/{name}");
-        let output = turnstile(&["assemble", "-", "--adapter", adapter_of(dir), "--json"], Some(&corrupted));
+        let output = turnstile(
+            &["assemble", "-", "--adapter", adapter_of(dir), "--json"],
+            Some(&corrupted),
+        );
         assert_eq!(output.status.code(), Some(6), "{dir}/{name}");
         let stdout: Value = serde_json::from_slice(&output.stdout).unwrap();
         assert_eq!(stdout["code"], "protocol_violation", "{dir}/{name}");
@@ -272,7 +282,10 @@ fn an_openai_chat_text_reply_with_duplicated_deltas_exits_6() {
         };
         let mut out = chunk(r#"{"role":"assistant","content":""}"#, "null");
         for piece in pieces {
-            let event = chunk(&format!("{{\"content\":{}}}", serde_json::to_string(piece).unwrap()), "null");
+            let event = chunk(
+                &format!("{{\"content\":{}}}", serde_json::to_string(piece).unwrap()),
+                "null",
+            );
             out.push_str(&event);
             if twice {
                 out.push_str(&event);
@@ -285,12 +298,28 @@ fn an_openai_chat_text_reply_with_duplicated_deltas_exits_6() {
         ));
         out
     };
-    let honest = turnstile(&["assemble", "-", "--adapter", "openai-chat@1", "--json"], Some(stream(false).as_bytes()));
-    assert_eq!(honest.status.code(), Some(0), "{}", String::from_utf8_lossy(&honest.stdout));
+    let honest = turnstile(
+        &["assemble", "-", "--adapter", "openai-chat@1", "--json"],
+        Some(stream(false).as_bytes()),
+    );
+    assert_eq!(
+        honest.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&honest.stdout)
+    );
     let turn: Value = serde_json::from_slice(&honest.stdout).unwrap();
     assert_eq!(turn["blocks"][0]["text"], text);
-    let doubled = turnstile(&["assemble", "-", "--adapter", "openai-chat@1", "--json"], Some(stream(true).as_bytes()));
-    assert_eq!(doubled.status.code(), Some(6), "{}", String::from_utf8_lossy(&doubled.stdout));
+    let doubled = turnstile(
+        &["assemble", "-", "--adapter", "openai-chat@1", "--json"],
+        Some(stream(true).as_bytes()),
+    );
+    assert_eq!(
+        doubled.status.code(),
+        Some(6),
+        "{}",
+        String::from_utf8_lossy(&doubled.stdout)
+    );
     let reason: Value = serde_json::from_slice(&doubled.stdout).unwrap();
     assert_eq!(reason["code"], "protocol_violation");
     assert!(!String::from_utf8_lossy(&doubled.stdout).contains("TransferTransfer"));

@@ -1,5 +1,6 @@
 //! Integration tests of the `turnstile` binary (one test binary, see STYLE.md).
 
+mod api_errors;
 mod assemble;
 mod console;
 mod proxy;

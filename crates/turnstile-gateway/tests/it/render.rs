@@ -441,7 +441,16 @@ fn a_tool_with_a_large_defs_block_is_refused_over_an_8000_token_window_on_every_
             "gemini-8k"
         };
         let output = turnstile(
-            &["render", &path, "--adapter", adapter, "--model", model, "--catalog", catalog.to_str().unwrap()],
+            &[
+                "render",
+                &path,
+                "--adapter",
+                adapter,
+                "--model",
+                model,
+                "--catalog",
+                catalog.to_str().unwrap(),
+            ],
             None,
         );
         assert_eq!(
@@ -453,6 +462,9 @@ fn a_tool_with_a_large_defs_block_is_refused_over_an_8000_token_window_on_every_
         assert!(output.stdout.is_empty(), "{adapter}");
         let explanation = stderr_json(&output);
         assert_eq!(explanation["status"], "over_budget", "{adapter}");
-        assert!(explanation["prompt_tokens"].as_u64().unwrap() > 8000, "{adapter}: {explanation}");
+        assert!(
+            explanation["prompt_tokens"].as_u64().unwrap() > 8000,
+            "{adapter}: {explanation}"
+        );
     }
 }

@@ -11,7 +11,10 @@ use turnstile_adapters::tokens::Tokenizer;
 
 fn assemble(api: StreamApi, chunks: &[&[u8]]) -> Outcome {
     let mut assembler = assembler(Some(toolset()));
-    feed(&mut assembler, decode_chunks(api, chunks.iter().copied(), Ending::Live));
+    feed(
+        &mut assembler,
+        decode_chunks(api, chunks.iter().copied(), Ending::Live),
+    );
     finish(&mut assembler)
 }
 
@@ -136,7 +139,10 @@ fn openai_chat_usage_is_only_held_against_models_counted_exactly() {
     let reply = text_reply(TEXT);
     let doubled = sim_stream(Api::OpenAiChat, &reply, "llama-3.3-70b", |_, _| true);
     let outcome = assemble(StreamApi::OpenAiChat, &[&doubled]);
-    assert_eq!(committed_text(&outcome).map(|text| text.len()), Some(2 * TEXT.len()));
+    assert_eq!(
+        committed_text(&outcome).map(|text| text.len()),
+        Some(2 * TEXT.len())
+    );
     // And an honest usage that counts exactly the text passes the check.
     let exact = Tokenizer::O200kBase.count(TEXT);
     let stream = format!(
@@ -151,7 +157,10 @@ fn openai_chat_usage_is_only_held_against_models_counted_exactly() {
         Some(TEXT)
     );
     // One token fewer reported than carried: retracted.
-    let short = stream.replace(&format!("\"completion_tokens\":{exact}"), &format!("\"completion_tokens\":{}", exact - 1));
+    let short = stream.replace(
+        &format!("\"completion_tokens\":{exact}"),
+        &format!("\"completion_tokens\":{}", exact - 1),
+    );
     assert_eq!(
         assemble(StreamApi::OpenAiChat, &[short.as_bytes()]),
         Outcome::Retracted("protocol_violation".into())

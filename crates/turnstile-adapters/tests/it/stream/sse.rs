@@ -115,7 +115,7 @@ fn invalid_utf8_poisons_the_parser_instead_of_being_replaced() {
         &b"data: a\xFFb\n\n"[..],
         b"event: x\xC3\ndata: a\n\n",
         b": comment \xED\xA0\x80\ndata: a\n\n", // an encoded surrogate
-        b"data: ok\n\ndata: \xF0\x9F\x98\n\n",   // a code point cut short
+        b"data: ok\n\ndata: \xF0\x9F\x98\n\n",  // a code point cut short
     ] {
         for split in 0..=bytes.len() {
             let mut parser = SseParser::new();
