@@ -100,7 +100,8 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    /// Every code.
+    /// Every code (held against the spec by the tests; the binary itself needs no list).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub const ALL: [ErrorCode; 27] = [
         ErrorCode::BodyTooLarge,
         ErrorCode::ConversationExists,
@@ -1296,6 +1297,13 @@ pub fn harden(router: axum::Router) -> axum::Router {
 /// Longest text of a rejection kept as the message.
 const REJECTION_TEXT_BYTES_MAX: usize = 1024;
 
+/// The drop-in proxy's paths (`serve/mod.rs::router`).
+fn is_proxy_path(path: &str) -> bool {
+    matches!(path, "/v1/chat/completions" | "/v1/responses" | "/v1/messages")
+        || path.starts_with("/v1/responses/")
+        || path.starts_with("/v1beta/")
+}
+
 async fn json_errors(request: Request, next: axum::middleware::Next) -> Response {
     let target_len = request
         .uri()
@@ -1309,7 +1317,13 @@ async fn json_errors(request: Request, next: axum::middleware::Next) -> Response
         )
         .into_response();
     }
+    // The provider-compatible endpoints answer in their provider's error shape, and in shadow
+    // mode forward the provider's own response untouched: never rewritten here.
+    let proxied = is_proxy_path(request.uri().path());
     let response = next.run(request).await;
+    if proxied {
+        return response;
+    }
     let status = response.status();
     let is_json = response
         .headers()
