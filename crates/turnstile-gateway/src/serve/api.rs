@@ -97,12 +97,14 @@ pub enum ErrorCode {
     UnsupportedSetting,
     /// The request target is longer than [`URI_BYTES_MAX`] (414).
     UriTooLong,
+    /// The listener is at `connections_max` (503; `/healthz` still answers).
+    Overloaded,
 }
 
 impl ErrorCode {
     /// Every code (held against the spec by the tests; the binary itself needs no list).
     #[cfg_attr(not(test), allow(dead_code))]
-    pub const ALL: [ErrorCode; 27] = [
+    pub const ALL: [ErrorCode; 28] = [
         ErrorCode::BodyTooLarge,
         ErrorCode::ConversationExists,
         ErrorCode::DuplicateResult,
@@ -130,6 +132,7 @@ impl ErrorCode {
         ErrorCode::UnknownProvider,
         ErrorCode::UnsupportedSetting,
         ErrorCode::UriTooLong,
+        ErrorCode::Overloaded,
     ];
 
     /// The code's string.
@@ -162,6 +165,7 @@ impl ErrorCode {
             ErrorCode::UnknownProvider => "unknown_provider",
             ErrorCode::UnsupportedSetting => "unsupported_setting",
             ErrorCode::UriTooLong => "uri_too_long",
+            ErrorCode::Overloaded => "overloaded",
         }
     }
 }

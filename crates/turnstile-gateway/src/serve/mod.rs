@@ -7,6 +7,7 @@ pub mod api;
 pub mod config;
 pub mod driver;
 pub mod hub;
+pub mod listener;
 pub mod metrics;
 pub mod proxy;
 pub mod transport;
@@ -252,11 +253,17 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    use axum::serve::ListenerExt;
-    axum::serve(listener.tap_io(crate::sim::set_nodelay), app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .map_err(|error| error.to_string())
+    listener::serve(
+        listener,
+        app,
+        listener::Limits {
+            header_read_timeout_ms: config.header_read_timeout_ms,
+            connections_max: config.connections_max,
+        },
+        shutdown_signal(),
+    )
+    .await
+    .map_err(|error| error.to_string())
 }
 
 /// Start-up recovery, before the listener opens: this process's (and any expired) live

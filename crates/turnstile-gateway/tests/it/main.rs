@@ -3,6 +3,7 @@
 mod api_errors;
 mod assemble;
 mod console;
+mod listener;
 mod proxy;
 mod proxy_sdk;
 mod render;
