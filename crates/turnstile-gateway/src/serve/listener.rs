@@ -45,6 +45,16 @@ pub struct Limits {
     pub connections_max: usize,
 }
 
+impl Limits {
+    /// The limits a configuration asks for.
+    pub fn of(config: &super::config::Config) -> Limits {
+        Limits {
+            header_read_timeout_ms: config.header_read_timeout_ms,
+            connections_max: config.connections_max,
+        }
+    }
+}
+
 /// Serve `app` on `listener` within `limits` until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,

@@ -253,17 +253,9 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    listener::serve(
-        listener,
-        app,
-        listener::Limits {
-            header_read_timeout_ms: config.header_read_timeout_ms,
-            connections_max: config.connections_max,
-        },
-        shutdown_signal(),
-    )
-    .await
-    .map_err(|error| error.to_string())
+    listener::serve(listener, app, listener::Limits::of(&config), shutdown_signal())
+        .await
+        .map_err(|error| error.to_string())
 }
 
 /// Start-up recovery, before the listener opens: this process's (and any expired) live
