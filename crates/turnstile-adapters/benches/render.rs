@@ -32,9 +32,12 @@ fn conversation(blocks: usize, extra_turn: bool) -> Conversation {
             {"kind": "text", "text": format!("Looking up {round}.")},
             {"kind": "tool_call", "call_id": format!("call_{round}_a"), "tool": "get_weather", "arguments": format!("{{\"city\":\"City {round}\"}}")},
             {"kind": "tool_call", "call_id": format!("call_{round}_b"), "tool": "get_weather", "arguments": {"city": format!("Town {round}")}}]}));
+        // Results carry the call's tool, args digest and generation (spec §1).
+        let digest_a = Digest::of_canonical(&json!({"city": format!("City {round}")}));
+        let digest_b = Digest::of_canonical(&json!({"city": format!("Town {round}")}));
         turns.push(json!({"role": "tool", "blocks": [
-            {"kind": "tool_result", "call_id": format!("call_{round}_b"), "tool": "get_weather", "status": "success", "content": [{"kind": "text", "text": format!("{round}C, {PARAGRAPH}")}]},
-            {"kind": "tool_result", "call_id": format!("call_{round}_a"), "tool": "get_weather", "status": "error", "content": [{"kind": "text", "text": "timeout"}]}]}));
+            {"kind": "tool_result", "call_id": format!("call_{round}_b"), "tool": "get_weather", "args_digest": digest_b, "generation": round + 1, "status": "success", "content": [{"kind": "text", "text": format!("{round}C, {PARAGRAPH}")}]},
+            {"kind": "tool_result", "call_id": format!("call_{round}_a"), "tool": "get_weather", "args_digest": digest_a, "generation": round + 1, "status": "error", "content": [{"kind": "text", "text": "timeout"}]}]}));
         count += 7;
         round += 1;
     }

@@ -162,3 +162,16 @@ impl Catalog {
         }
     }
 }
+
+/// The exact tokenizer of an OpenAI model the built-in catalog knows by name or family prefix
+/// (`gpt-4o-2024-08-06` → o200k), or `None`: for a name it does not know (a compatible endpoint
+/// serving another vendor's model, whose counts are in that model's own tokens) and for a
+/// catalog entry that is an estimate. Used to hold a stream's reported output usage against
+/// the text it carried (`decode/openai_chat.rs`), where only an exact count may accuse.
+pub fn exact_openai_tokenizer(model: &str) -> Option<Tokenizer> {
+    static BUILTIN: std::sync::LazyLock<Catalog> = std::sync::LazyLock::new(Catalog::builtin);
+    match BUILTIN.lookup(Api::OpenaiChat, model) {
+        (info, Match::Exact | Match::Prefix) if info.tokenizer.is_exact() => Some(info.tokenizer),
+        _ => None,
+    }
+}

@@ -14,8 +14,12 @@
 //!   NUL; `retry` with only ASCII digits sets the reconnection time;
 //! - an event without its terminating blank line at the end of input is discarded (it is never
 //!   dispatched: [`SseParser::handle_end_of_input`] drops it);
-//! - bytes that are not UTF-8 are decoded with U+FFFD replacement, as the spec's UTF-8 decode
-//!   does (a line is only decoded once complete, so a code point split across chunks survives).
+//! - a line that is not UTF-8 poisons the parser ([`SseError::InvalidUtf8`]). The spec's UTF-8
+//!   decode would replace the bytes with U+FFFD, but for us the bytes are a provider's answer
+//!   that may become committed history: a replaced character is a turn the provider never sent,
+//!   so it is a protocol violation of the stream and nothing of it commits (issue 17;
+//!   `docs/decisions.md`, 2026-12-01). A line is only checked once complete, so a code point
+//!   split across chunks survives.
 //!
 //! Why hand-written and not `eventsource-stream` 0.2.3 (checked against these rules and
 //! benchmarked in `benches/decode.rs`, figures in `docs/benchmarks.md`):
@@ -23,7 +27,7 @@
 //!   run inside the core's deterministic tests without an executor;
 //! - it copies the remaining buffer after every line (`String::split_off`), so a chunk holding
 //!   many lines costs time quadratic in the chunk size;
-//! - invalid UTF-8 is a hard error that ends the stream, where the spec replaces it.
+//! - (not a reason any more: invalid UTF-8 is a hard error there, as it is here since issue 17.)
 //!
 //! Its framing rules are otherwise right (CR/LF/CRLF, BOM, comments, unterminated last event
 //! discarded), and the conformance test runs both on the same inputs.
@@ -57,6 +61,9 @@ pub enum SseError {
     /// An event's data longer than [`SSE_EVENT_BYTES_MAX`].
     #[error("limit exceeded: SSE_EVENT_BYTES_MAX is {0}")]
     EventTooLarge(usize),
+    /// A line that is not valid UTF-8 (its ordinal in the stream, counting from 0).
+    #[error("protocol violation: line {0} of the stream is not valid UTF-8")]
+    InvalidUtf8(u64),
 }
 
 /// Incremental event-stream parser.
@@ -77,6 +84,8 @@ pub struct SseParser {
     retry_ms: Option<u64>,
     ready: VecDeque<SseEvent>,
     error: Option<SseError>,
+    /// Lines seen so far (for [`SseError::InvalidUtf8`]).
+    lines: u64,
 }
 
 impl SseParser {
@@ -190,40 +199,42 @@ impl SseParser {
         if line.len() > SSE_LINE_BYTES_MAX {
             return Err(self.poison(SseError::LineTooLong(SSE_LINE_BYTES_MAX)));
         }
+        let ordinal = self.lines;
+        self.lines += 1;
+        let Ok(line) = std::str::from_utf8(line) else {
+            return Err(self.poison(SseError::InvalidUtf8(ordinal)));
+        };
         if line.is_empty() {
             self.dispatch();
             return Ok(());
         }
-        if line[0] == b':' {
+        if line.starts_with(':') {
             return Ok(());
         }
-        let (name, value) = match memchr::memchr(b':', line) {
-            Some(colon) => {
-                let value = &line[colon + 1..];
-                (&line[..colon], value.strip_prefix(b" ").unwrap_or(value))
-            }
-            None => (line, &b""[..]),
+        let (name, value) = match line.split_once(':') {
+            Some((name, value)) => (name, value.strip_prefix(' ').unwrap_or(value)),
+            None => (line, ""),
         };
         match name {
-            b"data" => {
+            "data" => {
                 if self.data.len() + value.len() + 1 > SSE_EVENT_BYTES_MAX {
                     return Err(self.poison(SseError::EventTooLarge(SSE_EVENT_BYTES_MAX)));
                 }
-                push_utf8(&mut self.data, value);
+                self.data.push_str(value);
                 self.data.push('\n');
             }
-            b"event" => {
+            "event" => {
                 self.event.clear();
-                push_utf8(&mut self.event, value);
+                self.event.push_str(value);
             }
-            b"id" if !value.contains(&0) => {
+            "id" if !value.contains('\0') => {
                 self.last_event_id.clear();
-                push_utf8(&mut self.last_event_id, value);
+                self.last_event_id.push_str(value);
             }
-            b"retry" if !value.is_empty() && value.iter().all(u8::is_ascii_digit) => {
+            "retry" if !value.is_empty() && value.bytes().all(|byte| byte.is_ascii_digit()) => {
                 // More digits than a u64 holds: keep the old value (spec: "interpret as
                 // an integer"; an overflowing one is not one we can honour).
-                if let Some(ms) = std::str::from_utf8(value).ok().and_then(|text| text.parse().ok()) {
+                if let Ok(ms) = value.parse() {
                     self.retry_ms = Some(ms);
                 }
             }
@@ -248,12 +259,5 @@ impl SseParser {
             data: std::mem::take(&mut self.data),
             id: self.last_event_id.clone(),
         });
-    }
-}
-
-fn push_utf8(target: &mut String, bytes: &[u8]) {
-    match std::str::from_utf8(bytes) {
-        Ok(text) => target.push_str(text),
-        Err(_) => target.push_str(&String::from_utf8_lossy(bytes)),
     }
 }

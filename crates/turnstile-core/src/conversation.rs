@@ -704,7 +704,10 @@ fn block_body(kind: &str, mut map: Map<String, Value>) -> FieldResult<BlockBody>
         }
         "tool_result" => {
             let call_id = call_id(&mut map)?;
-            let tool = required_string(&mut map, "tool")?;
+            // A result without `tool` is well-formed but cannot be shown to match its call: the
+            // validator reports `result_mismatch` (spec §1), so it decodes as the empty name,
+            // which the validator refuses whatever the call is named.
+            let tool = optional_string(&mut map, "tool")?.unwrap_or_default();
             let args_digest = match map.remove("args_digest") {
                 None | Some(Value::Null) => None,
                 Some(Value::String(text)) => {

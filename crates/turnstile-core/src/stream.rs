@@ -4,8 +4,15 @@
 //! A provider stream is a sequence of provider events (one SSE event each). A decoder turns each
 //! into zero or more [`StreamEvent`]s, each tagged with a [`Seq`]: the provider's own sequence
 //! number where the API has one (OpenAI Responses `sequence_number`), else the decoder's receive
-//! ordinal of the provider event within its connection. Two deliveries of the same provider
-//! event therefore carry the same `Seq`, which is what the assembler dedupes on.
+//! ordinal of the provider event within its connection. The assembler dedupes on `Seq`, which
+//! catches exactly this much: an event handed to it twice (a buffered event fed again, a
+//! resumed connection replaying what was received), and, where the provider numbers its events
+//! (Responses), a provider event sent twice on the wire. An event the provider (or anything
+//! between) sends twice on a wire *without* sequence numbers gets a new receive ordinal and is
+//! not a duplicate to the assembler; what the decoders catch of those instead (usage held
+//! against the output on OpenAI Chat, a block index started or stopped twice on Anthropic,
+//! Gemini's cumulative count) and what nobody can catch (an Anthropic text delta alone) is
+//! listed in ARCHITECTURE.md and `docs/decisions.md` (2026-12-01).
 //!
 //! Block indices ([`BlockIndex`]) are keys chosen by the decoder from the provider's own keys
 //! (Anthropic `index`, OpenAI Chat `tool_calls[].index`, Responses `output_index`), never array

@@ -370,21 +370,30 @@ impl<'a> Pass<'a> {
             return;
         }
         call.answered = true;
+        // Spec §1: a result must carry `tool`, `args_digest` and `generation`; one that lacks
+        // any of them cannot be shown to match its call and is `result_mismatch`.
         let mut differences = Vec::new();
-        if call.tool != tool {
+        if tool.is_empty() {
+            differences.push("the result carries no tool".to_owned());
+        } else if call.tool != tool {
             differences.push(format!("tool {tool:?} is not the call's {:?}", call.tool));
         }
-        if let (Some(given), Some(expected)) = (args_digest, call.args_digest) {
-            if given != expected {
+        match (args_digest, call.args_digest) {
+            (None, Some(_)) => differences.push("the result carries no args_digest".to_owned()),
+            (Some(given), Some(expected)) if given != expected => {
                 differences.push(format!("args_digest {given} is not the call's {expected}"));
             }
+            // The call's arguments are unclosed, so it has no digest to match (or copy, for an
+            // importer): that call is already `unclosed_arguments`, reported once.
+            (_, None) | (Some(_), Some(_)) => {}
         }
-        if generation.is_some() && generation != call_generation {
-            differences.push(format!(
-                "generation {} is not the call's {}",
-                generation.map_or("none".into(), |g| g.to_string()),
+        match generation {
+            None => differences.push("the result carries no generation".to_owned()),
+            Some(given) if Some(given) != call_generation => differences.push(format!(
+                "generation {given} is not the call's {}",
                 call_generation.map_or("none".into(), |g| g.to_string()),
-            ));
+            )),
+            Some(_) => {}
         }
         if !differences.is_empty() {
             self.push(

@@ -45,6 +45,8 @@ const TAG_SYSTEM: u8 = 1;
 const TAG_CONTENT: u8 = 2;
 const TAG_RESULT: u8 = 3;
 const TAG_TOOLS: u8 = 4;
+/// The bytes around the tool list (`,"tools":[` … `]`), counted with the tools.
+const TOOLS_WRAPPER_TEXT: &str = ",\"tools\":[]";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum MessageRole {
@@ -199,20 +201,23 @@ pub(crate) fn render(
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[");
         ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+            let start = w.out.len();
             for (index, tool) in conversation.tools.iter().enumerate() {
                 if index > 0 {
                     w.raw(",");
                 }
-                let start = w.out.len();
                 w.raw("{\"name\":").string(&tool.name);
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
                 }
                 w.raw(",\"input_schema\":").canonical(&tool.input_schema).raw("}");
-                let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
-                w.count(&written);
             }
-            w.charge(w.tokenizer.tools_overhead());
+            // Every byte the tools add to the request is counted, separators and the wrapper
+            // around the list included (issue 17: the property test in
+            // `tests/it/render_admission.rs` holds the charge against the inserted bytes).
+            let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
+            let overhead = w.tokenizer.tools_overhead();
+            w.count(&written).count(TOOLS_WRAPPER_TEXT).charge(overhead);
         });
         out.push(b']');
     }

@@ -20,11 +20,19 @@ use turnstile_core::stream::{BlockIndex, BlockStart, Sequenced, StopReason, Stre
 
 sse_decoder!(
     /// Decoder for `anthropic-messages@*`.
-    AnthropicDecoder, Anthropic, Anthropic
+    AnthropicDecoder, Anthropic, Anthropic::default()
 );
 
-#[derive(Clone)]
-pub(crate) struct Anthropic;
+/// What the stream has said once and may not say again. Anthropic events carry no sequence
+/// number, so a duplicated `content_block_delta` cannot be told from the model's own words; but
+/// a message starts once and each block index stops once, so a second `message_start` or a
+/// second `content_block_stop` for an index is a protocol violation (a second
+/// `content_block_start` the assembler refuses by itself: "block N started twice").
+#[derive(Clone, Default)]
+pub(crate) struct Anthropic {
+    message_started: bool,
+    stopped: std::collections::HashSet<u64>,
+}
 
 fn index_of(payload: &Value, out: &mut Emitter) -> Option<BlockIndex> {
     let index = u64_at(payload, "index").map(BlockIndex);
@@ -97,6 +105,12 @@ impl EventDecoder for Anthropic {
         let kind = str_at(&payload, "type").unwrap_or(event.event.as_str());
         match kind {
             "message_start" => {
+                if std::mem::replace(&mut self.message_started, true) {
+                    out.push(StreamEvent::Malformed {
+                        detail: "a second message_start".into(),
+                    });
+                    return;
+                }
                 let message = payload.get("message").unwrap_or(&Value::Null);
                 if let Some(id) = str_at(message, "id") {
                     out.push(StreamEvent::Handle {
@@ -225,6 +239,18 @@ impl EventDecoder for Anthropic {
                 let Some(index) = index_of(&payload, out) else {
                     return;
                 };
+                if self.stopped.len() >= turnstile_core::limits::BLOCKS_PER_TURN_MAX {
+                    out.push(StreamEvent::Malformed {
+                        detail: "limit exceeded: BLOCKS_PER_TURN_MAX".into(),
+                    });
+                    return;
+                }
+                if !self.stopped.insert(index.0) {
+                    out.push(StreamEvent::Malformed {
+                        detail: format!("content_block_stop for block {} twice", index.0),
+                    });
+                    return;
+                }
                 out.push(StreamEvent::BlockStop {
                     index,
                     arguments_final: None,

@@ -253,6 +253,14 @@ impl<D: EventDecoder> SseDecoder<D> {
         }
         self.sse.handle_end_of_file();
         self.drain_sse();
+        // The last line, decoded only now, may itself break a rule (not UTF-8).
+        if let Some(error) = self.sse.error() {
+            self.poisoned = true;
+            self.out.begin(None);
+            self.out.push(StreamEvent::Malformed {
+                detail: error.to_string(),
+            });
+        }
     }
 
     pub(crate) fn poll_event(&mut self) -> Option<Sequenced> {

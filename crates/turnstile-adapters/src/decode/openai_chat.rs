@@ -13,6 +13,19 @@
 //!
 //! Block keys: the text block is key 0, tool call `index` i is key i + 1. Only choice 0 is
 //! assembled (`n > 1` is not something a conversation turn can hold); other choices are ignored.
+//!
+//! Duplicated deltas. Chat events carry no sequence number, so a chunk delivered twice (a
+//! proxy or SDK bug, the simulator's `duplicate_events`) is two deltas to any decoder. What
+//! can be checked is the usage chunk: `completion_tokens` counts every token the model
+//! generated, and every byte of visible output (text, refusal, each call's arguments) was
+//! generated, so for a model whose tokenizer we have exactly (an OpenAI model the catalog knows,
+//! [`crate::catalog::exact_openai_tokenizer`]) the BPE count of the assembled output cannot
+//! exceed `completion_tokens − reasoning_tokens`. When it does, some delta arrived twice, and
+//! the decoder emits a malformed event (the assembler retracts, nothing commits). It is
+//! one-sided on purpose: hidden tokens (reasoning, tool-call framing) only raise the reported
+//! count. Not detectable: a stream without a usage chunk, a model we cannot count exactly
+//! (compatible endpoints), and a duplicate small enough to stay under the hidden tokens of a
+//! reply with tool calls (`docs/decisions.md`, 2026-12-01).
 
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
@@ -27,11 +40,20 @@ sse_decoder!(
     OpenAiChatDecoder, Chat, Chat::default()
 );
 
+/// Most output bytes kept for the usage cross-check; a longer reply is not checked (the
+/// assembler's own `ASSEMBLE_TURN_BYTES_MAX` bounds what can commit).
+pub const CHAT_USAGE_CHECK_BYTES_MAX: usize = 4 * 1024 * 1024;
+
 #[derive(Clone, Default)]
 pub(crate) struct Chat {
     handle: Option<String>,
     started: BTreeSet<BlockIndex>,
     stopped: bool,
+    /// The model the chunks name (the first one that names one).
+    model: Option<String>,
+    /// Visible output of choice 0 per block key, as received, for the usage cross-check.
+    output: std::collections::BTreeMap<BlockIndex, String>,
+    output_bytes: usize,
 }
 
 impl EventDecoder for Chat {
@@ -49,6 +71,11 @@ impl EventDecoder for Chat {
         if let Some(error) = chunk.get("error").filter(|error| !error.is_null()) {
             out.push(provider_error(error));
             return;
+        }
+        if self.model.is_none()
+            && let Some(model) = str_at(&chunk, "model")
+        {
+            self.model = Some(model.to_owned());
         }
         if let Some(id) = str_at(&chunk, "id")
             && self.handle.as_deref() != Some(id)
@@ -75,11 +102,51 @@ impl EventDecoder for Chat {
                 input_tokens: u64_at(usage, "prompt_tokens"),
                 output_tokens: u64_at(usage, "completion_tokens"),
             });
+            self.check_usage(usage, out);
         }
     }
 }
 
 impl Chat {
+    /// Keep a visible fragment for the usage cross-check (see the module docs).
+    fn keep(&mut self, index: BlockIndex, fragment: &str) {
+        self.output_bytes = self.output_bytes.saturating_add(fragment.len());
+        if self.output_bytes <= CHAT_USAGE_CHECK_BYTES_MAX {
+            self.output.entry(index).or_default().push_str(fragment);
+        }
+    }
+
+    /// More visible output than the model generated means a delta arrived twice.
+    fn check_usage(&mut self, usage: &Value, out: &mut Emitter) {
+        let Some(reported) = u64_at(usage, "completion_tokens") else {
+            return;
+        };
+        if self.output_bytes > CHAT_USAGE_CHECK_BYTES_MAX {
+            return;
+        }
+        let Some(tokenizer) = self
+            .model
+            .as_deref()
+            .and_then(crate::catalog::exact_openai_tokenizer)
+        else {
+            return;
+        };
+        let reasoning = usage
+            .get("completion_tokens_details")
+            .and_then(|details| u64_at(details, "reasoning_tokens"))
+            .unwrap_or(0);
+        let visible_max = reported.saturating_sub(reasoning);
+        let visible: u64 = self.output.values().map(|text| tokenizer.count(text)).sum();
+        if visible > visible_max {
+            out.push(StreamEvent::Malformed {
+                detail: format!(
+                    "the stream carried {visible} tokens of output but the provider reported \
+                     {visible_max} generated: a delta was delivered more than once"
+                ),
+            });
+        }
+    }
+
     fn delta(&mut self, delta: &Value, out: &mut Emitter) {
         for key in ["content", "refusal"] {
             let Some(text) = str_at(delta, key) else {
@@ -91,6 +158,7 @@ impl Chat {
                     block: BlockStart::Text,
                 });
             }
+            self.keep(TEXT_BLOCK, text);
             out.push(StreamEvent::TextDelta {
                 index: TEXT_BLOCK,
                 text: text.to_owned(),
@@ -125,6 +193,7 @@ impl Chat {
             if let Some(fragment) = function.and_then(|function| str_at(function, "arguments"))
                 && !fragment.is_empty()
             {
+                self.keep(index, fragment);
                 out.push(StreamEvent::ToolArgsDelta {
                     index,
                     fragment: fragment.to_owned(),

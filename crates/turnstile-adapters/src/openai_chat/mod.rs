@@ -114,13 +114,15 @@ pub(crate) fn render(
                 if index > 0 {
                     w.raw(",");
                 }
+                let start = w.out.len();
                 w.raw("{\"type\":\"function\",\"function\":{\"name\":")
                     .string(&tool.name);
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
                 }
                 w.raw(",\"parameters\":").canonical(&tool.input_schema).raw("}}");
-                w.charge(openai_tool_tokens(w.tokenizer, tool));
+                let charge = openai_tool_tokens(w.tokenizer, tool, &w.out[start..]);
+                w.charge(charge);
             }
         });
         out.push(b']');
@@ -395,13 +397,38 @@ pub(crate) fn arguments_text(arguments: &Arguments) -> std::borrow::Cow<'_, str>
     }
 }
 
+/// Tokens charged for one OpenAI tool definition: the exact BPE count of the tool's JSON as
+/// sent (`rendered`, every byte of it: name, description, the whole `parameters` schema with
+/// `$defs`, `allOf`/`anyOf`, nested objects, enums) plus [`OPENAI_TOOL_FRAMING_TOKENS`], and
+/// never less than the cookbook formula ([`openai_tool_tokens_cookbook`]).
+///
+/// Why this bounds what OpenAI charges: the API renders each function into its system prompt
+/// as a TypeScript-like declaration whose model-visible strings (names, descriptions, property
+/// names, types, enum values, the referenced definitions) all appear in the JSON text as well,
+/// where each is wrapped in more syntax (`"key":`, quotes, braces). The framing constant covers
+/// the per-function header and footer the cookbook measured (`func_init` 7 + `func_end` 12).
+/// The cookbook formula alone counts only name, description and first-level `properties`: a
+/// tool with a 438 KB `$defs` block counted 53 tokens under it (issue 17). The bound per
+/// provider is recorded in `docs/decisions.md` (2026-12-01, "tool schemas are counted as sent").
+pub(crate) fn openai_tool_tokens(tokenizer: Tokenizer, tool: &ToolDef, rendered: &[u8]) -> u64 {
+    // Invariant: the renderer writes UTF-8 JSON (str literals and RFC 8785 output), so this
+    // borrows; the lossy path is never taken, and could only over-count (U+FFFD is 1 token+).
+    let text = String::from_utf8_lossy(rendered);
+    let as_sent = tokenizer.count(&text) + OPENAI_TOOL_FRAMING_TOKENS;
+    as_sent.max(openai_tool_tokens_cookbook(tokenizer, tool))
+}
+
+/// Tokens added per function definition beyond its JSON text: the cookbook's `func_init` (7)
+/// plus `func_end` (12), measured by OpenAI on gpt-4o-family models.
+pub const OPENAI_TOOL_FRAMING_TOKENS: u64 = 7 + 12;
+
 /// Tool-definition tokens per the OpenAI cookbook (§7 of `How_to_count_tokens_with_tiktoken`):
 /// `func_init + len(name:description) + prop_init + Σ(prop_key + enum costs +
 /// len(name:type:description)) + func_end`, with the gpt-4o constants (func_init 7, prop_init
-/// 3, prop_key 3, enum_init −3, enum_item 3, func_end 12). The cookbook does not cover nested
-/// objects, `anyOf` or arrays of objects; for those the whole property schema's canonical JSON
-/// is counted as well, which over-counts rather than under-counts.
-pub(crate) fn openai_tool_tokens(tokenizer: Tokenizer, tool: &ToolDef) -> u64 {
+/// 3, prop_key 3, enum_init −3, enum_item 3, func_end 12). It ignores everything but
+/// first-level `properties` (nested schemas only partly), so it is only a floor here: see
+/// [`openai_tool_tokens`].
+fn openai_tool_tokens_cookbook(tokenizer: Tokenizer, tool: &ToolDef) -> u64 {
     use serde_json::Value;
     let description = tool.description.as_deref().unwrap_or("").trim_end_matches('.');
     let mut tokens = 7 + tokenizer.count(&format!("{}:{}", tool.name, description));

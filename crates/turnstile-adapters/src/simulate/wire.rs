@@ -122,6 +122,23 @@ fn usage_tokens(reply: &Reply, prompt_bytes: usize) -> (u64, u64) {
     ((prompt_bytes / 4).max(1) as u64, (output / 4).max(1) as u64)
 }
 
+/// OpenAI's output usage as a real model reports it: the BPE count of everything it generated
+/// (text and each call's arguments; the recorded `gpt-4o-length-with-usage` capture reports
+/// exactly its text's count), for the tokenizer of `model` (o200k when the catalog does not
+/// know it), so the Chat decoder's usage cross-check holds for an honest reply and catches a
+/// duplicated one (`decode/openai_chat.rs`). `fallback` when there is no output at all.
+fn openai_output_tokens(reply: &Reply, model: &str, fallback: u64) -> u64 {
+    let tokenizer =
+        crate::catalog::exact_openai_tokenizer(model).unwrap_or(crate::tokens::Tokenizer::O200kBase);
+    let generated = tokenizer.count(&reply.text)
+        + reply
+            .tool_calls
+            .iter()
+            .map(|call| tokenizer.count(&call.arguments_text()))
+            .sum::<u64>();
+    if generated == 0 { fallback } else { generated }
+}
+
 /// Encode a reply as the stream frames of one API.
 pub fn frames(
     api: Api,
@@ -133,8 +150,14 @@ pub fn frames(
 ) -> Vec<Frame> {
     let (input_tokens, output_tokens) = usage_tokens(reply, prompt_bytes);
     match api {
-        Api::OpenAiChat => chat_frames(reply, handle, model, ids, input_tokens, output_tokens),
-        Api::OpenAiResponses => responses_frames(reply, handle, model, ids, input_tokens, output_tokens),
+        Api::OpenAiChat => {
+            let output_tokens = openai_output_tokens(reply, model, output_tokens);
+            chat_frames(reply, handle, model, ids, input_tokens, output_tokens)
+        }
+        Api::OpenAiResponses => {
+            let output_tokens = openai_output_tokens(reply, model, output_tokens);
+            responses_frames(reply, handle, model, ids, input_tokens, output_tokens)
+        }
         Api::Anthropic => anthropic_frames(reply, handle, model, ids, input_tokens, output_tokens),
         Api::Gemini => gemini_frames(reply, handle, model, input_tokens, output_tokens),
     }
@@ -507,6 +530,10 @@ pub fn whole_body(
     prompt_bytes: usize,
 ) -> Value {
     let (input, output) = usage_tokens(reply, prompt_bytes);
+    let output = match api {
+        Api::OpenAiChat | Api::OpenAiResponses => openai_output_tokens(reply, model, output),
+        Api::Anthropic | Api::Gemini => output,
+    };
     match api {
         Api::OpenAiChat => {
             let tool_calls: Vec<Value> = reply

@@ -4,6 +4,7 @@ mod import_golden;
 mod import_props;
 mod import_refusals;
 mod import_validator;
+mod render_admission;
 mod render_golden;
 mod render_openapi;
 mod render_prepare;

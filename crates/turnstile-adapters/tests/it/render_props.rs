@@ -130,8 +130,13 @@ pub fn conversation(seed: u64, documents: bool) -> Value {
             } else {
                 json!({"q": g.pick(TEXTS), "nested": {"k": [1, 2, 3]}})
             };
+            let parsed: Value = match &arguments {
+                Value::String(text) => serde_json::from_str(text).expect("generated arguments are JSON"),
+                other => other.clone(),
+            };
+            let args_digest = turnstile_core::Digest::of_canonical(&parsed);
             blocks.push(json!({"id": next_block("a"), "kind": "tool_call", "call_id": id, "tool": tool, "arguments": arguments}));
-            call_ids.push((id, tool));
+            call_ids.push((id, tool, args_digest));
         }
         if blocks.is_empty() {
             blocks.push(json!({"id": next_block("a"), "kind": "text", "text": "ok"}));
@@ -145,13 +150,14 @@ pub fn conversation(seed: u64, documents: bool) -> Value {
             }
             let tool_turns = 1 + g.below(3.min(call_ids.len() as u64));
             let mut runs: Vec<Vec<Value>> = vec![Vec::new(); tool_turns as usize];
-            for (id, tool) in call_ids {
+            for (id, tool, args_digest) in call_ids {
                 let status = g.pick(&["success", "success", "error", "cancel"]);
                 let content: Vec<Value> = (0..g.below(3))
                     .map(|part| json!({"kind": "text", "text": format!("{} {part}", g.pick(TEXTS))}))
                     .collect();
                 let run = g.below(tool_turns) as usize;
-                runs[run].push(json!({"id": next_block("r"), "kind": "tool_result", "call_id": id, "tool": tool, "status": status, "content": content}));
+                runs[run].push(json!({"id": next_block("r"), "kind": "tool_result", "call_id": id, "tool": tool,
+                                     "args_digest": args_digest, "generation": round + 1, "status": status, "content": content}));
             }
             for run in runs.into_iter().filter(|run| !run.is_empty()) {
                 turns.push(json!({"role": "tool", "blocks": run}));

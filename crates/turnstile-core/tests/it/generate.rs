@@ -176,6 +176,7 @@ pub enum Mutation {
     ChangeResultTool,
     ChangeResultArgsDigest,
     ChangeResultGeneration,
+    OmitResultField,
     CutArguments,
     InsertUnknownKind,
     MarkPreview,
@@ -184,12 +185,13 @@ pub enum Mutation {
 }
 
 impl Mutation {
-    pub const ALL: [Mutation; 10] = [
+    pub const ALL: [Mutation; 11] = [
         Mutation::DropResult,
         Mutation::DuplicateResult,
         Mutation::ChangeResultTool,
         Mutation::ChangeResultArgsDigest,
         Mutation::ChangeResultGeneration,
+        Mutation::OmitResultField,
         Mutation::CutArguments,
         Mutation::InsertUnknownKind,
         Mutation::MarkPreview,
@@ -203,7 +205,8 @@ impl Mutation {
             Mutation::DuplicateResult => "duplicate_result",
             Mutation::ChangeResultTool
             | Mutation::ChangeResultArgsDigest
-            | Mutation::ChangeResultGeneration => "result_mismatch",
+            | Mutation::ChangeResultGeneration
+            | Mutation::OmitResultField => "result_mismatch",
             Mutation::CutArguments => "unclosed_arguments",
             Mutation::InsertUnknownKind => "unknown_kind",
             Mutation::MarkPreview => "uncommitted_block",
@@ -286,6 +289,19 @@ pub fn mutate(conversation: &mut Value, mutation: Mutation, rng: &mut Rng) -> bo
                 }
                 _ => block["generation"] = json!(block["generation"].as_u64().unwrap() + 100),
             }
+        }
+        Mutation::OmitResultField => {
+            // Spec §1: a result lacking `tool`, `args_digest` or `generation` cannot be shown
+            // to match its call.
+            let candidates = positions(conversation, |_, block| is_kind(block, "tool_result"));
+            let Some(&(t, b)) = pick(&candidates, rng) else {
+                return false;
+            };
+            let field = ["tool", "args_digest", "generation"][rng.below(3)];
+            turns(conversation)[t]["blocks"][b]
+                .as_object_mut()
+                .unwrap()
+                .remove(field);
         }
         Mutation::CutArguments => {
             let candidates = positions(conversation, |_, block| is_kind(block, "tool_call"));

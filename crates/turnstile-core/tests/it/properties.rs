@@ -36,7 +36,7 @@ proptest! {
     }
 
     #[test]
-    fn each_one_rule_mutation_is_rejected_with_its_code(seed in any::<u64>(), rounds in 2usize..6, which in 0usize..10) {
+    fn each_one_rule_mutation_is_rejected_with_its_code(seed in any::<u64>(), rounds in 2usize..6, which in 0usize..11) {
         let (mut conversation, _) = legal(seed, rounds);
         let mut rng = Rng::new(seed ^ 0xA5A5);
         // Try the chosen mutation first, then the others, so every seed tests something.

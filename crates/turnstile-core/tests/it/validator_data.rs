@@ -91,3 +91,50 @@ fn the_shipped_example_is_ready() {
         std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/weather.json")).unwrap();
     assert_eq!(actual(&bytes)["status"], "ready");
 }
+
+/// Spec §1 (issue 17): a `tool_result` must carry `tool`, `args_digest` and `generation`; one
+/// that lacks any of them (or all three: it validated `ready` before) is `result_mismatch`,
+/// and nothing else.
+#[test]
+fn a_result_lacking_tool_args_digest_or_generation_is_result_mismatch() {
+    let path = data_dir().join("ready_multi_round_tools_then_text.json");
+    let original: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(actual(&serde_json::to_vec(&original).unwrap())["status"], "ready");
+    let (turn, block) = original["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .find_map(|(t, turn)| {
+            let b = turn["blocks"]
+                .as_array()?
+                .iter()
+                .position(|b| b["kind"] == "tool_result")?;
+            Some((t, b))
+        })
+        .expect("the case has results");
+    let omissions: [&[&str]; 4] = [
+        &["tool"],
+        &["args_digest"],
+        &["generation"],
+        &["tool", "args_digest", "generation"],
+    ];
+    for omitted in omissions {
+        let mut conversation = original.clone();
+        let result = conversation["turns"][turn]["blocks"][block]
+            .as_object_mut()
+            .unwrap();
+        for field in omitted {
+            assert!(result.remove(*field).is_some(), "{field}");
+        }
+        let block_id = result["id"].clone();
+        let call_id = result["call_id"].clone();
+        let verdict = actual(&serde_json::to_vec(&conversation).unwrap());
+        assert_eq!(verdict["status"], "rejected", "{omitted:?}");
+        assert_eq!(
+            verdict["violations"],
+            json!([{"code": "result_mismatch", "turn": conversation["turns"][turn]["id"], "block": block_id, "call_id": call_id}]),
+            "{omitted:?}"
+        );
+    }
+}

@@ -38,17 +38,156 @@ pub const ID_BYTES_MAX: usize = 128;
 /// How often a client watching a dispatch driven elsewhere polls the ledger.
 const WATCH_POLL: Duration = Duration::from_millis(100);
 
+/// Every error code of the native API, one variant each: the strings are API (the spec names
+/// `revision_conflict`, `invalid_request`, `stale_claim`; a test holds every code the spec
+/// names against [`ErrorCode::ALL`]), messages are not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// The body exceeds `body_bytes_max` (413).
+    BodyTooLarge,
+    /// `POST /v1/conversations` with an id that exists (409).
+    ConversationExists,
+    /// A second result for a call (409).
+    DuplicateResult,
+    /// A bug of ours (500).
+    Internal,
+    /// An id that is empty, too long, of other characters, or `.`/`..` (422).
+    InvalidId,
+    /// A body that is not JSON (400).
+    InvalidJson,
+    /// A well-formed JSON body, path or query of the wrong shape: not an object, an unknown
+    /// field, a field of the wrong type or range (422; 400 for a query or path the router
+    /// cannot read).
+    InvalidRequest,
+    /// A tool's schema that does not compile (422).
+    InvalidToolSchema,
+    /// A named limit was exceeded (422).
+    LimitExceeded,
+    /// A stored manifest that is not intact (500).
+    ManifestInvalid,
+    /// A path that exists with another method (405).
+    MethodNotAllowed,
+    /// No such conversation, dispatch, tool call or route (404).
+    NotFound,
+    /// The graph cannot be built for rendering (422).
+    NotRenderable,
+    /// An operation id used for another conversation or manifest (409).
+    OperationConflict,
+    /// Admission refused: prompt plus output cap exceed the window (422).
+    OverBudget,
+    /// The history would be illegal; `violations` say why (422).
+    Rejected,
+    /// The conversation is not at the expected revision (409).
+    RevisionConflict,
+    /// A generation setting out of the target API's range (422).
+    SettingOutOfRange,
+    /// The claim is not the current one (409).
+    StaleClaim,
+    /// The ledger cannot be reached (503).
+    StoreUnavailable,
+    /// Stored history that no longer decodes (500).
+    StoredHistoryUnreadable,
+    /// A missing or unknown bearer token (401).
+    Unauthorized,
+    /// The tool call is claimed by someone else or done (409).
+    Unavailable,
+    /// No adapter of that id (422).
+    UnknownAdapter,
+    /// No provider of that name is configured (422).
+    UnknownProvider,
+    /// A generation setting the target API has no field for (422).
+    UnsupportedSetting,
+    /// The request target is longer than [`URI_BYTES_MAX`] (414).
+    UriTooLong,
+    /// The listener is at `connections_max` (503; `/healthz` still answers).
+    Overloaded,
+}
+
+impl ErrorCode {
+    /// Every code (held against the spec by the tests; the binary itself needs no list).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub const ALL: [ErrorCode; 28] = [
+        ErrorCode::BodyTooLarge,
+        ErrorCode::ConversationExists,
+        ErrorCode::DuplicateResult,
+        ErrorCode::Internal,
+        ErrorCode::InvalidId,
+        ErrorCode::InvalidJson,
+        ErrorCode::InvalidRequest,
+        ErrorCode::InvalidToolSchema,
+        ErrorCode::LimitExceeded,
+        ErrorCode::ManifestInvalid,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::NotFound,
+        ErrorCode::NotRenderable,
+        ErrorCode::OperationConflict,
+        ErrorCode::OverBudget,
+        ErrorCode::Rejected,
+        ErrorCode::RevisionConflict,
+        ErrorCode::SettingOutOfRange,
+        ErrorCode::StaleClaim,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::StoredHistoryUnreadable,
+        ErrorCode::Unauthorized,
+        ErrorCode::Unavailable,
+        ErrorCode::UnknownAdapter,
+        ErrorCode::UnknownProvider,
+        ErrorCode::UnsupportedSetting,
+        ErrorCode::UriTooLong,
+        ErrorCode::Overloaded,
+    ];
+
+    /// The code's string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::ConversationExists => "conversation_exists",
+            ErrorCode::DuplicateResult => "duplicate_result",
+            ErrorCode::Internal => "internal",
+            ErrorCode::InvalidId => "invalid_id",
+            ErrorCode::InvalidJson => "invalid_json",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::InvalidToolSchema => "invalid_tool_schema",
+            ErrorCode::LimitExceeded => "limit_exceeded",
+            ErrorCode::ManifestInvalid => "manifest_invalid",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::NotRenderable => "not_renderable",
+            ErrorCode::OperationConflict => "operation_conflict",
+            ErrorCode::OverBudget => "over_budget",
+            ErrorCode::Rejected => "rejected",
+            ErrorCode::RevisionConflict => "revision_conflict",
+            ErrorCode::SettingOutOfRange => "setting_out_of_range",
+            ErrorCode::StaleClaim => "stale_claim",
+            ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::StoredHistoryUnreadable => "stored_history_unreadable",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::UnknownAdapter => "unknown_adapter",
+            ErrorCode::UnknownProvider => "unknown_provider",
+            ErrorCode::UnsupportedSetting => "unsupported_setting",
+            ErrorCode::UriTooLong => "uri_too_long",
+            ErrorCode::Overloaded => "overloaded",
+        }
+    }
+}
+
+/// Longest request target (path and query) answered by a handler; a longer one is 414
+/// `uri_too_long` in our JSON shape (hyper refuses targets beyond its own read buffer first).
+pub const URI_BYTES_MAX: usize = 8 * 1024;
+
 /// The one API error: a status, a stable code, a message, and optional extra fields.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
     extra: Value,
 }
 
 impl ApiError {
-    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    pub(crate) fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
             code,
@@ -61,13 +200,17 @@ impl ApiError {
         self
     }
     fn not_found(what: &str) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no such {what}"))
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            format!("no such {what}"),
+        )
     }
     pub(crate) fn store(error: turnstile_store::StoreError) -> ApiError {
         tracing::error!(%error, "store error");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
+            ErrorCode::StoreUnavailable,
             "the ledger is unavailable",
         )
     }
@@ -75,7 +218,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut error = json!({"code": self.code, "message": self.message});
+        let mut error = json!({"code": self.code.as_str(), "message": self.message});
         if let Value::Object(extra) = self.extra {
             for (key, value) in extra {
                 error[key] = value;
@@ -90,7 +233,7 @@ type ApiResult = Result<Response, ApiError>;
 impl ApiError {
     /// The stable code.
     pub(crate) fn code(&self) -> &'static str {
-        self.code
+        self.code.as_str()
     }
     /// The HTTP status.
     pub(crate) fn status(&self) -> StatusCode {
@@ -145,14 +288,18 @@ pub fn caller_with_token(shared: &Shared, token: Option<&str>) -> Result<Caller,
         }),
         None => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "a valid bearer token is required",
         )),
     }
 }
 
 fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
+    // `.` and `..` are path segments to every URL parser: an id spelled so could not be
+    // addressed as `/v1/conversations/{id}` (spec additions: refused).
     let ok = !id.is_empty()
+        && id != "."
+        && id != ".."
         && id.len() <= ID_BYTES_MAX
         && id
             .bytes()
@@ -162,8 +309,8 @@ fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
     } else {
         Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_id",
-            format!("{what} must be 1–{ID_BYTES_MAX} characters of A–Z a–z 0–9 - _ . :"),
+            ErrorCode::InvalidId,
+            format!("{what} must be 1–{ID_BYTES_MAX} characters of A–Z a–z 0–9 - _ . :, and not . or .."),
         ))
     }
 }
@@ -182,7 +329,7 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
         .map_err(|_| {
             ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
+                ErrorCode::BodyTooLarge,
                 format!("the body exceeds {} bytes", shared.body_bytes_max),
             )
         })?;
@@ -193,12 +340,56 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
     turnstile_core::parse::json_from_slice(&bytes).map_err(|error| match error {
         turnstile_core::conversation::Unreadable::Limit { what, .. } => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "limit_exceeded",
+            ErrorCode::LimitExceeded,
             format!("limit exceeded: {what}"),
         )
         .with(json!({"limit": what})),
-        other => ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", other.to_string()),
+        other => ApiError::new(StatusCode::BAD_REQUEST, ErrorCode::InvalidJson, other.to_string()),
     })
+}
+
+/// A native body must be a JSON object naming only fields the endpoint knows (spec additions:
+/// unknown fields are 422 `invalid_request`, never ignored; so is a body that is not an object).
+fn strict_object(body: Value, allowed: &[&str]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let Value::Object(map) = body else {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidRequest,
+            "the body must be a JSON object",
+        ));
+    };
+    if let Some(unknown) = map.keys().find(|key| !allowed.contains(&key.as_str())) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidRequest,
+            format!(
+                "unknown field {unknown:?}; this endpoint takes {}",
+                allowed.join(", ")
+            ),
+        )
+        .with(json!({"field": unknown})));
+    }
+    Ok(map)
+}
+
+/// A field that must be of one JSON type when present: 422 `invalid_request` naming it.
+fn typed<'a, T>(
+    map: &'a serde_json::Map<String, Value>,
+    field: &str,
+    read: impl Fn(&'a Value) -> Option<T>,
+    wanted: &str,
+) -> Result<Option<T>, ApiError> {
+    match map.get(field) {
+        None => Ok(None),
+        Some(value) => read(value).map(Some).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::InvalidRequest,
+                format!("{field} must be {wanted}"),
+            )
+            .with(json!({"field": field}))
+        }),
+    }
 }
 
 pub(crate) fn violations_json(violations: &[turnstile_core::Violation]) -> Value {
@@ -219,13 +410,14 @@ fn client_document(caller: &Caller, mut document: Value) -> Value {
 
 pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Request) -> ApiResult {
     let (caller, body) = authenticated_json(&shared, request).await?;
+    let body = strict_object(body, &["conversation_id", "tools"])?;
     let id = match body.get("conversation_id") {
         Some(Value::String(id)) => id.clone(),
         None | Some(Value::Null) => format!("c-{}", super::fresh_id()),
         Some(_) => {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_id",
+                ErrorCode::InvalidId,
                 "conversation_id must be a string",
             ));
         }
@@ -238,7 +430,7 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
     let conversation = Conversation::from_value(probe).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "limit_exceeded",
+            ErrorCode::LimitExceeded,
             error.to_string(),
         )
     })?;
@@ -246,7 +438,7 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
         metrics::rejected(&violations);
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "rejected",
+            ErrorCode::Rejected,
             "the tools are malformed",
         )
         .with(json!({"violations": violations_json(&violations)})));
@@ -262,7 +454,7 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
             .map_err(|error| {
                 ApiError::new(
                     StatusCode::UNPROCESSABLE_ENTITY,
-                    "invalid_tool_schema",
+                    ErrorCode::InvalidToolSchema,
                     error.to_string(),
                 )
             })?;
@@ -280,7 +472,7 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
             .into_response()),
         CreateOutcome::AlreadyExists => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "conversation_exists",
+            ErrorCode::ConversationExists,
             format!("conversation {id:?} exists already"),
         )),
     }
@@ -309,10 +501,11 @@ pub async fn append_turn(
     request: Request,
 ) -> ApiResult {
     let (caller, body) = authenticated_json(&shared, request).await?;
+    let body = Value::Object(strict_object(body, &["expected_revision", "turn"])?);
     let expected = body["expected_revision"].as_u64().ok_or_else(|| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             "expected_revision must be a non-negative integer",
         )
     })?;
@@ -321,7 +514,7 @@ pub async fn append_turn(
     if blocks > limits::BLOCKS_PER_TURN_MAX {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "limit_exceeded",
+            ErrorCode::LimitExceeded,
             format!("a turn holds at most {} blocks", limits::BLOCKS_PER_TURN_MAX),
         )
         .with(json!({"limit": "BLOCKS_PER_TURN_MAX"})));
@@ -335,7 +528,7 @@ pub async fn append_turn(
         AppendOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
         AppendOutcome::Conflict { current } => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "revision_conflict",
+            ErrorCode::RevisionConflict,
             format!("the conversation is at revision {current}, not {expected}"),
         )
         .with(json!({"current_revision": current.0}))),
@@ -343,7 +536,7 @@ pub async fn append_turn(
             metrics::rejected(&violations);
             Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "rejected",
+                ErrorCode::Rejected,
                 "the turn would make the history illegal",
             )
             .with(json!({"violations": violations_json(&violations)})))
@@ -353,6 +546,7 @@ pub async fn append_turn(
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct DispatchBody {
     operation_id: String,
     target: Target,
@@ -374,6 +568,7 @@ struct DispatchBody {
 
 /// Where a dispatch goes.
 #[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct Target {
     /// Provider name (`sim` by default).
     #[serde(default = "sim_provider")]
@@ -426,7 +621,7 @@ pub async fn dispatch(
         Ok(result) => result,
         Err(error) => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            ErrorCode::Internal,
             format!("dispatch task failed: {error}"),
         )),
     }
@@ -434,14 +629,33 @@ pub async fn dispatch(
 
 async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) -> ApiResult {
     let (caller, body) = authenticated_json(&shared, request).await?;
+    let body = Value::Object(strict_object(
+        body,
+        &[
+            "operation_id",
+            "target",
+            "max_output_tokens",
+            "stream",
+            "sampling",
+            "expected_revision",
+        ],
+    )?);
     let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             error.to_string(),
         )
     })?;
     check_id(&request.operation_id, "operation_id")?;
+    if request.max_output_tokens == Some(0) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidRequest,
+            "max_output_tokens must be at least 1",
+        )
+        .with(json!({"field": "max_output_tokens"})));
+    }
     let conversation_id = caller.store_id(&id);
     let operation_id = caller.store_id(&request.operation_id);
 
@@ -454,7 +668,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         if record.conversation_id != conversation_id {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "operation_conflict",
+                ErrorCode::OperationConflict,
                 "that operation id belongs to another conversation",
             ));
         }
@@ -470,7 +684,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     let conversation = Conversation::from_value(document).map_err(|error| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "stored_history_unreadable",
+            ErrorCode::StoredHistoryUnreadable,
             error.to_string(),
         )
     })?;
@@ -479,7 +693,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
-            "revision_conflict",
+            ErrorCode::RevisionConflict,
             "the conversation is not at the expected revision",
         )
         .with(json!({"current_revision": conversation.revision.0})));
@@ -534,7 +748,11 @@ fn setting_error(error: SamplingError, adapter: AdapterId) -> ApiError {
         }
         _ => {}
     }
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.code(), error.to_string()).with(extra)
+    let code = match &error {
+        SamplingError::Unsupported { .. } => ErrorCode::UnsupportedSetting,
+        _ => ErrorCode::SettingOutOfRange,
+    };
+    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string()).with(extra)
 }
 
 /// Render → admission → manifest → `ledger.prepare` for a conversation the validator called
@@ -552,7 +770,7 @@ pub(crate) async fn prepare_dispatch(
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_adapter",
+            ErrorCode::UnknownAdapter,
             format!("no adapter {:?}", target.adapter),
         )
     })?;
@@ -562,7 +780,7 @@ pub(crate) async fn prepare_dispatch(
     if !shared.endpoints.contains_key(&target.provider) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_provider",
+            ErrorCode::UnknownProvider,
             format!("no provider {:?} is configured", target.provider),
         ));
     }
@@ -570,7 +788,7 @@ pub(crate) async fn prepare_dispatch(
     let validated = Validated::new(conversation).map_err(|_| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            ErrorCode::Internal,
             "validation changed",
         )
     })?;
@@ -578,7 +796,7 @@ pub(crate) async fn prepare_dispatch(
     let graph = Graph::new(validated, &sequence).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "not_renderable",
+            ErrorCode::NotRenderable,
             error.to_string(),
         )
     })?;
@@ -610,7 +828,7 @@ pub(crate) async fn prepare_dispatch(
         PrepareOutcome::OverBudget(over) => {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "over_budget",
+                ErrorCode::OverBudget,
                 "prompt tokens plus the output cap exceed the model's context window",
             )
             .with(
@@ -630,14 +848,14 @@ pub(crate) async fn prepare_dispatch(
         Stored::Conflict { .. } => {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "operation_conflict",
+                ErrorCode::OperationConflict,
                 "that operation id names a different request",
             ));
         }
         Stored::StaleRevision { current } => {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "revision_conflict",
+                ErrorCode::RevisionConflict,
                 "the conversation moved while preparing",
             )
             .with(json!({"current_revision": current.0})));
@@ -646,7 +864,7 @@ pub(crate) async fn prepare_dispatch(
         Stored::Invalid(why) => {
             return Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "manifest_invalid",
+                ErrorCode::ManifestInvalid,
                 why,
             ));
         }
@@ -804,7 +1022,7 @@ async fn context_with(
     let api = StreamApi::for_adapter(adapter).ok_or_else(|| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "unknown_adapter",
+            ErrorCode::UnknownAdapter,
             format!("stored adapter {adapter:?}"),
         )
     })?;
@@ -812,7 +1030,7 @@ async fn context_with(
     let endpoint = shared.endpoints.get(&record.provider).cloned().ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "unknown_provider",
+            ErrorCode::UnknownProvider,
             format!("provider {:?} is not configured", record.provider),
         )
     })?;
@@ -832,7 +1050,7 @@ async fn context_with(
             read = Conversation::from_value(document).map_err(|error| {
                 ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    "stored_history_unreadable",
+                    ErrorCode::StoredHistoryUnreadable,
                     error.to_string(),
                 )
             })?;
@@ -849,7 +1067,7 @@ async fn context_with(
                 .map_err(|error| {
                     ApiError::new(
                         StatusCode::UNPROCESSABLE_ENTITY,
-                        "invalid_tool_schema",
+                        ErrorCode::InvalidToolSchema,
                         error.to_string(),
                     )
                 })?,
@@ -958,7 +1176,7 @@ pub async fn tool_calls(
     let Query(query) = query.map_err(|rejection| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             rejection.body_text(),
         )
     })?;
@@ -967,7 +1185,7 @@ pub async fn tool_calls(
         Some(text) => Some(ToolCallState::parse(text).ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request",
+                ErrorCode::InvalidRequest,
                 "state is ready, claimed, expired, client or done",
             )
         })?),
@@ -1039,14 +1257,14 @@ async fn executor_body<T: serde::de::DeserializeOwned>(
     if !body.is_object() {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             "the body must be a JSON object",
         ));
     }
     let body = serde_json::from_value(body).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             error.to_string(),
         )
     })?;
@@ -1061,7 +1279,7 @@ fn claim_lease_ms(shared: &Shared, lease_ms: Option<u64>) -> Result<u64, ApiErro
         Some(ms) if (1..=CLAIM_LEASE_MS_MAX).contains(&ms) => Ok(ms),
         Some(_) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             format!("lease_ms must be 1–{CLAIM_LEASE_MS_MAX}"),
         )
         .with(json!({"limit": "CLAIM_LEASE_MS_MAX"}))),
@@ -1071,7 +1289,7 @@ fn claim_lease_ms(shared: &Shared, lease_ms: Option<u64>) -> Result<u64, ApiErro
 fn stale_claim(state: ToolCallState) -> ApiError {
     ApiError::new(
         StatusCode::CONFLICT,
-        "stale_claim",
+        ErrorCode::StaleClaim,
         "the claim is not the call's current one, or its lease ran out",
     )
     .with(json!({"state": state.as_str()}))
@@ -1088,7 +1306,7 @@ pub async fn claim_tool_call(
     if holder.is_empty() || holder.len() > ID_BYTES_MAX || holder.chars().any(char::is_control) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             format!("holder must be 1–{ID_BYTES_MAX} bytes without control characters"),
         ));
     }
@@ -1112,7 +1330,7 @@ pub async fn claim_tool_call(
         }
         CallClaimOutcome::Unavailable { state } => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "unavailable",
+            ErrorCode::Unavailable,
             "the call is claimed, handed to the client, or done",
         )
         .with(json!({"state": state.as_str()}))),
@@ -1190,7 +1408,7 @@ pub async fn submit_tool_result(
             metrics::bump(metrics::TOOL_RESULT_STALE);
             Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "stale_claim",
+                ErrorCode::StaleClaim,
                 "the claim is not the call's current one (it was released or taken over)",
             ))
         }
@@ -1198,7 +1416,7 @@ pub async fn submit_tool_result(
             metrics::bump(metrics::TOOL_RESULT_DUPLICATES);
             Err(ApiError::new(
                 StatusCode::CONFLICT,
-                "duplicate_result",
+                ErrorCode::DuplicateResult,
                 "the call already has its result",
             ))
         }
@@ -1206,7 +1424,7 @@ pub async fn submit_tool_result(
             metrics::rejected(&violations);
             Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "rejected",
+                ErrorCode::Rejected,
                 "the result would make the history illegal",
             )
             .with(json!({"violations": violations_json(&violations)})))
@@ -1214,7 +1432,7 @@ pub async fn submit_tool_result(
         ResultOutcome::NotFound => Err(ApiError::not_found("tool call")),
         ResultOutcome::Conflict => Err(ApiError::new(
             StatusCode::CONFLICT,
-            "revision_conflict",
+            ErrorCode::RevisionConflict,
             "another turn landed; retry",
         )),
     }
@@ -1260,4 +1478,149 @@ pub async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
 /// Unrouted requests: 404 in the API's JSON error shape.
 pub async fn fallback() -> ApiResult {
     Err(ApiError::not_found("route"))
+}
+
+/// A path that exists, with a method it does not take.
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorCode::MethodNotAllowed,
+        "this path does not take that method",
+    )
+}
+
+/// Every error of the router in our JSON shape (spec additions: "every error of the native
+/// API, including 404, 405, 413, 414 and query-string errors"): 405 from the method fallback,
+/// 414 for a target over [`URI_BYTES_MAX`], and any error response that is not JSON already
+/// (axum's plain-text `Path`/`Query` rejections) rewritten by [`json_errors`].
+pub fn harden(router: axum::Router) -> axum::Router {
+    router
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(json_errors))
+}
+
+/// Longest text of a rejection kept as the message.
+const REJECTION_TEXT_BYTES_MAX: usize = 1024;
+
+/// The drop-in proxy's paths (`serve/mod.rs::router`).
+fn is_proxy_path(path: &str) -> bool {
+    matches!(path, "/v1/chat/completions" | "/v1/responses" | "/v1/messages")
+        || path.starts_with("/v1/responses/")
+        || path.starts_with("/v1beta/")
+}
+
+async fn json_errors(request: Request, next: axum::middleware::Next) -> Response {
+    let target_len = request
+        .uri()
+        .path_and_query()
+        .map_or(0, |target| target.as_str().len());
+    if target_len > URI_BYTES_MAX {
+        return ApiError::new(
+            StatusCode::URI_TOO_LONG,
+            ErrorCode::UriTooLong,
+            format!("the request target exceeds {URI_BYTES_MAX} bytes"),
+        )
+        .into_response();
+    }
+    // The provider-compatible endpoints answer in their provider's error shape, and in shadow
+    // mode forward the provider's own response untouched: never rewritten here.
+    let proxied = is_proxy_path(request.uri().path());
+    let response = next.run(request).await;
+    if proxied {
+        return response;
+    }
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let code = match status {
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::BodyTooLarge,
+        StatusCode::URI_TOO_LONG => ErrorCode::UriTooLong,
+        StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+        status if status.is_server_error() => ErrorCode::Internal,
+        _ => ErrorCode::InvalidRequest,
+    };
+    let text = axum::body::to_bytes(response.into_body(), REJECTION_TEXT_BYTES_MAX)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        text
+    };
+    ApiError::new(status, code, message).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorCode;
+    use std::collections::HashSet;
+
+    fn spec_text() -> String {
+        let shared = std::env::var_os("TURNSTILE_SHARED")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
+        let path = shared.join("spec/gateway-api.md");
+        // The spec is the contract: without it this test fails rather than passing unchecked.
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|error| panic!("{}: {error} (set TURNSTILE_SHARED)", path.display()))
+    }
+
+    #[test]
+    fn error_codes_are_distinct_snake_case_strings() {
+        let mut seen = HashSet::new();
+        for code in ErrorCode::ALL {
+            let text = code.as_str();
+            assert!(seen.insert(text), "{text} twice");
+            assert!(
+                !text.is_empty() && text.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_error_code_the_spec_names_is_one_of_ours() {
+        // The spec names codes as "<status> `code`" (409 `revision_conflict`, 422
+        // `invalid_request`, 409 `stale_claim`, …).
+        let spec = spec_text();
+        let ours: HashSet<&str> = ErrorCode::ALL.iter().map(|code| code.as_str()).collect();
+        let mut named = Vec::new();
+        for (at, _) in spec.match_indices('`') {
+            // "<status>" then spaces or a line break, then the code in backticks.
+            let before = spec[..at].trim_end_matches([' ', '\n']);
+            if before.len() == spec[..at].len() || before.len() < 4 {
+                continue;
+            }
+            let (head, status) = before.split_at(before.len() - 3);
+            let digits = status.bytes().all(|b| b.is_ascii_digit());
+            if !digits || !head.ends_with([' ', '\n', '(']) {
+                continue;
+            }
+            let rest = &spec[at + 1..];
+            let Some(end) = rest.find('`') else { continue };
+            named.push((status.to_owned(), rest[..end].to_owned()));
+        }
+        assert!(named.len() >= 3, "the spec names codes: {named:?}");
+        for (status, code) in &named {
+            assert!(
+                ours.contains(code.as_str()),
+                "the spec's {status} `{code}` is not an ErrorCode"
+            );
+        }
+        for must in ["revision_conflict", "invalid_request", "stale_claim"] {
+            assert!(
+                named.iter().any(|(_, code)| code == must),
+                "{must} no longer in the spec?"
+            );
+        }
+    }
 }

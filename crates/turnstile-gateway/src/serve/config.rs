@@ -11,6 +11,12 @@ pub const LISTEN_DEFAULT: &str = "127.0.0.1:8080";
 /// Default store (spec: SQLite at `./turnstile.db`).
 pub const STORE_DEFAULT: &str = "sqlite:./turnstile.db";
 /// Largest HTTP request body the API accepts.
+/// Default `header_read_timeout_ms`: 10 s, far above a real client's header time on any link,
+/// and short enough that an idle or trickling connection frees its descriptor soon.
+pub const HEADER_READ_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+/// Default `connections_max`: well under the usual 1,024-descriptor soft limit, leaving room for
+/// the store, provider connections and the overflow answers.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 768;
 pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 /// Provider request timeout: connecting and receiving the response head.
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -38,6 +44,14 @@ pub struct Config {
     /// Largest API request body.
     #[serde(default = "body_bytes_max_default")]
     pub body_bytes_max: usize,
+    /// Time a client connection has to deliver a request's headers once it is ready for one
+    /// (new or kept alive): ends slow-loris and idle keep-alive connections (`listener.rs`).
+    #[serde(default = "header_read_timeout_default")]
+    pub header_read_timeout_ms: u64,
+    /// Client connections served at once; beyond it a connection gets 503 `overloaded`
+    /// (`GET /healthz` still answers).
+    #[serde(default = "connections_max_default")]
+    pub connections_max: usize,
     /// Provider connect + response-head timeout.
     #[serde(default = "connect_timeout_default")]
     pub provider_connect_timeout_ms: u64,
@@ -171,6 +185,12 @@ fn lease_ms_default() -> u64 {
 }
 fn body_bytes_max_default() -> usize {
     BODY_BYTES_MAX_DEFAULT
+}
+fn header_read_timeout_default() -> u64 {
+    HEADER_READ_TIMEOUT_MS_DEFAULT
+}
+fn connections_max_default() -> usize {
+    CONNECTIONS_MAX_DEFAULT
 }
 fn connect_timeout_default() -> u64 {
     PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT

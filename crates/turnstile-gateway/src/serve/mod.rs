@@ -7,6 +7,7 @@ pub mod api;
 pub mod config;
 pub mod driver;
 pub mod hub;
+pub mod listener;
 pub mod metrics;
 pub mod proxy;
 pub mod transport;
@@ -263,15 +264,13 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         "turnstile serve listening on http://{bound} (store {}, sim {sim_url})",
         redact(&config.store)
     );
-    let mut app = router(shared);
+    let mut app = api::harden(router(shared));
     if let Some(control) = sim_control {
         app = app.merge(control);
     }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    use axum::serve::ListenerExt;
-    axum::serve(listener.tap_io(crate::sim::set_nodelay), app)
-        .with_graceful_shutdown(shutdown_signal())
+    listener::serve(listener, app, listener::Limits::of(&config), shutdown_signal())
         .await
         .map_err(|error| error.to_string())
 }

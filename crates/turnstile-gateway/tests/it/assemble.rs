@@ -222,3 +222,105 @@ fn the_shared_anthropic_capture_commits_its_tool_call() {
     assert_eq!(output.status.code(), Some(6));
     assert!(!String::from_utf8_lossy(&output.stdout).contains("make_file"));
 }
+
+/// Issue 17: bytes that are not UTF-8 inside a text delta commit nothing (they used to become
+/// U+FFFD in the committed turn).
+#[test]
+fn a_capture_with_bytes_that_are_not_utf8_exits_6_with_a_protocol_violation() {
+    let mut checked = 0;
+    for (dir, name) in [
+        ("anthropic-messages", "thinking-text-tool.sse"),
+        ("gemini", "text-then-call.sse"),
+        ("openai-responses", "reasoning-text-two-calls.sse"),
+    ] {
+        let bytes = std::fs::read(fixtures().join(dir).join(name)).unwrap();
+        // Just inside the first text value: `"text":"H…` → `"text":"\xFFH…`.
+        let key: &[u8] = if dir == "openai-responses" {
+            b"\"delta\":\""
+        } else {
+            b"\"text\":\""
+        };
+        let at = bytes
+            .windows(key.len() + 1)
+            .position(|window| window.starts_with(key) && window[key.len()].is_ascii_alphabetic())
+            .unwrap_or_else(|| panic!("{dir}/{name}: no text"))
+            + key.len();
+        let mut corrupted = bytes.clone();
+        corrupted.insert(at, 0xFF);
+        let intact = turnstile(
+            &["assemble", "-", "--adapter", adapter_of(dir), "--json"],
+            Some(&bytes),
+        );
+        assert_eq!(intact.status.code(), Some(0), "{dir}/{name}");
+        let output = turnstile(
+            &["assemble", "-", "--adapter", adapter_of(dir), "--json"],
+            Some(&corrupted),
+        );
+        assert_eq!(output.status.code(), Some(6), "{dir}/{name}");
+        let stdout: Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(stdout["code"], "protocol_violation", "{dir}/{name}");
+        assert!(!String::from_utf8_lossy(&output.stdout).contains('\u{fffd}'));
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+}
+
+/// Issue 17: an OpenAI Chat text reply whose deltas arrived twice ("TransferTransfer one one
+/// …") is refused, because the provider's `completion_tokens` is fewer than the tokens the
+/// stream carried; the same stream without duplicates commits.
+#[test]
+fn an_openai_chat_text_reply_with_duplicated_deltas_exits_6() {
+    let pieces = ["Transfer", " one", " hundred", " dollars", " to", " savings."];
+    let text: String = pieces.concat();
+    let completion_tokens = turnstile_adapters::tokens::Tokenizer::O200kBase.count(&text);
+    let stream = |twice: bool| {
+        let chunk = |delta: &str, finish: &str| {
+            format!(
+                "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt-4o-2024-08-06\",\
+                 \"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish}}}]}}\n\n"
+            )
+        };
+        let mut out = chunk(r#"{"role":"assistant","content":""}"#, "null");
+        for piece in pieces {
+            let event = chunk(
+                &format!("{{\"content\":{}}}", serde_json::to_string(piece).unwrap()),
+                "null",
+            );
+            out.push_str(&event);
+            if twice {
+                out.push_str(&event);
+            }
+        }
+        out.push_str(&chunk("{}", "\"stop\""));
+        out.push_str(&format!(
+            "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"model\":\"gpt-4o-2024-08-06\",\"choices\":[],\
+             \"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":{completion_tokens},\"total_tokens\":99}}}}\n\ndata: [DONE]\n\n"
+        ));
+        out
+    };
+    let honest = turnstile(
+        &["assemble", "-", "--adapter", "openai-chat@1", "--json"],
+        Some(stream(false).as_bytes()),
+    );
+    assert_eq!(
+        honest.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&honest.stdout)
+    );
+    let turn: Value = serde_json::from_slice(&honest.stdout).unwrap();
+    assert_eq!(turn["blocks"][0]["text"], text);
+    let doubled = turnstile(
+        &["assemble", "-", "--adapter", "openai-chat@1", "--json"],
+        Some(stream(true).as_bytes()),
+    );
+    assert_eq!(
+        doubled.status.code(),
+        Some(6),
+        "{}",
+        String::from_utf8_lossy(&doubled.stdout)
+    );
+    let reason: Value = serde_json::from_slice(&doubled.stdout).unwrap();
+    assert_eq!(reason["code"], "protocol_violation");
+    assert!(!String::from_utf8_lossy(&doubled.stdout).contains("TransferTransfer"));
+}

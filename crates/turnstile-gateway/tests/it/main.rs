@@ -1,8 +1,10 @@
 //! Integration tests of the `turnstile` binary (one test binary, see STYLE.md).
 
+mod api_errors;
 mod assemble;
 mod console;
 mod executor;
+mod listener;
 mod proxy;
 mod proxy_sdk;
 mod render;

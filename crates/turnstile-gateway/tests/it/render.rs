@@ -396,3 +396,75 @@ fn usage_errors_exit_two_with_nothing_on_stdout() {
     assert_eq!(output.status.code(), Some(2));
     assert!(output.stdout.is_empty());
 }
+
+/// Issue 17: a tool whose schema keeps its bulk in `$defs` (tens of thousands of tokens) is
+/// over budget in an 8,000-token window on every adapter, OpenAI's included (the cookbook
+/// formula counted only first-level `properties` and admitted it).
+#[test]
+fn a_tool_with_a_large_defs_block_is_refused_over_an_8000_token_window_on_every_adapter() {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("catalog.json");
+    std::fs::write(
+        &catalog,
+        serde_json::to_vec(&json!({"models": [
+            {"name": "gpt-8k", "prefix": false, "context_window": 8000, "tokenizer": "o200k_base", "max_output_tokens_default": 1000},
+            {"name": "claude-8k", "prefix": false, "context_window": 8000, "tokenizer": "anthropic_estimate", "max_output_tokens_default": 1000},
+            {"name": "gemini-8k", "prefix": false, "context_window": 8000, "tokenizer": "gemini_estimate", "max_output_tokens_default": 1000}
+        ]}))
+        .unwrap(),
+    )
+    .unwrap();
+    let mut defs = serde_json::Map::new();
+    for index in 0..400 {
+        defs.insert(
+            format!("Leg{index}"),
+            json!({"type": "object", "description": format!("Leg {index} of the itinerary: departure airport, arrival airport, carrier, fare class and baggage allowance"),
+                   "properties": {"from": {"type": "string", "description": "IATA code of the departure airport"},
+                                  "to": {"type": "string", "description": "IATA code of the arrival airport"}}}),
+        );
+    }
+    let conversation = json!({
+        "format": "turnstile.conversation.v1", "conversation_id": "c-defs", "revision": 1,
+        "tools": [{"name": "book_trip", "description": "Book a trip.",
+                   "input_schema": {"type": "object", "properties": {"legs": {"type": "array", "items": {"$ref": "#/$defs/Leg0"}}},
+                                    "$defs": defs}}],
+        "turns": [{"id": "t-1", "revision": 1, "role": "user",
+                   "blocks": [{"id": "u-1", "kind": "text", "text": "Book it."}]}]
+    });
+    let path = write_conversation(dir.path(), &conversation);
+    for adapter in ADAPTERS {
+        let model = if adapter.starts_with("openai") {
+            "gpt-8k"
+        } else if adapter.starts_with("anthropic") {
+            "claude-8k"
+        } else {
+            "gemini-8k"
+        };
+        let output = turnstile(
+            &[
+                "render",
+                &path,
+                "--adapter",
+                adapter,
+                "--model",
+                model,
+                "--catalog",
+                catalog.to_str().unwrap(),
+            ],
+            None,
+        );
+        assert_eq!(
+            output.status.code(),
+            Some(5),
+            "{adapter}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.stdout.is_empty(), "{adapter}");
+        let explanation = stderr_json(&output);
+        assert_eq!(explanation["status"], "over_budget", "{adapter}");
+        assert!(
+            explanation["prompt_tokens"].as_u64().unwrap() > 8000,
+            "{adapter}: {explanation}"
+        );
+    }
+}

@@ -463,6 +463,42 @@ fn a_lost_stop_event_or_duplicated_events_never_commit_a_corrupted_turn() {
     assert_safety_metrics_zero(&gateway);
 }
 
+/// Issue 17: a text-only reply (no tool call to break) with every event delivered twice never
+/// commits doubled text. Chat has no sequence numbers: its decoder holds the reported
+/// `completion_tokens` against the output carried (exact for a model the catalog knows);
+/// Anthropic's second `content_block_start`/`stop` of one index is a protocol violation.
+#[test]
+fn duplicated_events_on_a_text_only_reply_never_commit_doubled_text() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    let text = "Transfer one hundred dollars to savings.";
+    for (adapter, model) in [
+        ("openai-chat@1", "gpt-4o-dup"),
+        ("openai-chat@2", "gpt-4.1-dup"),
+        ("anthropic-messages@1", "claude-dup"),
+    ] {
+        let id = format!("c-dup-{}", adapter.replace('@', "-"));
+        conversation_with_question(&gateway, &id);
+        sim.script(
+            model,
+            json!([{"text": text, "faults": {"duplicate_events": true}}, {"text": text}]),
+        );
+        let events = gateway.dispatch(&id, &format!("op-{id}"), adapter, model);
+        let committed = named(&events, "committed");
+        assert_eq!(committed.len(), 1, "{adapter}: {events:?}");
+        assert_eq!(committed[0]["turn"]["generation"], 2, "{adapter}: {events:?}");
+        let retracted = named(&events, "retract");
+        assert_eq!(retracted.len(), 1, "{adapter}: {events:?}");
+        assert_eq!(retracted[0]["generation"], 1, "{adapter}");
+        let history = history_is_legal(&gateway, &id);
+        let last = history["turns"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(last["blocks"][0]["text"], text, "{adapter}: {last}");
+        assert_eq!(assistant_turns(&history), 1);
+    }
+    assert_safety_metrics_zero(&gateway);
+}
+
 #[test]
 fn a_resumable_responses_stream_resumes_by_handle_without_retracting() {
     let sim = SimProcess::start();

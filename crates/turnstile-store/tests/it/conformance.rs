@@ -1072,12 +1072,20 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
             .unwrap()
             .is_empty()
     );
-    let call = &store.tool_calls(None).await.unwrap()[0];
+    let calls = store.tool_calls(None).await.unwrap();
+    let digest_of = |call_id: &str| {
+        calls
+            .iter()
+            .find(|call| call.call_id == call_id)
+            .map(|call| call.args_digest.clone())
+            .unwrap()
+    };
+    // Every result carries its call's tool, args digest and generation (spec §1).
     let results = json!({"id": "t-results", "role": "tool", "blocks": [
         {"id": "r0", "kind": "tool_result", "call_id": "a-call-0", "tool": "get_weather",
-         "args_digest": call.args_digest, "generation": 1, "status": "success", "content": []},
+         "args_digest": digest_of("a-call-0"), "generation": 1, "status": "success", "content": []},
         {"id": "r1", "kind": "tool_result", "call_id": "a-call-1", "tool": "get_weather",
-         "status": "success", "content": []}]});
+         "args_digest": digest_of("a-call-1"), "generation": 1, "status": "success", "content": []}]});
     assert_eq!(
         store
             .append_turn("c", Revision(2), &results, at(21))

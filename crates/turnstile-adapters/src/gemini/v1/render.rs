@@ -36,6 +36,9 @@ const HEADERS: &[(&str, &str)] = crate::registry::JSON_HEADERS;
 const TAG_PART: u8 = 1;
 const TAG_RESPONSE: u8 = 2;
 const TAG_TOOLS: u8 = 3;
+/// The bytes around the tool list (`,"tools":[{"functionDeclarations":[` … `]}]`), counted
+/// with the tools.
+const TOOLS_WRAPPER_TEXT: &str = ",\"tools\":[{\"functionDeclarations\":[]}]";
 
 /// Declared rules of `gemini@1`.
 pub static RULES: RulesDescriptor = RulesDescriptor {
@@ -237,11 +240,11 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[{\"functionDeclarations\":[");
         ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+            let start = w.out.len();
             for (index, tool) in conversation.tools.iter().enumerate() {
                 if index > 0 {
                     w.raw(",");
                 }
-                let start = w.out.len();
                 w.raw("{\"name\":").string(&tool.name);
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
@@ -249,10 +252,13 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                 w.raw(",\"parametersJsonSchema\":")
                     .canonical(&tool.input_schema)
                     .raw("}");
-                let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
-                w.count(&written);
             }
-            w.charge(w.tokenizer.tools_overhead());
+            // Every byte the tools add to the request is counted, separators and the wrapper
+            // around the list included (issue 17: the property test in
+            // `tests/it/render_admission.rs` holds the charge against the inserted bytes).
+            let written = String::from_utf8_lossy(&w.out[start..]).into_owned();
+            let overhead = w.tokenizer.tools_overhead();
+            w.count(&written).count(TOOLS_WRAPPER_TEXT).charge(overhead);
         });
         out.extend_from_slice(b"]}]");
     }

@@ -138,6 +138,7 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                 if index > 0 {
                     w.raw(",");
                 }
+                let start = w.out.len();
                 w.raw("{\"type\":\"function\",\"name\":").string(&tool.name);
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
@@ -145,7 +146,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                 w.raw(",\"parameters\":")
                     .canonical(&tool.input_schema)
                     .raw(",\"strict\":false}");
-                w.charge(openai_tool_tokens(w.tokenizer, tool));
+                let charge = openai_tool_tokens(w.tokenizer, tool, &w.out[start..]);
+                w.charge(charge);
             }
         });
         out.push(b']');

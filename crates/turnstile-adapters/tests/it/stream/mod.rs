@@ -6,6 +6,7 @@ mod captures;
 mod cuts;
 mod decode;
 mod faults;
+mod integrity;
 mod never_panics;
 mod sse;
 pub mod support;

@@ -2,7 +2,7 @@
 //! `eventsource-stream` on the inputs where the spec leaves no choice.
 
 use super::support::Rng;
-use turnstile_adapters::sse::{SseEvent, SseParser};
+use turnstile_adapters::sse::{SseError, SseEvent, SseParser};
 
 fn parse_chunks(chunks: &[&[u8]]) -> Vec<SseEvent> {
     let mut parser = SseParser::new();
@@ -109,8 +109,40 @@ fn a_leading_bom_is_skipped_even_when_split_but_only_at_the_start() {
 }
 
 #[test]
-fn invalid_utf8_is_replaced_not_fatal() {
-    assert_eq!(parse(b"data: a\xFFb\n\n"), vec![event("message", "a\u{fffd}b")]);
+fn invalid_utf8_poisons_the_parser_instead_of_being_replaced() {
+    // Issue 17: a provider's bytes that are not UTF-8 never become U+FFFD in history.
+    for bytes in [
+        &b"data: a\xFFb\n\n"[..],
+        b"event: x\xC3\ndata: a\n\n",
+        b": comment \xED\xA0\x80\ndata: a\n\n", // an encoded surrogate
+        b"data: ok\n\ndata: \xF0\x9F\x98\n\n",  // a code point cut short
+    ] {
+        for split in 0..=bytes.len() {
+            let mut parser = SseParser::new();
+            let first = parser.handle_bytes(&bytes[..split]);
+            let second = first.clone().and_then(|()| parser.handle_bytes(&bytes[split..]));
+            assert!(
+                matches!(second, Err(SseError::InvalidUtf8(_))),
+                "{bytes:?} split at {split}: {second:?}"
+            );
+            assert!(matches!(parser.error(), Some(SseError::InvalidUtf8(_))));
+            // Poisoned: nothing more is accepted, and no event holds a replacement character.
+            assert!(parser.handle_bytes(b"data: more\n\n").is_err());
+            while let Some(event) = parser.poll_event() {
+                assert!(!event.data.contains('\u{fffd}'), "{event:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn invalid_utf8_on_the_last_unterminated_line_of_a_file_is_reported_too() {
+    let mut parser = SseParser::new();
+    parser.handle_bytes(b"data: a\n\ndata: b\xFF").unwrap();
+    parser.handle_end_of_file();
+    assert!(matches!(parser.error(), Some(SseError::InvalidUtf8(2))));
+    assert_eq!(parser.poll_event(), Some(event("message", "a")));
+    assert_eq!(parser.poll_event(), None);
 }
 
 #[test]

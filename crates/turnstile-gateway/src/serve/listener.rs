@@ -1,0 +1,138 @@
+//! The gateway's listener: HTTP/1.1 connections with limits (issue 17).
+//!
+//! `axum::serve` keeps a connection as long as the client does: a client that trickles its
+//! headers (slow loris) or keeps an idle connection open holds a file descriptor for ever, and
+//! under a 256-descriptor limit 371 idle connections made `/healthz` unanswerable. Here:
+//!
+//! - every connection gets `header_read_timeout_ms` to deliver a request's headers, counted from
+//!   the moment it is ready for a request: a new connection, and a kept-alive one after each
+//!   response (hyper starts its header timer whenever the connection is idle), so one timeout
+//!   ends both a slow-loris connection and an idle keep-alive one;
+//! - at most `connections_max` connections are served; one more is still accepted, but answered
+//!   by [`overloaded`]: 503 `overloaded` JSON for everything except `GET /healthz`, which is
+//!   answered as usual so that a load balancer sees the process alive, and then closed (no
+//!   keep-alive). Beyond that, [`OVERFLOW_CONNECTIONS_MAX`] more get the same; past those a new
+//!   connection is closed at once;
+//! - an accept error (descriptors exhausted) pauses accepting for [`ACCEPT_ERROR_PAUSE`] instead
+//!   of spinning.
+
+use super::api::{ApiError, ErrorCode};
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// Connections answered with 503 beyond `connections_max` before new ones are closed unanswered.
+pub const OVERFLOW_CONNECTIONS_MAX: usize = 64;
+/// How long accepting pauses after an accept error (EMFILE, ENFILE, …).
+pub const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// How long shutting down waits for open connections to finish.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+
+/// The listener's limits (config keys of the same names; defaults in `config.rs`).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Time a connection has to deliver a request's headers once it is ready for one.
+    pub header_read_timeout_ms: u64,
+    /// Connections served at once.
+    pub connections_max: usize,
+}
+
+impl Limits {
+    /// The limits a configuration asks for.
+    pub fn of(config: &super::config::Config) -> Limits {
+        Limits {
+            header_read_timeout_ms: config.header_read_timeout_ms,
+            connections_max: config.connections_max,
+        }
+    }
+}
+
+/// Serve `app` on `listener` within `limits` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let served = Arc::new(Semaphore::new(limits.connections_max.max(1)));
+    let overflow = Arc::new(Semaphore::new(OVERFLOW_CONNECTIONS_MAX));
+    let header_read_timeout = Duration::from_millis(limits.header_read_timeout_ms.max(1));
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        let mut stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                continue;
+            }
+        };
+        crate::sim::set_nodelay(&mut stream);
+        let (permit, at_cap) = match Arc::clone(&served).try_acquire_owned() {
+            Ok(permit) => (permit, false),
+            Err(_) => match Arc::clone(&overflow).try_acquire_owned() {
+                Ok(permit) => (permit, true),
+                // Over the overflow allowance too: close at once.
+                Err(_) => continue,
+            },
+        };
+        let app = app.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout)
+                .keep_alive(!at_cap);
+            let io = TokioIo::new(stream);
+            let result = if at_cap {
+                let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    async move { Ok::<_, std::convert::Infallible>(overloaded(app, request).await) }
+                });
+                builder.serve_connection(io, service).with_upgrades().await
+            } else {
+                builder
+                    .serve_connection(io, TowerToHyperService::new(app))
+                    .with_upgrades()
+                    .await
+            };
+            if let Err(error) = result {
+                tracing::debug!(%error, "connection ended");
+            }
+            drop(permit);
+        });
+    }
+    // Let open connections finish (bounded), as `axum::serve`'s graceful shutdown did.
+    let all = u32::try_from(limits.connections_max.max(1)).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(SHUTDOWN_WAIT, served.acquire_many(all)).await;
+    Ok(())
+}
+
+/// A request on a connection beyond the cap: `GET /healthz` as usual, anything else 503.
+async fn overloaded(app: Router, request: Request<hyper::body::Incoming>) -> Response {
+    if request.method() == Method::GET && request.uri().path() == "/healthz" {
+        use hyper::service::Service as _;
+        return match TowerToHyperService::new(app).call(request).await {
+            Ok(response) => response.map(Body::new),
+            Err(never) => match never {},
+        };
+    }
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::Overloaded,
+        "the gateway is at its connection limit; retry",
+    )
+    .into_response()
+}

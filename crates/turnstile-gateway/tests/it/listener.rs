@@ -1,0 +1,139 @@
+//! Listener limits (issue 17), against a real gateway on loopback over raw TCP: a slow-loris
+//! connection and an idle keep-alive connection are closed after `header_read_timeout_ms`;
+//! beyond `connections_max` a connection is answered 503 `overloaded`, except `GET /healthz`.
+
+use crate::serve::{Gateway, sqlite};
+use serde_json::Value;
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// The bound on every wait here: far above the timeouts configured, so a pass is not a race.
+const BOUND: Duration = Duration::from_secs(20);
+
+fn address(gateway: &Gateway) -> String {
+    gateway.base.trim_start_matches("http://").to_owned()
+}
+
+fn connect(gateway: &Gateway) -> TcpStream {
+    let stream = TcpStream::connect(address(gateway)).unwrap();
+    stream.set_read_timeout(Some(BOUND)).unwrap();
+    stream
+}
+
+/// Read until the server closes the connection: `true` if it did within [`BOUND`].
+fn closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut buffer = [0u8; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(error) if matches!(error.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+                return true;
+            }
+            Err(_) => return false, // the read timed out: still open
+        }
+    }
+}
+
+/// One request with `Connection: close`: (status, JSON body).
+fn request(gateway: &Gateway, path: &str) -> (u16, Value) {
+    let mut stream = connect(gateway);
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|status| status.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    (status, serde_json::from_str(body.trim()).unwrap_or(Value::Null))
+}
+
+#[test]
+fn a_slow_loris_connection_is_closed_after_the_header_read_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, "header_read_timeout_ms = 300").unwrap();
+    let mut stream = connect(&gateway);
+    // Headers trickled a line at a time and never finished.
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n")
+        .unwrap();
+    for index in 0..3 {
+        if stream
+            .write_all(format!("X-Trickle-{index}: 1\r\n").as_bytes())
+            .is_err()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        closed_by_server(&mut stream),
+        "the connection was still open after {BOUND:?}"
+    );
+    // The gateway itself is fine.
+    assert_eq!(request(&gateway, "/healthz").0, 200);
+}
+
+#[test]
+fn an_idle_keep_alive_connection_is_closed_after_the_header_read_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, "header_read_timeout_ms = 300").unwrap();
+    let mut stream = connect(&gateway);
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        .unwrap();
+    // Read the whole response (its body is one JSON object), then say nothing more.
+    let mut response = Vec::new();
+    let mut buffer = [0u8; 1024];
+    while !String::from_utf8_lossy(&response).contains("\"reachable\"}") {
+        let read = stream.read(&mut buffer).unwrap();
+        assert!(
+            read > 0,
+            "closed before the response: {}",
+            String::from_utf8_lossy(&response)
+        );
+        response.extend_from_slice(&buffer[..read]);
+    }
+    assert!(String::from_utf8_lossy(&response).starts_with("HTTP/1.1 200"));
+    assert!(
+        closed_by_server(&mut stream),
+        "the idle connection was still open after {BOUND:?}"
+    );
+}
+
+#[test]
+fn beyond_the_connection_cap_requests_get_503_and_healthz_still_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(
+        &dir,
+        &sqlite(&dir),
+        None,
+        "header_read_timeout_ms = 60000\nconnections_max = 3",
+    )
+    .unwrap();
+    // Three connections that say nothing hold every served slot (accepted in arrival order).
+    let mut held: Vec<TcpStream> = (0..3).map(|_| connect(&gateway)).collect();
+    let (status, body) = request(&gateway, "/v1/quarantine");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "overloaded", "{body}");
+    let (status, body) = request(&gateway, "/healthz");
+    assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
+    // A slot freed is served again (the server notices the close asynchronously: bounded poll).
+    drop(held.pop());
+    let served = (0..200).any(|_| {
+        let (status, _) = request(&gateway, "/v1/quarantine");
+        if status != 200 {
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        status == 200
+    });
+    assert!(served, "a freed slot was never served again");
+}
