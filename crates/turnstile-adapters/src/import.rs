@@ -26,7 +26,8 @@
 //! Generation settings (temperature, top-p, top-k, stop sequences, seed, penalties) are read
 //! into [`Imported::sampling`] in neutral names and checked against the ranges the client's own
 //! API documents (`sampling.rs`): a value that API would refuse is `invalid_request` here too.
-//! Request fields neither the graph nor the settings carry (`tool_choice`, `cache_control`,
+//! Tool choice and parallel tool calls are read into [`Imported::tool_choice`] (`tool_choice.rs`).
+//! Request fields neither the graph nor the settings carry (`cache_control`,
 //! metadata, `logit_bias`, …) are listed in [`Imported::dropped`], never silently lost; a field
 //! whose value carries nothing (`null`, `[]`, `{}`) is not listed.
 
@@ -57,6 +58,9 @@ pub struct Imported {
     /// The generation settings the client asked for, in neutral names, within the ranges its
     /// API documents (the target adapter's API checks them again when it renders).
     pub sampling: Sampling,
+    /// The tool choice and parallel switch the client asked for, in neutral names
+    /// (`tool_choice.rs`); the target adapter's API checks them when it renders.
+    pub tool_choice: crate::tool_choice::ToolChoice,
     /// Request fields neither the graph nor [`Imported::sampling`] carries, as index-free paths
     /// (`tool_choice`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
     pub dropped: Vec<String>,
@@ -191,6 +195,7 @@ pub(crate) struct Head {
     pub stream: bool,
     pub max_output_tokens: Option<u64>,
     pub sampling: Sampling,
+    pub tool_choice: crate::tool_choice::ToolChoice,
 }
 
 /// A setting outside the range the client's own API documents is malformed for that API (the
@@ -969,6 +974,7 @@ impl Builder {
             max_output_tokens: head.max_output_tokens,
             has_tools,
             sampling: head.sampling,
+            tool_choice: head.tool_choice,
             dropped: self.dropped.into_iter().collect(),
         }
     }

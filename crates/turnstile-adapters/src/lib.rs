@@ -25,9 +25,14 @@ pub mod render;
 pub mod sampling;
 pub mod simulate;
 pub mod tokens;
+pub mod tool_choice;
 
 pub use catalog::Catalog;
-pub use prepare::{PrepareOutcome, PrepareRequest, Prepared, prepare, prepare_with_sampling};
+pub use prepare::{
+    PrepareOutcome, PrepareRequest, Prepared, SettingError, Settings, prepare, prepare_with_sampling,
+    prepare_with_settings,
+};
 pub use registry::{AdapterId, Api};
 pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered};
 pub use sampling::{Sampling, SamplingError, Setting};
+pub use tool_choice::{Choice, ToolChoice, ToolChoiceError};

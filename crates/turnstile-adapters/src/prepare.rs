@@ -10,11 +10,14 @@
 //! same with none set. They are a separate argument rather than a field of [`PrepareRequest`]
 //! only so that the struct literals written before settings existed keep compiling (a field
 //! is planned once every caller passes settings; `docs/decisions.md`, 2026-11-30).
+//! [`prepare_with_settings`] takes every request setting at once ([`Settings`]: sampling and
+//! tool choice), and is what the gateway calls.
 
 use crate::catalog::{Catalog, Match, ModelInfo};
 use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
+use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use turnstile_core::Digest;
 use turnstile_core::admission::{Admission, OverBudget, admit};
 use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
@@ -80,6 +83,47 @@ pub fn prepare(
     }
 }
 
+/// Every request setting that is not part of the conversation: generation settings and tool
+/// choice. `Default` is "nothing set".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// Generation settings.
+    pub sampling: Sampling,
+    /// Tool choice and parallel tool calls.
+    pub tool_choice: ToolChoice,
+}
+
+/// A request setting the target API cannot take. Tests assert [`SettingError::code`] and
+/// [`SettingError::field`], never the message.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingError {
+    /// A generation setting.
+    #[error(transparent)]
+    Sampling(SamplingError),
+    /// The tool choice or parallel switch.
+    #[error(transparent)]
+    ToolChoice(ToolChoiceError),
+}
+
+impl SettingError {
+    /// The machine-readable code of the inner error.
+    pub fn code(&self) -> &'static str {
+        match self {
+            SettingError::Sampling(error) => error.code(),
+            SettingError::ToolChoice(error) => error.code(),
+        }
+    }
+
+    /// The neutral name of the setting concerned (`temperature`, `tool_choice`, …).
+    pub fn field(&self) -> &'static str {
+        match self {
+            SettingError::Sampling(error) => error.setting().as_str(),
+            SettingError::ToolChoice(error) => error.field().as_str(),
+        }
+    }
+}
+
 /// Render, count, admit and seal the manifest, with generation settings written in the
 /// adapter's API fields and recorded in the render policy (so `policy_digest` pins them).
 ///
@@ -93,7 +137,32 @@ pub fn prepare_with_sampling(
     catalog: &Catalog,
     cache: &mut RenderCache,
 ) -> Result<PrepareOutcome, SamplingError> {
-    sampling.check(request.adapter.api())?;
+    let settings = Settings {
+        sampling: sampling.clone(),
+        tool_choice: ToolChoice::default(),
+    };
+    match prepare_with_settings(graph, request, &settings, catalog, cache) {
+        Ok(outcome) => Ok(outcome),
+        Err(SettingError::Sampling(error)) => Err(error),
+        // Invariant: an unset tool choice passes every check.
+        Err(SettingError::ToolChoice(error)) => unreachable!("an unset tool choice was refused: {error}"),
+    }
+}
+
+/// Render, count, admit and seal the manifest with every request setting written in the
+/// adapter's API fields and recorded in the render policy (so `policy_digest` pins them).
+/// `Err` when the API cannot take one: nothing is sent without it.
+pub fn prepare_with_settings(
+    graph: Graph<'_>,
+    request: &PrepareRequest,
+    settings: &Settings,
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+) -> Result<PrepareOutcome, SettingError> {
+    settings
+        .sampling
+        .check(request.adapter.api())
+        .map_err(SettingError::Sampling)?;
     let (model, model_match) = catalog.lookup(request.adapter.api(), &request.model);
     let max_output_tokens = request
         .max_output_tokens
@@ -103,12 +172,14 @@ pub fn prepare_with_sampling(
         max_output_tokens,
         stream: request.stream,
         background: request.background,
-        sampling: sampling.clone(),
+        sampling: settings.sampling.clone(),
+        tool_choice: settings.tool_choice.clone(),
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(pauses) => return Ok(PrepareOutcome::Paused(pauses)),
-        RenderOutcome::Refused(error) => return Err(error),
+        RenderOutcome::Refused(error) => return Err(SettingError::Sampling(error)),
+        RenderOutcome::RefusedToolChoice(error) => return Err(SettingError::ToolChoice(error)),
     };
     let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
         Admission::Admitted { headroom } => headroom,

@@ -15,6 +15,7 @@ use crate::call_ids::{self, CallIdRule};
 use crate::registry::AdapterId;
 use crate::sampling::{Sampling, SamplingError};
 use crate::tokens::Tokenizer;
+use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use turnstile_core::conversation::{Block, BlockBody, Conversation, MediaSource, Role, RoleField, Turn};
@@ -38,6 +39,10 @@ pub struct RenderOptions {
     /// Generation settings, written in the API's own fields; one the API cannot take refuses
     /// the render ([`RenderOutcome::Refused`]). The default (nothing set) writes nothing.
     pub sampling: Sampling,
+    /// Tool choice and parallel tool calls, written in the API's own fields; one the API cannot
+    /// spell refuses the render ([`RenderOutcome::RefusedToolChoice`]). The default writes
+    /// nothing.
+    pub tool_choice: ToolChoice,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -170,6 +175,11 @@ pub struct RenderPolicy {
     /// set, so a request without settings has the policy digest it always had).
     #[serde(skip_serializing_if = "Sampling::is_unset")]
     pub sampling: Sampling,
+    /// The tool choice and parallel switch sent, in neutral names (`tool_choice`,
+    /// `parallel_tool_calls`), flattened beside the other fields and left out when unset, so a
+    /// request without them has the policy digest it always had.
+    #[serde(flatten)]
+    pub tool_choice: ToolChoice,
 }
 
 impl RenderPolicy {
@@ -211,6 +221,9 @@ pub enum RenderOutcome {
     /// documented range). A request error, not a state of the conversation: checked before
     /// anything renders, and nothing is sent without the setting.
     Refused(SamplingError),
+    /// A tool choice the API cannot spell, or one naming an undeclared tool. A request error
+    /// like [`RenderOutcome::Refused`]; nothing is sent without it.
+    RefusedToolChoice(ToolChoiceError),
 }
 
 /// Render a graph with one adapter version.
@@ -223,6 +236,15 @@ pub fn render(
 ) -> RenderOutcome {
     if let Err(error) = options.sampling.check(adapter.api()) {
         return RenderOutcome::Refused(error);
+    }
+    let declared: Vec<&str> = graph
+        .conversation()
+        .tools
+        .iter()
+        .map(|tool| tool.name.as_str())
+        .collect();
+    if let Err(error) = options.tool_choice.check(adapter.api(), &declared) {
+        return RenderOutcome::RefusedToolChoice(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
     match adapter {
@@ -328,6 +350,7 @@ pub(crate) struct Ctx<'c> {
     pub tokens: u64,
     stream: bool,
     sampling: Sampling,
+    tool_choice: ToolChoice,
 }
 
 impl<'c> Ctx<'c> {
@@ -347,6 +370,7 @@ impl<'c> Ctx<'c> {
             tokens: 0,
             stream: options.stream,
             sampling: options.sampling.clone(),
+            tool_choice: options.tool_choice.clone(),
         }
     }
 
@@ -458,6 +482,15 @@ impl<'c> Ctx<'c> {
         });
     }
 
+    /// Append the request's tool choice fields in `api`'s names (`tool_choice.rs`), counting
+    /// their text into the request total. Nothing when unset.
+    pub fn tool_choice_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.tool_choice.write_fields(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
     /// Finish: pauses win; otherwise the rendered request with its policy.
     pub fn finish(&mut self, body: Body, headers: &[(&'static str, &'static str)]) -> RenderOutcome {
         if !self.pauses.is_empty() {
@@ -477,6 +510,7 @@ impl<'c> Ctx<'c> {
                 call_ids: std::mem::take(&mut self.call_ids),
                 omitted: std::mem::take(&mut self.omitted),
                 sampling: std::mem::take(&mut self.sampling),
+                tool_choice: std::mem::take(&mut self.tool_choice),
             },
         })
     }

@@ -96,12 +96,14 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     for (path, pattern, value) in top.elements("messages", messages) {
         message(Obj::new(value, path, pattern)?, builder)?;
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::AnthropicMessages, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model,
         stream,
         max_output_tokens,
         sampling,
+        tool_choice,
     })
 }
 

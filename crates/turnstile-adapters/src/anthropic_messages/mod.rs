@@ -216,6 +216,8 @@ pub(crate) fn render(
         });
         out.push(b']');
     }
+    // `tool_choice` (with `disable_parallel_tool_use`; table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::AnthropicMessages, &mut out);
     if options.stream {
         out.extend_from_slice(b",\"stream\":true");
     }

@@ -165,12 +165,14 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
         builder.end()?;
         content.finish(builder);
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::Gemini, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model: call.model,
         stream: call.stream,
         max_output_tokens,
         sampling,
+        tool_choice,
     })
 }
 

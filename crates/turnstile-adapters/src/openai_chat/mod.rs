@@ -125,6 +125,8 @@ pub(crate) fn render(
         });
         out.push(b']');
     }
+    // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::OpenaiChat, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     let headers = HEADERS;

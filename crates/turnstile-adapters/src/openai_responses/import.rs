@@ -87,12 +87,14 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
             ));
         }
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiResponses, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model,
         stream,
         max_output_tokens,
         sampling,
+        tool_choice,
     })
 }
 

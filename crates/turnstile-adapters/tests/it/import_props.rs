@@ -133,6 +133,7 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(_) => return Vec::new(),
         RenderOutcome::Refused(error) => return vec![format!("refused {sampling:?}: {error}")],
+        RenderOutcome::RefusedToolChoice(error) => return vec![format!("refused a tool choice: {error}")],
     };
     let imported = match import_as(api, &rendered.body, model) {
         Ok(imported) => imported,
@@ -192,6 +193,9 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         )),
         RenderOutcome::Paused(pauses) => problems.push(format!("second round pauses: {pauses:?}")),
         RenderOutcome::Refused(error) => problems.push(format!("second round is refused: {error}")),
+        RenderOutcome::RefusedToolChoice(error) => {
+            problems.push(format!("second round refuses a tool choice: {error}"))
+        }
     }
     problems
 }

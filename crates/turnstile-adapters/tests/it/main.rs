@@ -12,5 +12,6 @@ mod render_registry;
 mod render_rules;
 mod render_sampling;
 mod render_support;
+mod render_tool_choice;
 mod render_upgrade;
 mod stream;

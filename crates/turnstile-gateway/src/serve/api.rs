@@ -22,10 +22,13 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use turnstile_adapters::decode::StreamApi;
-use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare_with_sampling};
+use turnstile_adapters::prepare::{
+    PrepareOutcome, PrepareRequest, SettingError, Settings, prepare_with_settings,
+};
 use turnstile_adapters::registry::AdapterId;
 use turnstile_adapters::render::Graph;
 use turnstile_adapters::sampling::{Sampling, SamplingError};
+use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_core::dispatch::DispatchState;
 use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
 use turnstile_store::{AppendOutcome, ClaimOutcome, CreateOutcome, Lease, ResultOutcome, ToolCallState};
@@ -347,6 +350,14 @@ struct DispatchBody {
     /// `setting_out_of_range` (`docs/decisions.md`, 2026-11-30).
     #[serde(default)]
     sampling: Sampling,
+    /// Tool choice in neutral names (`{"type": "auto" | "none" | "required"}`, `{"type":
+    /// "tool", "name"}`, `{"type": "allowed", "mode", "tools"}`, `{"type": "validated"}`) and
+    /// the parallel switch; one the adapter's API cannot spell is 422 `unsupported_setting`
+    /// (`tool_choice.rs`, `docs/decisions.md`, 2026-12-01).
+    #[serde(default)]
+    tool_choice: Option<Choice>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
 }
 
 /// Where a dispatch goes.
@@ -454,7 +465,13 @@ pub async fn dispatch(
         operation_id,
         &request.target,
         request.max_output_tokens,
-        request.sampling,
+        Settings {
+            sampling: request.sampling,
+            tool_choice: ToolChoice {
+                tool_choice: request.tool_choice,
+                parallel_tool_calls: request.parallel_tool_calls,
+            },
+        },
     )
     .await?
     {
@@ -471,17 +488,17 @@ pub(crate) enum Started {
     Early(Early),
 }
 
-/// A generation setting the adapter's API cannot take: 422 with the setting's neutral name and
+/// A request setting the adapter's API cannot take: 422 with the setting's neutral name and
 /// the adapter, plus the documented bounds when it is a range (or count) that was broken.
-fn setting_error(error: SamplingError, adapter: AdapterId) -> ApiError {
-    let mut extra = json!({"setting": error.setting().as_str(), "adapter": adapter.as_str()});
+fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
+    let mut extra = json!({"setting": error.field(), "adapter": adapter.as_str()});
     match &error {
-        SamplingError::OutOfRange { value, min, max, .. } => {
+        SettingError::Sampling(SamplingError::OutOfRange { value, min, max, .. }) => {
             extra["value"] = json!(value);
             extra["min"] = json!(min);
             extra["max"] = json!(max);
         }
-        SamplingError::TooMany { count, max, .. } => {
+        SettingError::Sampling(SamplingError::TooMany { count, max, .. }) => {
             extra["count"] = json!(count);
             extra["max"] = json!(max);
         }
@@ -491,7 +508,7 @@ fn setting_error(error: SamplingError, adapter: AdapterId) -> ApiError {
 }
 
 /// Render → admission → manifest → `ledger.prepare` for a conversation the validator called
-/// ready. Shared by the dispatch endpoint and the proxy endpoints. `sampling` is checked
+/// ready. Shared by the dispatch endpoint and the proxy endpoints. `settings` are checked
 /// against the adapter's API before anything renders: a setting it cannot take is 422
 /// `unsupported_setting` / `setting_out_of_range`, never dropped or clamped.
 pub(crate) async fn prepare_dispatch(
@@ -500,7 +517,7 @@ pub(crate) async fn prepare_dispatch(
     operation_id: String,
     target: &Target,
     max_output_tokens: Option<u64>,
-    sampling: Sampling,
+    settings: Settings,
 ) -> Result<Started, ApiError> {
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
@@ -509,9 +526,10 @@ pub(crate) async fn prepare_dispatch(
             format!("no adapter {:?}", target.adapter),
         )
     })?;
-    sampling
+    settings
+        .sampling
         .check(adapter.api())
-        .map_err(|error| setting_error(error, adapter))?;
+        .map_err(|error| setting_error(SettingError::Sampling(error), adapter))?;
     if !shared.endpoints.contains_key(&target.provider) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -551,7 +569,7 @@ pub(crate) async fn prepare_dispatch(
     };
     let outcome = {
         let mut cache = shared.render_cache.lock().await;
-        prepare_with_sampling(graph, &prepare_request, &sampling, &shared.catalog, &mut cache)
+        prepare_with_settings(graph, &prepare_request, &settings, &shared.catalog, &mut cache)
     };
     let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {
         PrepareOutcome::Prepared(prepared) => prepared,

@@ -1256,3 +1256,226 @@ fn a_response_cut_by_the_output_cap_inside_tool_arguments_is_sent_once_and_refus
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(gateway.metric("turnstile_partial_tool_dispatch_total"), 0.0);
 }
+
+/// The body the simulator received last, as JSON.
+fn last_sent(sim: &SimProcess) -> Value {
+    let requests = sim.requests();
+    let last = requests.last().expect("something was sent");
+    serde_json::from_str(last["body"].as_str().unwrap()).unwrap()
+}
+
+#[test]
+fn tool_choice_and_parallel_tool_calls_reach_the_provider_of_the_same_api_exactly() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let chat_tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": schema()}}]);
+    let request = json!({"model": "gpt-tc", "messages": [{"role": "user", "content": "Weather?"}], "tools": chat_tools,
+                         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                         "parallel_tool_calls": false});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["tool_choice"], request["tool_choice"], "{body}");
+    assert_eq!(body["parallel_tool_calls"], json!(false), "{body}");
+
+    let request = json!({"model": "gpt-tc", "input": "Weather?",
+                         "tools": [{"type": "function", "name": "get_weather", "parameters": schema()}],
+                         "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                         "tools": [{"type": "function", "name": "get_weather"}]},
+                         "parallel_tool_calls": true});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["tool_choice"], request["tool_choice"], "{body}");
+    assert_eq!(body["parallel_tool_calls"], json!(true), "{body}");
+
+    let request = json!({"model": "claude-tc", "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                         "tools": [{"name": "get_weather", "input_schema": schema()}],
+                         "tool_choice": {"type": "any", "disable_parallel_tool_use": true}});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["tool_choice"], request["tool_choice"]);
+
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Weather?"}]}],
+                         "tools": [{"functionDeclarations": [{"name": "get_weather", "parametersJsonSchema": schema()}]}],
+                         "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-tc:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["toolConfig"], request["toolConfig"]);
+}
+
+#[test]
+fn tool_choice_crosses_apis_only_where_the_meaning_is_identical_and_is_refused_by_name_otherwise() {
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "openai-chat@2"
+target_model = "gpt-under"
+
+[[routes]]
+api = "openai-chat"
+model = "gpt-*"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "openai-chat"
+model = "gem-*"
+provider = "sim"
+adapter = "gemini@1"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    // Anthropic `tool` + `disable_parallel_tool_use` is OpenAI's named function without
+    // parallel calls.
+    let request = json!({"model": "claude-x", "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                         "tools": [{"name": "get_weather", "input_schema": schema()}],
+                         "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true}});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["tool_choice"],
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+        "{body}"
+    );
+    assert_eq!(body["parallel_tool_calls"], json!(false), "{body}");
+    // OpenAI `required` is Anthropic `any`.
+    let chat = |model: &str, choice: Value, parallel: Value| {
+        json!({"model": model, "messages": [{"role": "user", "content": "Weather?"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema()}}],
+               "tool_choice": choice, "parallel_tool_calls": parallel})
+    };
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat("gpt-y", json!("required"), Value::Null),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(body["tool_choice"], json!({"type": "any"}), "{body}");
+    // A named function is Gemini's ANY restricted to that name.
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat(
+            "gem-y",
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            Value::Null,
+        ),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["toolConfig"],
+        json!({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}),
+        "{body}"
+    );
+    // Refused by name, in the client's error shape, and nothing sent: Anthropic cannot say
+    // "one of these tools, optionally"; Gemini has no parallel switch; a name the request does
+    // not declare.
+    let allowed = json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto",
+                         "tools": [{"type": "function", "function": {"name": "get_weather"}}]}});
+    for (request, code, setting) in [
+        (
+            chat("gpt-y", allowed, Value::Null),
+            "unsupported_setting",
+            "tool_choice",
+        ),
+        (
+            chat("gem-y", json!("auto"), json!(false)),
+            "unsupported_setting",
+            "parallel_tool_calls",
+        ),
+        (
+            chat(
+                "gpt-y",
+                json!({"type": "function", "function": {"name": "launch"}}),
+                Value::Null,
+            ),
+            "unknown_tool",
+            "tool_choice",
+        ),
+    ] {
+        let before = sim.requests().len();
+        let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], code, "{body}");
+        assert_eq!(body["error"]["setting"], setting, "{body}");
+        assert_eq!(sim.requests().len(), before, "{request}");
+    }
+}
+
+#[test]
+fn the_native_dispatch_takes_a_tool_choice_under_its_neutral_name() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let tools = json!([{"name": "get_weather", "input_schema": schema()}]);
+    let (status, _) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": "c-tc", "tools": tools}),
+    );
+    assert_eq!(status, 201);
+    let (status, _) = gateway.post(
+        "/v1/conversations/c-tc/turns",
+        json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "Weather?"}]}}),
+    );
+    assert_eq!(status, 200);
+    let dispatch = |operation: &str, adapter: &str, extra: Value| {
+        let mut body = json!({"operation_id": operation,
+                              "target": {"provider": "sim", "model": "m-tc", "adapter": adapter}});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        gateway.post("/v1/conversations/c-tc/dispatch", body)
+    };
+    let before = sim.requests().len();
+    let (status, body) = dispatch(
+        "op-gemini",
+        "gemini@1",
+        json!({"tool_choice": {"type": "required"}, "parallel_tool_calls": false}),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    let (status, body) = dispatch(
+        "op-odd",
+        "gemini@1",
+        json!({"tool_choice": {"type": "sometimes"}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("invalid_request")),
+        "{body}"
+    );
+    assert_eq!(sim.requests().len(), before);
+    let (status, body) = dispatch(
+        "op-anthropic",
+        "anthropic-messages@2",
+        json!({"tool_choice": {"type": "tool", "name": "get_weather"}, "parallel_tool_calls": false}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let view = gateway.get("/v1/dispatches/op-anthropic");
+    let request_body: Value = serde_json::from_str(view["request_body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        request_body["tool_choice"],
+        json!({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true}),
+        "{view}"
+    );
+    let sent = sent_for(&gateway, &sim, "op-anthropic");
+    assert_eq!(sent.len(), 1);
+}

@@ -256,6 +256,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
         });
         out.extend_from_slice(b"]}]");
     }
+    // `toolConfig.functionCallingConfig` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::Gemini, &mut out);
     out.extend_from_slice(b",\"generationConfig\":{\"maxOutputTokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
     // `generationConfig.{temperature, topP, topK, stopSequences, seed, presencePenalty,

@@ -150,6 +150,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
         });
         out.push(b']');
     }
+    // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::OpenaiResponses, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     ctx.finish(

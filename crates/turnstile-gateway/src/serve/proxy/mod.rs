@@ -619,7 +619,10 @@ async fn serve_ours(
         operation_id.clone(),
         &target,
         imported.max_output_tokens,
-        imported.sampling.clone(),
+        turnstile_adapters::prepare::Settings {
+            sampling: imported.sampling.clone(),
+            tool_choice: imported.tool_choice.clone(),
+        },
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
