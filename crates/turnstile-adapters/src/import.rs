@@ -61,6 +61,8 @@ pub struct Imported {
     /// The tool choice and parallel switch the client asked for, in neutral names
     /// (`tool_choice.rs`); the target adapter's API checks them when it renders.
     pub tool_choice: crate::tool_choice::ToolChoice,
+    /// The structured output the client asked for (`output_format.rs`).
+    pub output_format: crate::output_format::OutputFormat,
     /// Request fields neither the graph nor [`Imported::sampling`] carries, as index-free paths
     /// (`tool_choice`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
     pub dropped: Vec<String>,
@@ -196,6 +198,7 @@ pub(crate) struct Head {
     pub max_output_tokens: Option<u64>,
     pub sampling: Sampling,
     pub tool_choice: crate::tool_choice::ToolChoice,
+    pub output_format: crate::output_format::OutputFormat,
 }
 
 /// A setting outside the range the client's own API documents is malformed for that API (the
@@ -975,6 +978,7 @@ impl Builder {
             has_tools,
             sampling: head.sampling,
             tool_choice: head.tool_choice,
+            output_format: head.output_format,
             dropped: self.dropped.into_iter().collect(),
         }
     }

@@ -17,6 +17,7 @@ pub mod gemini;
 pub mod import;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod output_format;
 pub mod prepare;
 #[doc(hidden)]
 pub mod probe;

@@ -10,10 +10,11 @@
 //! same with none set. They are a separate argument rather than a field of [`PrepareRequest`]
 //! only so that the struct literals written before settings existed keep compiling (a field
 //! is planned once every caller passes settings; `docs/decisions.md`, 2026-11-30).
-//! [`prepare_with_settings`] takes every request setting at once ([`Settings`]: sampling and
-//! tool choice), and is what the gateway calls.
+//! [`prepare_with_settings`] takes every request setting at once ([`Settings`]: sampling, tool
+//! choice and output format), and is what the gateway calls.
 
 use crate::catalog::{Catalog, Match, ModelInfo};
+use crate::output_format::{OutputFormat, OutputFormatError};
 use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
@@ -91,6 +92,8 @@ pub struct Settings {
     pub sampling: Sampling,
     /// Tool choice and parallel tool calls.
     pub tool_choice: ToolChoice,
+    /// Structured output.
+    pub output_format: OutputFormat,
 }
 
 /// A request setting the target API cannot take. Tests assert [`SettingError::code`] and
@@ -104,6 +107,9 @@ pub enum SettingError {
     /// The tool choice or parallel switch.
     #[error(transparent)]
     ToolChoice(ToolChoiceError),
+    /// The output format.
+    #[error(transparent)]
+    OutputFormat(OutputFormatError),
 }
 
 impl SettingError {
@@ -112,6 +118,7 @@ impl SettingError {
         match self {
             SettingError::Sampling(error) => error.code(),
             SettingError::ToolChoice(error) => error.code(),
+            SettingError::OutputFormat(error) => error.code(),
         }
     }
 
@@ -120,6 +127,7 @@ impl SettingError {
         match self {
             SettingError::Sampling(error) => error.setting().as_str(),
             SettingError::ToolChoice(error) => error.field().as_str(),
+            SettingError::OutputFormat(error) => error.field(),
         }
     }
 }
@@ -140,12 +148,15 @@ pub fn prepare_with_sampling(
     let settings = Settings {
         sampling: sampling.clone(),
         tool_choice: ToolChoice::default(),
+        output_format: OutputFormat::default(),
     };
     match prepare_with_settings(graph, request, &settings, catalog, cache) {
         Ok(outcome) => Ok(outcome),
         Err(SettingError::Sampling(error)) => Err(error),
         // Invariant: an unset tool choice passes every check.
         Err(SettingError::ToolChoice(error)) => unreachable!("an unset tool choice was refused: {error}"),
+        // Invariant: an unset output format passes every check.
+        Err(SettingError::OutputFormat(error)) => unreachable!("an unset output format was refused: {error}"),
     }
 }
 
@@ -174,12 +185,14 @@ pub fn prepare_with_settings(
         background: request.background,
         sampling: settings.sampling.clone(),
         tool_choice: settings.tool_choice.clone(),
+        output_format: settings.output_format.clone(),
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(pauses) => return Ok(PrepareOutcome::Paused(pauses)),
         RenderOutcome::Refused(error) => return Err(SettingError::Sampling(error)),
         RenderOutcome::RefusedToolChoice(error) => return Err(SettingError::ToolChoice(error)),
+        RenderOutcome::RefusedOutputFormat(error) => return Err(SettingError::OutputFormat(error)),
     };
     let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
         Admission::Admitted { headroom } => headroom,

@@ -37,6 +37,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         sampling: crate::sampling::Sampling::default(),
         // Likewise the tool choice (`tests/it/render_tool_choice.rs`).
         tool_choice: crate::tool_choice::ToolChoice::default(),
+        output_format: crate::output_format::OutputFormat::default(),
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not
@@ -52,6 +53,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         // Unreachable: no setting is set, so nothing can be refused.
         RenderOutcome::Refused(error) => json!({ "refused": error.code() }),
         RenderOutcome::RefusedToolChoice(error) => json!({ "refused": error.code() }),
+        RenderOutcome::RefusedOutputFormat(error) => json!({ "refused": error.code() }),
     }
 }
 

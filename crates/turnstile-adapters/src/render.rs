@@ -12,6 +12,7 @@
 //! objects without raw text) are written in RFC 8785 canonical form.
 
 use crate::call_ids::{self, CallIdRule};
+use crate::output_format::{OutputFormat, OutputFormatError};
 use crate::registry::AdapterId;
 use crate::sampling::{Sampling, SamplingError};
 use crate::tokens::Tokenizer;
@@ -43,6 +44,9 @@ pub struct RenderOptions {
     /// spell refuses the render ([`RenderOutcome::RefusedToolChoice`]). The default writes
     /// nothing.
     pub tool_choice: ToolChoice,
+    /// Structured output, written in the API's own fields; one the API cannot spell refuses
+    /// the render ([`RenderOutcome::RefusedOutputFormat`]). The default writes nothing.
+    pub output_format: OutputFormat,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -180,6 +184,9 @@ pub struct RenderPolicy {
     /// request without them has the policy digest it always had.
     #[serde(flatten)]
     pub tool_choice: ToolChoice,
+    /// The structured output asked for, in neutral names (left out when unset).
+    #[serde(skip_serializing_if = "OutputFormat::is_unset")]
+    pub output_format: OutputFormat,
 }
 
 impl RenderPolicy {
@@ -224,6 +231,8 @@ pub enum RenderOutcome {
     /// A tool choice the API cannot spell, or one naming an undeclared tool. A request error
     /// like [`RenderOutcome::Refused`]; nothing is sent without it.
     RefusedToolChoice(ToolChoiceError),
+    /// An output format the API cannot spell. A request error like [`RenderOutcome::Refused`].
+    RefusedOutputFormat(OutputFormatError),
 }
 
 /// Render a graph with one adapter version.
@@ -245,6 +254,9 @@ pub fn render(
         .collect();
     if let Err(error) = options.tool_choice.check(adapter.api(), &declared) {
         return RenderOutcome::RefusedToolChoice(error);
+    }
+    if let Err(error) = options.output_format.check(adapter.api()) {
+        return RenderOutcome::RefusedOutputFormat(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
     match adapter {
@@ -351,6 +363,7 @@ pub(crate) struct Ctx<'c> {
     stream: bool,
     sampling: Sampling,
     tool_choice: ToolChoice,
+    output_format: OutputFormat,
 }
 
 impl<'c> Ctx<'c> {
@@ -371,6 +384,7 @@ impl<'c> Ctx<'c> {
             stream: options.stream,
             sampling: options.sampling.clone(),
             tool_choice: options.tool_choice.clone(),
+            output_format: options.output_format.clone(),
         }
     }
 
@@ -491,6 +505,15 @@ impl<'c> Ctx<'c> {
         }
     }
 
+    /// Append the request's output format fields in `api`'s names (`output_format.rs`),
+    /// counting their text into the request total. Nothing when unset.
+    pub fn output_format_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.output_format.write(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
     /// Finish: pauses win; otherwise the rendered request with its policy.
     pub fn finish(&mut self, body: Body, headers: &[(&'static str, &'static str)]) -> RenderOutcome {
         if !self.pauses.is_empty() {
@@ -511,6 +534,7 @@ impl<'c> Ctx<'c> {
                 omitted: std::mem::take(&mut self.omitted),
                 sampling: std::mem::take(&mut self.sampling),
                 tool_choice: std::mem::take(&mut self.tool_choice),
+                output_format: std::mem::take(&mut self.output_format),
             },
         })
     }

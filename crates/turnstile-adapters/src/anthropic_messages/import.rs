@@ -97,6 +97,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         message(Obj::new(value, path, pattern)?, builder)?;
     }
     let tool_choice = crate::tool_choice::read(crate::registry::Api::AnthropicMessages, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::AnthropicMessages, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model,
@@ -104,6 +105,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         max_output_tokens,
         sampling,
         tool_choice,
+        output_format,
     })
 }
 

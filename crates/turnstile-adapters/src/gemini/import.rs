@@ -76,6 +76,7 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
     )?;
     let mut max_output_tokens = None;
     let mut sampling = Sampling::default();
+    let mut output_format = crate::output_format::OutputFormat::default();
     if let Some(mut config) = top.object("generationConfig")? {
         config.camel_case_keys()?;
         max_output_tokens = config.u64("maxOutputTokens")?;
@@ -88,6 +89,7 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
             presence_penalty: config.f64("presencePenalty")?,
             frequency_penalty: config.f64("frequencyPenalty")?,
         };
+        output_format = crate::output_format::read(crate::registry::Api::Gemini, &mut config)?;
         match config.u64("candidateCount")? {
             None | Some(1) => {}
             Some(0) => {
@@ -173,6 +175,7 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
         max_output_tokens,
         sampling,
         tool_choice,
+        output_format,
     })
 }
 

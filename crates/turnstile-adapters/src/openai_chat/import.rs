@@ -101,6 +101,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         message(Obj::new(value, path, pattern)?, builder)?;
     }
     let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiChat, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::OpenaiChat, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model,
@@ -108,6 +109,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         max_output_tokens: max_completion_tokens.or(max_tokens),
         sampling,
         tool_choice,
+        output_format,
     })
 }
 

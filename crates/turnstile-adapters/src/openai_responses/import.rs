@@ -88,6 +88,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         }
     }
     let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiResponses, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::OpenaiResponses, &mut top)?;
     top.finish(builder);
     Ok(Head {
         model,
@@ -95,6 +96,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         max_output_tokens,
         sampling,
         tool_choice,
+        output_format,
     })
 }
 

@@ -134,6 +134,9 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         RenderOutcome::Paused(_) => return Vec::new(),
         RenderOutcome::Refused(error) => return vec![format!("refused {sampling:?}: {error}")],
         RenderOutcome::RefusedToolChoice(error) => return vec![format!("refused a tool choice: {error}")],
+        RenderOutcome::RefusedOutputFormat(error) => {
+            return vec![format!("refused an output format: {error}")];
+        }
     };
     let imported = match import_as(api, &rendered.body, model) {
         Ok(imported) => imported,
@@ -195,6 +198,9 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         RenderOutcome::Refused(error) => problems.push(format!("second round is refused: {error}")),
         RenderOutcome::RefusedToolChoice(error) => {
             problems.push(format!("second round refuses a tool choice: {error}"))
+        }
+        RenderOutcome::RefusedOutputFormat(error) => {
+            problems.push(format!("second round refuses an output format: {error}"))
         }
     }
     problems

@@ -6,6 +6,7 @@ mod import_refusals;
 mod import_validator;
 mod render_golden;
 mod render_openapi;
+mod render_output_format;
 mod render_prepare;
 mod render_props;
 mod render_registry;

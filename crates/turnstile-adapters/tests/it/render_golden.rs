@@ -28,6 +28,9 @@ fn snapshot_text(name: &str, adapter: AdapterId) -> String {
         RenderOutcome::RefusedToolChoice(error) => {
             panic!("{name} × {adapter}: refused without a tool choice: {error}")
         }
+        RenderOutcome::RefusedOutputFormat(error) => {
+            panic!("{name} × {adapter}: refused without an output format: {error}")
+        }
     }
 }
 

@@ -262,6 +262,12 @@ fn every_random_legal_graph_renders_legal_and_lossless_or_pauses_for_a_declared_
                             "case {case} × {adapter}: refused without a tool choice: {error}"
                         );
                     }
+                    RenderOutcome::RefusedOutputFormat(error) => {
+                        proptest::prop_assert!(
+                            false,
+                            "case {case} × {adapter}: refused without an output format: {error}"
+                        );
+                    }
                 }
             }
             Ok(())

@@ -58,6 +58,7 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         background: false,
         sampling: Sampling::default(),
         tool_choice: Default::default(),
+        output_format: Default::default(),
     }
 }
 

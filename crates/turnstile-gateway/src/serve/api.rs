@@ -22,6 +22,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use turnstile_adapters::decode::StreamApi;
+use turnstile_adapters::output_format::OutputFormat;
 use turnstile_adapters::prepare::{
     PrepareOutcome, PrepareRequest, SettingError, Settings, prepare_with_settings,
 };
@@ -358,6 +359,11 @@ struct DispatchBody {
     tool_choice: Option<Choice>,
     #[serde(default)]
     parallel_tool_calls: Option<bool>,
+    /// Structured output in neutral names (`{"type": "text" | "json_object"}`, `{"type":
+    /// "json_schema", "name"?, "description"?, "schema", "strict"?}`, `{"type": "gemini", …}`);
+    /// one the adapter's API cannot take is 422 `unsupported_setting` (`output_format.rs`).
+    #[serde(default)]
+    output_format: OutputFormat,
 }
 
 /// Where a dispatch goes.
@@ -471,6 +477,7 @@ pub async fn dispatch(
                 tool_choice: request.tool_choice,
                 parallel_tool_calls: request.parallel_tool_calls,
             },
+            output_format: request.output_format,
         },
     )
     .await?

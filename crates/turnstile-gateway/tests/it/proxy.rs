@@ -1479,3 +1479,78 @@ fn the_native_dispatch_takes_a_tool_choice_under_its_neutral_name() {
     let sent = sent_for(&gateway, &sim, "op-anthropic");
     assert_eq!(sent.len(), 1);
 }
+
+#[test]
+fn structured_output_reaches_the_provider_with_the_clients_meaning_or_is_refused_by_name() {
+    let answer = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+                        "additionalProperties": false});
+    // Same API: carried exactly.
+    let (_dir, sim, gateway) = proxy_world("");
+    let format =
+        json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": true}});
+    let request = json!({"model": "gpt-so", "messages": [{"role": "user", "content": "Answer."}], "response_format": format});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["response_format"], format);
+    let request = json!({"model": "gpt-so", "input": "Answer.",
+                         "text": {"format": {"type": "json_schema", "name": "answer", "schema": answer}}});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["text"], request["text"]);
+    let config = json!({"maxOutputTokens": 64, "responseMimeType": "application/json",
+                        "responseSchema": {"type": "OBJECT", "properties": {"answer": {"type": "STRING"}}}});
+    let request =
+        json!({"contents": [{"role": "user", "parts": [{"text": "Answer."}]}], "generationConfig": config});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-so:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["generationConfig"], config);
+    drop(gateway);
+
+    // Across APIs: a Gemini JSON schema is OpenAI's json_schema; nothing can go to Anthropic.
+    let config = r#"
+[[routes]]
+api = "gemini"
+provider = "sim"
+adapter = "openai-chat@2"
+target_model = "gpt-under"
+
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "anthropic-messages@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Answer."}]}],
+                         "generationConfig": {"responseMimeType": "application/json", "responseJsonSchema": answer}});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-x:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "response", "schema": answer}}),
+        "{body}"
+    );
+    let before = sim.requests().len();
+    let request = json!({"model": "gpt-y", "messages": [{"role": "user", "content": "Answer."}],
+                         "response_format": {"type": "json_object"}});
+    let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 400, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    assert_eq!(body["error"]["setting"], "output_format", "{body}");
+    assert_eq!(sim.requests().len(), before);
+}

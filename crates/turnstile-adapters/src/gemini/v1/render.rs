@@ -265,6 +265,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     options
         .sampling
         .write_fields(crate::registry::Api::Gemini, &mut out);
+    // `responseMimeType`, `responseSchema` / `responseJsonSchema` (table in `output_format.rs`).
+    ctx.output_format_fields(crate::registry::Api::Gemini, &mut out);
     out.extend_from_slice(b"}}");
     ctx.tokens += tokenizer.request_overhead();
     let path = crate::registry::Api::Gemini.request_path(&options.model, options.stream);

@@ -152,6 +152,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     }
     // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
     ctx.tool_choice_fields(crate::registry::Api::OpenaiResponses, &mut out);
+    // `text.format` (table in `output_format.rs`).
+    ctx.output_format_fields(crate::registry::Api::OpenaiResponses, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     ctx.finish(

@@ -622,6 +622,7 @@ async fn serve_ours(
         turnstile_adapters::prepare::Settings {
             sampling: imported.sampling.clone(),
             tool_choice: imported.tool_choice.clone(),
+            output_format: imported.output_format.clone(),
         },
     )
     .await

@@ -267,6 +267,7 @@ pub fn compare(
     let settings = Settings {
         sampling: imported.sampling.clone(),
         tool_choice: imported.tool_choice.clone(),
+        output_format: imported.output_format.clone(),
     };
     let outcome = match prepare_with_settings(graph, &request, &settings, &shared.catalog, &mut cache) {
         Ok(outcome) => outcome,
