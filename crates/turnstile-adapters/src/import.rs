@@ -103,6 +103,14 @@ pub enum ImportError {
         /// What cannot be represented.
         what: String,
     },
+    /// Anthropic's `thread` (server-side message threads, sent by the SDK's tool runner): the
+    /// gateway keeps no thread state. Code `thread_unsupported_request`, the code Anthropic's
+    /// clients read (in `error.details.error_code`) to resend the turn with the whole history.
+    #[error("message threads are not supported; resend the whole history without `thread`")]
+    ThreadUnsupported {
+        /// Where (`thread`).
+        path: String,
+    },
     /// A named limit of `turnstile_core::limits` was exceeded (body bytes, JSON depth, turns,
     /// blocks, tools). Code `limit_exceeded`.
     #[error("limit exceeded at {path:?}: {what} is {actual}, the maximum is {max}")]
@@ -125,6 +133,7 @@ impl ImportError {
             ImportError::Malformed { .. } => "invalid_request",
             ImportError::Unrepresentable { .. } => "unrepresentable",
             ImportError::Limit { .. } => "limit_exceeded",
+            ImportError::ThreadUnsupported { .. } => "thread_unsupported_request",
         }
     }
 
@@ -133,7 +142,8 @@ impl ImportError {
         match self {
             ImportError::Malformed { path, .. }
             | ImportError::Unrepresentable { path, .. }
-            | ImportError::Limit { path, .. } => path,
+            | ImportError::Limit { path, .. }
+            | ImportError::ThreadUnsupported { path } => path,
         }
     }
 

@@ -43,6 +43,15 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         "MCP servers called by Anthropic (server-side tools)",
     )?;
     top.refuse("container", "a code-execution container (server-side state)")?;
+    top.refuse(
+        "context_management",
+        "context edits applied by Anthropic (server-side state)",
+    )?;
+    if top.has("thread") {
+        return Err(ImportError::ThreadUnsupported {
+            path: "thread".into(),
+        });
+    }
     let model = top.required_string("model")?;
     let stream = top.bool("stream")?.unwrap_or(false);
     let max_output_tokens = top.u64("max_tokens")?;

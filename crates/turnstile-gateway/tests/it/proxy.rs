@@ -1554,3 +1554,52 @@ adapter = "anthropic-messages@2"
     assert_eq!(body["error"]["setting"], "output_format", "{body}");
     assert_eq!(sim.requests().len(), before);
 }
+
+#[test]
+fn an_anthropic_thread_is_refused_with_the_code_the_sdk_falls_back_on_and_nothing_is_sent() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let before = sim.requests().len();
+    for thread in [
+        json!({"type": "create"}),
+        json!({"type": "continue", "previous_message_id": "msg_1"}),
+    ] {
+        let request = json!({"model": "claude-thread", "max_tokens": 64, "thread": thread,
+                             "messages": [{"role": "user", "content": "Hi"}]});
+        let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["type"], "error", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(
+            body["error"]["details"]["error_code"], "thread_unsupported_request",
+            "{body}"
+        );
+    }
+    // Other server-side state is refused by name too.
+    for (field, value) in [
+        ("container", json!("container_1")),
+        (
+            "context_management",
+            json!({"edits": [{"type": "clear_tool_uses_20250919"}]}),
+        ),
+        (
+            "mcp_servers",
+            json!([{"type": "url", "url": "https://example.com", "name": "x"}]),
+        ),
+    ] {
+        let mut request = json!({"model": "claude-thread", "max_tokens": 64,
+                                 "messages": [{"role": "user", "content": "Hi"}]});
+        request[field] = value;
+        let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], "unrepresentable", "{body}");
+        assert_eq!(body["error"]["path"], field, "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+    // Without the thread, the same request goes through.
+    let request =
+        json!({"model": "claude-thread", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+}

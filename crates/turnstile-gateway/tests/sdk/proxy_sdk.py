@@ -42,6 +42,14 @@ def script(model, replies):
         assert response.status == 200, response.status
 
 
+def sent_bodies(model):
+    """The bodies the simulator received for `model`, in order, as JSON."""
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as response:
+        requests = json.loads(response.read())
+    bodies = [json.loads(request["body"]) for request in requests if request["body"]]
+    return [body for body in bodies if body.get("model") == model]
+
+
 def results_for(calls):
     """Tool results, deliberately in the reverse order of the calls (parallel tools finish in any order)."""
     weather = {"Paris": "12C", "Tokyo": "20C"}
@@ -200,10 +208,70 @@ def anthropic_messages(streaming):
         raise AssertionError("a duplicate tool result was accepted")
 
 
+def openai_forced_tool_and_json_schema():
+    """A forced tool without parallel calls, then structured output from a pydantic model: both reach the provider."""
+    import pydantic
+
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    model = "sdk-chat-forced"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": '{"answer": "12C"}'}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+        tool_choice=forced, parallel_tool_calls=False)
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_weather", completion
+    sent = sent_bodies(model)[-1]
+    assert sent["tool_choice"] == forced, sent
+    assert sent["parallel_tool_calls"] is False, sent
+
+    class Answer(pydantic.BaseModel):
+        answer: str
+
+    parsed = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris, as JSON?"}], response_format=Answer)
+    assert parsed.choices[0].message.parsed == Answer(answer="12C"), parsed
+    sent = sent_bodies(model)[-1]
+    format = sent["response_format"]
+    assert format["type"] == "json_schema", format
+    assert format["json_schema"]["name"] == "Answer", format
+    assert format["json_schema"]["strict"] is True, format
+    assert format["json_schema"]["schema"]["properties"]["answer"]["type"] == "string", format
+
+
+def anthropic_tool_runner():
+    """The SDK's recommended tool loop: its `thread` is refused with the code it falls back on, and it finishes
+    statelessly with the whole history."""
+    client = anthropic.Anthropic(base_url=BASE, api_key="sk-ant-proxy-test", max_retries=0)
+    model = "sdk-claude-runner"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": "Paris 12C."}])
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return {"Paris": "12C"}[city]
+
+    runner = client.beta.messages.tool_runner(
+        model=model, max_tokens=256, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[get_weather],
+        tool_choice={"type": "any"})
+    final = runner.until_done()
+    assert final.content[-1].text == "Paris 12C.", final
+    sent = sent_bodies(model)
+    assert len(sent) == 2, sent
+    assert all("thread" not in body for body in sent), sent
+    assert sent[0]["tool_choice"] == {"type": "any"}, sent[0]
+    results = [block for block in sent[1]["messages"][-1]["content"] if block["type"] == "tool_result"]
+    assert len(results) == 1 and len(sent[1]["messages"]) == 3, sent[1]
+
+
 if __name__ == "__main__":
     for streaming in (False, True):
         openai_chat(streaming)
         openai_responses(streaming)
         anthropic_messages(streaming)
     openai_responses_chained()
+    openai_forced_tool_and_json_schema()
+    anthropic_tool_runner()
     print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}")

@@ -479,12 +479,17 @@ async fn serve_ours(
     include_usage: bool,
 ) -> Result<Response, Response> {
     let imported = imported.map_err(|error| {
+        let mut extra = json!({"path": error.path()});
+        if let ImportError::ThreadUnsupported { .. } = error {
+            // Where Anthropic's own refusal puts it, for the SDK to fall back to the whole history.
+            extra["details"] = json!({"error_code": error.code(), "unsupported": [error.path()]});
+        }
         provider_error(
             api,
             StatusCode::BAD_REQUEST,
             error.code(),
             &error.to_string(),
-            &json!({"path": error.path()}),
+            &extra,
         )
     })?;
     let conversation = Conversation::from_value(imported.document.clone()).map_err(|error| {
