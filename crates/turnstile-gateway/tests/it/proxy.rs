@@ -1603,3 +1603,126 @@ fn an_anthropic_thread_is_refused_with_the_code_the_sdk_falls_back_on_and_nothin
     let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
     assert_eq!(status, 200, "{text}");
 }
+
+/// A request with a method, headers and a body; the status and the body as JSON.
+fn call(
+    base: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+    let mut request = client().request(method, format!("{base}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    if let Some(body) = body {
+        request = request
+            .header("content-type", "application/json")
+            .body(body.to_string());
+    }
+    let response = request.send().unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| json!({"not_json": text})),
+    )
+}
+
+#[test]
+fn gemini_is_served_under_v1_as_well_as_v1beta_and_every_proxy_error_has_the_clients_shape() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script(
+        "gemini-v1",
+        json!([{"text": "From v1."}, {"text": "Streamed from v1."}]),
+    );
+    let google = [("x-goog-api-key", "g-key")];
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Hi"}]}]});
+    let (status, body) = call(
+        &gateway.base,
+        "POST",
+        "/v1/models/gemini-v1:generateContent",
+        &google,
+        Some(&request),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["candidates"][0]["content"]["parts"][0]["text"], "From v1.",
+        "{body}"
+    );
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/models/gemini-v1:streamGenerateContent?alt=sse",
+        &request,
+        &google,
+    );
+    assert_eq!(status, 200, "{text}");
+    let streamed: String = sse(&text)
+        .iter()
+        .filter_map(|(_, data)| {
+            data["candidates"][0]["content"]["parts"][0]["text"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(streamed, "Streamed from v1.", "{text}");
+    // Both requests rendered the same body (the gateway always streams upstream): two sends.
+    assert_eq!(sent_for(&gateway, &sim, &operation_of(&headers)).len(), 2);
+
+    let before = sim.requests().len();
+    let gemini_error = |body: &Value, status: u16, kind: &str| {
+        assert_eq!(body["error"]["code"], json!(status), "{body}");
+        assert_eq!(body["error"]["status"], kind, "{body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+    };
+    for (method, path) in [
+        ("POST", "/v1beta/models/gemini-v1:embedContent"),
+        ("POST", "/v1/models/gemini-v1:countTokens"),
+        ("GET", "/v1beta/files"),
+        ("POST", "/v1beta/cachedContents"),
+    ] {
+        let (status, body) = call(&gateway.base, method, path, &google, Some(&request));
+        assert_eq!(status, 404, "{method} {path}: {body}");
+        gemini_error(&body, 404, "NOT_FOUND");
+    }
+    for path in [
+        "/v1beta/models/gemini-v1:generateContent",
+        "/v1/models/gemini-v1:generateContent",
+    ] {
+        let (status, body) = call(&gateway.base, "GET", path, &google, None);
+        assert_eq!(status, 405, "{path}: {body}");
+        assert_eq!(body["error"]["code"], json!(405), "{body}");
+    }
+    let anthropic = [("anthropic-version", "2023-06-01"), ("x-api-key", "a-key")];
+    let (status, body) = call(
+        &gateway.base,
+        "POST",
+        "/v1/messages/count_tokens",
+        &anthropic,
+        Some(&json!({})),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(
+        (body["type"].clone(), body["error"]["type"].clone()),
+        (json!("error"), json!("not_found_error")),
+        "{body}"
+    );
+    let (status, body) = call(&gateway.base, "GET", "/v1/messages", &anthropic, None);
+    assert_eq!((status, body["type"].clone()), (405, json!("error")), "{body}");
+    let openai = [("authorization", "Bearer sk-x")];
+    for (method, path, status_wanted) in [
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/v1/chat/other", 404),
+        ("GET", "/v1/responses/resp_1/input_items", 404),
+        ("GET", "/v1/models", 404),
+    ] {
+        let (status, body) = call(&gateway.base, method, path, &openai, None);
+        assert_eq!(status, status_wanted, "{method} {path}: {body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+        assert!(body["error"]["type"].is_string(), "{method} {path}: {body}");
+        assert!(body["error"].get("param").is_some(), "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+}

@@ -1,4 +1,5 @@
-//! The drop-in proxy driven by the official `openai` and `anthropic` Python SDKs (pinned, from
+//! The drop-in proxy driven by the official `openai`, `anthropic` and `google-genai` (on its
+//! default API version, `v1`) Python SDKs (pinned, from
 //! PyPI, in the venv `scripts/test` makes and names in `TURNSTILE_SDK_PYTHON`): Chat
 //! Completions, Responses and Messages, streaming and not, parallel tool calls and their results
 //! in a stateless follow-up, an illegal history refused with the SDK's own error type, a forced

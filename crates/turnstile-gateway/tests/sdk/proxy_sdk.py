@@ -1,4 +1,4 @@
-"""The official `openai` and `anthropic` Python SDKs against `turnstile serve` in proxy mode.
+"""The official `openai`, `anthropic` and `google-genai` Python SDKs against `turnstile serve` in proxy mode.
 
 Run by `tests/it/proxy_sdk.rs` with the venv `scripts/test` makes; argv[1] is the gateway's
 base URL (embedded default: built-in simulator, scripted through `POST /sim/script` on the
@@ -12,6 +12,8 @@ import urllib.request
 
 import anthropic
 import openai
+from google import genai
+from google.genai import types as genai_types
 
 BASE = sys.argv[1]
 
@@ -266,6 +268,49 @@ def anthropic_tool_runner():
     assert len(results) == 1 and len(sent[1]["messages"]) == 3, sent[1]
 
 
+def gemini_default_api_version():
+    """google-genai on its default API version (`v1`): a forced function call, then a JSON-schema answer."""
+    client = genai.Client(api_key="g-proxy-test", http_options=genai_types.HttpOptions(base_url=BASE))
+    assert client._api_client._http_options.api_version == "v1", client._api_client._http_options
+    model = "sdk-gemini-v1"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": '{"answer": "12C"}'}])
+    declaration = genai_types.FunctionDeclaration(name="get_weather", description="Weather",
+                                                  parameters_json_schema=WEATHER)
+    config = genai_types.GenerateContentConfig(
+        tools=[genai_types.Tool(function_declarations=[declaration])],
+        automatic_function_calling=genai_types.AutomaticFunctionCallingConfig(disable=True),
+        tool_config=genai_types.ToolConfig(function_calling_config=genai_types.FunctionCallingConfig(
+            mode="ANY", allowed_function_names=["get_weather"])))
+    response = client.models.generate_content(model=model, contents="Weather in Paris?", config=config)
+    calls = response.function_calls
+    assert [call.name for call in calls] == ["get_weather"], response
+    assert calls[0].args == {"city": "Paris"}, calls
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as http:
+        requests = [request for request in json.loads(http.read()) if model in request["path"]]
+    sent = json.loads(requests[-1]["body"])
+    assert sent["toolConfig"] == {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}, sent
+
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    chunks = client.models.generate_content_stream(
+        model=model, contents="Weather in Paris, as JSON?",
+        config=genai_types.GenerateContentConfig(response_mime_type="application/json", response_json_schema=answer))
+    text = "".join(chunk.text or "" for chunk in chunks)
+    assert json.loads(text) == {"answer": "12C"}, text
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as http:
+        requests = [request for request in json.loads(http.read()) if model in request["path"]]
+    sent = json.loads(requests[-1]["body"])["generationConfig"]
+    assert sent["responseMimeType"] == "application/json" and sent["responseJsonSchema"] == answer, sent
+
+    # An unknown method is Gemini's own 404, which the SDK raises as its typed error.
+    try:
+        client.models.embed_content(model=model, contents="x")
+    except genai.errors.ClientError as error:
+        assert error.code == 404, error
+    else:
+        raise AssertionError("embed_content was answered")
+
+
 if __name__ == "__main__":
     for streaming in (False, True):
         openai_chat(streaming)
@@ -274,4 +319,5 @@ if __name__ == "__main__":
     openai_responses_chained()
     openai_forced_tool_and_json_schema()
     anthropic_tool_runner()
-    print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}")
+    gemini_default_api_version()
+    print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}, google-genai {genai.__version__}")
