@@ -1726,3 +1726,40 @@ fn gemini_is_served_under_v1_as_well_as_v1beta_and_every_proxy_error_has_the_cli
     }
     assert_eq!(sim.requests().len(), before);
 }
+
+#[test]
+fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message_delta() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script(
+        "claude-usage",
+        json!([{"text": "Counted, slowly.", "faults": {"delay_ms": 20}}]),
+    );
+    let request = json!({"model": "claude-usage", "max_tokens": 64, "stream": true,
+                         "system": "Count carefully; this system prompt is long enough to differ from an estimate.",
+                         "messages": [{"role": "user", "content": "Count the tokens of this question, please."}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body = sent[0]["body"].as_str().unwrap();
+    // The simulator reports a quarter of the body's bytes as input tokens (its own count, not
+    // the gateway's admission estimate).
+    let provider_input = (body.len() / 4) as u64;
+    let dispatch = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers)));
+    let admission = dispatch["manifest"]["prompt_tokens"].as_u64().unwrap();
+    assert_ne!(
+        provider_input, admission,
+        "the test needs the two counts to differ"
+    );
+    let events = sse(&text);
+    let delta = events
+        .iter()
+        .find(|(name, _)| name == "message_delta")
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(delta.1["usage"]["input_tokens"], json!(provider_input), "{text}");
+    assert!(delta.1["usage"]["output_tokens"].as_u64().unwrap() >= 1, "{text}");
+    // No cache counters were reported, so none are invented.
+    assert!(
+        delta.1["usage"].get("cache_read_input_tokens").is_none(),
+        "{text}"
+    );
+}

@@ -973,6 +973,11 @@ fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
     tokio::spawn(async move {
         let (backlog, finished, mut receiver) = hub.subscribe();
         let mut encoder = StreamEncoder::new(to, prompt_tokens);
+        // A commit already in the backlog gives the provider's own usage for the opening frame.
+        if let Some((_, committed)) = backlog.iter().find(|(event, _)| *event == "committed") {
+            let parts = parts_of(&committed["turn"]);
+            encoder.known_usage(Facts::from_event(committed, prompt_tokens, &parts));
+        }
         let send = |bytes: Vec<u8>| {
             let sender = sender.clone();
             async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
