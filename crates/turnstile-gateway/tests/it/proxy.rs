@@ -1763,3 +1763,56 @@ fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message
         "{text}"
     );
 }
+
+#[test]
+fn a_stateless_follow_up_after_a_retried_dispatch_continues_its_conversation() {
+    let (_dir, sim, gateway) = proxy_world("");
+    // The first attempt is cut inside the tool arguments, so the calls commit at generation 2.
+    let mut cut = two_calls();
+    cut["faults"] = json!({"cut_at_byte": 700});
+    sim.script(
+        "gpt-retry",
+        json!([cut, two_calls(), {"text": "Paris 12C, Tokyo 20C."}]),
+    );
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-retry", question.clone(), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let operation = operation_of(&headers);
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    let conversation_id = dispatch["manifest"]["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    assert_eq!(history["turns"][1]["generation"], 2, "{history}");
+    let message = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"].clone();
+    let calls = message["tool_calls"].as_array().unwrap().clone();
+    let mut follow_up = question.as_array().unwrap().clone();
+    follow_up.push(message);
+    follow_up.push(json!({"role": "tool", "tool_call_id": calls[1]["id"], "content": "20C"}));
+    follow_up.push(json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "12C"}));
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-retry", json!(follow_up), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let follow_up_operation = operation_of(&headers);
+    assert!(
+        follow_up_operation.starts_with(&format!("{operation}.r")),
+        "the follow-up forked: {follow_up_operation} after {operation}"
+    );
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    let results: Vec<&Value> = history["turns"][2]["blocks"].as_array().unwrap().iter().collect();
+    assert_eq!(results.len(), 2, "{history}");
+    assert!(results.iter().all(|block| block["generation"] == 2), "{history}");
+    // The results closed the calls: nothing is left claimed for ever.
+    let done = gateway.get("/v1/tool-calls?state=done");
+    assert_eq!(done.to_string().matches(&conversation_id).count(), 2, "{done}");
+}
