@@ -63,6 +63,8 @@ pub struct Imported {
     pub tool_choice: crate::tool_choice::ToolChoice,
     /// The structured output the client asked for (`output_format.rs`).
     pub output_format: crate::output_format::OutputFormat,
+    /// Fields only the client's API takes (`passthrough.rs`), as given.
+    pub passthrough: crate::passthrough::Passthrough,
     /// Request fields neither the graph nor [`Imported::sampling`] carries, as index-free paths
     /// (`tool_choice`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
     pub dropped: Vec<String>,
@@ -209,6 +211,7 @@ pub(crate) struct Head {
     pub sampling: Sampling,
     pub tool_choice: crate::tool_choice::ToolChoice,
     pub output_format: crate::output_format::OutputFormat,
+    pub passthrough: crate::passthrough::Passthrough,
 }
 
 /// A setting outside the range the client's own API documents is malformed for that API (the
@@ -989,6 +992,7 @@ impl Builder {
             sampling: head.sampling,
             tool_choice: head.tool_choice,
             output_format: head.output_format,
+            passthrough: head.passthrough,
             dropped: self.dropped.into_iter().collect(),
         }
     }

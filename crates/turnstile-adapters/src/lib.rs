@@ -18,6 +18,7 @@ pub mod import;
 pub mod openai_chat;
 pub mod openai_responses;
 pub mod output_format;
+pub mod passthrough;
 pub mod prepare;
 #[doc(hidden)]
 pub mod probe;

@@ -15,6 +15,7 @@
 
 use crate::catalog::{Catalog, Match, ModelInfo};
 use crate::output_format::{OutputFormat, OutputFormatError};
+use crate::passthrough::{Passthrough, PassthroughError};
 use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
@@ -94,6 +95,8 @@ pub struct Settings {
     pub tool_choice: ToolChoice,
     /// Structured output.
     pub output_format: OutputFormat,
+    /// Fields only the client's API takes (proxy requests only).
+    pub passthrough: Passthrough,
 }
 
 /// A request setting the target API cannot take. Tests assert [`SettingError::code`] and
@@ -110,6 +113,9 @@ pub enum SettingError {
     /// The output format.
     #[error(transparent)]
     OutputFormat(OutputFormatError),
+    /// A field only the client's API takes.
+    #[error(transparent)]
+    Passthrough(PassthroughError),
 }
 
 impl SettingError {
@@ -119,15 +125,18 @@ impl SettingError {
             SettingError::Sampling(error) => error.code(),
             SettingError::ToolChoice(error) => error.code(),
             SettingError::OutputFormat(error) => error.code(),
+            SettingError::Passthrough(error) => error.code(),
         }
     }
 
-    /// The neutral name of the setting concerned (`temperature`, `tool_choice`, …).
-    pub fn field(&self) -> &'static str {
+    /// The name of the setting concerned: neutral (`temperature`, `tool_choice`, …), or the
+    /// client's own field for a client-only field (`reasoning_effort`).
+    pub fn field(&self) -> &str {
         match self {
             SettingError::Sampling(error) => error.setting().as_str(),
             SettingError::ToolChoice(error) => error.field().as_str(),
             SettingError::OutputFormat(error) => error.field(),
+            SettingError::Passthrough(error) => error.field(),
         }
     }
 }
@@ -149,6 +158,7 @@ pub fn prepare_with_sampling(
         sampling: sampling.clone(),
         tool_choice: ToolChoice::default(),
         output_format: OutputFormat::default(),
+        passthrough: Passthrough::default(),
     };
     match prepare_with_settings(graph, request, &settings, catalog, cache) {
         Ok(outcome) => Ok(outcome),
@@ -157,6 +167,8 @@ pub fn prepare_with_sampling(
         Err(SettingError::ToolChoice(error)) => unreachable!("an unset tool choice was refused: {error}"),
         // Invariant: an unset output format passes every check.
         Err(SettingError::OutputFormat(error)) => unreachable!("an unset output format was refused: {error}"),
+        // Invariant: no client-only field passes every check.
+        Err(SettingError::Passthrough(error)) => unreachable!("no client-only field was refused: {error}"),
     }
 }
 
@@ -186,6 +198,7 @@ pub fn prepare_with_settings(
         sampling: settings.sampling.clone(),
         tool_choice: settings.tool_choice.clone(),
         output_format: settings.output_format.clone(),
+        passthrough: settings.passthrough.clone(),
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,
@@ -193,6 +206,7 @@ pub fn prepare_with_settings(
         RenderOutcome::Refused(error) => return Err(SettingError::Sampling(error)),
         RenderOutcome::RefusedToolChoice(error) => return Err(SettingError::ToolChoice(error)),
         RenderOutcome::RefusedOutputFormat(error) => return Err(SettingError::OutputFormat(error)),
+        RenderOutcome::RefusedPassthrough(error) => return Err(SettingError::Passthrough(error)),
     };
     let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
         Admission::Admitted { headroom } => headroom,

@@ -38,6 +38,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         // Likewise the tool choice (`tests/it/render_tool_choice.rs`).
         tool_choice: crate::tool_choice::ToolChoice::default(),
         output_format: crate::output_format::OutputFormat::default(),
+        passthrough: crate::passthrough::Passthrough::default(),
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not
@@ -54,6 +55,7 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         RenderOutcome::Refused(error) => json!({ "refused": error.code() }),
         RenderOutcome::RefusedToolChoice(error) => json!({ "refused": error.code() }),
         RenderOutcome::RefusedOutputFormat(error) => json!({ "refused": error.code() }),
+        RenderOutcome::RefusedPassthrough(error) => json!({ "refused": error.code() }),
     }
 }
 

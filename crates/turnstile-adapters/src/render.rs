@@ -13,6 +13,7 @@
 
 use crate::call_ids::{self, CallIdRule};
 use crate::output_format::{OutputFormat, OutputFormatError};
+use crate::passthrough::{Passthrough, PassthroughError};
 use crate::registry::AdapterId;
 use crate::sampling::{Sampling, SamplingError};
 use crate::tokens::Tokenizer;
@@ -47,6 +48,10 @@ pub struct RenderOptions {
     /// Structured output, written in the API's own fields; one the API cannot spell refuses
     /// the render ([`RenderOutcome::RefusedOutputFormat`]). The default writes nothing.
     pub output_format: OutputFormat,
+    /// Fields only the client's own API takes (`passthrough.rs`): written as given when the
+    /// adapter speaks that API, refused by name ([`RenderOutcome::RefusedPassthrough`]) when it
+    /// does not. The default writes nothing.
+    pub passthrough: Passthrough,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -187,6 +192,9 @@ pub struct RenderPolicy {
     /// The structured output asked for, in neutral names (left out when unset).
     #[serde(skip_serializing_if = "OutputFormat::is_unset")]
     pub output_format: OutputFormat,
+    /// The client-API-only fields (left out when there are none).
+    #[serde(skip_serializing_if = "Passthrough::is_unset")]
+    pub passthrough: Passthrough,
 }
 
 impl RenderPolicy {
@@ -233,6 +241,8 @@ pub enum RenderOutcome {
     RefusedToolChoice(ToolChoiceError),
     /// An output format the API cannot spell. A request error like [`RenderOutcome::Refused`].
     RefusedOutputFormat(OutputFormatError),
+    /// A field only the client's API takes, towards another API.
+    RefusedPassthrough(PassthroughError),
 }
 
 /// Render a graph with one adapter version.
@@ -257,6 +267,9 @@ pub fn render(
     }
     if let Err(error) = options.output_format.check(adapter.api()) {
         return RenderOutcome::RefusedOutputFormat(error);
+    }
+    if let Err(error) = options.passthrough.check(adapter.api()) {
+        return RenderOutcome::RefusedPassthrough(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
     match adapter {
@@ -364,6 +377,7 @@ pub(crate) struct Ctx<'c> {
     sampling: Sampling,
     tool_choice: ToolChoice,
     output_format: OutputFormat,
+    passthrough: Passthrough,
 }
 
 impl<'c> Ctx<'c> {
@@ -385,6 +399,7 @@ impl<'c> Ctx<'c> {
             sampling: options.sampling.clone(),
             tool_choice: options.tool_choice.clone(),
             output_format: options.output_format.clone(),
+            passthrough: options.passthrough.clone(),
         }
     }
 
@@ -514,6 +529,23 @@ impl<'c> Ctx<'c> {
         }
     }
 
+    /// Append the client-only top-level fields (`passthrough.rs`) when `api` is the client's,
+    /// counting their text.
+    pub fn passthrough_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.passthrough.write_top(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
+    /// Append Gemini's client-only `generationConfig` fields, counting their text.
+    pub fn passthrough_config_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.passthrough.write_config(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
     /// Finish: pauses win; otherwise the rendered request with its policy.
     pub fn finish(&mut self, body: Body, headers: &[(&'static str, &'static str)]) -> RenderOutcome {
         if !self.pauses.is_empty() {
@@ -535,6 +567,7 @@ impl<'c> Ctx<'c> {
                 sampling: std::mem::take(&mut self.sampling),
                 tool_choice: std::mem::take(&mut self.tool_choice),
                 output_format: std::mem::take(&mut self.output_format),
+                passthrough: std::mem::take(&mut self.passthrough),
             },
         })
     }

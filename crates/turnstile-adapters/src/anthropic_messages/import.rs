@@ -107,6 +107,12 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     }
     let tool_choice = crate::tool_choice::read(crate::registry::Api::AnthropicMessages, &mut top)?;
     let output_format = crate::output_format::read(crate::registry::Api::AnthropicMessages, &mut top)?;
+    let mut passthrough = crate::passthrough::Passthrough::default();
+    crate::passthrough::read(
+        crate::registry::Api::AnthropicMessages,
+        &mut top,
+        &mut passthrough,
+    )?;
     top.finish(builder);
     Ok(Head {
         model,
@@ -115,6 +121,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         sampling,
         tool_choice,
         output_format,
+        passthrough,
     })
 }
 

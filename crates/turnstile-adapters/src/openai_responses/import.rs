@@ -89,6 +89,8 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     }
     let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiResponses, &mut top)?;
     let output_format = crate::output_format::read(crate::registry::Api::OpenaiResponses, &mut top)?;
+    let mut passthrough = crate::passthrough::Passthrough::default();
+    crate::passthrough::read(crate::registry::Api::OpenaiResponses, &mut top, &mut passthrough)?;
     top.finish(builder);
     Ok(Head {
         model,
@@ -97,6 +99,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         sampling,
         tool_choice,
         output_format,
+        passthrough,
     })
 }
 

@@ -137,6 +137,9 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         RenderOutcome::RefusedOutputFormat(error) => {
             return vec![format!("refused an output format: {error}")];
         }
+        RenderOutcome::RefusedPassthrough(error) => {
+            return vec![format!("refused a client-only field: {error}")];
+        }
     };
     let imported = match import_as(api, &rendered.body, model) {
         Ok(imported) => imported,
@@ -201,6 +204,9 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         }
         RenderOutcome::RefusedOutputFormat(error) => {
             problems.push(format!("second round refuses an output format: {error}"))
+        }
+        RenderOutcome::RefusedPassthrough(error) => {
+            problems.push(format!("second round refuses a client-only field: {error}"))
         }
     }
     problems

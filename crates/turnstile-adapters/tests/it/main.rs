@@ -7,6 +7,7 @@ mod import_validator;
 mod render_golden;
 mod render_openapi;
 mod render_output_format;
+mod render_passthrough;
 mod render_prepare;
 mod render_props;
 mod render_registry;

@@ -31,6 +31,9 @@ fn snapshot_text(name: &str, adapter: AdapterId) -> String {
         RenderOutcome::RefusedOutputFormat(error) => {
             panic!("{name} × {adapter}: refused without an output format: {error}")
         }
+        RenderOutcome::RefusedPassthrough(error) => {
+            panic!("{name} × {adapter}: refused without client-only fields: {error}")
+        }
     }
 }
 

@@ -59,6 +59,7 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         sampling: Sampling::default(),
         tool_choice: Default::default(),
         output_format: Default::default(),
+        passthrough: Default::default(),
     }
 }
 

@@ -478,6 +478,7 @@ pub async fn dispatch(
                 parallel_tool_calls: request.parallel_tool_calls,
             },
             output_format: request.output_format,
+            passthrough: Default::default(),
         },
     )
     .await?

@@ -154,6 +154,8 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     ctx.tool_choice_fields(crate::registry::Api::OpenaiResponses, &mut out);
     // `text.format` (table in `output_format.rs`).
     ctx.output_format_fields(crate::registry::Api::OpenaiResponses, &mut out);
+    // The client's own Responses-only fields, same API only (`passthrough.rs`).
+    ctx.passthrough_fields(crate::registry::Api::OpenaiResponses, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     ctx.finish(

@@ -706,6 +706,7 @@ async fn serve_ours(
             sampling: imported.sampling.clone(),
             tool_choice: imported.tool_choice.clone(),
             output_format: imported.output_format.clone(),
+            passthrough: imported.passthrough.clone(),
         },
     )
     .await
@@ -751,8 +752,14 @@ async fn serve_ours(
         include_usage,
     };
     let mut headers = vec![("x-turnstile-operation-id", local_part(&operation_id).to_owned())];
-    if !imported.dropped.is_empty() {
-        headers.push(("x-turnstile-dropped", imported.dropped.join(",")));
+    // What the graph does not carry, and the client-only identifiers left out towards another
+    // API (`passthrough::INERT_ACROSS_APIS`).
+    let mut dropped = imported.dropped.clone();
+    dropped.extend(imported.passthrough.dropped_towards(route.adapter.api()));
+    dropped.sort();
+    dropped.dedup();
+    if !dropped.is_empty() {
+        headers.push(("x-turnstile-dropped", dropped.join(",")));
     }
     let response = if imported.stream {
         // The status line waits for the first sign of an answer: a dispatch that fails before

@@ -268,6 +268,7 @@ pub fn compare(
         sampling: imported.sampling.clone(),
         tool_choice: imported.tool_choice.clone(),
         output_format: imported.output_format.clone(),
+        passthrough: imported.passthrough.clone(),
     };
     let outcome = match prepare_with_settings(graph, &request, &settings, &shared.catalog, &mut cache) {
         Ok(outcome) => outcome,
