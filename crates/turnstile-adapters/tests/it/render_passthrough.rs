@@ -12,9 +12,12 @@ use turnstile_adapters::registry::Api;
 use turnstile_adapters::render::{Graph, RenderCache, RenderOptions, RenderOutcome, render};
 use turnstile_core::{MessageSequence, Validated};
 
+/// Where a field must reappear in a rendered body: (path, value).
+type Placed = Vec<(Vec<&'static str>, Value)>;
+
 /// A request of each API with client-only fields, and where they must reappear in a rendered
-/// body of the same API: (path, value).
-fn cases() -> Vec<(Api, Value, Vec<(Vec<&'static str>, Value)>)> {
+/// body of the same API.
+fn cases() -> Vec<(Api, Value, Placed)> {
     let user = json!({"role": "user", "content": "Hi"});
     vec![
         (
