@@ -646,7 +646,8 @@ fn generation_settings_import_in_neutral_names_and_leave_the_dropped_list() {
                 presence_penalty: Some(0.1),
                 frequency_penalty: Some(-0.2),
             },
-            &["generationConfig.responseLogprobs"],
+            // Carried to Gemini targets only (`passthrough.rs`).
+            &[],
         ),
         (
             Api::Gemini,
