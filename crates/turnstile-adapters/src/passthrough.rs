@@ -29,6 +29,9 @@
 //!   automatic cache breakpoint; per-block breakpoints are not carried yet and stay reported).
 //! - Gemini: top-level `safetySettings`, `labels`; inside `generationConfig`: `thinkingConfig`,
 //!   `responseLogprobs`, `logprobs`, `mediaResolution`.
+//! - OpenAI Responses `include` is kept apart ([`Passthrough::include`]): the renderer always
+//!   asks for `reasoning.encrypted_content` (to replay reasoning), and writes the client's other
+//!   values after it, each once; towards another API any value but that one is refused.
 
 use crate::import::{ImportError, Obj};
 use crate::registry::Api;
@@ -114,7 +117,14 @@ pub struct Passthrough {
     /// Gemini `generationConfig` fields, in the order of the list.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub config: Vec<(String, Value)>,
+    /// OpenAI Responses `include` values other than the one the renderer always writes
+    /// ([`RESPONSES_INCLUDE_ALWAYS`]), in the client's order, without repeats.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub include: Vec<String>,
 }
+
+/// The `include` value the Responses renderer always writes.
+pub const RESPONSES_INCLUDE_ALWAYS: &str = "reasoning.encrypted_content";
 
 /// Why a target API cannot take a request's client-only fields. Tests assert
 /// [`PassthroughError::code`] and [`PassthroughError::field`], never the message.
@@ -151,7 +161,7 @@ impl PassthroughError {
 impl Passthrough {
     /// Whether there is no field.
     pub fn is_unset(&self) -> bool {
-        self.fields.is_empty() && self.config.is_empty()
+        self.fields.is_empty() && self.config.is_empty() && self.include.is_empty()
     }
 
     fn crosses(&self, target: Api) -> bool {
@@ -173,6 +183,7 @@ impl Passthrough {
                     .iter()
                     .map(|(name, _)| (format!("generationConfig.{name}"), "")),
             )
+            .chain((!self.include.is_empty()).then(|| ("include".to_owned(), "")))
             .find(|(_, name)| !INERT_ACROSS_APIS.contains(name));
         match refused {
             Some((field, _)) => Err(PassthroughError::Unsupported {
@@ -231,6 +242,30 @@ pub(crate) fn read(api: Api, top: &mut Obj, passthrough: &mut Passthrough) -> Re
         }
     }
     Ok(())
+}
+
+/// Take OpenAI Responses' `include` out of the body being imported.
+pub(crate) fn read_responses_include(
+    top: &mut Obj,
+    passthrough: &mut Passthrough,
+) -> Result<(), ImportError> {
+    for value in top.strings("include", false)? {
+        if value != RESPONSES_INCLUDE_ALWAYS && !passthrough.include.contains(&value) {
+            passthrough.api = Some(Api::OpenaiResponses);
+            passthrough.include.push(value);
+        }
+    }
+    Ok(())
+}
+
+/// The `include` list a Responses request is rendered with: the value the renderer needs, then
+/// the client's others (same API only).
+pub(crate) fn responses_include(passthrough: &Passthrough) -> Vec<&str> {
+    let mut include = vec![RESPONSES_INCLUDE_ALWAYS];
+    if passthrough.api == Some(Api::OpenaiResponses) {
+        include.extend(passthrough.include.iter().map(String::as_str));
+    }
+    include
 }
 
 /// Take Gemini's client-only `generationConfig` fields out of the config being imported.

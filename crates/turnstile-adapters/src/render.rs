@@ -529,6 +529,11 @@ impl<'c> Ctx<'c> {
         }
     }
 
+    /// The request's client-only fields.
+    pub fn passthrough(&self) -> &Passthrough {
+        &self.passthrough
+    }
+
     /// Append the client-only top-level fields (`passthrough.rs`) when `api` is the client's,
     /// counting their text.
     pub fn passthrough_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {

@@ -91,6 +91,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let output_format = crate::output_format::read(crate::registry::Api::OpenaiResponses, &mut top)?;
     let mut passthrough = crate::passthrough::Passthrough::default();
     crate::passthrough::read(crate::registry::Api::OpenaiResponses, &mut top, &mut passthrough)?;
+    crate::passthrough::read_responses_include(&mut top, &mut passthrough)?;
     top.finish(builder);
     Ok(Head {
         model,

@@ -201,8 +201,8 @@ fn responses_reasoning_and_parallel_function_calls_import_as_one_assistant_turn(
             model: "o4-mini",
             stream: true,
             max_output_tokens: Some(2048),
-            // `store` is carried to Responses targets (`passthrough.rs`).
-            dropped: &["include", "input[].id", "input[].status"],
+            // `store` and `include` are carried to Responses targets (`passthrough.rs`).
+            dropped: &["input[].id", "input[].status"],
             sampling: Sampling::default(),
             tools: json!([{"name": "get_weather", "description": "Get current temperature for a given location.", "input_schema": weather_schema()}]),
             turns: json!([

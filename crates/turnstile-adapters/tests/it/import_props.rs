@@ -114,8 +114,9 @@ fn expected_document(original: &Value, rendered: &Rendered, imported: &Value, ap
 fn dropped_by_rendering(api: Api) -> Vec<String> {
     match api {
         Api::OpenaiChat => vec!["stream_options".to_owned()],
-        Api::OpenaiResponses => vec!["include".to_owned()],
-        Api::AnthropicMessages | Api::Gemini => Vec::new(),
+        // Its `include: ["reasoning.encrypted_content"]` is the renderer's own value, which the
+        // importer recognizes as nothing to carry (`passthrough.rs`).
+        Api::OpenaiResponses | Api::AnthropicMessages | Api::Gemini => Vec::new(),
     }
 }
 

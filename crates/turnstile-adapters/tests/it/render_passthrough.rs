@@ -221,3 +221,26 @@ fn rendered_openai_client_only_fields_conform_to_the_official_openapi_request_sc
     }
     assert_eq!(checked, 3);
 }
+
+#[test]
+fn responses_include_values_are_written_after_the_one_the_renderer_needs_and_refused_elsewhere() {
+    let body = json!({"model": "gpt-5", "input": "Hi",
+                      "include": ["message.output_text.logprobs", "reasoning.encrypted_content",
+                                  "message.output_text.logprobs"]});
+    let passthrough = imported_passthrough(Api::OpenaiResponses, &body);
+    let RenderOutcome::Rendered(rendered) = render_with(AdapterId::OpenaiResponsesV1, &passthrough) else {
+        panic!("refused");
+    };
+    let value: Value = serde_json::from_slice(&rendered.body).unwrap();
+    assert_eq!(
+        value["include"],
+        json!(["reasoning.encrypted_content", "message.output_text.logprobs"])
+    );
+    let RenderOutcome::RefusedPassthrough(error) = render_with(AdapterId::OpenaiChatV2, &passthrough) else {
+        panic!("include crossed to Chat");
+    };
+    assert_eq!(error.field(), "include");
+    // Only the value the renderer writes anyway: nothing to carry, nothing to refuse.
+    let body = json!({"model": "gpt-5", "input": "Hi", "include": ["reasoning.encrypted_content"]});
+    assert!(imported_passthrough(Api::OpenaiResponses, &body).is_unset());
+}
