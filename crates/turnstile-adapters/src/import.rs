@@ -26,7 +26,8 @@
 //! Generation settings (temperature, top-p, top-k, stop sequences, seed, penalties) are read
 //! into [`Imported::sampling`] in neutral names and checked against the ranges the client's own
 //! API documents (`sampling.rs`): a value that API would refuse is `invalid_request` here too.
-//! Request fields neither the graph nor the settings carry (`tool_choice`, `cache_control`,
+//! Tool choice and parallel tool calls are read into [`Imported::tool_choice`] (`tool_choice.rs`).
+//! Request fields neither the graph nor the settings carry (`cache_control`,
 //! metadata, `logit_bias`, …) are listed in [`Imported::dropped`], never silently lost; a field
 //! whose value carries nothing (`null`, `[]`, `{}`) is not listed.
 
@@ -57,6 +58,13 @@ pub struct Imported {
     /// The generation settings the client asked for, in neutral names, within the ranges its
     /// API documents (the target adapter's API checks them again when it renders).
     pub sampling: Sampling,
+    /// The tool choice and parallel switch the client asked for, in neutral names
+    /// (`tool_choice.rs`); the target adapter's API checks them when it renders.
+    pub tool_choice: crate::tool_choice::ToolChoice,
+    /// The structured output the client asked for (`output_format.rs`).
+    pub output_format: crate::output_format::OutputFormat,
+    /// Fields only the client's API takes (`passthrough.rs`), as given.
+    pub passthrough: crate::passthrough::Passthrough,
     /// Request fields neither the graph nor [`Imported::sampling`] carries, as index-free paths
     /// (`tool_choice`, `messages[].name`, `system[].cache_control`, …): sorted, deduplicated.
     pub dropped: Vec<String>,
@@ -97,6 +105,14 @@ pub enum ImportError {
         /// What cannot be represented.
         what: String,
     },
+    /// Anthropic's `thread` (server-side message threads, sent by the SDK's tool runner): the
+    /// gateway keeps no thread state. Code `thread_unsupported_request`, the code Anthropic's
+    /// clients read (in `error.details.error_code`) to resend the turn with the whole history.
+    #[error("message threads are not supported; resend the whole history without `thread`")]
+    ThreadUnsupported {
+        /// Where (`thread`).
+        path: String,
+    },
     /// A named limit of `turnstile_core::limits` was exceeded (body bytes, JSON depth, turns,
     /// blocks, tools). Code `limit_exceeded`.
     #[error("limit exceeded at {path:?}: {what} is {actual}, the maximum is {max}")]
@@ -119,6 +135,7 @@ impl ImportError {
             ImportError::Malformed { .. } => "invalid_request",
             ImportError::Unrepresentable { .. } => "unrepresentable",
             ImportError::Limit { .. } => "limit_exceeded",
+            ImportError::ThreadUnsupported { .. } => "thread_unsupported_request",
         }
     }
 
@@ -127,7 +144,8 @@ impl ImportError {
         match self {
             ImportError::Malformed { path, .. }
             | ImportError::Unrepresentable { path, .. }
-            | ImportError::Limit { path, .. } => path,
+            | ImportError::Limit { path, .. }
+            | ImportError::ThreadUnsupported { path } => path,
         }
     }
 
@@ -191,6 +209,9 @@ pub(crate) struct Head {
     pub stream: bool,
     pub max_output_tokens: Option<u64>,
     pub sampling: Sampling,
+    pub tool_choice: crate::tool_choice::ToolChoice,
+    pub output_format: crate::output_format::OutputFormat,
+    pub passthrough: crate::passthrough::Passthrough,
 }
 
 /// A setting outside the range the client's own API documents is malformed for that API (the
@@ -969,6 +990,9 @@ impl Builder {
             max_output_tokens: head.max_output_tokens,
             has_tools,
             sampling: head.sampling,
+            tool_choice: head.tool_choice,
+            output_format: head.output_format,
+            passthrough: head.passthrough,
             dropped: self.dropped.into_iter().collect(),
         }
     }

@@ -17,6 +17,8 @@ pub mod gemini;
 pub mod import;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod output_format;
+pub mod passthrough;
 pub mod prepare;
 #[doc(hidden)]
 pub mod probe;
@@ -25,9 +27,14 @@ pub mod render;
 pub mod sampling;
 pub mod simulate;
 pub mod tokens;
+pub mod tool_choice;
 
 pub use catalog::Catalog;
-pub use prepare::{PrepareOutcome, PrepareRequest, Prepared, prepare, prepare_with_sampling};
+pub use prepare::{
+    PrepareOutcome, PrepareRequest, Prepared, SettingError, Settings, prepare, prepare_with_sampling,
+    prepare_with_settings,
+};
 pub use registry::{AdapterId, Api};
 pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered};
 pub use sampling::{Sampling, SamplingError, Setting};
+pub use tool_choice::{Choice, ToolChoice, ToolChoiceError};

@@ -10,11 +10,16 @@
 //! same with none set. They are a separate argument rather than a field of [`PrepareRequest`]
 //! only so that the struct literals written before settings existed keep compiling (a field
 //! is planned once every caller passes settings; `docs/decisions.md`, 2026-11-30).
+//! [`prepare_with_settings`] takes every request setting at once ([`Settings`]: sampling, tool
+//! choice and output format), and is what the gateway calls.
 
 use crate::catalog::{Catalog, Match, ModelInfo};
+use crate::output_format::{OutputFormat, OutputFormatError};
+use crate::passthrough::{Passthrough, PassthroughError};
 use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
+use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use turnstile_core::Digest;
 use turnstile_core::admission::{Admission, OverBudget, admit};
 use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
@@ -80,6 +85,62 @@ pub fn prepare(
     }
 }
 
+/// Every request setting that is not part of the conversation: generation settings and tool
+/// choice. `Default` is "nothing set".
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// Generation settings.
+    pub sampling: Sampling,
+    /// Tool choice and parallel tool calls.
+    pub tool_choice: ToolChoice,
+    /// Structured output.
+    pub output_format: OutputFormat,
+    /// Fields only the client's API takes (proxy requests only).
+    pub passthrough: Passthrough,
+}
+
+/// A request setting the target API cannot take. Tests assert [`SettingError::code`] and
+/// [`SettingError::field`], never the message.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingError {
+    /// A generation setting.
+    #[error(transparent)]
+    Sampling(SamplingError),
+    /// The tool choice or parallel switch.
+    #[error(transparent)]
+    ToolChoice(ToolChoiceError),
+    /// The output format.
+    #[error(transparent)]
+    OutputFormat(OutputFormatError),
+    /// A field only the client's API takes.
+    #[error(transparent)]
+    Passthrough(PassthroughError),
+}
+
+impl SettingError {
+    /// The machine-readable code of the inner error.
+    pub fn code(&self) -> &'static str {
+        match self {
+            SettingError::Sampling(error) => error.code(),
+            SettingError::ToolChoice(error) => error.code(),
+            SettingError::OutputFormat(error) => error.code(),
+            SettingError::Passthrough(error) => error.code(),
+        }
+    }
+
+    /// The name of the setting concerned: neutral (`temperature`, `tool_choice`, …), or the
+    /// client's own field for a client-only field (`reasoning_effort`).
+    pub fn field(&self) -> &str {
+        match self {
+            SettingError::Sampling(error) => error.setting().as_str(),
+            SettingError::ToolChoice(error) => error.field().as_str(),
+            SettingError::OutputFormat(error) => error.field(),
+            SettingError::Passthrough(error) => error.field(),
+        }
+    }
+}
+
 /// Render, count, admit and seal the manifest, with generation settings written in the
 /// adapter's API fields and recorded in the render policy (so `policy_digest` pins them).
 ///
@@ -93,7 +154,38 @@ pub fn prepare_with_sampling(
     catalog: &Catalog,
     cache: &mut RenderCache,
 ) -> Result<PrepareOutcome, SamplingError> {
-    sampling.check(request.adapter.api())?;
+    let settings = Settings {
+        sampling: sampling.clone(),
+        tool_choice: ToolChoice::default(),
+        output_format: OutputFormat::default(),
+        passthrough: Passthrough::default(),
+    };
+    match prepare_with_settings(graph, request, &settings, catalog, cache) {
+        Ok(outcome) => Ok(outcome),
+        Err(SettingError::Sampling(error)) => Err(error),
+        // Invariant: an unset tool choice passes every check.
+        Err(SettingError::ToolChoice(error)) => unreachable!("an unset tool choice was refused: {error}"),
+        // Invariant: an unset output format passes every check.
+        Err(SettingError::OutputFormat(error)) => unreachable!("an unset output format was refused: {error}"),
+        // Invariant: no client-only field passes every check.
+        Err(SettingError::Passthrough(error)) => unreachable!("no client-only field was refused: {error}"),
+    }
+}
+
+/// Render, count, admit and seal the manifest with every request setting written in the
+/// adapter's API fields and recorded in the render policy (so `policy_digest` pins them).
+/// `Err` when the API cannot take one: nothing is sent without it.
+pub fn prepare_with_settings(
+    graph: Graph<'_>,
+    request: &PrepareRequest,
+    settings: &Settings,
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+) -> Result<PrepareOutcome, SettingError> {
+    settings
+        .sampling
+        .check(request.adapter.api())
+        .map_err(SettingError::Sampling)?;
     let (model, model_match) = catalog.lookup(request.adapter.api(), &request.model);
     let max_output_tokens = request
         .max_output_tokens
@@ -103,12 +195,18 @@ pub fn prepare_with_sampling(
         max_output_tokens,
         stream: request.stream,
         background: request.background,
-        sampling: sampling.clone(),
+        sampling: settings.sampling.clone(),
+        tool_choice: settings.tool_choice.clone(),
+        output_format: settings.output_format.clone(),
+        passthrough: settings.passthrough.clone(),
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(pauses) => return Ok(PrepareOutcome::Paused(pauses)),
-        RenderOutcome::Refused(error) => return Err(error),
+        RenderOutcome::Refused(error) => return Err(SettingError::Sampling(error)),
+        RenderOutcome::RefusedToolChoice(error) => return Err(SettingError::ToolChoice(error)),
+        RenderOutcome::RefusedOutputFormat(error) => return Err(SettingError::OutputFormat(error)),
+        RenderOutcome::RefusedPassthrough(error) => return Err(SettingError::Passthrough(error)),
     };
     let headroom = match admit(rendered.prompt_tokens, max_output_tokens, model.context_window) {
         Admission::Admitted { headroom } => headroom,

@@ -35,6 +35,10 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         // Probes render without settings; the sampling fields are pinned by
         // `tests/it/render_sampling.rs` snapshots instead.
         sampling: crate::sampling::Sampling::default(),
+        // Likewise the tool choice (`tests/it/render_tool_choice.rs`).
+        tool_choice: crate::tool_choice::ToolChoice::default(),
+        output_format: crate::output_format::OutputFormat::default(),
+        passthrough: crate::passthrough::Passthrough::default(),
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not
@@ -49,6 +53,9 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         RenderOutcome::Paused(pauses) => json!({ "paused": pauses }),
         // Unreachable: no setting is set, so nothing can be refused.
         RenderOutcome::Refused(error) => json!({ "refused": error.code() }),
+        RenderOutcome::RefusedToolChoice(error) => json!({ "refused": error.code() }),
+        RenderOutcome::RefusedOutputFormat(error) => json!({ "refused": error.code() }),
+        RenderOutcome::RefusedPassthrough(error) => json!({ "refused": error.code() }),
     }
 }
 

@@ -12,9 +12,12 @@
 //! objects without raw text) are written in RFC 8785 canonical form.
 
 use crate::call_ids::{self, CallIdRule};
+use crate::output_format::{OutputFormat, OutputFormatError};
+use crate::passthrough::{Passthrough, PassthroughError};
 use crate::registry::AdapterId;
 use crate::sampling::{Sampling, SamplingError};
 use crate::tokens::Tokenizer;
+use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use turnstile_core::conversation::{Block, BlockBody, Conversation, MediaSource, Role, RoleField, Turn};
@@ -38,6 +41,17 @@ pub struct RenderOptions {
     /// Generation settings, written in the API's own fields; one the API cannot take refuses
     /// the render ([`RenderOutcome::Refused`]). The default (nothing set) writes nothing.
     pub sampling: Sampling,
+    /// Tool choice and parallel tool calls, written in the API's own fields; one the API cannot
+    /// spell refuses the render ([`RenderOutcome::RefusedToolChoice`]). The default writes
+    /// nothing.
+    pub tool_choice: ToolChoice,
+    /// Structured output, written in the API's own fields; one the API cannot spell refuses
+    /// the render ([`RenderOutcome::RefusedOutputFormat`]). The default writes nothing.
+    pub output_format: OutputFormat,
+    /// Fields only the client's own API takes (`passthrough.rs`): written as given when the
+    /// adapter speaks that API, refused by name ([`RenderOutcome::RefusedPassthrough`]) when it
+    /// does not. The default writes nothing.
+    pub passthrough: Passthrough,
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -170,6 +184,17 @@ pub struct RenderPolicy {
     /// set, so a request without settings has the policy digest it always had).
     #[serde(skip_serializing_if = "Sampling::is_unset")]
     pub sampling: Sampling,
+    /// The tool choice and parallel switch sent, in neutral names (`tool_choice`,
+    /// `parallel_tool_calls`), flattened beside the other fields and left out when unset, so a
+    /// request without them has the policy digest it always had.
+    #[serde(flatten)]
+    pub tool_choice: ToolChoice,
+    /// The structured output asked for, in neutral names (left out when unset).
+    #[serde(skip_serializing_if = "OutputFormat::is_unset")]
+    pub output_format: OutputFormat,
+    /// The client-API-only fields (left out when there are none).
+    #[serde(skip_serializing_if = "Passthrough::is_unset")]
+    pub passthrough: Passthrough,
 }
 
 impl RenderPolicy {
@@ -211,6 +236,13 @@ pub enum RenderOutcome {
     /// documented range). A request error, not a state of the conversation: checked before
     /// anything renders, and nothing is sent without the setting.
     Refused(SamplingError),
+    /// A tool choice the API cannot spell, or one naming an undeclared tool. A request error
+    /// like [`RenderOutcome::Refused`]; nothing is sent without it.
+    RefusedToolChoice(ToolChoiceError),
+    /// An output format the API cannot spell. A request error like [`RenderOutcome::Refused`].
+    RefusedOutputFormat(OutputFormatError),
+    /// A field only the client's API takes, towards another API.
+    RefusedPassthrough(PassthroughError),
 }
 
 /// Render a graph with one adapter version.
@@ -223,6 +255,21 @@ pub fn render(
 ) -> RenderOutcome {
     if let Err(error) = options.sampling.check(adapter.api()) {
         return RenderOutcome::Refused(error);
+    }
+    let declared: Vec<&str> = graph
+        .conversation()
+        .tools
+        .iter()
+        .map(|tool| tool.name.as_str())
+        .collect();
+    if let Err(error) = options.tool_choice.check(adapter.api(), &declared) {
+        return RenderOutcome::RefusedToolChoice(error);
+    }
+    if let Err(error) = options.output_format.check(adapter.api()) {
+        return RenderOutcome::RefusedOutputFormat(error);
+    }
+    if let Err(error) = options.passthrough.check(adapter.api()) {
+        return RenderOutcome::RefusedPassthrough(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
     match adapter {
@@ -328,6 +375,9 @@ pub(crate) struct Ctx<'c> {
     pub tokens: u64,
     stream: bool,
     sampling: Sampling,
+    tool_choice: ToolChoice,
+    output_format: OutputFormat,
+    passthrough: Passthrough,
 }
 
 impl<'c> Ctx<'c> {
@@ -347,6 +397,9 @@ impl<'c> Ctx<'c> {
             tokens: 0,
             stream: options.stream,
             sampling: options.sampling.clone(),
+            tool_choice: options.tool_choice.clone(),
+            output_format: options.output_format.clone(),
+            passthrough: options.passthrough.clone(),
         }
     }
 
@@ -458,6 +511,46 @@ impl<'c> Ctx<'c> {
         });
     }
 
+    /// Append the request's tool choice fields in `api`'s names (`tool_choice.rs`), counting
+    /// their text into the request total. Nothing when unset.
+    pub fn tool_choice_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.tool_choice.write_fields(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
+    /// Append the request's output format fields in `api`'s names (`output_format.rs`),
+    /// counting their text into the request total. Nothing when unset.
+    pub fn output_format_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.output_format.write(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
+    /// The request's client-only fields.
+    pub fn passthrough(&self) -> &Passthrough {
+        &self.passthrough
+    }
+
+    /// Append the client-only top-level fields (`passthrough.rs`) when `api` is the client's,
+    /// counting their text.
+    pub fn passthrough_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.passthrough.write_top(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
+    /// Append Gemini's client-only `generationConfig` fields, counting their text.
+    pub fn passthrough_config_fields(&mut self, api: crate::registry::Api, out: &mut Vec<u8>) {
+        let written = self.passthrough.write_config(api, out);
+        if !written.is_empty() {
+            self.tokens += self.tokenizer.count(&written);
+        }
+    }
+
     /// Finish: pauses win; otherwise the rendered request with its policy.
     pub fn finish(&mut self, body: Body, headers: &[(&'static str, &'static str)]) -> RenderOutcome {
         if !self.pauses.is_empty() {
@@ -477,6 +570,9 @@ impl<'c> Ctx<'c> {
                 call_ids: std::mem::take(&mut self.call_ids),
                 omitted: std::mem::take(&mut self.omitted),
                 sampling: std::mem::take(&mut self.sampling),
+                tool_choice: std::mem::take(&mut self.tool_choice),
+                output_format: std::mem::take(&mut self.output_format),
+                passthrough: std::mem::take(&mut self.passthrough),
             },
         })
     }

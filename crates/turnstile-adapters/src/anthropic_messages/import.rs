@@ -43,6 +43,15 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
         "MCP servers called by Anthropic (server-side tools)",
     )?;
     top.refuse("container", "a code-execution container (server-side state)")?;
+    top.refuse(
+        "context_management",
+        "context edits applied by Anthropic (server-side state)",
+    )?;
+    if top.has("thread") {
+        return Err(ImportError::ThreadUnsupported {
+            path: "thread".into(),
+        });
+    }
     let model = top.required_string("model")?;
     let stream = top.bool("stream")?.unwrap_or(false);
     let max_output_tokens = top.u64("max_tokens")?;
@@ -96,12 +105,23 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     for (path, pattern, value) in top.elements("messages", messages) {
         message(Obj::new(value, path, pattern)?, builder)?;
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::AnthropicMessages, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::AnthropicMessages, &mut top)?;
+    let mut passthrough = crate::passthrough::Passthrough::default();
+    crate::passthrough::read(
+        crate::registry::Api::AnthropicMessages,
+        &mut top,
+        &mut passthrough,
+    )?;
     top.finish(builder);
     Ok(Head {
         model,
         stream,
         max_output_tokens,
         sampling,
+        tool_choice,
+        output_format,
+        passthrough,
     })
 }
 

@@ -221,6 +221,10 @@ pub(crate) fn render(
         });
         out.push(b']');
     }
+    // `tool_choice` (with `disable_parallel_tool_use`; table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::AnthropicMessages, &mut out);
+    // The client's own Anthropic-only fields, same API only (`passthrough.rs`).
+    ctx.passthrough_fields(crate::registry::Api::AnthropicMessages, &mut out);
     if options.stream {
         out.extend_from_slice(b",\"stream\":true");
     }

@@ -76,6 +76,8 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
     )?;
     let mut max_output_tokens = None;
     let mut sampling = Sampling::default();
+    let mut output_format = crate::output_format::OutputFormat::default();
+    let mut passthrough = crate::passthrough::Passthrough::default();
     if let Some(mut config) = top.object("generationConfig")? {
         config.camel_case_keys()?;
         max_output_tokens = config.u64("maxOutputTokens")?;
@@ -88,6 +90,8 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
             presence_penalty: config.f64("presencePenalty")?,
             frequency_penalty: config.f64("frequencyPenalty")?,
         };
+        output_format = crate::output_format::read(crate::registry::Api::Gemini, &mut config)?;
+        crate::passthrough::read_gemini_config(&mut config, &mut passthrough);
         match config.u64("candidateCount")? {
             None | Some(1) => {}
             Some(0) => {
@@ -165,12 +169,17 @@ pub(crate) fn import(mut top: Obj, call: GeminiCall, builder: &mut Builder) -> R
         builder.end()?;
         content.finish(builder);
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::Gemini, &mut top)?;
+    crate::passthrough::read(crate::registry::Api::Gemini, &mut top, &mut passthrough)?;
     top.finish(builder);
     Ok(Head {
         model: call.model,
         stream: call.stream,
         max_output_tokens,
         sampling,
+        tool_choice,
+        output_format,
+        passthrough,
     })
 }
 

@@ -31,10 +31,13 @@
 //! tool calls of a type other than `function`; `input_audio` parts; `file_id` references;
 //! assistant `audio`; any unknown content part type. Malformed (`invalid_request`): a missing
 //! `model` / `messages` / `role` / `tool_call_id`, an unknown role, a field of the wrong type.
-//! Dropped and reported: every other field (`logit_bias`, `logprobs`, `top_logprobs`,
-//! `tool_choice`, `parallel_tool_calls`, `user`, `metadata`, `stream_options`,
-//! `response_format`, `messages[].name`, an image `detail` other than `auto`, a `strict` flag,
-//! `max_tokens` when `max_completion_tokens` is also given, …).
+//! Carried in their own values: `tool_choice` and `parallel_tool_calls` (`tool_choice.rs`),
+//! `response_format` (`output_format.rs`), and the Chat-only fields of `passthrough.rs`
+//! (`reasoning_effort`, `service_tier`, `store`, `prompt_cache_key`, `logprobs`, `logit_bias`,
+//! `metadata`, `user`, …). Dropped and reported: every other field (`stream_options`, which
+//! shapes our answer to the client and is honoured there, `messages[].name`, an image `detail`
+//! other than `auto`, a `strict` flag, `max_tokens` when `max_completion_tokens` is also given,
+//! …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
 use crate::sampling::Sampling;
@@ -100,12 +103,19 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     for (path, pattern, value) in top.elements("messages", messages) {
         message(Obj::new(value, path, pattern)?, builder)?;
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiChat, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::OpenaiChat, &mut top)?;
+    let mut passthrough = crate::passthrough::Passthrough::default();
+    crate::passthrough::read(crate::registry::Api::OpenaiChat, &mut top, &mut passthrough)?;
     top.finish(builder);
     Ok(Head {
         model,
         stream,
         max_output_tokens: max_completion_tokens.or(max_tokens),
         sampling,
+        tool_choice,
+        output_format,
+        passthrough,
     })
 }
 

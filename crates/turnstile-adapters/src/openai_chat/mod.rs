@@ -127,6 +127,12 @@ pub(crate) fn render(
         });
         out.push(b']');
     }
+    // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::OpenaiChat, &mut out);
+    // `response_format` (table in `output_format.rs`).
+    ctx.output_format_fields(crate::registry::Api::OpenaiChat, &mut out);
+    // The client's own Chat-only fields, same API only (`passthrough.rs`).
+    ctx.passthrough_fields(crate::registry::Api::OpenaiChat, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     let headers = HEADERS;

@@ -87,12 +87,20 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
             ));
         }
     }
+    let tool_choice = crate::tool_choice::read(crate::registry::Api::OpenaiResponses, &mut top)?;
+    let output_format = crate::output_format::read(crate::registry::Api::OpenaiResponses, &mut top)?;
+    let mut passthrough = crate::passthrough::Passthrough::default();
+    crate::passthrough::read(crate::registry::Api::OpenaiResponses, &mut top, &mut passthrough)?;
+    crate::passthrough::read_responses_include(&mut top, &mut passthrough)?;
     top.finish(builder);
     Ok(Head {
         model,
         stream,
         max_output_tokens,
         sampling,
+        tool_choice,
+        output_format,
+        passthrough,
     })
 }
 

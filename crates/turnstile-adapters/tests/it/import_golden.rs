@@ -90,12 +90,8 @@ fn chat_parallel_calls_and_their_results_import_as_one_assistant_turn_and_one_to
             model: "gpt-4.1",
             stream: true,
             max_output_tokens: Some(512),
-            dropped: &[
-                "parallel_tool_calls",
-                "stream_options",
-                "tool_choice",
-                "tools[].function.strict",
-            ],
+            // `tool_choice` and `parallel_tool_calls` are carried (`render_tool_choice.rs`).
+            dropped: &["stream_options", "tools[].function.strict"],
             sampling: Sampling {
                 temperature: Some(0.2),
                 ..Sampling::default()
@@ -205,7 +201,8 @@ fn responses_reasoning_and_parallel_function_calls_import_as_one_assistant_turn(
             model: "o4-mini",
             stream: true,
             max_output_tokens: Some(2048),
-            dropped: &["include", "input[].id", "input[].status", "store"],
+            // `store` and `include` are carried to Responses targets (`passthrough.rs`).
+            dropped: &["input[].id", "input[].status"],
             sampling: Sampling::default(),
             tools: json!([{"name": "get_weather", "description": "Get current temperature for a given location.", "input_schema": weather_schema()}]),
             turns: json!([
@@ -325,12 +322,9 @@ fn anthropic_results_in_a_user_message_split_into_a_tool_turn_then_the_user_text
             model: "claude-sonnet-4-5",
             stream: false,
             max_output_tokens: Some(1024),
-            dropped: &[
-                "messages[].content[].cache_control",
-                "system[].cache_control",
-                "thinking",
-                "tool_choice",
-            ],
+            // `thinking` (Anthropic targets only) and `tool_choice` are carried; per-block cache
+            // breakpoints are not yet.
+            dropped: &["messages[].content[].cache_control", "system[].cache_control"],
             sampling: Sampling::default(),
             tools: json!([
                 {"name": "get_weather", "description": "Get the current weather in a given location", "input_schema": weather_schema()},
@@ -450,7 +444,8 @@ fn gemini_parallel_calls_get_deterministic_ids_and_responses_pair_by_name() {
             model: "gemini-2.5-flash",
             stream: true,
             max_output_tokens: Some(800),
-            dropped: &["toolConfig"],
+            // `toolConfig` is carried (`render_tool_choice.rs`).
+            dropped: &[],
             sampling: Sampling {
                 temperature: Some(1.0),
                 ..Sampling::default()
@@ -587,7 +582,8 @@ fn generation_settings_import_in_neutral_names_and_leave_the_dropped_list() {
                 frequency_penalty: Some(1.25),
                 ..Sampling::default()
             },
-            &["logit_bias", "logprobs", "top_logprobs"],
+            // Carried to Chat targets only (`passthrough.rs`).
+            &[],
         ),
         (
             Api::OpenaiChat,
@@ -613,7 +609,8 @@ fn generation_settings_import_in_neutral_names_and_leave_the_dropped_list() {
                 top_p: Some(1.0),
                 ..Sampling::default()
             },
-            &["top_logprobs"],
+            // Carried to Responses targets only (`passthrough.rs`).
+            &[],
         ),
         (
             Api::OpenaiResponses,
@@ -649,7 +646,8 @@ fn generation_settings_import_in_neutral_names_and_leave_the_dropped_list() {
                 presence_penalty: Some(0.1),
                 frequency_penalty: Some(-0.2),
             },
-            &["generationConfig.responseLogprobs"],
+            // Carried to Gemini targets only (`passthrough.rs`).
+            &[],
         ),
         (
             Api::Gemini,

@@ -114,8 +114,9 @@ fn expected_document(original: &Value, rendered: &Rendered, imported: &Value, ap
 fn dropped_by_rendering(api: Api) -> Vec<String> {
     match api {
         Api::OpenaiChat => vec!["stream_options".to_owned()],
-        Api::OpenaiResponses => vec!["include".to_owned()],
-        Api::AnthropicMessages | Api::Gemini => Vec::new(),
+        // Its `include: ["reasoning.encrypted_content"]` is the renderer's own value, which the
+        // importer recognizes as nothing to carry (`passthrough.rs`).
+        Api::OpenaiResponses | Api::AnthropicMessages | Api::Gemini => Vec::new(),
     }
 }
 
@@ -133,6 +134,13 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         RenderOutcome::Rendered(rendered) => rendered,
         RenderOutcome::Paused(_) => return Vec::new(),
         RenderOutcome::Refused(error) => return vec![format!("refused {sampling:?}: {error}")],
+        RenderOutcome::RefusedToolChoice(error) => return vec![format!("refused a tool choice: {error}")],
+        RenderOutcome::RefusedOutputFormat(error) => {
+            return vec![format!("refused an output format: {error}")];
+        }
+        RenderOutcome::RefusedPassthrough(error) => {
+            return vec![format!("refused a client-only field: {error}")];
+        }
     };
     let imported = match import_as(api, &rendered.body, model) {
         Ok(imported) => imported,
@@ -192,6 +200,15 @@ pub fn round_trip_problems(original: &Value, adapter: AdapterId, sampling: &Samp
         )),
         RenderOutcome::Paused(pauses) => problems.push(format!("second round pauses: {pauses:?}")),
         RenderOutcome::Refused(error) => problems.push(format!("second round is refused: {error}")),
+        RenderOutcome::RefusedToolChoice(error) => {
+            problems.push(format!("second round refuses a tool choice: {error}"))
+        }
+        RenderOutcome::RefusedOutputFormat(error) => {
+            problems.push(format!("second round refuses an output format: {error}"))
+        }
+        RenderOutcome::RefusedPassthrough(error) => {
+            problems.push(format!("second round refuses a client-only field: {error}"))
+        }
     }
     problems
 }

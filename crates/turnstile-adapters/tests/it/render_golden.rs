@@ -25,6 +25,15 @@ fn snapshot_text(name: &str, adapter: AdapterId) -> String {
             serde_json::to_string_pretty(&pauses).unwrap()
         ),
         RenderOutcome::Refused(error) => panic!("{name} × {adapter}: refused without settings: {error}"),
+        RenderOutcome::RefusedToolChoice(error) => {
+            panic!("{name} × {adapter}: refused without a tool choice: {error}")
+        }
+        RenderOutcome::RefusedOutputFormat(error) => {
+            panic!("{name} × {adapter}: refused without an output format: {error}")
+        }
+        RenderOutcome::RefusedPassthrough(error) => {
+            panic!("{name} × {adapter}: refused without client-only fields: {error}")
+        }
     }
 }
 

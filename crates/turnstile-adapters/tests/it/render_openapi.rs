@@ -15,7 +15,7 @@ use turnstile_adapters::render::RenderOutcome;
 use turnstile_adapters::{AdapterId, Sampling};
 use turnstile_core::parse;
 
-fn spec_path() -> std::path::PathBuf {
+pub fn spec_path() -> std::path::PathBuf {
     let shared = std::env::var_os("TURNSTILE_SHARED")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
@@ -24,7 +24,7 @@ fn spec_path() -> std::path::PathBuf {
 
 /// YAML → JSON. Integers beyond i64/u64 (the spec has `seed.minimum` at −2^63 written as a
 /// decimal that overflows) become floats, as a JSON parser would read them.
-fn to_json(value: serde_yaml::Value) -> Value {
+pub fn to_json(value: serde_yaml::Value) -> Value {
     match value {
         serde_yaml::Value::Null => Value::Null,
         serde_yaml::Value::Bool(flag) => Value::Bool(flag),
@@ -64,7 +64,7 @@ fn to_json(value: serde_yaml::Value) -> Value {
 /// `oneOf` instead demands that exactly one variant match, and `InputItem` lists overlapping
 /// variants (`EasyInputMessage` and `Item` → `InputMessage` both accept a user message). So a
 /// discriminated `oneOf` is checked as `anyOf`: the item must still match a variant in full.
-fn discriminated_one_of_as_any_of(value: &mut Value) {
+pub fn discriminated_one_of_as_any_of(value: &mut Value) {
     match value {
         Value::Object(map) => {
             if map.contains_key("discriminator") {
@@ -116,7 +116,7 @@ fn samplings(api: Api, g: &mut Gen) -> Vec<Sampling> {
     all
 }
 
-fn validator(spec: &Value, schema: &str) -> jsonschema::Validator {
+pub fn validator(spec: &Value, schema: &str) -> jsonschema::Validator {
     let mut root = spec.clone();
     root["$ref"] = Value::String(format!("#/components/schemas/{schema}"));
     jsonschema::options()

@@ -262,6 +262,24 @@ fn every_random_legal_graph_renders_legal_and_lossless_or_pauses_for_a_declared_
                             "case {case} × {adapter}: refused without settings: {error}"
                         );
                     }
+                    RenderOutcome::RefusedToolChoice(error) => {
+                        proptest::prop_assert!(
+                            false,
+                            "case {case} × {adapter}: refused without a tool choice: {error}"
+                        );
+                    }
+                    RenderOutcome::RefusedOutputFormat(error) => {
+                        proptest::prop_assert!(
+                            false,
+                            "case {case} × {adapter}: refused without an output format: {error}"
+                        );
+                    }
+                    RenderOutcome::RefusedPassthrough(error) => {
+                        proptest::prop_assert!(
+                            false,
+                            "case {case} × {adapter}: refused without client-only fields: {error}"
+                        );
+                    }
                 }
             }
             Ok(())

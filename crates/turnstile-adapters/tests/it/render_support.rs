@@ -57,6 +57,9 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         stream: true,
         background: false,
         sampling: Sampling::default(),
+        tool_choice: Default::default(),
+        output_format: Default::default(),
+        passthrough: Default::default(),
     }
 }
 

@@ -22,10 +22,14 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use turnstile_adapters::decode::StreamApi;
-use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare_with_sampling};
+use turnstile_adapters::output_format::OutputFormat;
+use turnstile_adapters::prepare::{
+    PrepareOutcome, PrepareRequest, SettingError, Settings, prepare_with_settings,
+};
 use turnstile_adapters::registry::AdapterId;
 use turnstile_adapters::render::Graph;
 use turnstile_adapters::sampling::{Sampling, SamplingError};
+use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_core::dispatch::DispatchState;
 use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
 use turnstile_store::{
@@ -102,12 +106,13 @@ pub enum ErrorCode {
     UriTooLong,
     /// The listener is at `connections_max` (503; `/healthz` still answers).
     Overloaded,
+    /// A tool choice names a tool the conversation does not declare (422).
+    UnknownTool,
 }
 
 impl ErrorCode {
     /// Every code (held against the spec by the tests; the binary itself needs no list).
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub const ALL: [ErrorCode; 28] = [
+    pub const ALL: [ErrorCode; 29] = [
         ErrorCode::BodyTooLarge,
         ErrorCode::ConversationExists,
         ErrorCode::DuplicateResult,
@@ -136,6 +141,7 @@ impl ErrorCode {
         ErrorCode::UnsupportedSetting,
         ErrorCode::UriTooLong,
         ErrorCode::Overloaded,
+        ErrorCode::UnknownTool,
     ];
 
     /// The code's string.
@@ -169,7 +175,13 @@ impl ErrorCode {
             ErrorCode::UnsupportedSetting => "unsupported_setting",
             ErrorCode::UriTooLong => "uri_too_long",
             ErrorCode::Overloaded => "overloaded",
+            ErrorCode::UnknownTool => "unknown_tool",
         }
+    }
+
+    /// The code spelled `text`, if it is one of ours.
+    pub fn parse(text: &str) -> Option<ErrorCode> {
+        ErrorCode::ALL.into_iter().find(|code| code.as_str() == text)
     }
 }
 
@@ -372,26 +384,6 @@ fn strict_object(body: Value, allowed: &[&str]) -> Result<serde_json::Map<String
     Ok(map)
 }
 
-/// A field that must be of one JSON type when present: 422 `invalid_request` naming it.
-fn typed<'a, T>(
-    map: &'a serde_json::Map<String, Value>,
-    field: &str,
-    read: impl Fn(&'a Value) -> Option<T>,
-    wanted: &str,
-) -> Result<Option<T>, ApiError> {
-    match map.get(field) {
-        None => Ok(None),
-        Some(value) => read(value).map(Some).ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                ErrorCode::InvalidRequest,
-                format!("{field} must be {wanted}"),
-            )
-            .with(json!({"field": field}))
-        }),
-    }
-}
-
 pub(crate) fn violations_json(violations: &[turnstile_core::Violation]) -> Value {
     serde_json::to_value(violations).unwrap_or(Value::Null)
 }
@@ -564,6 +556,19 @@ struct DispatchBody {
     /// nothing is prepared or sent (`shared/spec/gateway-api.md`, "Dispatch guard").
     #[serde(default)]
     expected_revision: Option<u64>,
+    /// Tool choice in neutral names (`{"type": "auto" | "none" | "required"}`, `{"type":
+    /// "tool", "name"}`, `{"type": "allowed", "mode", "tools"}`, `{"type": "validated"}`) and
+    /// the parallel switch; one the adapter's API cannot spell is 422 `unsupported_setting`
+    /// (`tool_choice.rs`, `docs/decisions.md`, 2026-12-01).
+    #[serde(default)]
+    tool_choice: Option<Choice>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
+    /// Structured output in neutral names (`{"type": "text" | "json_object"}`, `{"type":
+    /// "json_schema", "name"?, "description"?, "schema", "strict"?}`, `{"type": "gemini", …}`);
+    /// one the adapter's API cannot take is 422 `unsupported_setting` (`output_format.rs`).
+    #[serde(default)]
+    output_format: OutputFormat,
 }
 
 /// Where a dispatch goes.
@@ -638,6 +643,9 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
             "stream",
             "sampling",
             "expected_revision",
+            "tool_choice",
+            "parallel_tool_calls",
+            "output_format",
         ],
     )?);
     let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
@@ -715,7 +723,15 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         operation_id,
         &request.target,
         request.max_output_tokens,
-        request.sampling,
+        Settings {
+            sampling: request.sampling,
+            tool_choice: ToolChoice {
+                tool_choice: request.tool_choice,
+                parallel_tool_calls: request.parallel_tool_calls,
+            },
+            output_format: request.output_format,
+            passthrough: Default::default(),
+        },
     )
     .await?
     {
@@ -732,31 +748,28 @@ pub(crate) enum Started {
     Early(Early),
 }
 
-/// A generation setting the adapter's API cannot take: 422 with the setting's neutral name and
+/// A request setting the adapter's API cannot take: 422 with the setting's neutral name and
 /// the adapter, plus the documented bounds when it is a range (or count) that was broken.
-fn setting_error(error: SamplingError, adapter: AdapterId) -> ApiError {
-    let mut extra = json!({"setting": error.setting().as_str(), "adapter": adapter.as_str()});
+fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
+    let mut extra = json!({"setting": error.field(), "adapter": adapter.as_str()});
     match &error {
-        SamplingError::OutOfRange { value, min, max, .. } => {
+        SettingError::Sampling(SamplingError::OutOfRange { value, min, max, .. }) => {
             extra["value"] = json!(value);
             extra["min"] = json!(min);
             extra["max"] = json!(max);
         }
-        SamplingError::TooMany { count, max, .. } => {
+        SettingError::Sampling(SamplingError::TooMany { count, max, .. }) => {
             extra["count"] = json!(count);
             extra["max"] = json!(max);
         }
         _ => {}
     }
-    let code = match &error {
-        SamplingError::Unsupported { .. } => ErrorCode::UnsupportedSetting,
-        _ => ErrorCode::SettingOutOfRange,
-    };
+    let code = ErrorCode::parse(error.code()).unwrap_or(ErrorCode::UnsupportedSetting);
     ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, error.to_string()).with(extra)
 }
 
 /// Render → admission → manifest → `ledger.prepare` for a conversation the validator called
-/// ready. Shared by the dispatch endpoint and the proxy endpoints. `sampling` is checked
+/// ready. Shared by the dispatch endpoint and the proxy endpoints. `settings` are checked
 /// against the adapter's API before anything renders: a setting it cannot take is 422
 /// `unsupported_setting` / `setting_out_of_range`, never dropped or clamped.
 pub(crate) async fn prepare_dispatch(
@@ -765,7 +778,7 @@ pub(crate) async fn prepare_dispatch(
     operation_id: String,
     target: &Target,
     max_output_tokens: Option<u64>,
-    sampling: Sampling,
+    settings: Settings,
 ) -> Result<Started, ApiError> {
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
@@ -774,9 +787,10 @@ pub(crate) async fn prepare_dispatch(
             format!("no adapter {:?}", target.adapter),
         )
     })?;
-    sampling
+    settings
+        .sampling
         .check(adapter.api())
-        .map_err(|error| setting_error(error, adapter))?;
+        .map_err(|error| setting_error(SettingError::Sampling(error), adapter))?;
     if !shared.endpoints.contains_key(&target.provider) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -816,7 +830,7 @@ pub(crate) async fn prepare_dispatch(
     };
     let outcome = {
         let mut cache = shared.render_cache.lock().await;
-        prepare_with_sampling(graph, &prepare_request, &sampling, &shared.catalog, &mut cache)
+        prepare_with_settings(graph, &prepare_request, &settings, &shared.catalog, &mut cache)
     };
     let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {
         PrepareOutcome::Prepared(prepared) => prepared,

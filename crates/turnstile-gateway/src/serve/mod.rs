@@ -110,10 +110,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
             post(api::submit_tool_result),
         )
         .route("/v1/quarantine", get(api::quarantine))
-        .route("/v1/chat/completions", post(proxy::chat_completions))
-        .route("/v1/responses", post(proxy::responses))
-        .route("/v1/messages", post(proxy::messages))
-        .route("/v1beta/models/{target}", post(proxy::gemini))
+        .merge(proxy::router())
         .route("/v1/shadow/diffs", get(proxy::shadow_diffs))
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))

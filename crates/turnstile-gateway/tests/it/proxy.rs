@@ -672,7 +672,8 @@ adapter = "openai-chat@1"
     assert_eq!(first["verdict"], "ready", "{first}");
     assert_eq!(first["differs"]["bytes"], true, "{first}");
     assert!(first["bytes"]["first_difference_at"].as_u64().is_some());
-    assert!(first["dropped"].to_string().contains("user"), "{first}");
+    // `user` goes to a target of the client's own API (`passthrough.rs`): nothing is dropped.
+    assert_eq!(first["dropped"], json!([]), "{first}");
     assert_eq!(first["differs"]["semantic"], false, "{first}");
     assert_eq!(
         gateway.metric("turnstile_shadow_comparisons_total{api=\"openai-chat\"}"),
@@ -1282,4 +1283,636 @@ fn a_response_cut_by_the_output_cap_inside_tool_arguments_is_sent_once_and_refus
     // Retrying the same bytes under the same cap would only bill the same truncation.
     assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(gateway.metric("turnstile_partial_tool_dispatch_total"), 0.0);
+}
+
+/// The body the simulator received last, as JSON.
+fn last_sent(sim: &SimProcess) -> Value {
+    let requests = sim.requests();
+    let last = requests.last().expect("something was sent");
+    serde_json::from_str(last["body"].as_str().unwrap()).unwrap()
+}
+
+#[test]
+fn tool_choice_and_parallel_tool_calls_reach_the_provider_of_the_same_api_exactly() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let chat_tools =
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": schema()}}]);
+    let request = json!({"model": "gpt-tc", "messages": [{"role": "user", "content": "Weather?"}], "tools": chat_tools,
+                         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                         "parallel_tool_calls": false});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["tool_choice"], request["tool_choice"], "{body}");
+    assert_eq!(body["parallel_tool_calls"], json!(false), "{body}");
+
+    let request = json!({"model": "gpt-tc", "input": "Weather?",
+                         "tools": [{"type": "function", "name": "get_weather", "parameters": schema()}],
+                         "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                         "tools": [{"type": "function", "name": "get_weather"}]},
+                         "parallel_tool_calls": true});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["tool_choice"], request["tool_choice"], "{body}");
+    assert_eq!(body["parallel_tool_calls"], json!(true), "{body}");
+
+    let request = json!({"model": "claude-tc", "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                         "tools": [{"name": "get_weather", "input_schema": schema()}],
+                         "tool_choice": {"type": "any", "disable_parallel_tool_use": true}});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["tool_choice"], request["tool_choice"]);
+
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Weather?"}]}],
+                         "tools": [{"functionDeclarations": [{"name": "get_weather", "parametersJsonSchema": schema()}]}],
+                         "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-tc:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["toolConfig"], request["toolConfig"]);
+}
+
+#[test]
+fn tool_choice_crosses_apis_only_where_the_meaning_is_identical_and_is_refused_by_name_otherwise() {
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "openai-chat@2"
+target_model = "gpt-under"
+
+[[routes]]
+api = "openai-chat"
+model = "gpt-*"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "openai-chat"
+model = "gem-*"
+provider = "sim"
+adapter = "gemini@1"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    // Anthropic `tool` + `disable_parallel_tool_use` is OpenAI's named function without
+    // parallel calls.
+    let request = json!({"model": "claude-x", "max_tokens": 64, "messages": [{"role": "user", "content": "Weather?"}],
+                         "tools": [{"name": "get_weather", "input_schema": schema()}],
+                         "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true}});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["tool_choice"],
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+        "{body}"
+    );
+    assert_eq!(body["parallel_tool_calls"], json!(false), "{body}");
+    // OpenAI `required` is Anthropic `any`.
+    let chat = |model: &str, choice: Value, parallel: Value| {
+        json!({"model": model, "messages": [{"role": "user", "content": "Weather?"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema()}}],
+               "tool_choice": choice, "parallel_tool_calls": parallel})
+    };
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat("gpt-y", json!("required"), Value::Null),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(body["tool_choice"], json!({"type": "any"}), "{body}");
+    // A named function is Gemini's ANY restricted to that name.
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat(
+            "gem-y",
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            Value::Null,
+        ),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["toolConfig"],
+        json!({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}),
+        "{body}"
+    );
+    // Refused by name, in the client's error shape, and nothing sent: Anthropic cannot say
+    // "one of these tools, optionally"; Gemini has no parallel switch; a name the request does
+    // not declare.
+    let allowed = json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto",
+                         "tools": [{"type": "function", "function": {"name": "get_weather"}}]}});
+    for (request, code, setting) in [
+        (
+            chat("gpt-y", allowed, Value::Null),
+            "unsupported_setting",
+            "tool_choice",
+        ),
+        (
+            chat("gem-y", json!("auto"), json!(false)),
+            "unsupported_setting",
+            "parallel_tool_calls",
+        ),
+        (
+            chat(
+                "gpt-y",
+                json!({"type": "function", "function": {"name": "launch"}}),
+                Value::Null,
+            ),
+            "unknown_tool",
+            "tool_choice",
+        ),
+    ] {
+        let before = sim.requests().len();
+        let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], code, "{body}");
+        assert_eq!(body["error"]["setting"], setting, "{body}");
+        assert_eq!(sim.requests().len(), before, "{request}");
+    }
+}
+
+#[test]
+fn the_native_dispatch_takes_a_tool_choice_under_its_neutral_name() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let tools = json!([{"name": "get_weather", "input_schema": schema()}]);
+    let (status, _) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": "c-tc", "tools": tools}),
+    );
+    assert_eq!(status, 201);
+    let (status, _) = gateway.post(
+        "/v1/conversations/c-tc/turns",
+        json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "Weather?"}]}}),
+    );
+    assert_eq!(status, 200);
+    let dispatch = |operation: &str, adapter: &str, extra: Value| {
+        let mut body = json!({"operation_id": operation,
+                              "target": {"provider": "sim", "model": "m-tc", "adapter": adapter}});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        gateway.post("/v1/conversations/c-tc/dispatch", body)
+    };
+    let before = sim.requests().len();
+    let (status, body) = dispatch(
+        "op-gemini",
+        "gemini@1",
+        json!({"tool_choice": {"type": "required"}, "parallel_tool_calls": false}),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    let (status, body) = dispatch(
+        "op-odd",
+        "gemini@1",
+        json!({"tool_choice": {"type": "sometimes"}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("invalid_request")),
+        "{body}"
+    );
+    assert_eq!(sim.requests().len(), before);
+    let (status, body) = dispatch(
+        "op-anthropic",
+        "anthropic-messages@2",
+        json!({"tool_choice": {"type": "tool", "name": "get_weather"}, "parallel_tool_calls": false}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let view = gateway.get("/v1/dispatches/op-anthropic");
+    let request_body: Value = serde_json::from_str(view["request_body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        request_body["tool_choice"],
+        json!({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true}),
+        "{view}"
+    );
+    let sent = sent_for(&gateway, &sim, "op-anthropic");
+    assert_eq!(sent.len(), 1);
+}
+
+#[test]
+fn structured_output_reaches_the_provider_with_the_clients_meaning_or_is_refused_by_name() {
+    let answer = json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+                        "additionalProperties": false});
+    // Same API: carried exactly.
+    let (_dir, sim, gateway) = proxy_world("");
+    let format =
+        json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": true}});
+    let request = json!({"model": "gpt-so", "messages": [{"role": "user", "content": "Answer."}], "response_format": format});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["response_format"], format);
+    let request = json!({"model": "gpt-so", "input": "Answer.",
+                         "text": {"format": {"type": "json_schema", "name": "answer", "schema": answer}}});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["text"], request["text"]);
+    let config = json!({"maxOutputTokens": 64, "responseMimeType": "application/json",
+                        "responseSchema": {"type": "OBJECT", "properties": {"answer": {"type": "STRING"}}}});
+    let request =
+        json!({"contents": [{"role": "user", "parts": [{"text": "Answer."}]}], "generationConfig": config});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-so:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    assert_eq!(last_sent(&sim)["generationConfig"], config);
+    drop(gateway);
+
+    // Across APIs: a Gemini JSON schema is OpenAI's json_schema; nothing can go to Anthropic.
+    let config = r#"
+[[routes]]
+api = "gemini"
+provider = "sim"
+adapter = "openai-chat@2"
+target_model = "gpt-under"
+
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "anthropic-messages@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Answer."}]}],
+                         "generationConfig": {"responseMimeType": "application/json", "responseJsonSchema": answer}});
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1beta/models/gemini-x:generateContent",
+        &request,
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["response_format"],
+        json!({"type": "json_schema", "json_schema": {"name": "response", "schema": answer}}),
+        "{body}"
+    );
+    let before = sim.requests().len();
+    let request = json!({"model": "gpt-y", "messages": [{"role": "user", "content": "Answer."}],
+                         "response_format": {"type": "json_object"}});
+    let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 400, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    assert_eq!(body["error"]["setting"], "output_format", "{body}");
+    assert_eq!(sim.requests().len(), before);
+}
+
+#[test]
+fn an_anthropic_thread_is_refused_with_the_code_the_sdk_falls_back_on_and_nothing_is_sent() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let before = sim.requests().len();
+    for thread in [
+        json!({"type": "create"}),
+        json!({"type": "continue", "previous_message_id": "msg_1"}),
+    ] {
+        let request = json!({"model": "claude-thread", "max_tokens": 64, "thread": thread,
+                             "messages": [{"role": "user", "content": "Hi"}]});
+        let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["type"], "error", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(
+            body["error"]["details"]["error_code"], "thread_unsupported_request",
+            "{body}"
+        );
+    }
+    // Other server-side state is refused by name too.
+    for (field, value) in [
+        ("container", json!("container_1")),
+        (
+            "context_management",
+            json!({"edits": [{"type": "clear_tool_uses_20250919"}]}),
+        ),
+        (
+            "mcp_servers",
+            json!([{"type": "url", "url": "https://example.com", "name": "x"}]),
+        ),
+    ] {
+        let mut request = json!({"model": "claude-thread", "max_tokens": 64,
+                                 "messages": [{"role": "user", "content": "Hi"}]});
+        request[field] = value;
+        let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], "unrepresentable", "{body}");
+        assert_eq!(body["error"]["path"], field, "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+    // Without the thread, the same request goes through.
+    let request =
+        json!({"model": "claude-thread", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+}
+
+/// A request with a method, headers and a body; the status and the body as JSON.
+fn call(
+    base: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> (u16, Value) {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+    let mut request = client().request(method, format!("{base}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    if let Some(body) = body {
+        request = request
+            .header("content-type", "application/json")
+            .body(body.to_string());
+    }
+    let response = request.send().unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| json!({"not_json": text})),
+    )
+}
+
+#[test]
+fn gemini_is_served_under_v1_as_well_as_v1beta_and_every_proxy_error_has_the_clients_shape() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script(
+        "gemini-v1",
+        json!([{"text": "From v1."}, {"text": "Streamed from v1."}]),
+    );
+    let google = [("x-goog-api-key", "g-key")];
+    let request = json!({"contents": [{"role": "user", "parts": [{"text": "Hi"}]}]});
+    let (status, body) = call(
+        &gateway.base,
+        "POST",
+        "/v1/models/gemini-v1:generateContent",
+        &google,
+        Some(&request),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["candidates"][0]["content"]["parts"][0]["text"], "From v1.",
+        "{body}"
+    );
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/models/gemini-v1:streamGenerateContent?alt=sse",
+        &request,
+        &google,
+    );
+    assert_eq!(status, 200, "{text}");
+    let streamed: String = sse(&text)
+        .iter()
+        .filter_map(|(_, data)| {
+            data["candidates"][0]["content"]["parts"][0]["text"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(streamed, "Streamed from v1.", "{text}");
+    // Both requests rendered the same body (the gateway always streams upstream): two sends.
+    assert_eq!(sent_for(&gateway, &sim, &operation_of(&headers)).len(), 2);
+
+    let before = sim.requests().len();
+    let gemini_error = |body: &Value, status: u16, kind: &str| {
+        assert_eq!(body["error"]["code"], json!(status), "{body}");
+        assert_eq!(body["error"]["status"], kind, "{body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+    };
+    for (method, path) in [
+        ("POST", "/v1beta/models/gemini-v1:embedContent"),
+        ("POST", "/v1/models/gemini-v1:countTokens"),
+        ("GET", "/v1beta/files"),
+        ("POST", "/v1beta/cachedContents"),
+    ] {
+        let (status, body) = call(&gateway.base, method, path, &google, Some(&request));
+        assert_eq!(status, 404, "{method} {path}: {body}");
+        gemini_error(&body, 404, "NOT_FOUND");
+    }
+    for path in [
+        "/v1beta/models/gemini-v1:generateContent",
+        "/v1/models/gemini-v1:generateContent",
+    ] {
+        let (status, body) = call(&gateway.base, "GET", path, &google, None);
+        assert_eq!(status, 405, "{path}: {body}");
+        assert_eq!(body["error"]["code"], json!(405), "{body}");
+    }
+    let anthropic = [("anthropic-version", "2023-06-01"), ("x-api-key", "a-key")];
+    let (status, body) = call(
+        &gateway.base,
+        "POST",
+        "/v1/messages/count_tokens",
+        &anthropic,
+        Some(&json!({})),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(
+        (body["type"].clone(), body["error"]["type"].clone()),
+        (json!("error"), json!("not_found_error")),
+        "{body}"
+    );
+    let (status, body) = call(&gateway.base, "GET", "/v1/messages", &anthropic, None);
+    assert_eq!((status, body["type"].clone()), (405, json!("error")), "{body}");
+    let openai = [("authorization", "Bearer sk-x")];
+    for (method, path, status_wanted) in [
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/v1/chat/other", 404),
+        ("GET", "/v1/responses/resp_1/input_items", 404),
+        ("GET", "/v1/models", 404),
+    ] {
+        let (status, body) = call(&gateway.base, method, path, &openai, None);
+        assert_eq!(status, status_wanted, "{method} {path}: {body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+        assert!(body["error"]["type"].is_string(), "{method} {path}: {body}");
+        assert!(body["error"].get("param").is_some(), "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+}
+
+#[test]
+fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message_delta() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script(
+        "claude-usage",
+        json!([{"text": "Counted, slowly.", "faults": {"delay_ms": 20}}]),
+    );
+    let request = json!({"model": "claude-usage", "max_tokens": 64, "stream": true,
+                         "system": "Count carefully; this system prompt is long enough to differ from an estimate.",
+                         "messages": [{"role": "user", "content": "Count the tokens of this question, please."}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let sent = sent_for(&gateway, &sim, &operation_of(&headers));
+    let body = sent[0]["body"].as_str().unwrap();
+    // The simulator reports a quarter of the body's bytes as input tokens (its own count, not
+    // the gateway's admission estimate).
+    let provider_input = (body.len() / 4) as u64;
+    let dispatch = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers)));
+    let admission = dispatch["manifest"]["prompt_tokens"].as_u64().unwrap();
+    assert_ne!(
+        provider_input, admission,
+        "the test needs the two counts to differ"
+    );
+    let events = sse(&text);
+    let delta = events
+        .iter()
+        .find(|(name, _)| name == "message_delta")
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(delta.1["usage"]["input_tokens"], json!(provider_input), "{text}");
+    assert!(delta.1["usage"]["output_tokens"].as_u64().unwrap() >= 1, "{text}");
+    // No cache counters were reported, so none are invented.
+    assert!(
+        delta.1["usage"].get("cache_read_input_tokens").is_none(),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_stateless_follow_up_after_a_retried_dispatch_continues_its_conversation() {
+    let (_dir, sim, gateway) = proxy_world("");
+    // The first attempt is cut inside the tool arguments, so the calls commit at generation 2.
+    let mut cut = two_calls();
+    cut["faults"] = json!({"cut_at_byte": 700});
+    sim.script(
+        "gpt-retry",
+        json!([cut, two_calls(), {"text": "Paris 12C, Tokyo 20C."}]),
+    );
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-retry", question.clone(), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let operation = operation_of(&headers);
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    let conversation_id = dispatch["manifest"]["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    assert_eq!(history["turns"][1]["generation"], 2, "{history}");
+    let message = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"].clone();
+    let calls = message["tool_calls"].as_array().unwrap().clone();
+    let mut follow_up = question.as_array().unwrap().clone();
+    follow_up.push(message);
+    follow_up.push(json!({"role": "tool", "tool_call_id": calls[1]["id"], "content": "20C"}));
+    follow_up.push(json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "12C"}));
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-retry", json!(follow_up), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let follow_up_operation = operation_of(&headers);
+    assert!(
+        follow_up_operation.starts_with(&format!("{operation}.r")),
+        "the follow-up forked: {follow_up_operation} after {operation}"
+    );
+    let history = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+    let results: Vec<&Value> = history["turns"][2]["blocks"].as_array().unwrap().iter().collect();
+    assert_eq!(results.len(), 2, "{history}");
+    assert!(results.iter().all(|block| block["generation"] == 2), "{history}");
+    // The results closed the calls: nothing is left claimed for ever.
+    let done = gateway.get("/v1/tool-calls?state=done");
+    assert_eq!(done.to_string().matches(&conversation_id).count(), 2, "{done}");
+}
+
+#[test]
+fn client_only_fields_reach_a_provider_of_the_same_api_and_are_refused_by_name_across_apis() {
+    let (_dir, sim, gateway) = proxy_world("");
+    let user = json!([{"role": "user", "content": "Think."}]);
+    let request = json!({"model": "gpt-think", "messages": user, "reasoning_effort": "high", "service_tier": "flex",
+                         "prompt_cache_key": "session-1", "store": true, "user": "u-1"});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    for field in [
+        "reasoning_effort",
+        "service_tier",
+        "prompt_cache_key",
+        "store",
+        "user",
+    ] {
+        assert_eq!(body[field], request[field], "{field}: {body}");
+    }
+    let request = json!({"model": "claude-think", "max_tokens": 4096, "messages": user,
+                         "thinking": {"type": "enabled", "budget_tokens": 1024}, "metadata": {"user_id": "u-1"}});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["thinking"], request["thinking"], "{body}");
+    assert_eq!(body["metadata"], request["metadata"], "{body}");
+    drop(gateway);
+
+    let config = r#"
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "openai-chat@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    // A thinking budget or a reasoning effort towards an API without the same field: refused,
+    // named as the client spelt it, nothing sent.
+    let before = sim.requests().len();
+    for (path, request, field) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-x", "messages": user, "reasoning_effort": "high"}),
+            "reasoning_effort",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude-x", "max_tokens": 4096, "messages": user,
+                   "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+            "thinking",
+        ),
+    ] {
+        let (status, _, text) = post(&gateway.base, path, &request, &[]);
+        assert_eq!(status, 400, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+        assert_eq!(body["error"]["setting"], field, "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+    // An end-user identifier cannot change what is generated or billed: left out, and reported.
+    let request = json!({"model": "gpt-x", "messages": user, "user": "u-1"});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(headers["x-turnstile-dropped"], "user", "{headers:?}");
+    assert!(last_sent(&sim).get("user").is_none());
 }

@@ -1,7 +1,10 @@
-//! The drop-in proxy driven by the official `openai` and `anthropic` Python SDKs (pinned, from
+//! The drop-in proxy driven by the official `openai`, `anthropic` and `google-genai` (on its
+//! default API version, `v1`) Python SDKs (pinned, from
 //! PyPI, in the venv `scripts/test` makes and names in `TURNSTILE_SDK_PYTHON`): Chat
 //! Completions, Responses and Messages, streaming and not, parallel tool calls and their results
-//! in a stateless follow-up, and an illegal history refused with the SDK's own error type. The
+//! in a stateless follow-up, an illegal history refused with the SDK's own error type, a forced
+//! tool and pydantic structured output reaching the provider, and Anthropic's tool runner
+//! (whose `thread` is refused with the code it falls back on). The
 //! gateway runs on its embedded default (built-in simulator). Without the venv this test fails,
 //! never skips.
 

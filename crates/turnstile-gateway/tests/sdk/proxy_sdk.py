@@ -1,4 +1,4 @@
-"""The official `openai` and `anthropic` Python SDKs against `turnstile serve` in proxy mode.
+"""The official `openai`, `anthropic` and `google-genai` Python SDKs against `turnstile serve` in proxy mode.
 
 Run by `tests/it/proxy_sdk.rs` with the venv `scripts/test` makes; argv[1] is the gateway's
 base URL (embedded default: built-in simulator, scripted through `POST /sim/script` on the
@@ -12,6 +12,8 @@ import urllib.request
 
 import anthropic
 import openai
+from google import genai
+from google.genai import types as genai_types
 
 BASE = sys.argv[1]
 
@@ -40,6 +42,14 @@ def script(model, replies):
     )
     with urllib.request.urlopen(request) as response:
         assert response.status == 200, response.status
+
+
+def sent_bodies(model):
+    """The bodies the simulator received for `model`, in order, as JSON."""
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as response:
+        requests = json.loads(response.read())
+    bodies = [json.loads(request["body"]) for request in requests if request["body"]]
+    return [body for body in bodies if body.get("model") == model]
 
 
 def results_for(calls):
@@ -200,10 +210,114 @@ def anthropic_messages(streaming):
         raise AssertionError("a duplicate tool result was accepted")
 
 
+def openai_forced_tool_and_json_schema():
+    """A forced tool without parallel calls, then structured output from a pydantic model: both reach the provider."""
+    import pydantic
+
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    model = "sdk-chat-forced"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": '{"answer": "12C"}'}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+        tool_choice=forced, parallel_tool_calls=False)
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_weather", completion
+    sent = sent_bodies(model)[-1]
+    assert sent["tool_choice"] == forced, sent
+    assert sent["parallel_tool_calls"] is False, sent
+
+    class Answer(pydantic.BaseModel):
+        answer: str
+
+    parsed = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris, as JSON?"}], response_format=Answer)
+    assert parsed.choices[0].message.parsed == Answer(answer="12C"), parsed
+    sent = sent_bodies(model)[-1]
+    format = sent["response_format"]
+    assert format["type"] == "json_schema", format
+    assert format["json_schema"]["name"] == "Answer", format
+    assert format["json_schema"]["strict"] is True, format
+    assert format["json_schema"]["schema"]["properties"]["answer"]["type"] == "string", format
+
+
+def anthropic_tool_runner():
+    """The SDK's recommended tool loop: its `thread` is refused with the code it falls back on, and it finishes
+    statelessly with the whole history."""
+    client = anthropic.Anthropic(base_url=BASE, api_key="sk-ant-proxy-test", max_retries=0)
+    model = "sdk-claude-runner"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": "Paris 12C."}])
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return {"Paris": "12C"}[city]
+
+    runner = client.beta.messages.tool_runner(
+        model=model, max_tokens=256, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[get_weather],
+        tool_choice={"type": "any"})
+    final = runner.until_done()
+    assert final.content[-1].text == "Paris 12C.", final
+    sent = sent_bodies(model)
+    assert len(sent) == 2, sent
+    assert all("thread" not in body for body in sent), sent
+    assert sent[0]["tool_choice"] == {"type": "any"}, sent[0]
+    results = [block for block in sent[1]["messages"][-1]["content"] if block["type"] == "tool_result"]
+    assert len(results) == 1 and len(sent[1]["messages"]) == 3, sent[1]
+
+
+def gemini_default_api_version():
+    """google-genai on its default API version (`v1`): a forced function call, then a JSON-schema answer."""
+    client = genai.Client(api_key="g-proxy-test", http_options=genai_types.HttpOptions(base_url=BASE))
+    assert client._api_client._http_options.api_version == "v1", client._api_client._http_options
+    model = "sdk-gemini-v1"
+    script(model, [{"text": "Checking.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                   {"text": '{"answer": "12C"}'}])
+    declaration = genai_types.FunctionDeclaration(name="get_weather", description="Weather",
+                                                  parameters_json_schema=WEATHER)
+    config = genai_types.GenerateContentConfig(
+        tools=[genai_types.Tool(function_declarations=[declaration])],
+        automatic_function_calling=genai_types.AutomaticFunctionCallingConfig(disable=True),
+        tool_config=genai_types.ToolConfig(function_calling_config=genai_types.FunctionCallingConfig(
+            mode="ANY", allowed_function_names=["get_weather"])))
+    response = client.models.generate_content(model=model, contents="Weather in Paris?", config=config)
+    calls = response.function_calls
+    assert [call.name for call in calls] == ["get_weather"], response
+    assert calls[0].args == {"city": "Paris"}, calls
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as http:
+        requests = [request for request in json.loads(http.read()) if model in request["path"]]
+    sent = json.loads(requests[-1]["body"])
+    assert sent["toolConfig"] == {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}}, sent
+
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    chunks = client.models.generate_content_stream(
+        model=model, contents="Weather in Paris, as JSON?",
+        config=genai_types.GenerateContentConfig(response_mime_type="application/json", response_json_schema=answer))
+    text = "".join(chunk.text or "" for chunk in chunks)
+    assert json.loads(text) == {"answer": "12C"}, text
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as http:
+        requests = [request for request in json.loads(http.read()) if model in request["path"]]
+    sent = json.loads(requests[-1]["body"])["generationConfig"]
+    assert sent["responseMimeType"] == "application/json" and sent["responseJsonSchema"] == answer, sent
+
+    # An unknown method is Gemini's own 404, which the SDK raises as its typed error.
+    try:
+        client.models.embed_content(model=model, contents="x")
+    except genai.errors.ClientError as error:
+        assert error.code == 404, error
+    else:
+        raise AssertionError("embed_content was answered")
+
+
 if __name__ == "__main__":
     for streaming in (False, True):
         openai_chat(streaming)
         openai_responses(streaming)
         anthropic_messages(streaming)
     openai_responses_chained()
-    print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}")
+    openai_forced_tool_and_json_schema()
+    anthropic_tool_runner()
+    gemini_default_api_version()
+    print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}, google-genai {genai.__version__}")

@@ -158,6 +158,26 @@ fn call_name(_id: &str) -> &'static str {
 fn export_v1(messages: &[Msg], conversation_id: &str) -> Value {
     let mut turns = Vec::new();
     let mut block = 0;
+    // A result carries its call's tool, arguments digest and generation (the validator's rule).
+    let mut call_digests = std::collections::HashMap::new();
+    for message in messages {
+        for part in &message.parts {
+            if let Part::Call { id, args } = part {
+                let arguments = match args {
+                    Value::Object(map) => {
+                        Some(turnstile_core::conversation::Arguments::from_object(map.clone()))
+                    }
+                    Value::String(text) => {
+                        Some(turnstile_core::conversation::Arguments::from_text(text.clone()))
+                    }
+                    _ => None,
+                };
+                if let Some(digest) = arguments.as_ref().and_then(|a| a.digest()) {
+                    call_digests.insert(id.clone(), digest.as_str().to_owned());
+                }
+            }
+        }
+    }
     for (index, message) in messages.iter().enumerate() {
         let blocks: Vec<Value> = message
             .parts
@@ -171,7 +191,8 @@ fn export_v1(messages: &[Msg], conversation_id: &str) -> Value {
                         json!({"id": id, "kind": "tool_call", "call_id": call, "tool": call_name(call), "arguments": args})
                     }
                     Part::Result { id: call, text, error } => json!({"id": id, "kind": "tool_result", "call_id": call,
-                        "tool": call_name(call), "status": if *error { "error" } else { "success" },
+                        "tool": call_name(call), "args_digest": call_digests.get(call), "generation": 1,
+                        "status": if *error { "error" } else { "success" },
                         "content": [{"kind": "text", "text": text}]}),
                     Part::Unknown => json!({"id": id, "kind": "hologram", "data": "3d"}),
                 }

@@ -262,6 +262,10 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
         });
         out.extend_from_slice(b"]}]");
     }
+    // `toolConfig.functionCallingConfig` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::Gemini, &mut out);
+    // The client's own Gemini-only fields (`safetySettings`, `labels`), same API only.
+    ctx.passthrough_fields(crate::registry::Api::Gemini, &mut out);
     out.extend_from_slice(b",\"generationConfig\":{\"maxOutputTokens\":");
     out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
     // `generationConfig.{temperature, topP, topK, stopSequences, seed, presencePenalty,
@@ -269,6 +273,9 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     options
         .sampling
         .write_fields(crate::registry::Api::Gemini, &mut out);
+    // `responseMimeType`, `responseSchema` / `responseJsonSchema` (table in `output_format.rs`).
+    ctx.output_format_fields(crate::registry::Api::Gemini, &mut out);
+    ctx.passthrough_config_fields(crate::registry::Api::Gemini, &mut out);
     out.extend_from_slice(b"}}");
     ctx.tokens += tokenizer.request_overhead();
     let path = crate::registry::Api::Gemini.request_path(&options.model, options.stream);

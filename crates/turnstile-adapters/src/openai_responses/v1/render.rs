@@ -130,7 +130,19 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     if options.stream {
         out.extend_from_slice(b",\"stream\":true");
     }
-    out.extend_from_slice(b",\"include\":[\"reasoning.encrypted_content\"]");
+    // `reasoning.encrypted_content` always (reasoning is replayed), then the client's own
+    // values when it speaks Responses (`passthrough.rs`).
+    out.extend_from_slice(b",\"include\":[");
+    for (index, value) in crate::passthrough::responses_include(ctx.passthrough())
+        .into_iter()
+        .enumerate()
+    {
+        if index > 0 {
+            out.push(b',');
+        }
+        crate::render::push_json_string(&mut out, value);
+    }
+    out.push(b']');
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[");
         ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
@@ -152,6 +164,12 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
         });
         out.push(b']');
     }
+    // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
+    ctx.tool_choice_fields(crate::registry::Api::OpenaiResponses, &mut out);
+    // `text.format` (table in `output_format.rs`).
+    ctx.output_format_fields(crate::registry::Api::OpenaiResponses, &mut out);
+    // The client's own Responses-only fields, same API only (`passthrough.rs`).
+    ctx.passthrough_fields(crate::registry::Api::OpenaiResponses, &mut out);
     out.push(b'}');
     ctx.tokens += tokenizer.request_overhead();
     ctx.finish(

@@ -12,6 +12,13 @@
 //! conversation that does not end with a committed assistant turn (another request already
 //! continued it, and its dispatch may be running), a revision that moved under us — falls back to
 //! a fresh conversation: continuation saves storage, it never changes what is sent.
+//!
+//! The importer is stateless, so it stamps every imported assistant turn with generation 1 and
+//! every result with the generation of its call in the imported history. A call we committed
+//! may carry another generation (a retried dispatch commits at generation 2 or later), so each
+//! appended result takes the generation of the stored call it answers ([`pair_results`]);
+//! otherwise the append would be `result_mismatch` and the follow-up would fork, leaving the
+//! calls claimed.
 
 use super::super::{Shared, now};
 use super::previous::renamed;
@@ -43,6 +50,39 @@ fn last_call_id(document: &Value) -> Option<(usize, &str)> {
             .and_then(|block| block["call_id"].as_str())
             .map(|call_id| (index, call_id))
     })
+}
+
+/// The generation of every call in a stored history, by call id (the generation of the
+/// assistant turn that made it).
+fn call_generations(turns: &[Value]) -> std::collections::HashMap<String, Value> {
+    let mut generations = std::collections::HashMap::new();
+    for turn in turns.iter().filter(|turn| turn["role"] == "assistant") {
+        let blocks = turn["blocks"].as_array().map_or(&[][..], Vec::as_slice);
+        for block in blocks.iter().filter(|block| block["kind"] == "tool_call") {
+            if let Some(call_id) = block["call_id"].as_str() {
+                generations.insert(call_id.to_owned(), turn["generation"].clone());
+            }
+        }
+    }
+    generations
+}
+
+/// Give each tool result of `turn` the generation of the stored call it answers (results of
+/// calls made in the request's own new turns keep the importer's).
+fn pair_results(turn: &mut Value, generations: &std::collections::HashMap<String, Value>) {
+    let Some(blocks) = turn["blocks"].as_array_mut() else {
+        return;
+    };
+    for block in blocks.iter_mut().filter(|block| block["kind"] == "tool_result") {
+        let generation = block["call_id"]
+            .as_str()
+            .and_then(|call_id| generations.get(call_id))
+            .filter(|generation| generation.is_u64())
+            .cloned();
+        if let Some(generation) = generation {
+            block["generation"] = generation;
+        }
+    }
 }
 
 /// Find the conversation `imported` continues and append its new turns; None when there is
@@ -82,6 +122,7 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
         if !semantic_diff(&stored, &prefix).is_empty() {
             continue;
         }
+        let generations = call_generations(stored_turns);
         let rename = format!("r{stored_count}-");
         let mut revision = Revision(stored_count as u64);
         for turn in &new_turns[stored_count..] {
@@ -89,6 +130,7 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
             if let Some(object) = turn.as_object_mut() {
                 object.remove("revision");
             }
+            pair_results(&mut turn, &generations);
             match shared
                 .ledger
                 .append_turn(&conversation_id, revision, &turn, now())

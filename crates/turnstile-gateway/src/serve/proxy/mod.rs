@@ -2,7 +2,10 @@
 //! pointing its SDK's base URL at the gateway.
 //!
 //! `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages` and
-//! `POST /v1beta/models/{model}:generateContent|streamGenerateContent`. Each request is:
+//! `POST /v1beta/models/{model}:generateContent|streamGenerateContent` (and the same under
+//! `/v1/models/…`, google-genai's default API version), all mounted by [`router`], which also
+//! answers every wrong method and unknown path under these prefixes in the client API's own
+//! error shape. Each request is:
 //!
 //! 1. authenticated with the SDK's own header (`Authorization: Bearer`, `x-api-key`,
 //!    `x-goog-api-key` or `?key=`; with tenants configured it must be a tenant token);
@@ -168,6 +171,85 @@ struct StreamOptions {
     include_usage: Option<bool>,
 }
 
+/// The proxy's routes (merged into the gateway's router): the four provider endpoints, with a
+/// wrong method answered 405 and an unknown path under a provider prefix answered 404, each in
+/// the error shape of the client API the request speaks ([`client_api`]).
+pub fn router() -> axum::Router<Arc<Shared>> {
+    use axum::routing::{any, post};
+    axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(chat_completions).fallback(wrong_method),
+        )
+        .route("/v1/responses", post(responses).fallback(wrong_method))
+        .route("/v1/messages", post(messages).fallback(wrong_method))
+        .route("/v1beta/models/{target}", post(gemini).fallback(wrong_method))
+        // google-genai 3 defaults to API version `v1`; the request format is the same.
+        .route("/v1/models/{target}", post(gemini).fallback(wrong_method))
+        .route("/v1beta/{*rest}", any(unknown_path))
+        .route("/v1/messages/{*rest}", any(unknown_path))
+        .route("/v1/chat/{*rest}", any(unknown_path))
+        .route("/v1/responses/{*rest}", any(unknown_path))
+        .route("/v1/models", any(unknown_path))
+}
+
+/// Which provider API a request speaks, from its path and its SDK's headers: Gemini for
+/// `/v1beta/…` or Google's key (`x-goog-api-key`, `?key=`), Anthropic for `anthropic-version`
+/// or `x-api-key`, OpenAI for `/v1/chat/…`, `/v1/responses…` or a bearer token on `/v1/models`.
+/// None: not a provider request (the native API's shape applies).
+pub fn client_api(headers: &HeaderMap, path: &str, query: &str) -> Option<Api> {
+    let has = |name: &str| headers.contains_key(name);
+    if path.starts_with("/v1beta/")
+        || has("x-goog-api-key")
+        || query.split('&').any(|pair| pair.starts_with("key="))
+    {
+        return Some(Api::Gemini);
+    }
+    if has("anthropic-version") || has("x-api-key") || path.starts_with("/v1/messages") {
+        return Some(Api::AnthropicMessages);
+    }
+    if path.starts_with("/v1/responses") {
+        return Some(Api::OpenaiResponses);
+    }
+    if path.starts_with("/v1/chat/") || path == "/v1/chat" || path.starts_with("/v1/models") {
+        return Some(Api::OpenaiChat);
+    }
+    None
+}
+
+fn shaped_error(request: &Request, status: StatusCode, code: &'static str, message: &str) -> Response {
+    let uri = request.uri();
+    match client_api(request.headers(), uri.path(), uri.query().unwrap_or("")) {
+        Some(api) => provider_error(api, status, code, message, &Value::Null),
+        None => api::ApiError::new(
+            status,
+            api::ErrorCode::parse(code).unwrap_or(api::ErrorCode::NotFound),
+            message.to_owned(),
+        )
+        .into_response(),
+    }
+}
+
+/// A provider endpoint asked with another method than POST.
+async fn wrong_method(request: Request) -> Response {
+    shaped_error(
+        &request,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this endpoint takes POST",
+    )
+}
+
+/// A path under a provider prefix that the proxy does not serve.
+async fn unknown_path(request: Request) -> Response {
+    shaped_error(
+        &request,
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "the proxy does not serve this path",
+    )
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     handle(shared, Api::OpenaiChat, None, request).await
@@ -183,7 +265,8 @@ pub async fn messages(State(shared): State<Arc<Shared>>, request: Request) -> Re
     handle(shared, Api::AnthropicMessages, None, request).await
 }
 
-/// `POST /v1beta/models/{model}:generateContent` and `…:streamGenerateContent`.
+/// `POST /v1beta/models/{model}:generateContent` and `…:streamGenerateContent` (also under
+/// `/v1/models/`).
 pub async fn gemini(
     State(shared): State<Arc<Shared>>,
     Path(target): Path<String>,
@@ -476,12 +559,17 @@ async fn serve_ours(
     include_usage: bool,
 ) -> Result<Response, Response> {
     let imported = imported.map_err(|error| {
+        let mut extra = json!({"path": error.path()});
+        if let ImportError::ThreadUnsupported { .. } = error {
+            // Where Anthropic's own refusal puts it, for the SDK to fall back to the whole history.
+            extra["details"] = json!({"error_code": error.code(), "unsupported": [error.path()]});
+        }
         provider_error(
             api,
             StatusCode::BAD_REQUEST,
             error.code(),
             &error.to_string(),
-            &json!({"path": error.path()}),
+            &extra,
         )
     })?;
     let conversation = Conversation::from_value(imported.document.clone()).map_err(|error| {
@@ -616,7 +704,12 @@ async fn serve_ours(
         operation_id.clone(),
         &target,
         imported.max_output_tokens,
-        imported.sampling.clone(),
+        turnstile_adapters::prepare::Settings {
+            sampling: imported.sampling.clone(),
+            tool_choice: imported.tool_choice.clone(),
+            output_format: imported.output_format.clone(),
+            passthrough: imported.passthrough.clone(),
+        },
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
@@ -661,8 +754,14 @@ async fn serve_ours(
         include_usage,
     };
     let mut headers = vec![("x-turnstile-operation-id", local_part(&operation_id).to_owned())];
-    if !imported.dropped.is_empty() {
-        headers.push(("x-turnstile-dropped", imported.dropped.join(",")));
+    // What the graph does not carry, and the client-only identifiers left out towards another
+    // API (`passthrough::INERT_ACROSS_APIS`).
+    let mut dropped = imported.dropped.clone();
+    dropped.extend(imported.passthrough.dropped_towards(route.adapter.api()));
+    dropped.sort();
+    dropped.dedup();
+    if !dropped.is_empty() {
+        headers.push(("x-turnstile-dropped", dropped.join(",")));
     }
     let response = if imported.stream {
         // The status line waits for the first sign of an answer: a dispatch that fails before
@@ -881,6 +980,11 @@ fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
     tokio::spawn(async move {
         let (backlog, finished, mut receiver) = hub.subscribe();
         let mut encoder = StreamEncoder::new(to, prompt_tokens);
+        // A commit already in the backlog gives the provider's own usage for the opening frame.
+        if let Some((_, committed)) = backlog.iter().find(|(event, _)| *event == "committed") {
+            let parts = parts_of(&committed["turn"]);
+            encoder.known_usage(Facts::from_event(committed, prompt_tokens, &parts));
+        }
         let send = |bytes: Vec<u8>| {
             let sender = sender.clone();
             async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }

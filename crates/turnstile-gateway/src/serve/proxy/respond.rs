@@ -82,6 +82,34 @@ pub struct Facts {
     pub output_tokens: u64,
     /// Normalized stop reason (`end_turn`, `tool_use`, `max_tokens`, …).
     pub stop_reason: String,
+    /// Anthropic's prompt-cache counters, when the provider reported them (never invented).
+    pub cache: Option<CacheTokens>,
+}
+
+/// Anthropic's prompt-cache counters, as the provider reported them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheTokens {
+    /// `cache_creation_input_tokens`.
+    pub creation_input_tokens: Option<u64>,
+    /// `cache_read_input_tokens`.
+    pub read_input_tokens: Option<u64>,
+}
+
+impl Facts {
+    /// Anthropic's `usage` object: the provider's cumulative counts, cache counters only when
+    /// the provider reported them.
+    pub fn anthropic_usage(&self) -> Value {
+        let mut usage = json!({"input_tokens": self.input_tokens, "output_tokens": self.output_tokens});
+        if let Some(cache) = self.cache {
+            if let Some(tokens) = cache.creation_input_tokens {
+                usage["cache_creation_input_tokens"] = json!(tokens);
+            }
+            if let Some(tokens) = cache.read_input_tokens {
+                usage["cache_read_input_tokens"] = json!(tokens);
+            }
+        }
+        usage
+    }
 }
 
 impl Facts {
@@ -104,6 +132,14 @@ impl Facts {
             stop_reason: match &event["stop_reason"] {
                 Value::String(reason) => reason.clone(),
                 _ => "end_turn".into(),
+            },
+            cache: {
+                let creation = event["usage"]["cache_creation_input_tokens"].as_u64();
+                let read = event["usage"]["cache_read_input_tokens"].as_u64();
+                (creation.is_some() || read.is_some()).then_some(CacheTokens {
+                    creation_input_tokens: creation,
+                    read_input_tokens: read,
+                })
             },
         }
     }
@@ -326,8 +362,7 @@ pub fn whole(to: &Addressee, parts: &[Part], facts: &Facts) -> Value {
         Api::AnthropicMessages => {
             json!({"id": to.id, "type": "message", "role": "assistant", "model": to.model,
                    "content": anthropic_content(parts), "stop_reason": anthropic_stop(parts, facts),
-                   "stop_sequence": null,
-                   "usage": {"input_tokens": facts.input_tokens, "output_tokens": facts.output_tokens}})
+                   "stop_sequence": null, "usage": facts.anthropic_usage()})
         }
         Api::Gemini => {
             json!({"candidates": [{"content": {"role": "model", "parts": gemini_parts(parts)},
@@ -394,6 +429,8 @@ pub struct PreviewMismatch;
 pub struct StreamEncoder {
     to: Addressee,
     input_tokens: u64,
+    /// The provider's own usage, when known before the stream opens (the commit already came).
+    known: Option<Facts>,
     sequence: u64,
     text_open: bool,
     forwarded: String,
@@ -413,10 +450,18 @@ impl StreamEncoder {
         StreamEncoder {
             to,
             input_tokens,
+            known: None,
             sequence: 0,
             text_open: false,
             forwarded: String::new(),
         }
+    }
+
+    /// The provider's own usage, known before [`StreamEncoder::start`] (the dispatch committed
+    /// before the stream opened): Anthropic's `message_start` reports it instead of the
+    /// admission count.
+    pub fn known_usage(&mut self, facts: Facts) {
+        self.known = Some(facts);
     }
 
     /// Text forwarded so far.
@@ -474,11 +519,22 @@ impl StreamEncoder {
                 out
             }
             Api::AnthropicMessages => {
+                // The provider's input count (and cache counters) when the commit came first;
+                // otherwise the admission count, the only one known yet (`message_delta` carries
+                // the provider's cumulative counts at the end).
+                let usage = match &self.known {
+                    Some(facts) => {
+                        let mut usage = facts.anthropic_usage();
+                        usage["output_tokens"] = json!(0);
+                        usage
+                    }
+                    None => json!({"input_tokens": self.input_tokens, "output_tokens": 0}),
+                };
                 let mut out = named(
                     "message_start",
                     &json!({"type": "message_start", "message": {"id": self.to.id, "type": "message",
                         "role": "assistant", "model": self.to.model, "content": [], "stop_reason": null,
-                        "stop_sequence": null, "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}}),
+                        "stop_sequence": null, "usage": usage}}),
                 );
                 out.extend(named("ping", &json!({"type": "ping"})));
                 out
@@ -738,7 +794,7 @@ impl StreamEncoder {
                 out.extend(named(
                     "message_delta",
                     &json!({"type": "message_delta", "delta": {"stop_reason": anthropic_stop(parts, facts),
-                        "stop_sequence": null}, "usage": {"output_tokens": facts.output_tokens}}),
+                        "stop_sequence": null}, "usage": facts.anthropic_usage()}),
                 ));
                 out.extend(named("message_stop", &json!({"type": "message_stop"})));
             }
@@ -782,7 +838,52 @@ mod tests {
             input_tokens: 10,
             output_tokens: 5,
             stop_reason: "end_turn".into(),
+            cache: None,
         }
+    }
+
+    #[test]
+    fn anthropic_stream_usage_is_the_providers_cumulative_count_with_its_cache_counters() {
+        let committed = json!({"stop_reason": "end_turn", "usage": {"input_tokens": 1234, "output_tokens": 56,
+                               "cache_creation_input_tokens": 1000, "cache_read_input_tokens": 0}});
+        let parts = vec![Part::Text("Hi.".into())];
+        let facts = Facts::from_event(&committed, 99, &parts);
+        // Streaming before the commit: message_start has only the admission count; message_delta
+        // the provider's cumulative counts, cache counters included.
+        let mut encoder = StreamEncoder::new(to(Api::AnthropicMessages), 99);
+        let mut bytes = encoder.start();
+        bytes.extend(encoder.text("Hi."));
+        bytes.extend(encoder.finish(&parts, &facts).unwrap());
+        let streamed = events(&bytes);
+        assert_eq!(
+            streamed[0].1["message"]["usage"],
+            json!({"input_tokens": 99, "output_tokens": 0})
+        );
+        let delta = streamed.iter().find(|(name, _)| name == "message_delta").unwrap();
+        assert_eq!(
+            delta.1["usage"],
+            json!({"input_tokens": 1234, "output_tokens": 56, "cache_creation_input_tokens": 1000,
+                   "cache_read_input_tokens": 0})
+        );
+        // The commit known before the stream opens: message_start reports the provider's count.
+        let mut encoder = StreamEncoder::new(to(Api::AnthropicMessages), 99);
+        encoder.known_usage(facts.clone());
+        let opened = events(&encoder.start());
+        assert_eq!(
+            opened[0].1["message"]["usage"],
+            json!({"input_tokens": 1234, "output_tokens": 0, "cache_creation_input_tokens": 1000,
+                   "cache_read_input_tokens": 0})
+        );
+        // No cache counters reported: none invented.
+        let plain = Facts::from_event(
+            &json!({"usage": {"input_tokens": 7, "output_tokens": 1}}),
+            99,
+            &parts,
+        );
+        assert_eq!(
+            plain.anthropic_usage(),
+            json!({"input_tokens": 7, "output_tokens": 1})
+        );
     }
 
     fn to(api: Api) -> Addressee {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use turnstile_adapters::Api;
 use turnstile_adapters::import::{ImportError, Imported, import, semantic_diff};
-use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, prepare_with_sampling};
+use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, Settings, prepare_with_settings};
 use turnstile_adapters::render::{Graph, RenderCache};
 use turnstile_core::{Conversation, MessageSequence, Validated, Verdict, validate};
 
@@ -264,16 +264,21 @@ pub fn compare(
     };
     // A private cache: shadow traffic must not evict the live path's fragments.
     let mut cache = RenderCache::new();
-    let outcome =
-        match prepare_with_sampling(graph, &request, &imported.sampling, &shared.catalog, &mut cache) {
-            Ok(outcome) => outcome,
-            Err(refusal) => {
-                record["differs"]["would_reject"] = json!(true);
-                record["verdict"] = json!(refusal.code());
-                record["refusal"] = json!(refusal.to_string());
-                return record;
-            }
-        };
+    let settings = Settings {
+        sampling: imported.sampling.clone(),
+        tool_choice: imported.tool_choice.clone(),
+        output_format: imported.output_format.clone(),
+        passthrough: imported.passthrough.clone(),
+    };
+    let outcome = match prepare_with_settings(graph, &request, &settings, &shared.catalog, &mut cache) {
+        Ok(outcome) => outcome,
+        Err(refusal) => {
+            record["differs"]["would_reject"] = json!(true);
+            record["verdict"] = json!(refusal.code());
+            record["refusal"] = json!(refusal.to_string());
+            return record;
+        }
+    };
     let ours = match outcome {
         PrepareOutcome::Prepared(prepared) => prepared.rendered.body,
         PrepareOutcome::Paused(pauses) => {
