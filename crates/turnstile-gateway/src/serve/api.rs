@@ -1187,9 +1187,11 @@ pub async fn tool_calls(
     query: Result<Query<ToolCallQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult {
     let caller = caller(&shared, &headers)?;
+    // A query string that cannot be read (an unknown or repeated parameter) is 400, as an
+    // unreadable path is; a readable one naming no state is 422.
     let Query(query) = query.map_err(|rejection| {
         ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+            StatusCode::BAD_REQUEST,
             ErrorCode::InvalidRequest,
             rejection.body_text(),
         )

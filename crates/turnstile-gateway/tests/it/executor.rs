@@ -511,11 +511,16 @@ fn executor_bodies_are_strict_leases_are_bounded_and_a_release_needs_the_current
         (status, error["error"]["code"].clone()),
         (422, json!("invalid_request"))
     );
-    for query in ["state=lost", "state=ready&state=done", "status=ready"] {
+    // A state that is not one is 422; a query string that cannot be read is 400.
+    for (query, expected) in [
+        ("state=lost", 422),
+        ("state=ready&state=done", 400),
+        ("status=ready", 400),
+    ] {
         let (status, error) = acme.send(reqwest::Method::GET, &format!("/v1/tool-calls?{query}"), None);
         assert_eq!(
             (status, error["error"]["code"].clone()),
-            (422, json!("invalid_request")),
+            (expected, json!("invalid_request")),
             "{query}"
         );
     }

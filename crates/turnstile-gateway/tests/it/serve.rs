@@ -1086,3 +1086,107 @@ fn a_provider_whose_key_variable_is_unset_refuses_to_start() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("TURNSTILE_TEST_UNSET_KEY"));
 }
+
+// Issue 15: recovery and liveness regressions on the real gateway process.
+
+#[test]
+fn an_invalid_tool_schema_is_refused_when_the_conversation_is_created() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    // `type` must be a string or an array of strings: the schema cannot compile.
+    let (status, body) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": "c-bad-schema", "tools": [{"name": "t", "input_schema": {"type": 12}}]}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("invalid_tool_schema")),
+        "{body}"
+    );
+    // Nothing was created: the id is still free.
+    let (status, _) = gateway.post("/v1/conversations", json!({"conversation_id": "c-bad-schema"}));
+    assert_eq!(status, 201);
+}
+
+#[test]
+fn a_dispatch_with_a_stale_expected_revision_is_a_conflict_and_sends_nothing() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-guard");
+    sim.script("m-guard", json!([{"text": "Hello."}]));
+    let before = sim.requests().len();
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-guard/dispatch",
+        json!({"operation_id": "op-guard", "expected_revision": 0,
+               "target": {"provider": "sim", "model": "m-guard", "adapter": "anthropic-messages@1"}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (409, json!("revision_conflict")),
+        "{body}"
+    );
+    assert_eq!(body["error"]["current_revision"], 1, "{body}");
+    assert_eq!(sim.requests().len(), before, "nothing was sent");
+    assert!(
+        gateway.get("/v1/dispatches/op-guard")["error"]["code"] == "not_found",
+        "nothing was prepared"
+    );
+    // At the right revision the same request goes through and commits.
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-guard/dispatch",
+        json!({"operation_id": "op-guard", "expected_revision": 1,
+               "target": {"provider": "sim", "model": "m-guard", "adapter": "anthropic-messages@1"}}),
+    );
+    assert_eq!(
+        (status, body["state"].clone()),
+        (200, json!("COMMITTED")),
+        "{body}"
+    );
+}
+
+#[test]
+fn a_provider_that_never_answers_is_bounded_by_the_head_timeout_and_the_dispatch_ends() {
+    // A provider that accepts connections and never sends a response head.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => held.push(stream),
+                Err(_) => return,
+            }
+        }
+    });
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(
+        &dir,
+        &sqlite(&dir),
+        &sim,
+        &format!(
+            "provider_connect_timeout_ms = 300\n[providers.silent]\nbase_url = \"http://127.0.0.1:{port}\"\n"
+        ),
+    );
+    conversation_with_question(&gateway, "c-silent");
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-silent/dispatch",
+        json!({"operation_id": "op-silent",
+               "target": {"provider": "silent", "model": "m", "adapter": "openai-chat@1"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    // The non-streamed answer comes only when the dispatch ended: every attempt was closed at
+    // its head timeout, waited for its lease, and the budget ended the dispatch.
+    let dispatch = gateway.get("/v1/dispatches/op-silent");
+    assert_eq!(dispatch["state"], "ABANDONED", "{dispatch}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert!(
+        !attempts.is_empty() && attempts.len() <= 4,
+        "attempts within the budget: {dispatch}"
+    );
+    assert!(gateway.metric("turnstile_provider_timeouts_total") >= attempts.len() as f64);
+    assert_eq!(gateway.get("/v1/conversations/c-silent")["revision"], 1);
+    assert_safety_metrics_zero(&gateway);
+}

@@ -573,12 +573,22 @@ pub async fn a_call_handed_to_the_client_is_never_offered_to_executors_and_its_a
         ResultOutcome::StaleClaim,
         "only the client's follow-up answers it"
     );
-    // The follow-up carries both results as one tool turn: both calls close.
+    // The follow-up carries both results as one tool turn (each with its call's envelope:
+    // tool, arguments digest, generation): both calls close.
+    let calls = store.tool_calls(Some(ToolCallState::Client)).await.unwrap();
+    let envelope = |call_id: &str| {
+        let call = calls
+            .iter()
+            .find(|call| call.call_id == call_id)
+            .expect("listed call");
+        (call.args_digest.clone(), call.generation.0)
+    };
+    let ((digest1, generation1), (digest0, generation0)) = (envelope("a-call-1"), envelope("a-call-0"));
     let results = json!({"id": "t-results", "role": "tool", "blocks": [
         {"id": "r1", "kind": "tool_result", "call_id": "a-call-1", "tool": "get_weather",
-         "status": "success", "content": content},
+         "args_digest": digest1, "generation": generation1, "status": "success", "content": content},
         {"id": "r0", "kind": "tool_result", "call_id": "a-call-0", "tool": "get_weather",
-         "status": "success", "content": content}]});
+         "args_digest": digest0, "generation": generation0, "status": "success", "content": content}]});
     assert_eq!(
         store
             .append_turn("c", Revision(2), &results, at(31))
