@@ -37,6 +37,8 @@ pub const RESUMES_PER_GENERATION_MAX: u32 = 3;
 /// Most replays (same generation, same idempotency key) of one generation before recovery
 /// stops relying on the provider's deduplication and waits for the lease instead.
 pub const REPLAYS_PER_GENERATION_MAX: u32 = 3;
+/// Slack added to a lease end read back from the store before a rearm is tried.
+const REARM_MARGIN_MS: u64 = 50;
 /// Most pieces of queued input (a pump that outruns the driver is a bug).
 const WORK_QUEUED_MAX: usize = 65_536;
 
@@ -183,6 +185,10 @@ impl WriteKind {
                 | WriteKind::Replay { .. }
                 | WriteKind::AbandonAndRearm
                 | WriteKind::Commit { .. }
+                | WriteKind::Transition {
+                    from: DispatchState::Unknown,
+                    to: DispatchState::Streaming,
+                }
         )
     }
 }
@@ -263,6 +269,9 @@ impl Drive {
         let machine =
             DispatchMachine::recover(now, prepared_of(&spec.basis), spec.lease_ms, attempt, recovery);
         let mut drive = Drive::with_machine(spec, machine, DispatchState::Unknown, now);
+        drive
+            .idempotency_keys
+            .insert(attempt.generation, attempt.idempotency_key.clone());
         drive.actions.push_back(Action::Count(Count::Unknown(true)));
         drive.count_recovery(&decision);
         drive
@@ -414,7 +423,12 @@ impl Drive {
                         .map(|attempt| attempt.idempotency_key),
                     _ => None,
                 };
-                let key = key.unwrap_or_default();
+                let Some(key) = key.filter(|key| !key.is_empty()) else {
+                    // Never send without the attempt's own key: stop, the lease decides.
+                    self.actions.push_back(Action::Count(Count::StoreFailure));
+                    self.stopped = true;
+                    return;
+                };
                 self.idempotency_keys.insert(generation, key.clone());
                 let handled = self.machine.handle_store(
                     self.now,
@@ -540,6 +554,15 @@ impl Drive {
     }
 
     fn effect(&mut self, effect: Effect) {
+        if self.stopped
+            && matches!(
+                effect,
+                Effect::Send { .. } | Effect::Resume { .. } | Effect::BindHandle { .. }
+            )
+        {
+            // This driver no longer owns the attempt: nothing may go out or be bound for it.
+            return;
+        }
         match effect {
             Effect::Persist(write) => self.persist(write),
             Effect::Send {
@@ -746,7 +769,15 @@ impl Drive {
                 self.transitioned(from, to);
                 return;
             }
-            (WriteKind::Transition { .. }, _) => StoreAnswer::TransitionRefused,
+            (WriteKind::Transition { from, to }, _) => {
+                // Another replica (or a cancel) owns the attempt now: this driver's preview is
+                // void, and the ledger tells the clients what happens next.
+                if from == DispatchState::Unknown && to == DispatchState::Streaming {
+                    self.actions.push_back(Action::Count(Count::Recovery("refused")));
+                }
+                self.stopped = true;
+                StoreAnswer::TransitionRefused
+            }
             (WriteKind::Replay { generation }, StoreResult::Applied) => {
                 *self.replays.entry(generation).or_default() += 1;
                 self.transitioned(DispatchState::Unknown, DispatchState::Dispatching);
@@ -777,7 +808,10 @@ impl Drive {
                 StoreAnswer::TransitionRefused
             }
             (WriteKind::RenewLease, StoreResult::Applied) => return,
-            (WriteKind::RenewLease, _) => StoreAnswer::LeaseLost,
+            (WriteKind::RenewLease, _) => {
+                self.stopped = true;
+                StoreAnswer::LeaseLost
+            }
             (WriteKind::Commit { .. }, StoreResult::Committed { revision }) => {
                 let from = self.state;
                 self.transitioned(from, DispatchState::Committed);
@@ -962,7 +996,9 @@ impl Drive {
                     .and_then(|assembler| assembler.handle().map(str::to_owned))
             }),
             idempotency_key: record.idempotency_key.clone(),
-            lease_expires_at: record.lease_expires_at,
+            // A margin for the round trip the clock rebasing cannot see, so the rearm does not
+            // arrive a moment before the store's clock says the lease ran out.
+            lease_expires_at: record.lease_expires_at.plus_ms(REARM_MARGIN_MS),
             provider_confirmed_ended: provider_ended,
         };
         if provider_ended {
@@ -1002,7 +1038,14 @@ impl Drive {
         if !resuming {
             self.assembler = None;
         }
-        let _ = tail.generation;
+        if self.machine.state() != DispatchState::Unknown {
+            // The write to UNKNOWN was refused (another replica owns the attempt) or the
+            // dispatch ended: there is nothing to recover here.
+            self.stopped = true;
+            return;
+        }
+        self.idempotency_keys
+            .insert(tail.generation, tail.attempt.idempotency_key.clone());
         self.machine = DispatchMachine::recover(
             self.now,
             prepared_of(&self.spec.basis),
@@ -1164,6 +1207,10 @@ impl Drive {
                 });
             }
             _ => {
+                if !self.connections.contains_key(&connection) {
+                    // The connection was dropped (a foreign handle): its events are not read.
+                    return;
+                }
                 let Some(assembler) = &mut self.assembler else {
                     return;
                 };
@@ -1212,6 +1259,9 @@ impl Drive {
                     self.final_retract = Some(reason.code());
                 }
                 self.retract(generation, reason.code());
+                // Resuming or replaying a generation the assembler gave up on cannot commit it.
+                self.resume_refused.insert(generation);
+                self.replay_refused.insert(generation);
                 // Nothing of this generation can commit any more: stop reading it at once
                 // (a limit breach must not keep a connection open until the provider closes).
                 let open: Vec<ConnectionId> = self

@@ -213,12 +213,22 @@ struct Clocks {
 impl Clocks {
     /// A caller's instant as the same distance from the store's now.
     fn to_store(self, at: Timestamp) -> Timestamp {
-        Timestamp((self.store_now.0 + at.0).saturating_sub(self.caller_now.0))
+        Timestamp(
+            self.store_now
+                .0
+                .saturating_add(at.0)
+                .saturating_sub(self.caller_now.0),
+        )
     }
 
     /// A store instant as the same distance from the caller's now.
     fn to_caller(self, at: Timestamp) -> Timestamp {
-        Timestamp((self.caller_now.0 + at.0).saturating_sub(self.store_now.0))
+        Timestamp(
+            self.caller_now
+                .0
+                .saturating_add(at.0)
+                .saturating_sub(self.store_now.0),
+        )
     }
 }
 

@@ -439,11 +439,16 @@ pub(crate) async fn prepare<T: Tx>(
         .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
     let inserted = tx
         .execute(
-            "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
-             request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
-             quarantined, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, $9) \
-             ON CONFLICT (operation_id) DO NOTHING",
+            // `updated_at` on the store's clock: the sweep compares it with the store's now
+            // (`prepared_unattended`), never with a replica's.
+            &format!(
+                "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
+                 request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
+                 quarantined, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, {}) \
+                 ON CONFLICT (operation_id) DO NOTHING",
+                tx.dialect().now_ms()
+            ),
             &[
                 operation_id.into(),
                 conversation_id.into(),

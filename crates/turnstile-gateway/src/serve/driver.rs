@@ -140,17 +140,25 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     }
     let shared = pump.shared.clone();
     shared.unknown_since.lock().await.remove(&operation_id);
+    // Stopped: another replica, the sweep or the ledger decides now. Watch unless the ledger
+    // says the dispatch ended without a commit (a PREPARED one is driven again by the sweep; a
+    // failed read is no proof of anything).
     let driven_elsewhere = drive.stopped()
-        && matches!(
-            shared.ledger.dispatch(&operation_id).await,
-            Ok(Some(record)) if record.state.is_live() || record.state == DispatchState::Committed
-        );
+        && match shared.ledger.dispatch(&operation_id).await {
+            Ok(Some(record)) => {
+                record.state.is_live()
+                    || record.state == DispatchState::Committed
+                    || record.state == DispatchState::Prepared
+            }
+            Ok(None) => false,
+            Err(_) => true,
+        };
     if driven_elsewhere {
         // Another replica owns the dispatch now (or the ledger does, after a failed write):
         // relay its progress from the ledger to this dispatch's clients instead of ending
         // their stream with an error. Out of the hub map first, so this replica's lease sweep
         // may recover the dispatch if nobody drives it.
-        shared.hubs.lock().await.remove(&operation_id);
+        remove_hub(&shared, &operation_id, &pump.ctx.hub).await;
         let hub = pump.ctx.hub.clone();
         super::api::watch(shared.clone(), operation_id.clone(), hub).await;
     } else {
@@ -163,7 +171,18 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         }
         pump.ctx.hub.finish();
     }
-    shared.hubs.lock().await.remove(&operation_id);
+    remove_hub(&shared, &operation_id, &pump.ctx.hub).await;
+}
+
+/// Forget this dispatch's hub, unless a newer one (a later driver here) took its place.
+async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
+    let mut hubs = shared.hubs.lock().await;
+    if hubs
+        .get(operation_id)
+        .is_some_and(|current| Arc::ptr_eq(current, hub))
+    {
+        hubs.remove(operation_id);
+    }
 }
 
 impl Pump {
