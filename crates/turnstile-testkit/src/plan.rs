@@ -51,6 +51,8 @@ pub enum FaultKind {
     ClockSkew,
     /// The client retried an operation with the same operation id (it attaches).
     ClientRetry,
+    /// An executor claimed a tool call and died before its result.
+    ExecutorCrash,
 }
 
 impl FaultKind {
@@ -79,6 +81,7 @@ impl FaultKind {
             FaultKind::RacingOperations => "racing_operations",
             FaultKind::ClockSkew => "clock_skew",
             FaultKind::ClientRetry => "client_retry",
+            FaultKind::ExecutorCrash => "executor_crash",
         }
     }
 }
@@ -128,6 +131,8 @@ pub struct FaultPlan {
     pub client_retry: f64,
     /// The second replica's clock minus the store's, in ms (within and beyond the lease).
     pub skew_ms: i64,
+    /// An executor dies between claim and result (per call).
+    pub executor_crash: f64,
 }
 
 impl FaultPlan {
@@ -151,6 +156,7 @@ impl FaultPlan {
         let client_leaves = rate(0.3);
         let race = rate(0.5);
         let client_retry = rate(0.5);
+        let executor_crash = rate(0.5);
         FaultPlan {
             crash,
             store_drop,
@@ -172,6 +178,7 @@ impl FaultPlan {
             client_leaves,
             race,
             client_retry,
+            executor_crash,
             skew_ms: match rng.below(5) {
                 0 => 0,
                 1 => 2_500,
@@ -226,4 +233,7 @@ pub struct Bugs {
     pub sweep_skips_prepared: bool,
     /// No bound on how long one attempt may stream (the defect "no stream deadline").
     pub no_attempt_deadline: bool,
+    /// A dead executor comes back and answers with the call's current claim instead of its own
+    /// (an executor that "blindly claims a call listed as claimed").
+    pub executor_uses_current_claim: bool,
 }

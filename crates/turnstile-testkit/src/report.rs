@@ -34,6 +34,10 @@ pub enum Invariant {
     AttemptBudget,
     /// An operation was not terminal after the liveness phase.
     OperationNotTerminal,
+    /// The tool-call ledger broke an executor's promise: an expired call not listed or not
+    /// reclaimable, its key not stable across claims, a taken-over claim's result accepted, or
+    /// the current claim's result refused.
+    ToolLedger,
     /// A real component panicked (an `assert!` of the core, for one).
     Panic,
 }
@@ -54,6 +58,7 @@ impl Invariant {
             Invariant::EarlyNewGeneration => "early_new_generation",
             Invariant::AttemptBudget => "attempt_budget",
             Invariant::OperationNotTerminal => "operation_not_terminal",
+            Invariant::ToolLedger => "tool_ledger",
             Invariant::Panic => "panic",
         }
     }

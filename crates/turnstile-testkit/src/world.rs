@@ -31,8 +31,8 @@ use turnstile_drive::{
     Timeouts,
 };
 use turnstile_store::{
-    ClaimOutcome, DispatchRecord, Fault, Lease, Ledger, PrepareOutcome as StorePrepare, SqliteLedger,
-    StoreClock, Synchronous, ToolCallState,
+    CallClaimOutcome, ClaimOutcome, DispatchRecord, Fault, Lease, Ledger, PrepareOutcome as StorePrepare,
+    ResultOutcome, SqliteLedger, StoreClock, Synchronous, ToolCallState,
 };
 
 /// Gateway replicas sharing the store in every seed.
@@ -1229,6 +1229,13 @@ impl World {
         }
         let content = json!([{"kind": "text", "text": "18C and sunny"}]);
         for call_id in calls {
+            if self.phase == Phase::Safety && self.rng.chance(self.plan.executor_crash) {
+                self.executor_crashes_mid_call(&call_id, &content);
+                self.step += 1;
+                self.dirty = true;
+                self.check();
+                continue;
+            }
             let lease = Lease {
                 holder: "executor".into(),
                 expires_at: Timestamp(self.now + LEASE_MS),
@@ -1255,6 +1262,87 @@ impl World {
             self.check();
         }
         Ok(())
+    }
+
+    /// An executor claims a call and dies before its result; its lease runs out by the store's
+    /// clock, the call is listed `expired`, a second executor claims it — with the same
+    /// idempotency key — and answers; the first executor's late result is refused.
+    fn executor_crashes_mid_call(&mut self, call_id: &str, content: &Value) {
+        self.report.fault(FaultKind::ExecutorCrash);
+        let step = self.step;
+        let first = match store!(self, claim_call(CONVERSATION_ID, call_id, "executor-a", LEASE_MS)) {
+            Ok(CallClaimOutcome::Claimed(claim)) => claim,
+            other => {
+                self.trace(format!("executor-a could not claim {call_id}: {other:?}"));
+                return;
+            }
+        };
+        self.trace(format!("executor-a claimed {call_id} and died"));
+        // Time passes until the lease ran out (the store's clock is the virtual one).
+        self.now = self.now.max(first.lease_expires_at.0) + 1;
+        let listed = store!(self, tool_calls(Some(ToolCallState::Expired))).unwrap_or_default();
+        if !listed.iter().any(|call| call.call_id == call_id) {
+            self.report.violate(
+                step,
+                Invariant::ToolLedger,
+                format!("{call_id}: the dead executor's call is not listed expired"),
+            );
+        }
+        let second = match store!(self, claim_call(CONVERSATION_ID, call_id, "executor-b", LEASE_MS)) {
+            Ok(CallClaimOutcome::Claimed(claim)) => claim,
+            other => {
+                self.report.violate(
+                    step,
+                    Invariant::ToolLedger,
+                    format!("{call_id}: an expired call could not be claimed again: {other:?}"),
+                );
+                return;
+            }
+        };
+        if second.idempotency_key != first.idempotency_key || !second.took_over_expired {
+            self.report.violate(
+                step,
+                Invariant::ToolLedger,
+                format!(
+                    "{call_id}: the takeover's key {} differs from the first claim's {} (or was not marked a takeover)",
+                    second.idempotency_key, first.idempotency_key
+                ),
+            );
+        }
+        let now = self.ts();
+        // Planted bug: the dead executor comes back and answers with whatever claim is current.
+        let late_claim = if self.bugs.executor_uses_current_claim {
+            second.claim
+        } else {
+            first.claim
+        };
+        let late = store!(
+            self,
+            submit_tool_result(CONVERSATION_ID, call_id, late_claim, "success", content, now)
+        );
+        let answered = store!(
+            self,
+            submit_tool_result(CONVERSATION_ID, call_id, second.claim, "success", content, now)
+        );
+        self.trace(format!(
+            "{call_id}: late result {late:?}, takeover's result {answered:?}"
+        ));
+        if matches!(late, Ok(ResultOutcome::Appended { .. })) {
+            self.report.violate(
+                step,
+                Invariant::ToolLedger,
+                format!(
+                    "{call_id}: the result of a claim whose lease ran out and was taken over was accepted"
+                ),
+            );
+        }
+        if !matches!(answered, Ok(ResultOutcome::Appended { .. })) {
+            self.report.violate(
+                step,
+                Invariant::ToolLedger,
+                format!("{call_id}: the current claim's result was refused: {answered:?}"),
+            );
+        }
     }
 
     /// Run both phases, checking after every step; returns the seed's report.

@@ -136,3 +136,12 @@ fn no_bound_on_an_endless_stream_is_caught_as_an_operation_that_never_ends() {
     };
     caught(bugs, Invariant::OperationNotTerminal);
 }
+
+#[test]
+fn a_dead_executor_answering_with_the_current_claim_is_caught_by_the_tool_ledger_check() {
+    let bugs = Bugs {
+        executor_uses_current_claim: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::ToolLedger);
+}

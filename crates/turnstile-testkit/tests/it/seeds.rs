@@ -65,6 +65,7 @@ fn two_thousand_seeded_fault_schedules_break_no_invariant() {
         "racing_operations",
         "clock_skew",
         "client_retry",
+        "executor_crash",
     ] {
         assert!(
             summary
