@@ -196,3 +196,92 @@ fn a_dispatch_with_max_output_tokens_zero_sends_nothing() {
         .unwrap();
     assert_eq!(response.status(), 404, "no dispatch was prepared");
 }
+
+/// The proxy endpoints' bad input, table-driven: every error in the client API's own shape
+/// (OpenAI `{"error": {"message", "type"}}`, Anthropic `{"type": "error", "error": {"type",
+/// "message"}}`, Gemini `{"error": {"code", "status", "message"}}`) with a fitting status, and
+/// nothing sent to the provider.
+#[test]
+fn every_proxy_endpoint_answers_bad_bodies_methods_and_paths_in_the_clients_error_shape() {
+    let sim = crate::sim::SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Shape {
+        OpenAi,
+        Anthropic,
+        Gemini,
+    }
+    let shaped = |shape: Shape, body: &Value| -> bool {
+        match shape {
+            Shape::OpenAi => body["error"]["message"].is_string() && body["error"]["type"].is_string(),
+            Shape::Anthropic => {
+                body["type"] == "error"
+                    && body["error"]["type"].is_string()
+                    && body["error"]["message"].is_string()
+            }
+            Shape::Gemini => body["error"]["code"].is_u64() && body["error"]["status"].is_string(),
+        }
+    };
+    let endpoints = [
+        ("/v1/chat/completions", Shape::OpenAi),
+        ("/v1/responses", Shape::OpenAi),
+        ("/v1/messages", Shape::Anthropic),
+        ("/v1beta/models/m:generateContent", Shape::Gemini),
+        ("/v1/models/m:generateContent", Shape::Gemini),
+    ];
+    let before = sim.requests().len();
+    let mut failures = Vec::new();
+    for (path, shape) in endpoints {
+        let mut cases: Vec<(&str, Option<&[u8]>, u16)> = Vec::new();
+        for body in [&b"{"[..], b"42", b"[]", b"null", b"{\"model\": 7}"] {
+            cases.push(("POST", Some(body), 400));
+        }
+        cases.push(("GET", None, 405));
+        for (method, body, status) in cases {
+            let method_value = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let mut request = client().request(method_value, format!("{}{path}", gateway.base));
+            if let Some(body) = body {
+                request = request
+                    .header("content-type", "application/json")
+                    .body(body.to_vec());
+            }
+            let response = request.send().unwrap();
+            let got = response.status().as_u16();
+            let text = response.text().unwrap();
+            let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            if got != status || !shaped(shape, &json) {
+                failures.push(format!(
+                    "{method} {path} {:?} → {got} {text} (wanted {status} in the {shape:?} shape)",
+                    body.map(String::from_utf8_lossy)
+                ));
+            }
+        }
+    }
+    // Unknown paths under each API's prefix: 404 in that API's shape.
+    for (path, shape) in [
+        ("/v1/chat/nothing", Shape::OpenAi),
+        ("/v1/messages/nothing", Shape::Anthropic),
+        ("/v1beta/nothing", Shape::Gemini),
+    ] {
+        let response = client()
+            .post(format!("{}{path}", gateway.base))
+            .body("{}")
+            .send()
+            .unwrap();
+        let got = response.status().as_u16();
+        let json: Value = serde_json::from_str(&response.text().unwrap()).unwrap_or(Value::Null);
+        if got != 404 || !shaped(shape, &json) {
+            failures.push(format!(
+                "POST {path} → {got} {json} (wanted 404 in the {shape:?} shape)"
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} cases:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert_eq!(sim.requests().len(), before, "bad input is never sent");
+}

@@ -669,9 +669,26 @@ adapter = "openai-chat@1"
         .expect("the legal request's record");
     assert_eq!(newest["differs"]["would_reject"], true);
     assert!(newest["violations"].to_string().contains("orphan_result"));
+    // Nothing of ours was rendered for the refused request: no manifest (with the reason) and
+    // no byte comparison at all — not "bytes: false".
+    assert_eq!(newest["manifest"], Value::Null, "{newest}");
+    assert_eq!(newest["manifest_reason"], "rejected", "{newest}");
+    assert_eq!(newest["differs"]["bytes"], Value::Null, "{newest}");
+    assert!(newest.get("bytes").is_none(), "{newest}");
     assert_eq!(first["verdict"], "ready", "{first}");
     assert_eq!(first["differs"]["bytes"], true, "{first}");
     assert!(first["bytes"]["first_difference_at"].as_u64().is_some());
+    // The ready request's record carries the manifest of what we would have sent.
+    let manifest = &first["manifest"];
+    assert_eq!(manifest["format"], "turnstile.manifest.v1", "{first}");
+    assert_eq!(manifest["adapter"], first["adapter"], "{first}");
+    assert!(
+        manifest["request_digest"]
+            .as_str()
+            .is_some_and(|digest| digest.starts_with("sha256:")),
+        "{first}"
+    );
+    assert_eq!(first["manifest_reason"], Value::Null, "{first}");
     // `user` goes to a target of the client's own API (`passthrough.rs`): nothing is dropped.
     assert_eq!(first["dropped"], json!([]), "{first}");
     assert_eq!(first["differs"]["semantic"], false, "{first}");

@@ -199,7 +199,12 @@ pub fn router() -> axum::Router<Arc<Shared>> {
 /// None: not a provider request (the native API's shape applies).
 pub fn client_api(headers: &HeaderMap, path: &str, query: &str) -> Option<Api> {
     let has = |name: &str| headers.contains_key(name);
+    // Gemini's methods are `models/{model}:{method}` under `/v1beta` and `/v1` alike;
+    // OpenAI's `/v1/models/{id}` has no colon method.
+    let gemini_method =
+        path.starts_with("/v1/models/") && path.rsplit('/').next().is_some_and(|last| last.contains(':'));
     if path.starts_with("/v1beta/")
+        || gemini_method
         || has("x-goog-api-key")
         || query.split('&').any(|pair| pair.starts_with("key="))
     {

@@ -205,11 +205,15 @@ pub fn compare(
 ) -> Value {
     let mut record = json!({"at": now().0, "api": api.as_str(), "adapter": route.adapter.as_str(),
         "provider": route.original_provider, "mode": route.mode_label,
-        "differs": {"bytes": false, "semantic": false, "would_reject": false, "not_importable": false}});
+        // `bytes` stays null unless both sides exist; `manifest` is ours, or null with the
+        // reason none could be made.
+        "differs": {"bytes": null, "semantic": false, "would_reject": false, "not_importable": false},
+        "manifest": null, "manifest_reason": null});
     let imported = match imported {
         Ok(imported) => imported,
         Err(error) => {
             record["differs"]["not_importable"] = json!(true);
+            record["manifest_reason"] = json!("not_importable");
             record["import_error"] =
                 json!({"code": error.code(), "path": error.path(), "message": error.to_string()});
             return record;
@@ -222,6 +226,7 @@ pub fn compare(
         Err(error) => {
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!("rejected");
+            record["manifest_reason"] = json!("rejected");
             record["violations"] = json!([{"code": "invalid_structure", "message": error.to_string()}]);
             return record;
         }
@@ -231,6 +236,7 @@ pub fn compare(
         Verdict::Waiting { pending } => {
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!("waiting");
+            record["manifest_reason"] = json!("waiting");
             record["pending"] = json!(pending.into_iter().map(|call| call.0).collect::<Vec<_>>());
             return record;
         }
@@ -238,6 +244,7 @@ pub fn compare(
             metrics::rejected(&violations);
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!("rejected");
+            record["manifest_reason"] = json!("rejected");
             record["violations"] = crate::serve::api::violations_json(&violations);
             return record;
         }
@@ -275,21 +282,27 @@ pub fn compare(
         Err(refusal) => {
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!(refusal.code());
+            record["manifest_reason"] = json!("refused");
             record["refusal"] = json!(refusal.to_string());
             return record;
         }
     };
     let ours = match outcome {
-        PrepareOutcome::Prepared(prepared) => prepared.rendered.body,
+        PrepareOutcome::Prepared(prepared) => {
+            record["manifest"] = serde_json::to_value(&prepared.manifest).unwrap_or(Value::Null);
+            prepared.rendered.body
+        }
         PrepareOutcome::Paused(pauses) => {
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!("paused");
+            record["manifest_reason"] = json!("paused");
             record["pauses"] = serde_json::to_value(&pauses).unwrap_or(Value::Null);
             return record;
         }
         PrepareOutcome::OverBudget(over) => {
             record["differs"]["would_reject"] = json!(true);
             record["verdict"] = json!("over_budget");
+            record["manifest_reason"] = json!("over_budget");
             record["prompt_tokens"] = json!(over.prompt_tokens);
             return record;
         }
