@@ -17,6 +17,9 @@ pub const HEADER_READ_TIMEOUT_MS_DEFAULT: u64 = 10_000;
 /// Default `connections_max`: well under the usual 1,024-descriptor soft limit, leaving room for
 /// the store, provider connections and the overflow answers.
 pub const CONNECTIONS_MAX_DEFAULT: usize = 768;
+/// Default `requests_per_connection_max`: a kept-alive connection is closed after this many
+/// requests (nginx's `keepalive_requests` default), so no client holds one for ever.
+pub const REQUESTS_PER_CONNECTION_MAX_DEFAULT: u64 = 1_000;
 pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 /// Provider request timeout: connecting and receiving the response head.
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -52,6 +55,9 @@ pub struct Config {
     /// (`GET /healthz` still answers).
     #[serde(default = "connections_max_default")]
     pub connections_max: usize,
+    /// Requests served on one kept-alive connection before it is closed.
+    #[serde(default = "requests_per_connection_max_default")]
+    pub requests_per_connection_max: u64,
     /// Provider connect + response-head timeout.
     #[serde(default = "connect_timeout_default")]
     pub provider_connect_timeout_ms: u64,
@@ -191,6 +197,9 @@ fn header_read_timeout_default() -> u64 {
 }
 fn connections_max_default() -> usize {
     CONNECTIONS_MAX_DEFAULT
+}
+fn requests_per_connection_max_default() -> u64 {
+    REQUESTS_PER_CONNECTION_MAX_DEFAULT
 }
 fn connect_timeout_default() -> u64 {
     PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT

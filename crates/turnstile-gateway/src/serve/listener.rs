@@ -43,6 +43,8 @@ pub struct Limits {
     pub header_read_timeout_ms: u64,
     /// Connections served at once.
     pub connections_max: usize,
+    /// Requests served on one connection before it is closed (`Connection: close` on the last).
+    pub requests_per_connection_max: u64,
 }
 
 impl Limits {
@@ -51,6 +53,7 @@ impl Limits {
         Limits {
             header_read_timeout_ms: config.header_read_timeout_ms,
             connections_max: config.connections_max,
+            requests_per_connection_max: config.requests_per_connection_max,
         }
     }
 }
@@ -89,6 +92,7 @@ pub async fn serve(
             },
         };
         let app = app.clone();
+        let requests_max = limits.requests_per_connection_max.max(1);
         tokio::spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
@@ -103,10 +107,28 @@ pub async fn serve(
                 });
                 builder.serve_connection(io, service).with_upgrades().await
             } else {
-                builder
-                    .serve_connection(io, TowerToHyperService::new(app))
-                    .with_upgrades()
-                    .await
+                let served_requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+                let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    let served_requests = Arc::clone(&served_requests);
+                    async move {
+                        use hyper::service::Service as _;
+                        let number = served_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                        let mut response = match TowerToHyperService::new(app).call(request).await {
+                            Ok(response) => response.map(Body::new),
+                            Err(never) => match never {},
+                        };
+                        if number >= requests_max {
+                            // The connection's last request: hyper closes it after this answer.
+                            response.headers_mut().insert(
+                                axum::http::header::CONNECTION,
+                                axum::http::HeaderValue::from_static("close"),
+                            );
+                        }
+                        Ok::<_, std::convert::Infallible>(response)
+                    }
+                });
+                builder.serve_connection(io, service).with_upgrades().await
             };
             if let Err(error) = result {
                 tracing::debug!(%error, "connection ended");

@@ -137,3 +137,28 @@ fn beyond_the_connection_cap_requests_get_503_and_healthz_still_answers() {
     });
     assert!(served, "a freed slot was never served again");
 }
+
+#[test]
+fn a_kept_alive_connection_is_closed_after_its_request_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(
+        &dir,
+        &sqlite(&dir),
+        None,
+        "header_read_timeout_ms = 60000\nrequests_per_connection_max = 2",
+    )
+    .unwrap();
+    let mut stream = connect(&gateway);
+    // Two requests on one kept-alive connection: the second answer says `Connection: close`
+    // and the server closes the connection (the header timeout is far away).
+    stream
+        .write_all(
+            b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\nGET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n",
+        )
+        .unwrap();
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response);
+    assert_eq!(text.matches("HTTP/1.1 200").count(), 2, "{text}");
+    assert!(text.to_ascii_lowercase().contains("connection: close"), "{text}");
+}
