@@ -254,6 +254,10 @@ pub trait Ledger: Send + Sync {
     /// most `limit`): nobody drives them (see `drive::recoverable`).
     async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError>;
 
+    /// How long the oldest attempt that is not over (live or UNKNOWN) has been past its lease,
+    /// in ms by the store's clock (0: none is): a stuck dispatch, seen from every replica.
+    async fn stuck_age_ms(&self) -> Result<u64, StoreError>;
+
     /// The store's clock ([`clock`]): the time every lease and fencing decision is judged by.
     async fn store_now(&self) -> Result<Timestamp, StoreError>;
 

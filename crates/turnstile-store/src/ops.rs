@@ -1594,6 +1594,21 @@ pub(crate) async fn prepared_unattended<T: Tx>(
     rows.iter().map(|row| row.text(0)).collect()
 }
 
+/// How long the oldest attempt that is not over (live or UNKNOWN) has been past its lease, by
+/// the store's clock; 0 when none is.
+pub(crate) async fn stuck_age_ms<T: Tx>(tx: &mut T) -> Result<u64, StoreError> {
+    let now = tx.dialect().now_ms();
+    let sql = format!(
+        "SELECT COALESCE(MAX({now} - lease_expires_at), 0) FROM attempts \
+         WHERE state IN ('DISPATCHING', 'SENT', 'STREAMING', 'UNKNOWN') AND lease_expires_at <= {now}"
+    );
+    let rows = tx.query(&sql, &[]).await?;
+    match rows.first() {
+        Some(row) => Ok(row.int(0)?.max(0) as u64),
+        None => Ok(0),
+    }
+}
+
 /// The store's clock (see [`crate::clock`]).
 pub(crate) async fn store_now<T: Tx>(tx: &mut T) -> Result<Timestamp, StoreError> {
     let sql = format!("SELECT {}", tx.dialect().now_ms());

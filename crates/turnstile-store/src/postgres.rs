@@ -538,6 +538,10 @@ impl Ledger for PgLedger {
         in_tx!(self, |tx| ops::prepared_unattended(&mut tx, idle_ms, limit))
     }
 
+    async fn stuck_age_ms(&self) -> Result<u64, StoreError> {
+        in_tx!(self, |tx| ops::stuck_age_ms(&mut tx))
+    }
+
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         in_tx!(self, |tx| ops::store_now(&mut tx))
     }

@@ -612,6 +612,10 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn stuck_age_ms(&self) -> Result<u64, StoreError> {
+        self.run(move |tx| block_on_ready(ops::stuck_age_ms(tx))).await
+    }
+
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
         self.run(move |tx| block_on_ready(ops::store_now(tx))).await
     }

@@ -1471,8 +1471,10 @@ pub async fn quarantine(State(shared): State<Arc<Shared>>, headers: HeaderMap) -
 }
 
 pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
-    let oldest = shared.unknown_since.lock().await.values().min().copied();
-    metrics::unknown_age(oldest.map_or(0.0, |since| now().0.saturating_sub(since.0) as f64 / 1000.0));
+    // From the store: the oldest attempt past its lease that is not over, on any replica.
+    if let Ok(age_ms) = shared.ledger.stuck_age_ms().await {
+        metrics::unknown_age(age_ms as f64 / 1000.0);
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

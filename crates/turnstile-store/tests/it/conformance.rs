@@ -55,7 +55,53 @@ suite!(
     migrations_apply_once_and_a_newer_schema_is_refused,
     an_import_writes_a_whole_legal_history_at_once_or_nothing,
     the_store_clock_is_the_database_s_own,
+    a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
 );
+
+/// `stuck_age_ms`: 0 on a fresh store and for an attempt whose lease runs; the time past the
+/// lease for one whose lease ran out by the store's clock; 0 again once it is over.
+pub async fn a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    assert_eq!(store.stuck_age_ms().await.unwrap(), 0);
+    conversation_at_1(&*store, "s").await;
+    let (manifest, bytes) = manifest("op-s", "s", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+    };
+    // A lease far in the store's future: not stuck.
+    let store_now = store.store_now().await.unwrap().0;
+    let running = Lease {
+        holder: "replica-a".into(),
+        expires_at: at(store_now + 600_000),
+    };
+    assert!(matches!(
+        store
+            .begin_attempt("op-s", expect, &running, at(11))
+            .await
+            .unwrap(),
+        BeginOutcome::Began { .. }
+    ));
+    assert_eq!(store.stuck_age_ms().await.unwrap(), 0);
+    // A lease that ended a minute ago by the store's clock: stuck for about that long.
+    let ended = Lease {
+        holder: "replica-a".into(),
+        expires_at: at(store_now.saturating_sub(60_000)),
+    };
+    assert_eq!(
+        store.renew_lease("op-s", Generation(1), &ended).await.unwrap(),
+        TransitionOutcome::Applied
+    );
+    let age = store.stuck_age_ms().await.unwrap();
+    assert!((60_000..120_000).contains(&age), "stuck for {age} ms");
+    // Over (cancelled): nothing is stuck.
+    let _ = store.cancel("op-s", None, at(12)).await.unwrap();
+    assert_eq!(store.stuck_age_ms().await.unwrap(), 0);
+}
 
 /// The store's clock is read inside SQL: on a fresh store it is the database host's time (here
 /// the same host), whatever the caller passes as `now` elsewhere.
