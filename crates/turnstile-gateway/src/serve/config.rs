@@ -68,9 +68,14 @@ pub struct Config {
     /// (an endless or ping-only stream ends here).
     #[serde(default = "attempt_timeout_default")]
     pub provider_attempt_timeout_ms: u64,
-    /// Replica id used as lease holder (default: derived from host name and process id).
+    /// Replica id used as lease holder (default: host, process id and a start nonce).
     #[serde(default)]
     pub replica_id: Option<String>,
+    /// Tests only: this process's clock runs this many ms ahead (negative: behind) of the
+    /// system clock. Leases are judged by the store's clock, so a skewed replica must behave
+    /// exactly like a punctual one; this is how the tests show it.
+    #[serde(default)]
+    pub test_clock_offset_ms: i64,
     /// Bearer-token tenants. None configured: no token needed, loopback only.
     #[serde(default)]
     pub tenants: Vec<Tenant>,

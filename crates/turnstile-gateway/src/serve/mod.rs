@@ -67,12 +67,14 @@ pub struct Shared {
 
 /// The wall clock, read here and passed into the core as a value.
 pub fn now() -> Timestamp {
-    Timestamp(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_millis() as u64),
-    )
+    let system = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis() as u64);
+    Timestamp(system.saturating_add_signed(CLOCK_OFFSET_MS.load(std::sync::atomic::Ordering::Relaxed)))
 }
+
+/// The gateway's own clock offset (`test_clock_offset_ms`; 0 outside tests).
+static CLOCK_OFFSET_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 
 /// A fresh id for things the client did not name.
 pub fn fresh_id() -> String {
@@ -226,6 +228,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     // attempts for its own crashed ones). A restart therefore recovers its predecessor's
     // attempts when their leases run out by the store's clock.
     let holder = config.replica_id.clone().unwrap_or_else(default_replica_id);
+    CLOCK_OFFSET_MS.store(config.test_clock_offset_ms, std::sync::atomic::Ordering::Relaxed);
     let shared = Arc::new(Shared {
         ledger,
         client,

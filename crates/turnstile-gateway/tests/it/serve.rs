@@ -1190,3 +1190,37 @@ fn a_provider_that_never_answers_is_bounded_by_the_head_timeout_and_the_dispatch
     assert_eq!(gateway.get("/v1/conversations/c-silent")["revision"], 1);
     assert_safety_metrics_zero(&gateway);
 }
+
+/// Issue 15, defect 2: a replica whose clock runs 30 s ahead shares one SQLite file with a
+/// punctual one. Leases are judged by the store's clock, so its sweep never takes over the
+/// punctual replica's healthy stream (which outlives several leases): one attempt, one send,
+/// one commit, no retract.
+#[test]
+fn a_replica_whose_clock_runs_ahead_never_takes_over_a_healthy_stream() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let skewed_dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir);
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    let skewed = Gateway::start(&skewed_dir, &store, &sim, "test_clock_offset_ms = 30000");
+    conversation_with_question(&gateway, "c-skew");
+    // About 2 s of stream against a 400 ms lease: the skewed replica sweeps ~10 times meanwhile.
+    let text = "word ".repeat(20);
+    sim.script("m-skew", json!([{"text": text, "faults": {"delay_ms": 100}}]));
+    let events = gateway.dispatch("c-skew", "op-skew", "anthropic-messages@1", "m-skew");
+    assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+    assert!(named(&events, "retract").is_empty(), "{events:?}");
+    let dispatch = skewed.get("/v1/dispatches/op-skew");
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    assert_eq!(dispatch["attempts"].as_array().unwrap().len(), 1, "{dispatch}");
+    let sent = sim
+        .requests()
+        .iter()
+        .filter(|request| request.to_string().contains("m-skew"))
+        .count();
+    assert_eq!(sent, 1, "one provider request");
+    assert_eq!(
+        skewed.metric(r#"turnstile_handle_recoveries_total{outcome="new_generation"}"#),
+        0.0
+    );
+}
