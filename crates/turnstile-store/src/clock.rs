@@ -4,9 +4,10 @@
 //! ([`crate::sql::Dialect::now_ms`]), never from the caller: two replicas whose own clocks
 //! disagree (skew, a paused VM, a test's offset) still agree on whether a lease ran out.
 //! PostgreSQL reads the server's `clock_timestamp()`. SQLite has no server, so its connection
-//! carries a `turnstile_now_ms()` SQL function backed by a [`StoreClock`]: the host's system
-//! clock in production (what every process opening the same file on that host shares), or a
-//! manual clock that the deterministic simulation advances as its virtual time.
+//! reads its own time in SQL (`julianday('now')`: the host's clock, which every process opening
+//! the same file on that host shares), unless its connection carries a manual clock
+//! ([`StoreClock::Manual`], through the `turnstile_now_ms()` SQL function) that the
+//! deterministic simulation advances as its virtual time.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,19 +29,12 @@ impl StoreClock {
         (StoreClock::Manual(Arc::clone(&handle)), handle)
     }
 
-    /// The clock's reading in epoch milliseconds.
-    pub fn now_ms(&self) -> u64 {
+    /// The manual clock's reading in epoch milliseconds; `None` for [`StoreClock::System`],
+    /// whose time SQLite reads itself (`julianday('now')` in [`crate::sql::Dialect::now_ms`]).
+    pub fn manual_ms(&self) -> Option<u64> {
         match self {
-            StoreClock::System => system_ms(),
-            StoreClock::Manual(handle) => handle.load(Ordering::SeqCst),
+            StoreClock::System => None,
+            StoreClock::Manual(handle) => Some(handle.load(Ordering::SeqCst)),
         }
     }
-}
-
-fn system_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| {
-            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
-        })
 }

@@ -246,6 +246,13 @@ pub async fn attempts_before(ledger: &dyn Ledger, record: &DispatchRecord) -> u6
     }
 }
 
+/// How often a replica sweeps for attempts whose lease ran out and dispatches nobody drives:
+/// half a lease (at least 100 ms), so a dead attempt is recovered within 1.5 leases.
+pub const fn sweep_period_ms(lease_ms: u64) -> u64 {
+    let half = lease_ms / 2;
+    if half < 100 { 100 } else { half }
+}
+
 /// Most PREPARED dispatches one sweep picks up.
 pub const PREPARED_PICKUP_MAX: u64 = 256;
 

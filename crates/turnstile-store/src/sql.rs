@@ -142,10 +142,13 @@ impl Dialect {
     /// lease and fencing decision is judged by, whichever process (and whichever local clock)
     /// issues the statement. PostgreSQL: the server's `clock_timestamp()`. SQLite: the
     /// connection's `turnstile_now_ms()` function ([`crate::StoreClock`]), the host's system
-    /// clock unless a test gives the store a manual clock.
+    /// clock (`julianday('now')`) unless a test gives the store a manual clock.
     pub fn now_ms(self) -> &'static str {
         match self {
-            Dialect::Sqlite => "turnstile_now_ms()",
+            // The manual clock when the connection has one, else SQLite's own time.
+            Dialect::Sqlite => {
+                "COALESCE(turnstile_now_ms(), CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER))"
+            }
             Dialect::Postgres => "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint",
         }
     }

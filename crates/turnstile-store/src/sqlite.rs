@@ -184,7 +184,7 @@ impl SqliteLedger {
             "turnstile_now_ms",
             0,
             rusqlite::functions::FunctionFlags::SQLITE_UTF8,
-            move |_| Ok(i64::try_from(clock.now_ms()).unwrap_or(i64::MAX)),
+            move |_| Ok(clock.manual_ms().map(|ms| i64::try_from(ms).unwrap_or(i64::MAX))),
         )?;
         connection.busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))?;
         let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;

@@ -327,7 +327,7 @@ const SWEEP_HOLDER: &str = "turnstile-sweep";
 /// this one lost track): they become UNKNOWN and get a recovery driver here. Several
 /// replicas may sweep the same attempt; the store's compare-and-sets let one recover it.
 async fn sweep(shared: Arc<Shared>) {
-    let period = Duration::from_millis((shared.lease_ms / 2).max(100));
+    let period = Duration::from_millis(turnstile_store::drive::sweep_period_ms(shared.lease_ms));
     loop {
         tokio::time::sleep(period).await;
         if let Err(error) = recover(&shared, SWEEP_HOLDER, shared.lease_ms).await {
