@@ -769,12 +769,9 @@ impl Drive {
                 self.transitioned(from, to);
                 return;
             }
-            (WriteKind::Transition { from, to }, _) => {
+            (WriteKind::Transition { .. }, _) => {
                 // Another replica (or a cancel) owns the attempt now: this driver's preview is
                 // void, and the ledger tells the clients what happens next.
-                if from == DispatchState::Unknown && to == DispatchState::Streaming {
-                    self.actions.push_back(Action::Count(Count::Recovery("refused")));
-                }
                 self.stopped = true;
                 StoreAnswer::TransitionRefused
             }
