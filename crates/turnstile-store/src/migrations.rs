@@ -35,6 +35,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0003_dispatch_outcome.sql"),
         postgres: include_str!("../migrations/postgres/0003_dispatch_outcome.sql"),
     },
+    Migration {
+        version: 4,
+        name: "attempt_story",
+        sqlite: include_str!("../migrations/sqlite/0004_attempt_story.sql"),
+        postgres: include_str!("../migrations/postgres/0004_attempt_story.sql"),
+    },
 ];
 
 /// The newest version this build knows.
