@@ -535,6 +535,18 @@ impl Drive {
         *replays = (*replays).max(spent.replays);
     }
 
+    /// Pair assertion across the store boundary (on in release): what the driver was told when
+    /// it began (or recovered) `generation` is what it reads back.
+    fn read_back(&self, generation: Generation, idempotency_key: &str) {
+        if let Some(known) = self.idempotency_keys.get(&generation) {
+            assert_eq!(
+                known, idempotency_key,
+                "{} g{}: the store gave back another idempotency key than it began with",
+                self.spec.basis.operation_id, generation.0
+            );
+        }
+    }
+
     /// Note why `generation` stopped (kept until the write that ends the attempt).
     fn cause(&mut self, generation: Generation, reason: impl Into<String>) {
         self.end_causes.entry(generation).or_insert_with(|| reason.into());
@@ -795,6 +807,16 @@ impl Drive {
                     idempotency_key,
                 },
             ) => {
+                // Pair assertion across the store boundary (on in release): generations only
+                // grow. The store allocates them one by one per dispatch, so a begin never
+                // answers a generation at or below one this driver already knows of.
+                assert!(
+                    generation.0 > self.attempts_started.max(self.machine.generation().map_or(0, |g| g.0)),
+                    "store answered generation {} for {} after {} attempts: generations only grow",
+                    generation.0,
+                    self.spec.basis.operation_id,
+                    self.attempts_started
+                );
                 // Generations are allocated one by one per dispatch by the store: the
                 // generation is the durable count of attempts, across restarts and replicas.
                 self.attempts_started = (self.attempts_started + 1).max(generation.0);
@@ -855,6 +877,14 @@ impl Drive {
                 StoreAnswer::LeaseLost
             }
             (WriteKind::Commit { .. }, StoreResult::Committed { revision }) => {
+                // Pair assertion (on in release): a commit lands at the answered revision + 1.
+                assert_eq!(
+                    revision.0,
+                    self.spec.basis.revision.0 + 1,
+                    "the commit of {} answering revision {} landed elsewhere",
+                    self.spec.basis.operation_id,
+                    self.spec.basis.revision.0
+                );
                 let from = self.state;
                 self.transitioned(from, DispatchState::Committed);
                 // The store appends the turn as offered, stamped with its revision: the client
@@ -1020,6 +1050,7 @@ impl Drive {
             _ => None,
         };
         if let Some(record) = &record {
+            self.read_back(generation, &record.idempotency_key);
             self.spent(generation, record.spent);
         }
         let Some(record) = record else {
