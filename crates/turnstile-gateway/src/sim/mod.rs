@@ -53,6 +53,9 @@ struct Produced {
     frames: Vec<Frame>,
     whole: Value,
     resumable: bool,
+    /// The reply's pace (`delay_ms` per event): a resumed background response goes on at
+    /// the pace it was generated at.
+    delay_ms: Option<u64>,
 }
 
 struct SimState {
@@ -338,6 +341,7 @@ async fn provider_request(
                     frames,
                     whole,
                     resumable,
+                    delay_ms: reply.faults.delay_ms,
                 };
                 state.produced.insert(handle.clone(), produced.clone());
                 if reply.faults.idempotent {
@@ -392,6 +396,10 @@ async fn responses_get(
         return axum::Json(produced.whole).into_response();
     }
     let after = query.starting_after;
+    let pace = Faults {
+        delay_ms: produced.delay_ms,
+        ..Faults::default()
+    };
     let frames: Vec<Frame> = produced
         .frames
         .into_iter()
@@ -400,7 +408,7 @@ async fn responses_get(
             _ => true,
         })
         .collect();
-    stream_response(frames, &Faults::default())
+    stream_response(frames, &pace)
 }
 
 /// Stream frames with the reply's faults applied. A cut or disconnect ends the body with an

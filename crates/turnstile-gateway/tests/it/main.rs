@@ -6,6 +6,7 @@ mod console;
 mod executor;
 mod listener;
 mod proxy;
+mod recovery;
 mod proxy_sdk;
 mod render;
 mod serve;
