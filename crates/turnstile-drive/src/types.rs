@@ -98,6 +98,9 @@ pub enum StoreOp {
         generation: Generation,
         /// The provider confirmed the attempt ended.
         provider_ended: bool,
+        /// The provider's own word on it, when it gave one (`provider_cancelled`,
+        /// `provider_status_completed`, …): stored as how its end was confirmed.
+        provider_word: Option<String>,
     },
     /// Extend the attempt's lease.
     RenewLease {
@@ -223,6 +226,18 @@ pub enum Request {
         handle: String,
         /// The provider sequence number last seen.
         after_sequence: Option<u64>,
+    },
+    /// Ask the provider whether the response behind `handle` still runs (OpenAI Responses:
+    /// `GET /v1/responses/{handle}`; the pump reports the JSON body like any other).
+    Status {
+        /// The handle.
+        handle: String,
+    },
+    /// Ask the provider to stop the response behind `handle` (OpenAI Responses:
+    /// `POST /v1/responses/{handle}/cancel`).
+    Cancel {
+        /// The handle.
+        handle: String,
     },
 }
 

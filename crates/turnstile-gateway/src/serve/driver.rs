@@ -242,6 +242,8 @@ impl Pump {
                 handle,
                 after_sequence,
             } => transport::resume_request(&self.ctx.endpoint, &handle, after_sequence),
+            Request::Status { handle } => transport::status_request(&self.ctx.endpoint, &handle),
+            Request::Cancel { handle } => transport::cancel_request(&self.ctx.endpoint, &handle),
         };
         let (forward, mut events) = mpsc::channel(TRANSPORT_QUEUE_MAX);
         let sender = self.sender.clone();

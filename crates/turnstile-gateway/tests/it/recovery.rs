@@ -41,10 +41,17 @@ fn requests_for(sim: &SimProcess, model: &str) -> Vec<Value> {
 }
 
 fn resumes(sim: &SimProcess) -> usize {
+    paths(sim)
+        .iter()
+        .filter(|path| path.starts_with("/v1/responses/") && path.contains("stream=true"))
+        .count()
+}
+
+fn paths(sim: &SimProcess) -> Vec<String> {
     sim.requests()
         .iter()
-        .filter(|request| request["path"].as_str().is_some_and(|path| path.starts_with("/v1/responses/")))
-        .count()
+        .filter_map(|request| request["path"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// Start a streamed dispatch and return once the first preview arrived (the reader keeps the
@@ -158,6 +165,50 @@ fn a_refused_resume_waits_for_the_old_lease_before_a_new_generation() {
     );
     assert_eq!(assistant_turns(&history_is_legal(&gateway, "c-refused")), 1);
     assert_safety_metrics_zero(&gateway);
+}
+
+/// Defect 3, second half: "confirmed terminated" is the provider's own word where it has
+/// one. A background Responses reply outlives every connection the gateway makes to it (each
+/// is cut at the attempt deadline, then resumed up to the cap); before generation 2 the
+/// gateway asks the provider, finds it still in progress and cancels it, and records that.
+#[test]
+fn a_background_response_still_running_is_cancelled_before_a_new_generation() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "provider_attempt_timeout_ms = 1500");
+    conversation_with_question(&gateway, "c-cancel");
+    // 120 events at 100 ms: 12 s, far longer than 1 + 3 connections of 1.5 s.
+    let text = "word ".repeat(120);
+    sim.script(
+        "m-cancel",
+        json!([{"text": text, "faults": {"delay_ms": 100}}, {"text": "the second generation"}]),
+    );
+    let events = gateway.dispatch("c-cancel", "op-cancel", "openai-responses@1", "m-cancel");
+    let dispatch = gateway.get("/v1/dispatches/op-cancel");
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch} {events:?}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{dispatch}");
+    assert_eq!(attempts[0]["confirmed_over"], "provider_cancelled", "{dispatch}");
+    assert_eq!(attempts[0]["end_reason"], "attempt_timeout", "{dispatch}");
+    let log = paths(&sim);
+    let handle = attempts[0]["handle"].as_str().unwrap();
+    let asked = log.iter().position(|path| *path == format!("/v1/responses/{handle}"));
+    let cancelled = log
+        .iter()
+        .position(|path| *path == format!("/v1/responses/{handle}/cancel"));
+    let second_send = log
+        .iter()
+        .enumerate()
+        .filter(|(_, path)| *path == "/v1/responses")
+        .nth(1)
+        .map(|(index, _)| index);
+    assert!(
+        matches!((asked, cancelled, second_send), (Some(a), Some(c), Some(s)) if a < c && c < s),
+        "status, then cancel, then generation 2: {log:?}"
+    );
+    let document = history_is_legal(&gateway, "c-cancel");
+    assert_eq!(assistant_turns(&document), 1);
+    assert!(document.to_string().contains("the second generation"));
 }
 
 /// Defect 4: a client that leaves while its dispatch is being prepared. The request is
