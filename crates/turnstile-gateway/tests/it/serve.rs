@@ -36,6 +36,17 @@ impl Gateway {
         sim_url: Option<&str>,
         extra_config: &str,
     ) -> Result<Gateway, String> {
+        Gateway::start_with_env(dir, store, sim_url, extra_config, &[])
+    }
+
+    /// [`Gateway::start_with`] with extra environment variables for the gateway process.
+    pub fn start_with_env(
+        dir: &tempfile::TempDir,
+        store: &str,
+        sim_url: Option<&str>,
+        extra_config: &str,
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
         let config = dir.path().join("turnstile.toml");
         std::fs::write(&config, format!("lease_ms = 400\n{extra_config}\n")).unwrap();
         let log = dir.path().join(format!(
@@ -55,6 +66,7 @@ impl Gateway {
         if let Some(url) = sim_url {
             command.args(["--sim-url", url]);
         }
+        command.envs(env.iter().copied());
         let mut child = command
             .env("TURNSTILE_TEST_PROVIDER_KEY", "sk-test-SECRET-KEY-123")
             .stdout(Stdio::piped())
@@ -77,7 +89,7 @@ impl Gateway {
         Ok(Gateway { child, base, log })
     }
 
-    fn kill(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -118,7 +130,7 @@ impl Gateway {
     }
 
     /// Stream a dispatch and collect its client events until the gateway ends the stream.
-    fn dispatch(
+    pub fn dispatch(
         &self,
         conversation: &str,
         operation: &str,
@@ -185,7 +197,7 @@ pub fn client_events(text: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
-fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
+pub fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
     events
         .iter()
         .filter(|(event, _)| event == name)
@@ -196,7 +208,7 @@ fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
 const TOOLS: &str = r#"[{"name": "get_weather", "input_schema": {"type": "object",
     "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}}]"#;
 
-fn conversation_with_question(gateway: &Gateway, id: &str) {
+pub fn conversation_with_question(gateway: &Gateway, id: &str) {
     let tools: Value = serde_json::from_str(TOOLS).unwrap();
     let (status, _) = gateway.post(
         "/v1/conversations",
@@ -211,7 +223,7 @@ fn conversation_with_question(gateway: &Gateway, id: &str) {
     assert_eq!((status, body), (200, json!({"revision": 1})));
 }
 
-fn two_calls(faults: Value) -> Value {
+pub fn two_calls(faults: Value) -> Value {
     json!({"text": "Checking both.", "tool_calls": [
         {"name": "get_weather", "arguments": {"city": "Paris"}},
         {"name": "get_weather", "arguments": {"city": "Tokyo"}}], "faults": faults})
