@@ -98,10 +98,10 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     let (sender, mut receiver) = mpsc::channel(TRANSPORT_QUEUE_MAX);
     let operation_id = ctx.record.operation_id.clone();
     let trace = traces::Hook::start(&ctx.record, ctx.api, &ctx.model, &ctx.endpoint, &ctx.trace_parent);
-    if trace.captures_content() {
-        if let Ok(Some(document)) = shared.ledger.conversation(&ctx.record.conversation_id).await {
-            trace.input(&document, ctx.record.revision.0);
-        }
+    if trace.captures_content()
+        && let Ok(Some(document)) = shared.ledger.conversation(&ctx.record.conversation_id).await
+    {
+        trace.input(&document, ctx.record.revision.0);
     }
     let mut pump = Pump {
         shared,

@@ -180,10 +180,10 @@ pub fn install(config: &Config) -> Result<bool, String> {
 /// Export what is queued and stop the exporter (graceful shutdown). Blocks up to the SDK's
 /// shutdown bound: call it off the async runtime.
 pub fn shutdown() {
-    if let Some(traces) = TRACES.get() {
-        if let Err(error) = traces.provider.shutdown() {
-            tracing::warn!(%error, "trace export at shutdown");
-        }
+    if let Some(traces) = TRACES.get()
+        && let Err(error) = traces.provider.shutdown()
+    {
+        tracing::warn!(%error, "trace export at shutdown");
     }
 }
 
@@ -600,10 +600,10 @@ impl Hook {
                 vec![KeyValue::new("turnstile.recovery.outcome", *outcome)],
             ),
             Count::Timeout => {
-                if let Some(generation) = trace.generation {
-                    if let Some(attempt) = trace.attempts.get_mut(&generation) {
-                        attempt.error = Some("timeout".into());
-                    }
+                if let Some(generation) = trace.generation
+                    && let Some(attempt) = trace.attempts.get_mut(&generation)
+                {
+                    attempt.error = Some("timeout".into());
                 }
             }
             _ => {}
@@ -726,11 +726,11 @@ impl DispatchTrace {
         let Some(attempt) = self.attempts.remove(&generation) else { return };
         let span = attempt.cx.span();
         span.set_attribute(state_value(attempt.state));
-        if attempt.state != DispatchState::Committed {
-            if let Some(error) = &attempt.error {
-                span.set_attribute(KeyValue::new("error.type", error.clone()));
-                span.set_status(Status::error(error.clone()));
-            }
+        if attempt.state != DispatchState::Committed
+            && let Some(error) = &attempt.error
+        {
+            span.set_attribute(KeyValue::new("error.type", error.clone()));
+            span.set_status(Status::error(error.clone()));
         }
         span.end();
     }
