@@ -11,4 +11,5 @@ mod proxy_sdk;
 mod render;
 mod serve;
 mod sim;
+mod traces;
 mod validate;

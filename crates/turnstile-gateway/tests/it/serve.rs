@@ -36,6 +36,17 @@ impl Gateway {
         sim_url: Option<&str>,
         extra_config: &str,
     ) -> Result<Gateway, String> {
+        Gateway::start_with_env(dir, store, sim_url, extra_config, &[])
+    }
+
+    /// [`Gateway::start_with`] with extra environment variables for the gateway process.
+    pub fn start_with_env(
+        dir: &tempfile::TempDir,
+        store: &str,
+        sim_url: Option<&str>,
+        extra_config: &str,
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
         let config = dir.path().join("turnstile.toml");
         // A short lease unless the test sets its own.
         let lease = if extra_config.contains("lease_ms") { "" } else { "lease_ms = 400\n" };
@@ -57,6 +68,7 @@ impl Gateway {
         if let Some(url) = sim_url {
             command.args(["--sim-url", url]);
         }
+        command.envs(env.iter().copied());
         let mut child = command
             .env("TURNSTILE_TEST_PROVIDER_KEY", "sk-test-SECRET-KEY-123")
             .stdout(Stdio::piped())
@@ -213,7 +225,7 @@ pub fn conversation_with_question(gateway: &Gateway, id: &str) {
     assert_eq!((status, body), (200, json!({"revision": 1})));
 }
 
-fn two_calls(faults: Value) -> Value {
+pub fn two_calls(faults: Value) -> Value {
     json!({"text": "Checking both.", "tool_calls": [
         {"name": "get_weather", "arguments": {"city": "Paris"}},
         {"name": "get_weather", "arguments": {"city": "Tokyo"}}], "faults": faults})
