@@ -131,6 +131,7 @@ impl Toolset {
                 description: None,
                 schema_digest: Digest::of_canonical(&input_schema),
                 input_schema,
+                cache: None,
             });
         }
         Toolset::compile(Digest::of_canonical(array), &tools)

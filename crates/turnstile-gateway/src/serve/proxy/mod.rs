@@ -625,7 +625,9 @@ async fn serve_ours(
     };
     let (conversation_id, operation_id, conversation) = match continued {
         Some(continued) => {
-            let conversation = Conversation::from_value(continued.document).map_err(|error| {
+            // This request's cache breakpoints, not the ones stored with earlier requests.
+            let document = continuation::with_request_marks(continued.document, &imported.document);
+            let conversation = Conversation::from_value(document).map_err(|error| {
                 provider_error(
                     api,
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -763,6 +765,7 @@ async fn serve_ours(
     // API (`passthrough::INERT_ACROSS_APIS`).
     let mut dropped = imported.dropped.clone();
     dropped.extend(imported.passthrough.dropped_towards(route.adapter.api()));
+    dropped.extend(turnstile_adapters::cache::dropped_towards(route.adapter.api(), &conversation));
     dropped.sort();
     dropped.dedup();
     if !dropped.is_empty() {
