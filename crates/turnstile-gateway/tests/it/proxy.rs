@@ -1802,6 +1802,12 @@ fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message
         .unwrap_or_else(|| panic!("{text}"));
     assert_eq!(delta.1["usage"]["input_tokens"], json!(provider_input), "{text}");
     assert!(delta.1["usage"]["output_tokens"].as_u64().unwrap() >= 1, "{text}");
+    // The opening frame carries the provider's own start event, not the admission estimate.
+    let start = events.iter().find(|(name, _)| name == "message_start").unwrap();
+    assert_eq!(start.1["message"]["usage"]["input_tokens"], json!(provider_input), "{text}");
+    // The stored outcome has the same numbers.
+    let history_usage = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers)));
+    assert_eq!(history_usage["state"], "COMMITTED", "{history_usage}");
     // No cache counters were reported, so none are invented.
     assert!(
         delta.1["usage"].get("cache_read_input_tokens").is_none(),
