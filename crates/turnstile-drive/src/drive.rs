@@ -1401,6 +1401,21 @@ impl Drive {
                     );
                     self.counted(handled);
                 }
+                if let StreamEvent::Usage {
+                    input_tokens,
+                    output_tokens,
+                    cache_creation_input_tokens,
+                    cache_read_input_tokens,
+                } = &sequenced.event
+                {
+                    let usage = turnstile_core::assemble::Usage {
+                        input_tokens: *input_tokens,
+                        output_tokens: *output_tokens,
+                        cache_creation_input_tokens: *cache_creation_input_tokens,
+                        cache_read_input_tokens: *cache_read_input_tokens,
+                    };
+                    self.emit(DriveEvent::Usage { generation, usage });
+                }
                 self.work.push_front(Work::Event {
                     connection,
                     generation,
@@ -1486,11 +1501,11 @@ impl Drive {
                     self.actions.push_back(Action::Count(Count::PartialToolDispatch));
                     return;
                 }
-                let (input_tokens, output_tokens) = offer.usage.unwrap_or((None, None));
+                // `usage`: `input_tokens`, `output_tokens`, and the cache counters when reported.
+                let usage = offer.usage.unwrap_or_default();
                 self.offer_facts.insert(
                     offer.generation,
-                    json!({"stop_reason": offer.stop_reason,
-                           "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}),
+                    json!({"stop_reason": offer.stop_reason, "usage": usage}),
                 );
                 let handled = self.machine.handle_provider(
                     self.now,

@@ -308,6 +308,15 @@ pub enum DriveEvent {
         /// Stop reason and usage of the commit offer (`{"stop_reason", "usage"}`), if known.
         facts: Option<Value>,
     },
+    /// The provider's token counts as a stream reports them (Anthropic's `message_start`
+    /// carries the input count and cache counters before any text), for a client API that
+    /// shows them before the commit. Informational: the committed usage is in `Committed`.
+    Usage {
+        /// Generation.
+        generation: Generation,
+        /// The counts of this report (`input_tokens`, `output_tokens`, cache counters).
+        usage: turnstile_core::assemble::Usage,
+    },
     /// An error code for the client.
     Error {
         /// Code.

@@ -651,6 +651,7 @@ impl World {
                 self.trace(format!("{} committed at revision {}", driver.op, revision.0));
             }
             DriveEvent::Error { code, .. } => self.trace(format!("{} error {code}", driver.op)),
+            DriveEvent::Usage { .. } => {}
         }
     }
 

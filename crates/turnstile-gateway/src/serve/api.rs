@@ -1114,7 +1114,9 @@ fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super:
         let frame = |(event, data): super::hub::ClientMessage| {
             Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
         };
-        for message in backlog {
+        // The spec's client events only: the hub's `usage` reports are for the proxy.
+        let native = |message: &super::hub::ClientMessage| message.0 != "usage";
+        for message in backlog.into_iter().filter(native) {
             if sender.send(Ok(frame(message))).await.is_err() {
                 return;
             }
@@ -1122,6 +1124,7 @@ fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super:
         let Some(mut receiver) = receiver else { return };
         loop {
             match receiver.recv().await {
+                Ok(Some(message)) if !native(&message) => {}
                 Ok(Some(message)) => {
                     if sender.send(Ok(frame(message))).await.is_err() {
                         return;

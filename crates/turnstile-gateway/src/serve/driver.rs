@@ -324,6 +324,11 @@ impl Pump {
             DriveEvent::Error { code, message } => {
                 hub.send("error", json!({"code": code, "message": message}));
             }
+            // For the proxy's opening frame (Anthropic `message_start`); not a native client
+            // event (`api::sse_response` leaves it out).
+            DriveEvent::Usage { generation, usage } => {
+                hub.send("usage", json!({"generation": generation.0, "usage": usage}));
+            }
         }
     }
 

@@ -506,6 +506,8 @@ impl Hook {
         let kind = match request {
             Request::Send { .. } => "send",
             Request::Resume { .. } => "resume",
+            Request::Status { .. } => "status",
+            Request::Cancel { .. } => "cancel",
         };
         attempt
             .cx
@@ -658,12 +660,22 @@ impl DispatchTrace {
             (StoreOp::Begin { .. }, StoreResult::Began { generation, .. }) => {
                 self.attempt(generation.0);
             }
-            (StoreOp::Transition { generation, from, to }, StoreResult::Applied) => {
+            (
+                StoreOp::Transition {
+                    generation,
+                    from,
+                    to,
+                    reason,
+                },
+                StoreResult::Applied,
+            ) => {
                 if let Some(attempt) = self.attempt(generation.0) {
-                    attempt.cx.span().add_event(
-                        "turnstile.transition",
-                        vec![KeyValue::new("turnstile.from", from.as_str()), KeyValue::new("turnstile.to", to.as_str())],
-                    );
+                    let mut attributes =
+                        vec![KeyValue::new("turnstile.from", from.as_str()), KeyValue::new("turnstile.to", to.as_str())];
+                    if let Some(reason) = reason {
+                        attributes.push(KeyValue::new("turnstile.end_reason", reason.clone()));
+                    }
+                    attempt.cx.span().add_event("turnstile.transition", attributes);
                     attempt.state = *to;
                 }
                 if to.is_terminal() {
@@ -682,12 +694,20 @@ impl DispatchTrace {
                     attempt.state = DispatchState::Streaming;
                 }
             }
-            (StoreOp::AbandonAndRearm { generation, provider_ended }, StoreResult::Applied) => {
+            (
+                StoreOp::AbandonAndRearm {
+                    generation,
+                    provider_ended,
+                    provider_word,
+                },
+                StoreResult::Applied,
+            ) => {
                 if let Some(attempt) = self.attempt(generation.0) {
-                    attempt.cx.span().add_event(
-                        "turnstile.abandon",
-                        vec![KeyValue::new("turnstile.provider_ended", *provider_ended)],
-                    );
+                    let mut attributes = vec![KeyValue::new("turnstile.provider_ended", *provider_ended)];
+                    if let Some(word) = provider_word {
+                        attributes.push(KeyValue::new("turnstile.confirmed_over", word.clone()));
+                    }
+                    attempt.cx.span().add_event("turnstile.abandon", attributes);
                     attempt.state = DispatchState::Abandoned;
                     attempt.error.get_or_insert_with(|| "abandoned".to_owned());
                 }
