@@ -546,6 +546,34 @@ pub struct Assembler {
 }
 
 impl Assembler {
+    /// What this generation produced so far, as quarantine material (JSON): every block with
+    /// its text or its arguments as received (never history: a block here is not whole, not
+    /// checked, or from a response that may not be ours).
+    pub fn material(&self) -> Value {
+        let blocks: Vec<Value> = self
+            .blocks
+            .iter()
+            .map(|(index, block)| {
+                let mut entry = match &block.body {
+                    BlockBody::Text(text) => json!({"kind": "text", "text": text}),
+                    BlockBody::ToolCall {
+                        call_id,
+                        name,
+                        arguments,
+                        ..
+                    } => json!({"kind": "tool_call", "call_id": call_id, "tool": name, "arguments": arguments}),
+                    BlockBody::Reasoning { provider, text, .. } => {
+                        json!({"kind": "reasoning", "provider": provider, "text": text})
+                    }
+                };
+                entry["index"] = json!(index.0);
+                entry["stopped"] = json!(block.stopped);
+                entry
+            })
+            .collect();
+        json!({"generation": self.config.generation.0, "handle": self.handle, "blocks": blocks})
+    }
+
     /// A new assembler for one generation.
     pub fn new(config: AssemblerConfig) -> Assembler {
         Assembler {

@@ -151,6 +151,12 @@ enum Work {
     InterruptionTail {
         tail: Box<Tail>,
     },
+    /// Keep material out of history, in the quarantine log.
+    Quarantine {
+        generation: Generation,
+        reason: &'static str,
+        content: Value,
+    },
 }
 
 /// What to do after an interruption's own effects ran.
@@ -166,6 +172,7 @@ enum Pending {
     MachineWrite(WriteKind),
     Bind {
         generation: Generation,
+        handle: String,
     },
     Quarantine,
     Interruption {
@@ -450,7 +457,7 @@ impl Drive {
         };
         match pending {
             Pending::MachineWrite(kind) => self.write_answered(kind, result),
-            Pending::Bind { generation } => self.bind_answered(generation, result),
+            Pending::Bind { generation, handle } => self.bind_answered(generation, &handle, result),
             Pending::Quarantine => {
                 if let StoreResult::Failed(_) = result {
                     self.actions.push_back(Action::Count(Count::StoreFailure));
@@ -644,10 +651,11 @@ impl Drive {
             } => self.send(generation, idempotency_key, &request_digest),
             Effect::Resume { generation, handle } => self.resume(generation, handle),
             Effect::BindHandle { generation, handle } => {
-                self.store(
-                    StoreOp::BindHandle { generation, handle },
-                    Pending::Bind { generation },
-                );
+                let pending = Pending::Bind {
+                    generation,
+                    handle: handle.clone(),
+                };
+                self.store(StoreOp::BindHandle { generation, handle }, pending);
             }
             Effect::Emit(event) => match event {
                 ClientEvent::State { state, generation } => {
@@ -1092,7 +1100,7 @@ impl Drive {
         });
     }
 
-    fn bind_answered(&mut self, generation: Generation, result: StoreResult) {
+    fn bind_answered(&mut self, generation: Generation, handle: &str, result: StoreResult) {
         match result {
             StoreResult::BindRefused => {
                 // The handle belongs to another manifest: nothing from it may be merged, and a
@@ -1100,6 +1108,21 @@ impl Drive {
                 self.actions.push_back(Action::Count(Count::ForeignHandle));
                 self.replay_refused.insert(generation);
                 self.cause(generation, "foreign_handle");
+                // What arrived under it goes to the quarantine log with its reason, never
+                // dropped unseen (and never merged).
+                let material = self
+                    .assembler
+                    .as_ref()
+                    .filter(|assembler| assembler.generation() == generation)
+                    .map(Assembler::material);
+                if let Some(mut content) = material {
+                    content["handle"] = json!(handle);
+                    self.work.push_front(Work::Quarantine {
+                        generation,
+                        reason: "foreign_handle",
+                        content,
+                    });
+                }
                 let closed: Vec<ConnectionId> = self
                     .connections
                     .iter()
@@ -1364,6 +1387,11 @@ impl Drive {
                 provider_ended,
             } => self.interrupted(generation, provider_ended, true),
             Work::InterruptionTail { tail } => self.interruption_tail(*tail),
+            Work::Quarantine {
+                generation,
+                reason,
+                content,
+            } => self.quarantine(generation, reason, content),
         }
     }
 
