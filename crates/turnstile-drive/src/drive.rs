@@ -151,6 +151,10 @@ enum Work {
     InterruptionTail {
         tail: Box<Tail>,
     },
+    /// The pump's memory budget ends the dispatch.
+    Shed {
+        reason: &'static str,
+    },
     /// Keep material out of history, in the quarantine log.
     Quarantine {
         generation: Generation,
@@ -446,6 +450,14 @@ impl Drive {
     pub fn handle_end(&mut self, now: Timestamp, connection: ConnectionId, ending: Ending) {
         self.now = now;
         self.queue(Work::End { connection, ending });
+    }
+
+    /// The pump must stop holding this dispatch's provider output (its process-wide memory
+    /// budget chose it): the attempt ends at once, nothing of it commits, and the dispatch ends
+    /// with `reason` instead of trying again (the same reply would need the same memory).
+    pub fn handle_shed(&mut self, now: Timestamp, reason: &'static str) {
+        self.now = now;
+        self.queue(Work::Shed { reason });
     }
 
     /// The answer to the outstanding [`Action::Store`].
@@ -1392,6 +1404,27 @@ impl Drive {
                 reason,
                 content,
             } => self.quarantine(generation, reason, content),
+            Work::Shed { reason } => {
+                if self.final_retract.is_none() {
+                    self.final_retract = Some(reason);
+                }
+                let open: Vec<(ConnectionId, Generation)> = self
+                    .connections
+                    .iter()
+                    .filter(|(_, connection)| connection.probe.is_none())
+                    .map(|(id, connection)| (*id, connection.generation))
+                    .collect();
+                for (connection, generation) in open {
+                    self.cause(generation, reason);
+                    self.resume_refused.insert(generation);
+                    self.replay_refused.insert(generation);
+                    self.actions.push_back(Action::Close { connection });
+                    self.work.push_back(Work::ConnectionEnded {
+                        connection,
+                        ending: Ending::Broken,
+                    });
+                }
+            }
         }
     }
 

@@ -374,6 +374,9 @@ pub fn error_message(code: &str) -> &'static str {
             "the output cap ended the response inside a tool call's arguments; nothing was committed and the same request would stop there again: raise the output cap"
         }
         "store_unavailable" => "the ledger could not be written; the lease decides what happens next",
+        "output_budget_exhausted" => {
+            "the gateway's memory budget for provider output was exhausted and this dispatch held the most; nothing was committed"
+        }
         "provider_unreachable" | "provider_status" => "the provider produced nothing",
         _ => "dispatch error",
     }

@@ -68,6 +68,10 @@ pub struct Config {
     /// (an endless or ping-only stream ends here).
     #[serde(default = "attempt_timeout_default")]
     pub provider_attempt_timeout_ms: u64,
+    /// One budget for provider output held in memory by all dispatches of this process, in
+    /// bytes (0: none). Past it the dispatch holding the most ends (`output_budget_exhausted`).
+    #[serde(default = "output_bytes_default")]
+    pub provider_output_bytes_max: u64,
     /// Replica id used as lease holder (default: host, process id and a start nonce).
     #[serde(default)]
     pub replica_id: Option<String>,
@@ -223,6 +227,13 @@ fn idle_timeout_default() -> u64 {
 }
 fn attempt_timeout_default() -> u64 {
     PROVIDER_ATTEMPT_TIMEOUT_MS_DEFAULT
+}
+
+/// Default of `provider_output_bytes_max`: 1 GiB across all dispatches.
+pub const PROVIDER_OUTPUT_BYTES_MAX_DEFAULT: u64 = 1 << 30;
+
+fn output_bytes_default() -> u64 {
+    PROVIDER_OUTPUT_BYTES_MAX_DEFAULT
 }
 
 impl Default for Config {

@@ -115,6 +115,9 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         connections: HashMap::new(),
         trace,
     };
+    // What this dispatch holds of the process-wide output budget (given back when it ends).
+    let share = pump.shared.output_budget.join(&operation_id);
+    let mut shed = false;
     pump.perform(&mut drive).await;
     while !drive.is_finished() {
         let sleep = match drive.poll_timeout() {
@@ -131,7 +134,18 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 pump.trace.transport(connection, &event);
                 match event {
                     TransportEvent::Head { status } => drive.handle_head(now(), connection, status),
-                    TransportEvent::Chunk(bytes) => drive.handle_chunk(now(), connection, bytes.to_vec()),
+                    TransportEvent::Chunk(bytes) => {
+                        let over = share.take(bytes.len() as u64);
+                        metrics::output_bytes(pump.shared.output_budget.held());
+                        if over && !shed {
+                            shed = true;
+                            tracing::warn!(%operation_id, "provider output budget exhausted: this dispatch held the most and ends");
+                            metrics::bump(metrics::OUTPUT_SHED);
+                            drive.handle_shed(now(), "output_budget_exhausted");
+                        } else if !shed {
+                            drive.handle_chunk(now(), connection, bytes.to_vec());
+                        }
+                    }
                     TransportEvent::End => {
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Clean);
@@ -152,6 +166,8 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         }
         pump.perform(&mut drive).await;
     }
+    drop(share);
+    metrics::output_bytes(pump.shared.output_budget.held());
     pump.trace.finish(drive.state());
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {

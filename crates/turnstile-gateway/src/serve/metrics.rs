@@ -46,6 +46,10 @@ pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
 /// Provider connections closed because they waited past a bound (head, idle, whole attempt).
 pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
+/// Dispatches ended because the process-wide provider output budget was exhausted.
+pub const OUTPUT_SHED: &str = "turnstile_provider_output_shed_total";
+/// Provider output bytes held in memory by all dispatches of this process.
+pub const OUTPUT_BYTES: &str = "turnstile_provider_output_bytes";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
 pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
 /// Claims granted to executors on the tool-call ledger (takeovers of expired claims included).
@@ -97,6 +101,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         FOREIGN_HANDLES,
         DRIVER_STORE_FAILURES,
         PROVIDER_TIMEOUTS,
+        OUTPUT_SHED,
         TOOL_CALL_CLAIMS,
         TOOL_CALL_RENEWALS,
         TOOL_CALL_RELEASES,
@@ -122,6 +127,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         }
     }
     gauge!(DISPATCH_UNKNOWN_AGE).set(0.0);
+    gauge!(OUTPUT_BYTES).set(0.0);
     Ok(handle)
 }
 
@@ -162,6 +168,11 @@ pub fn transition(from: DispatchState, to: DispatchState) {
 /// Count one event of a labelless counter.
 pub fn bump(name: &'static str) {
     counter!(name).increment(1);
+}
+
+/// Provider output bytes held now.
+pub fn output_bytes(bytes: u64) {
+    gauge!(OUTPUT_BYTES).set(bytes as f64);
 }
 
 /// Count a recovery outcome.

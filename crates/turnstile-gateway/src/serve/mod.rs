@@ -4,6 +4,7 @@
 //! listener stops, in-flight responses finish.
 
 pub mod api;
+pub mod budget;
 pub mod config;
 pub mod driver;
 pub mod hub;
@@ -64,6 +65,8 @@ pub struct Shared {
     pub routes: Vec<config::Route>,
     /// The newest shadow comparisons.
     pub shadow: proxy::shadow::Diffs,
+    /// One byte budget for provider output held in memory by every dispatch.
+    pub output_budget: Arc<budget::OutputBudget>,
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -253,6 +256,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         prometheus,
         routes: config.routes.clone(),
         shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max),
+        output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
     });
 
     recover(&shared, &shared.holder.clone(), 0).await?;

@@ -296,3 +296,42 @@ fn post_and_leave(gateway: &Gateway, path: &str, body: &Value) {
     .unwrap();
     socket.flush().unwrap();
 }
+
+/// Defect 9, memory: one byte budget for provider output across all dispatches. A reply larger
+/// than the budget ends its dispatch at once (nothing committed, not retried, the client told
+/// `output_budget_exhausted`), its bytes are given back, and the next dispatch is served.
+#[test]
+fn a_reply_past_the_process_wide_output_budget_ends_its_dispatch_and_gives_the_memory_back() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "provider_output_bytes_max = 4000");
+    conversation_with_question(&gateway, "c-budget");
+    sim.script("m-huge", json!([{"text": "a long answer ".repeat(1_000)}]));
+    let events = gateway.dispatch("c-budget", "op-huge", "anthropic-messages@1", "m-huge");
+    let errors: Vec<&Value> = events
+        .iter()
+        .filter(|(name, _)| name == "error")
+        .map(|(_, data)| data)
+        .collect();
+    assert!(
+        errors.iter().any(|error| error["code"] == "output_budget_exhausted"),
+        "{events:?}"
+    );
+    assert!(events.iter().all(|(name, _)| name != "committed"), "{events:?}");
+    let dispatch = gateway.get("/v1/dispatches/op-huge");
+    assert_eq!(dispatch["state"], "ABANDONED", "{dispatch}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "not retried: {dispatch}");
+    assert_eq!(attempts[0]["end_reason"], "output_budget_exhausted", "{dispatch}");
+    assert_eq!(gateway.metric("turnstile_provider_output_shed_total"), 1.0);
+    assert_eq!(gateway.metric("turnstile_provider_output_bytes"), 0.0, "the bytes came back");
+    assert_eq!(gateway.get("/v1/conversations/c-budget")["revision"], 1, "nothing committed");
+    // A reply within the budget is served as usual afterwards.
+    sim.script("m-small", json!([{"text": "short"}]));
+    let events = gateway.dispatch("c-budget", "op-small", "anthropic-messages@1", "m-small");
+    assert_eq!(
+        events.iter().filter(|(name, _)| name == "committed").count(),
+        1,
+        "{events:?}"
+    );
+}
