@@ -95,7 +95,22 @@ pub trait Ledger: Send + Sync {
         manifest: &DispatchManifest,
         request_bytes: &[u8],
         now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError> {
+        self.prepare_with_policy(manifest, request_bytes, None, now).await
+    }
+
+    /// [`Ledger::prepare`] that also keeps the render policy the manifest pins (it must hash
+    /// to the manifest's `policy_digest`, else `Invalid`), for [`Ledger::dispatch_policy`].
+    async fn prepare_with_policy(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError>;
+
+    /// The render policy kept with a dispatch (None: none was given, or no such dispatch).
+    async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError>;
 
     /// A dispatch by operation id.
     async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError>;

@@ -41,6 +41,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0004_attempt_story.sql"),
         postgres: include_str!("../migrations/postgres/0004_attempt_story.sql"),
     },
+    Migration {
+        version: 6,
+        name: "dispatch_policy",
+        sqlite: include_str!("../migrations/sqlite/0006_dispatch_policy.sql"),
+        postgres: include_str!("../migrations/postgres/0006_dispatch_policy.sql"),
+    },
 ];
 
 /// The newest version this build knows.

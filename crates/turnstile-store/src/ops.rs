@@ -408,12 +408,18 @@ pub(crate) async fn prepare<T: Tx>(
     tx: &mut T,
     manifest: &DispatchManifest,
     request_bytes: &[u8],
+    policy: Option<&Value>,
     now: Timestamp,
 ) -> Result<PrepareOutcome, StoreError> {
     if !manifest.is_intact() {
         return Ok(PrepareOutcome::Invalid(
             "manifest_digest does not match the manifest",
         ));
+    }
+    if let Some(policy) = policy
+        && Digest::of_canonical(policy) != manifest.body.policy_digest
+    {
+        return Ok(PrepareOutcome::Invalid("the policy does not match policy_digest"));
     }
     if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
         return Ok(PrepareOutcome::Invalid(
@@ -444,8 +450,8 @@ pub(crate) async fn prepare<T: Tx>(
             &format!(
                 "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
                  request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
-                 quarantined, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, {}) \
+                 quarantined, created_at, updated_at, policy) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, {}, $10) \
                  ON CONFLICT (operation_id) DO NOTHING",
                 tx.dialect().now_ms()
             ),
@@ -459,6 +465,7 @@ pub(crate) async fn prepare<T: Tx>(
                 request_bytes.into(),
                 manifest.body.provider.as_str().into(),
                 ts(now),
+                policy.map(Value::to_string).into(),
             ],
         )
         .await?;
@@ -1654,6 +1661,22 @@ pub(crate) async fn recover_startup<T: Tx>(
 
 /// PREPARED dispatches not updated for `idle_ms` by the store's clock (most `limit`): a
 /// dispatch whose client left before a driver started, or whose driver died before its begin.
+/// The render policy kept with a dispatch.
+pub(crate) async fn dispatch_policy<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Option<Value>, StoreError> {
+    let rows = tx
+        .query("SELECT policy FROM dispatches WHERE operation_id = $1", &[operation_id.into()])
+        .await?;
+    let Some(row) = rows.first() else {
+        return Ok(None);
+    };
+    match row.text_opt(0)? {
+        Some(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|error| StoreError::Corrupt(format!("stored policy of {operation_id}: {error}"))),
+        None => Ok(None),
+    }
+}
+
 pub(crate) async fn prepared_unattended<T: Tx>(
     tx: &mut T,
     idle_ms: u64,

@@ -315,13 +315,18 @@ impl Ledger for PgLedger {
         ))
     }
 
-    async fn prepare(
+    async fn prepare_with_policy(
         &self,
         manifest: &DispatchManifest,
         request_bytes: &[u8],
+        policy: Option<&Value>,
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        in_tx!(self, |tx| ops::prepare(&mut tx, manifest, request_bytes, now))
+        in_tx!(self, |tx| ops::prepare(&mut tx, manifest, request_bytes, policy, now))
+    }
+
+    async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
+        in_tx!(self, |tx| ops::dispatch_policy(&mut tx, operation_id))
     }
 
     async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {

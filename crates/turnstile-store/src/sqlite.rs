@@ -398,15 +398,21 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn prepare(
+    async fn prepare_with_policy(
         &self,
         manifest: &DispatchManifest,
         request_bytes: &[u8],
+        policy: Option<&Value>,
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        let (manifest, bytes) = (manifest.clone(), request_bytes.to_vec());
-        self.run(move |tx| block_on_ready(ops::prepare(tx, &manifest, &bytes, now)))
+        let (manifest, bytes, policy) = (manifest.clone(), request_bytes.to_vec(), policy.cloned());
+        self.run(move |tx| block_on_ready(ops::prepare(tx, &manifest, &bytes, policy.as_ref(), now)))
             .await
+    }
+
+    async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::dispatch_policy(tx, &op))).await
     }
 
     async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {

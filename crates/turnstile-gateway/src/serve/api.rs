@@ -851,9 +851,11 @@ pub(crate) async fn prepare_dispatch(
             ));
         }
     };
+    // The render policy the manifest pins (`policy_digest`) is kept beside it, to be shown.
+    let policy = serde_json::to_value(&prepared.rendered.policy).ok();
     let outcome = shared
         .ledger
-        .prepare(&prepared.manifest, &prepared.rendered.body, now())
+        .prepare_with_policy(&prepared.manifest, &prepared.rendered.body, policy.as_ref(), now())
         .await
         .map_err(ApiError::store)?;
     use turnstile_store::PrepareOutcome as Stored;
@@ -1163,6 +1165,7 @@ pub async fn get_dispatch(
         .map_err(ApiError::store)?
         .ok_or_else(|| ApiError::not_found("dispatch"))?;
     let attempts = shared.ledger.attempts(&store_id).await.map_err(ApiError::store)?;
+    let policy = shared.ledger.dispatch_policy(&store_id).await.map_err(ApiError::store)?;
     let attempts: Vec<Value> = attempts
         .into_iter()
         .map(|attempt| {
@@ -1178,6 +1181,9 @@ pub async fn get_dispatch(
     // The committed attempt's stop reason and usage, as the provider reported them (traces
     // carry the same numbers).
     body["outcome"] = record.outcome.clone().unwrap_or(Value::Null);
+    // Every setting that reaches the provider (sampling, tool choice, output format, client
+    // fields, cache breakpoints): it hashes to the manifest's `policy_digest`.
+    body["policy"] = policy.unwrap_or(Value::Null);
     Ok(Json(body).into_response())
 }
 

@@ -1250,3 +1250,32 @@ fn a_replica_whose_clock_runs_ahead_never_takes_over_a_healthy_stream() {
         0.0
     );
 }
+
+/// The render policy the manifest pins is shown with the dispatch and hashes to its
+/// `policy_digest`: every setting that reached the provider is visible, not only its digest.
+#[test]
+fn the_dispatch_view_shows_the_render_policy_that_hashes_to_the_manifests_policy_digest() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
+    conversation_with_question(&gateway, "c-policy");
+    sim.script("m-policy", json!([{"text": "fine"}]));
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-policy/dispatch",
+        json!({"operation_id": "op-policy", "sampling": {"temperature": 0.25, "seed": 1234567890123456789_i64},
+               "tool_choice": {"type": "required"},
+               "target": {"provider": "sim", "model": "m-policy", "adapter": "openai-chat@1"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let dispatch = gateway.get("/v1/dispatches/op-policy");
+    let policy = &dispatch["policy"];
+    assert!(policy.is_object(), "{dispatch}");
+    assert_eq!(
+        turnstile_core::Digest::of_canonical(policy).as_str(),
+        dispatch["manifest"]["policy_digest"].as_str().unwrap(),
+        "{dispatch}"
+    );
+    let text = policy.to_string();
+    assert!(text.contains("0.25") && text.contains("1234567890123456789"), "{policy}");
+    assert!(text.contains("required"), "{policy}");
+}

@@ -57,7 +57,40 @@ suite!(
     the_store_clock_is_the_database_s_own,
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
     an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_writes_them,
+    the_render_policy_is_kept_with_its_dispatch_only_when_it_hashes_to_policy_digest,
 );
+
+/// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
+/// to `policy_digest`.
+pub async fn the_render_policy_is_kept_with_its_dispatch_only_when_it_hashes_to_policy_digest(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let policy = json!({"sampling": {"temperature": 0.25}, "tool_choice": {"type": "required"}});
+    let (manifest, bytes) = manifest("op-p", "c", 1, "m");
+    let mut body = manifest.body.clone();
+    body.policy_digest = turnstile_core::Digest::of_canonical(&policy);
+    let manifest = body.seal();
+    let other = json!({"sampling": {"temperature": 0.5}});
+    assert!(matches!(
+        store
+            .prepare_with_policy(&manifest, &bytes, Some(&other), at(10))
+            .await
+            .unwrap(),
+        PrepareOutcome::Invalid(_)
+    ));
+    assert!(matches!(
+        store
+            .prepare_with_policy(&manifest, &bytes, Some(&policy), at(11))
+            .await
+            .unwrap(),
+        PrepareOutcome::Created(_)
+    ));
+    assert_eq!(store.dispatch_policy("op-p").await.unwrap(), Some(policy));
+    assert_eq!(store.dispatch_policy("op-none").await.unwrap(), None);
+}
 
 /// The per-generation recovery budgets and the attempt's story live in the store: every
 /// take-over counts (whoever makes it), an ending transition records its reason, a rearm
