@@ -198,13 +198,7 @@ impl Provider {
                 if refused {
                     report.fault(FaultKind::ResumeRefused);
                 }
-                Answer {
-                    status: 400,
-                    chunks: VecDeque::from([wire::error_body(self.api, 400).to_string().into_bytes()]),
-                    clean_end: true,
-                    hang: false,
-                    endless: false,
-                }
+                self.refusal()
             }
         }
     }

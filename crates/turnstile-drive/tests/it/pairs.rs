@@ -179,25 +179,9 @@ fn an_attempt_read_back_with_another_key_trips_the_pair_assertion() {
         resume_by_handle: false,
         honours_idempotency_key: true,
     };
-    let mut drive = Drive::new(spec(only_replay, 0), Timestamp(1_000));
-    assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
-    drive.handle_store(
-        Timestamp(1_001),
-        StoreResult::Began {
-            generation: Generation(1),
-            idempotency_key: "key-1".into(),
-        },
-    );
+    let (mut drive, connection) = begun_and_sent(only_replay);
     // The connection breaks before a head: the driver reads the attempt back to decide.
-    let mut connection = None;
-    while let Some(action) = drive.poll_action() {
-        match action {
-            Action::Open { connection: id, .. } => connection = Some(id),
-            Action::Store(_) => drive.handle_store(Timestamp(1_002), StoreResult::Applied),
-            _ => {}
-        }
-    }
-    drive.handle_end(Timestamp(1_003), connection.expect("opened"), Ending::Broken);
+    drive.handle_end(Timestamp(1_003), connection, Ending::Broken);
     let op = next_store_op(&mut drive);
     assert_eq!(op, Some(StoreOp::ReadAttempts));
     drive.handle_store(
@@ -219,24 +203,7 @@ fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_the
         resume_by_handle: false,
         honours_idempotency_key: false,
     };
-    let mut drive = Drive::new(spec(none, 0), Timestamp(1_000));
-    assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
-    drive.handle_store(
-        Timestamp(1_001),
-        StoreResult::Began {
-            generation: Generation(1),
-            idempotency_key: "key-1".into(),
-        },
-    );
-    let mut connection = None;
-    while let Some(action) = drive.poll_action() {
-        match action {
-            Action::Open { connection: id, .. } => connection = Some(id),
-            Action::Store(_) => drive.handle_store(Timestamp(1_002), StoreResult::Applied),
-            _ => {}
-        }
-    }
-    let connection = connection.expect("opened");
+    let (mut drive, connection) = begun_and_sent(none);
     drive.handle_head(Timestamp(1_003), connection, 200);
     let stream = concat!(
         "event: response.created\n",
@@ -274,4 +241,26 @@ fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_the
     assert_eq!(reason, "foreign_handle");
     assert_eq!(content["handle"], "resp_other", "{content}");
     assert_eq!(content["generation"], 1, "{content}");
+}
+
+/// A fresh driver whose first attempt began (generation 1, key `key-1`) and was sent.
+fn begun_and_sent(recovery: ProviderRecovery) -> (Drive, ConnectionId) {
+    let mut drive = Drive::new(spec(recovery, 0), Timestamp(1_000));
+    assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
+    drive.handle_store(
+        Timestamp(1_001),
+        StoreResult::Began {
+            generation: Generation(1),
+            idempotency_key: "key-1".into(),
+        },
+    );
+    let mut connection = None;
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { connection: id, .. } => connection = Some(id),
+            Action::Store(_) => drive.handle_store(Timestamp(1_002), StoreResult::Applied),
+            _ => {}
+        }
+    }
+    (drive, connection.expect("opened"))
 }
