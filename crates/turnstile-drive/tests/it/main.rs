@@ -1,5 +1,4 @@
-//! Tests of turnstile-drive (one binary): the tidy rule (sans-IO) and the driver against a
+//! Tests of turnstile-drive (one binary; its sans-IO tidy rule is in turnstile-core's tidy test): the driver against a
 //! scripted store and provider bytes.
 
-mod tidy;
 mod pairs;
