@@ -721,7 +721,7 @@ impl Drive {
     /// at the provider. The rearm waits for the answer (every probe is bounded by the
     /// connection deadlines); without an answer the expired lease is the confirmation.
     fn ask_provider_first(&mut self, generation: Generation) -> bool {
-        if self.spec.api != StreamApi::OpenAiResponses || !self.probed.insert(generation) {
+        if self.stopped || self.spec.api != StreamApi::OpenAiResponses || !self.probed.insert(generation) {
             return false;
         }
         let handle = self.handles.get(&generation).cloned().or_else(|| {
