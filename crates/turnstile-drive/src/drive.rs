@@ -42,6 +42,8 @@ const REARM_MARGIN_MS: u64 = 50;
 /// Largest status or cancel answer read (a Responses object without its output is far
 /// smaller; a bigger one is cut and read as no word).
 const PROBE_BODY_MAX: usize = 256 * 1024;
+/// Most decoded events of a foreign handle's stream kept in its quarantine entry.
+const FOREIGN_EVENTS_KEPT_MAX: usize = 1_024;
 /// Most pieces of queued input (a pump that outruns the driver is a bug).
 const WORK_QUEUED_MAX: usize = 65_536;
 
@@ -96,6 +98,10 @@ struct Connection {
 impl Connection {
     /// When this connection has waited too long, by the driver's bounds.
     fn deadline(&self, timeouts: Timeouts) -> Timestamp {
+        if self.probe.is_some() {
+            // A question, not a stream: its whole answer within the head bound.
+            return self.opened_at.plus_ms(timeouts.head_ms);
+        }
         let whole = self.opened_at.plus_ms(timeouts.attempt_ms);
         let wait = match self.status {
             None => self.opened_at.plus_ms(timeouts.head_ms),
@@ -103,6 +109,13 @@ impl Connection {
         };
         whole.min(wait)
     }
+}
+
+/// What a probe's answer lets go on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AfterProbe {
+    Rearm,
+    GiveUp(&'static str),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -247,8 +260,12 @@ pub struct Drive {
     /// Generations whose provider was asked before a new generation, and what it said.
     probed: HashSet<Generation>,
     provider_words: HashMap<Generation, String>,
-    /// The rearm that waits for the provider's answer (the machine waits for its write).
-    held_rearm: Option<Generation>,
+    /// What waits for the provider's answer: the rearm (the machine waits for its write) or
+    /// the end of a dispatch that gave up.
+    after_probe: Option<(Generation, AfterProbe)>,
+    /// Generations whose provider handle belongs to another manifest: it is never asked
+    /// about, cancelled or resumed (the response is someone else's).
+    foreign: HashSet<Generation>,
     stopped: bool,
     final_retract: Option<&'static str>,
     committed_turn: Option<Value>,
@@ -356,7 +373,8 @@ impl Drive {
             handles: HashMap::new(),
             probed: HashSet::new(),
             provider_words: HashMap::new(),
-            held_rearm: None,
+            after_probe: None,
+            foreign: HashSet::new(),
             stopped: false,
             final_retract: None,
             committed_turn: None,
@@ -724,18 +742,51 @@ impl Drive {
         if self.stopped || self.spec.api != StreamApi::OpenAiResponses || !self.probed.insert(generation) {
             return false;
         }
+        let Some(handle) = self.own_handle(generation) else {
+            return false;
+        };
+        self.after_probe = Some((generation, AfterProbe::Rearm));
+        self.open(generation, Request::Status { handle }, false);
+        true
+    }
+
+    /// The provider handle of `generation` if it is this dispatch's own (bound, read back, or
+    /// seen on its stream and not refused as another manifest's) and safe in a URL path.
+    fn own_handle(&self, generation: Generation) -> Option<String> {
+        if self.foreign.contains(&generation) {
+            return None;
+        }
         let handle = self.handles.get(&generation).cloned().or_else(|| {
             self.assembler
                 .as_ref()
                 .filter(|assembler| assembler.generation() == generation)
                 .and_then(|assembler| assembler.handle().map(str::to_owned))
-        });
-        let Some(handle) = handle else {
-            return false;
-        };
-        self.held_rearm = Some(generation);
-        self.open(generation, Request::Status { handle }, false);
-        true
+        })?;
+        let safe = !handle.is_empty()
+            && handle.len() <= 256
+            && handle
+                .bytes()
+                .all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'-' | b'.'));
+        safe.then_some(handle)
+    }
+
+    /// A dispatch that gives up while a Responses attempt of its own may still run at the
+    /// provider: cancel it first (bounded), then end.
+    fn give_up(&mut self, code: &'static str) {
+        if let Some(generation) = self.machine.generation()
+            && !self.stopped
+            && self.spec.api == StreamApi::OpenAiResponses
+            && self.after_probe.is_none()
+            && self.probed.insert(generation)
+            && let Some(handle) = self.own_handle(generation)
+        {
+            self.after_probe = Some((generation, AfterProbe::GiveUp(code)));
+            self.open(generation, Request::Cancel { handle }, false);
+            return;
+        }
+        self.emit_error(code);
+        let handled = self.machine.handle_cancel(self.now);
+        self.counted(handled);
     }
 
     /// A status or cancel answer arrived (or the probe ended without one).
@@ -748,11 +799,7 @@ impl Drive {
             .and_then(|body| body.get("status").and_then(Value::as_str).map(str::to_owned));
         match (open.probe, status.as_deref()) {
             (Some(ProbeKind::Status), Some("queued" | "in_progress")) => {
-                if let Some(handle) = self.handles.get(&generation).cloned().or_else(|| {
-                    self.assembler
-                        .as_ref()
-                        .and_then(|assembler| assembler.handle().map(str::to_owned))
-                }) {
+                if let Some(handle) = self.own_handle(generation) {
                     self.open(generation, Request::Cancel { handle }, false);
                     return;
                 }
@@ -767,8 +814,16 @@ impl Drive {
             }
             _ => {}
         }
-        if self.held_rearm.take() == Some(generation) {
-            self.persist(Write::AbandonAndRearm { generation });
+        match self.after_probe.take() {
+            Some((waiting, AfterProbe::Rearm)) if waiting == generation => {
+                self.persist(Write::AbandonAndRearm { generation });
+            }
+            Some((waiting, AfterProbe::GiveUp(code))) if waiting == generation => {
+                self.emit_error(code);
+                let handled = self.machine.handle_cancel(self.now);
+                self.counted(handled);
+            }
+            other => self.after_probe = other,
         }
     }
 
@@ -1119,32 +1174,53 @@ impl Drive {
                 // replay of the same key would bring the same handle back.
                 self.actions.push_back(Action::Count(Count::ForeignHandle));
                 self.replay_refused.insert(generation);
+                self.resume_refused.insert(generation);
+                self.foreign.insert(generation);
                 self.cause(generation, "foreign_handle");
                 // What arrived under it goes to the quarantine log with its reason, never
                 // dropped unseen (and never merged).
-                let material = self
+                let mut content = self
                     .assembler
                     .as_ref()
                     .filter(|assembler| assembler.generation() == generation)
-                    .map(Assembler::material);
-                if let Some(mut content) = material {
-                    content["handle"] = json!(handle);
-                    self.work.push_front(Work::Quarantine {
-                        generation,
-                        reason: "foreign_handle",
-                        content,
-                    });
-                }
+                    .map_or_else(|| json!({"generation": generation.0}), Assembler::material);
+                content["handle"] = json!(handle);
                 let closed: Vec<ConnectionId> = self
                     .connections
                     .iter()
                     .filter(|(_, connection)| connection.generation == generation)
                     .map(|(id, _)| *id)
                     .collect();
-                for connection in closed {
-                    self.connections.remove(&connection);
-                    self.actions.push_back(Action::Close { connection });
+                // The rest of what arrived on its connections (bytes still queued, events the
+                // decoder holds) is kept with it, as decoded events, up to a bound.
+                let mut events = Vec::new();
+                for connection in &closed {
+                    let mut queued = Vec::new();
+                    self.work.retain(|work| match work {
+                        Work::Chunk { connection: id, bytes } if id == connection => {
+                            queued.push(bytes.clone());
+                            false
+                        }
+                        _ => true,
+                    });
+                    if let Some(mut open) = self.connections.remove(connection) {
+                        for bytes in queued {
+                            open.decoder.handle_bytes(&bytes);
+                        }
+                        while let Some(sequenced) = open.decoder.poll_event() {
+                            if events.len() < FOREIGN_EVENTS_KEPT_MAX {
+                                events.push(serde_json::to_value(&sequenced.event).unwrap_or(Value::Null));
+                            }
+                        }
+                    }
+                    self.actions.push_back(Action::Close { connection: *connection });
                 }
+                content["events"] = Value::Array(events);
+                self.work.push_front(Work::Quarantine {
+                    generation,
+                    reason: "foreign_handle",
+                    content,
+                });
                 self.interrupted(generation, false, true);
             }
             StoreResult::Failed(_) => {
@@ -1199,11 +1275,14 @@ impl Drive {
             self.stopped = true;
             return;
         };
+        let foreign = self.foreign.contains(&generation);
         let attempt = UnknownAttempt {
             generation,
-            handle: record.handle.clone().or_else(|| {
+            // Never another manifest's handle: it is not ours to resume, ask about or cancel.
+            handle: record.handle.clone().filter(|_| !foreign).or_else(|| {
                 self.assembler
                     .as_ref()
+                    .filter(|_| !foreign)
                     .and_then(|assembler| assembler.handle().map(str::to_owned))
             }),
             idempotency_key: record.idempotency_key.clone(),
@@ -1243,9 +1322,7 @@ impl Drive {
         let resuming = matches!(tail.decision, RecoveryDecision::ResumeByHandle { .. });
         if self.gave_up() && !resuming {
             let code = self.final_retract.unwrap_or("attempts_exhausted");
-            self.emit_error(code);
-            let handled = self.machine.handle_cancel(self.now);
-            self.counted(handled);
+            self.give_up(code);
             return;
         }
         self.count_recovery(&tail.decision);

@@ -746,13 +746,34 @@ async fn take_over<T: Tx>(
     lease: &Lease,
     now: Timestamp,
 ) -> Result<TransitionOutcome, StoreError> {
+    // The per-generation caps are the store's: a take-over past them is refused, whatever a
+    // driver counted (two drivers that read the counts before each other's take-over cannot
+    // both pass: the state compare-and-set below lets one of them through).
+    let (counter, cap) = if to == DispatchState::Streaming {
+        ("resumes", turnstile_drive::RESUMES_PER_GENERATION_MAX)
+    } else {
+        ("replays", turnstile_drive::REPLAYS_PER_GENERATION_MAX)
+    };
+    let spent = tx
+        .query(
+            &format!("SELECT {counter} FROM attempts WHERE operation_id = $1 AND generation = $2"),
+            &[operation_id.into(), generation.0.into()],
+        )
+        .await?;
+    if spent
+        .first()
+        .map(|row| row.uint(0))
+        .transpose()?
+        .is_some_and(|spent| spent >= u64::from(cap))
+    {
+        return refused(tx, operation_id).await;
+    }
     if !move_both(tx, operation_id, generation, DispatchState::Unknown, to, now).await? {
         return refused(tx, operation_id).await;
     }
     // Every take-over is counted on the attempt, whoever makes it: the resume and replay
     // budgets are per generation across drivers, restarts and replicas. A live attempt has
     // no end reason (its earlier stop stays visible in its history).
-    let counter = if to == DispatchState::Streaming { "resumes" } else { "replays" };
     let sql = format!(
         "UPDATE attempts SET lease_holder = $3, lease_expires_at = $4, {counter} = {counter} + 1, \
          end_reason = NULL \
@@ -1659,8 +1680,6 @@ pub(crate) async fn recover_startup<T: Tx>(
     })
 }
 
-/// PREPARED dispatches not updated for `idle_ms` by the store's clock (most `limit`): a
-/// dispatch whose client left before a driver started, or whose driver died before its begin.
 /// The render policy kept with a dispatch.
 pub(crate) async fn dispatch_policy<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Option<Value>, StoreError> {
     let rows = tx
@@ -1677,6 +1696,8 @@ pub(crate) async fn dispatch_policy<T: Tx>(tx: &mut T, operation_id: &str) -> Re
     }
 }
 
+/// PREPARED dispatches not updated for `idle_ms` by the store's clock (most `limit`): a
+/// dispatch whose client left before a driver started, or whose driver died before its begin.
 pub(crate) async fn prepared_unattended<T: Tx>(
     tx: &mut T,
     idle_ms: u64,

@@ -201,7 +201,15 @@ impl PgLedger {
                 known: latest(),
             });
         }
-        for migration in MIGRATIONS.iter().filter(|migration| migration.version > current) {
+        // Every known version not applied yet, in order (not only those above the newest
+        // applied: a version merged later with a lower number is applied too).
+        let applied: std::collections::HashSet<i64> = tx
+            .query("SELECT version FROM schema_migrations", &[])
+            .await?
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?;
+        for migration in MIGRATIONS.iter().filter(|migration| !applied.contains(&migration.version)) {
             tx.batch_execute(migration.postgres).await?;
             tx.execute(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",

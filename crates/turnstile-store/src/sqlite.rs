@@ -151,7 +151,14 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
             known: latest(),
         });
     }
-    for migration in MIGRATIONS.iter().filter(|migration| migration.version > current) {
+    // Every known version not applied yet, in order (not only those above the newest applied:
+    // a version merged later with a lower number is applied too).
+    let applied: std::collections::HashSet<i64> = {
+        let mut statement = tx.prepare("SELECT version FROM schema_migrations")?;
+        let rows = statement.query_map([], |row| row.get::<_, i64>(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for migration in MIGRATIONS.iter().filter(|migration| !applied.contains(&migration.version)) {
         tx.execute_batch(migration.sqlite)?;
         tx.execute(
             "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, ?3)",

@@ -241,6 +241,17 @@ fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_the
     assert_eq!(reason, "foreign_handle");
     assert_eq!(content["handle"], "resp_other", "{content}");
     assert_eq!(content["generation"], 1, "{content}");
+    assert!(content.to_string().contains("not ours"), "what arrived is kept: {content}");
+    // Another manifest's response is never asked about, cancelled or resumed by this dispatch.
+    drive.handle_timeout(Timestamp(60_000));
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { request, .. } => panic!("a request about another manifest's response: {request:?}"),
+            Action::Store(StoreOp::AbandonAndRearm { .. }) => break,
+            Action::Store(_) => drive.handle_store(Timestamp(60_001), StoreResult::Applied),
+            _ => {}
+        }
+    }
 }
 
 /// A fresh driver whose first attempt began (generation 1, key `key-1`) and was sent.

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::Notify;
 
 /// The process-wide budget.
 pub struct OutputBudget {
@@ -18,19 +19,25 @@ pub struct OutputBudget {
 #[derive(Default)]
 struct Inner {
     total: u64,
-    by_dispatch: HashMap<String, Held>,
+    /// Bytes of dispatches already chosen to end (they come back when those drivers end):
+    /// not counted again when choosing, so one overflow sheds one dispatch, not every one.
+    shedding: u64,
+    next_share: u64,
+    by_share: HashMap<u64, Held>,
 }
 
 struct Held {
     bytes: u64,
     shed: Arc<AtomicBool>,
+    wake: Arc<Notify>,
 }
 
-/// What one dispatch holds of the budget; gives it all back when dropped.
+/// What one dispatch's driver holds of the budget; gives it all back when dropped.
 pub struct Share {
     budget: Arc<OutputBudget>,
-    operation_id: String,
+    id: u64,
     shed: Arc<AtomicBool>,
+    wake: Arc<Notify>,
 }
 
 impl OutputBudget {
@@ -51,18 +58,26 @@ impl OutputBudget {
         self.lock().total
     }
 
-    /// The share of a dispatch that starts receiving.
-    pub fn join(self: &Arc<Self>, operation_id: &str) -> Share {
+    /// The share of a driver that starts receiving.
+    pub fn join(self: &Arc<Self>) -> Share {
         let shed = Arc::new(AtomicBool::new(false));
+        let wake = Arc::new(Notify::new());
         let mut inner = self.lock();
-        let held = inner.by_dispatch.entry(operation_id.to_owned()).or_insert_with(|| Held {
-            bytes: 0,
-            shed: shed.clone(),
-        });
+        let id = inner.next_share;
+        inner.next_share += 1;
+        inner.by_share.insert(
+            id,
+            Held {
+                bytes: 0,
+                shed: shed.clone(),
+                wake: wake.clone(),
+            },
+        );
         Share {
             budget: self.clone(),
-            operation_id: operation_id.to_owned(),
-            shed: held.shed.clone(),
+            id,
+            shed,
+            wake,
         }
     }
 }
@@ -76,20 +91,35 @@ impl Share {
             return false;
         }
         let mut inner = budget.lock();
+        let shed = self.shed.load(Ordering::Relaxed);
         inner.total = inner.total.saturating_add(bytes);
-        if let Some(held) = inner.by_dispatch.get_mut(&self.operation_id) {
+        if shed {
+            inner.shedding = inner.shedding.saturating_add(bytes);
+        }
+        if let Some(held) = inner.by_share.get_mut(&self.id) {
             held.bytes = held.bytes.saturating_add(bytes);
         }
-        if inner.total > budget.max
-            && let Some((_, largest)) = inner
-                .by_dispatch
-                .iter()
-                .filter(|(_, held)| !held.shed.load(Ordering::Relaxed))
-                .max_by_key(|(_, held)| held.bytes)
+        if inner.total.saturating_sub(inner.shedding) > budget.max
+            && let Some(largest) = inner
+                .by_share
+                .values()
+                .filter(|held| !held.shed.load(Ordering::Relaxed))
+                .max_by_key(|held| held.bytes)
         {
             largest.shed.store(true, Ordering::Relaxed);
+            largest.wake.notify_one();
+            let bytes = largest.bytes;
+            inner.shedding = inner.shedding.saturating_add(bytes);
         }
         self.shed.load(Ordering::Relaxed)
+    }
+
+    /// Resolves once this dispatch was chosen to end (by its own chunk or another's), so a
+    /// driver that receives nothing ends at once too.
+    pub async fn chosen(&self) {
+        while !self.is_shed() {
+            self.wake.notified().await;
+        }
     }
 
     /// This dispatch was chosen to end (by its own chunk or another's).
@@ -101,8 +131,11 @@ impl Share {
 impl Drop for Share {
     fn drop(&mut self) {
         let mut inner = self.budget.lock();
-        if let Some(held) = inner.by_dispatch.remove(&self.operation_id) {
+        if let Some(held) = inner.by_share.remove(&self.id) {
             inner.total = inner.total.saturating_sub(held.bytes);
+            if held.shed.load(Ordering::Relaxed) {
+                inner.shedding = inner.shedding.saturating_sub(held.bytes);
+            }
         }
     }
 }
@@ -114,16 +147,20 @@ mod tests {
     #[test]
     fn the_largest_dispatch_is_shed_and_its_bytes_come_back() {
         let budget = OutputBudget::new(100);
-        let small = budget.join("small");
-        let large = budget.join("large");
+        let small = budget.join();
+        let large = budget.join();
         assert!(!small.take(20));
         assert!(!large.take(70));
         // The small one's chunk crosses the budget: the large one is chosen, not the small.
         assert!(!small.take(20), "the small dispatch goes on");
         assert!(large.is_shed(), "the largest is shed");
         assert_eq!(budget.held(), 110);
+        // While the chosen one winds down, its bytes are not held against the others: one
+        // overflow ends one dispatch, not the next one too.
+        assert!(!small.take(1), "no cascade");
+        assert!(!small.is_shed());
         drop(large);
-        assert_eq!(budget.held(), 40, "a shed dispatch gives its bytes back");
+        assert_eq!(budget.held(), 41, "a shed dispatch gives its bytes back");
         assert!(!small.take(50));
         assert!(!small.is_shed());
     }
@@ -131,7 +168,7 @@ mod tests {
     #[test]
     fn no_budget_sheds_nothing() {
         let budget = OutputBudget::new(0);
-        let share = budget.join("a");
+        let share = budget.join();
         assert!(!share.take(u64::MAX));
         assert!(!share.is_shed());
     }

@@ -116,7 +116,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         trace,
     };
     // What this dispatch holds of the process-wide output budget (given back when it ends).
-    let share = pump.shared.output_budget.join(&operation_id);
+    let share = pump.shared.output_budget.join();
     let mut shed = false;
     pump.perform(&mut drive).await;
     while !drive.is_finished() {
@@ -163,6 +163,13 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 }
             }
             _ = tokio::time::sleep(sleep) => drive.handle_timeout(now()),
+            () = share.chosen(), if !shed => {
+                // Another dispatch's chunk chose this one, which holds the most.
+                shed = true;
+                tracing::warn!(%operation_id, "provider output budget exhausted: this dispatch held the most and ends");
+                metrics::bump(metrics::OUTPUT_SHED);
+                drive.handle_shed(now(), "output_budget_exhausted");
+            }
         }
         pump.perform(&mut drive).await;
     }

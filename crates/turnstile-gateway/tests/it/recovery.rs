@@ -175,10 +175,11 @@ fn a_refused_resume_waits_for_the_old_lease_before_a_new_generation() {
 fn a_background_response_still_running_is_cancelled_before_a_new_generation() {
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "provider_attempt_timeout_ms = 1500");
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "provider_attempt_timeout_ms = 6000");
     conversation_with_question(&gateway, "c-cancel");
-    // 120 events at 100 ms: 12 s, far longer than 1 + 3 connections of 1.5 s.
-    let text = "word ".repeat(120);
+    // 300 events at 100 ms: 30 s, far longer than what 1 + 3 connections of 6 s deliver (the
+    // simulator's head of a paced stream comes with its first frames, seconds in).
+    let text = "word ".repeat(300);
     sim.script(
         "m-cancel",
         json!([{"text": text, "faults": {"delay_ms": 100}}, {"text": "the second generation"}]),

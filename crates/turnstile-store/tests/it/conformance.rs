@@ -153,8 +153,17 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         TransitionOutcome::Refused { .. }
     ));
     assert_eq!(store.attempts("op-1").await.unwrap()[0].resumes, 3);
-    // The provider's word ends it before its lease: recorded as such.
     assert_eq!(unknown("ended_without_stop", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    // The cap is the store's: a fourth resume is refused, whoever asks, and counts nothing.
+    assert!(matches!(
+        store
+            .resume_attempt("op-1", generation, &lease("replica-e", 9_000), at(24))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert_eq!(store.attempts("op-1").await.unwrap()[0].resumes, 3);
+    // The provider's word ends it before its lease: recorded as such.
     assert_eq!(
         store
             .abandon_and_rearm("op-1", generation, true, at(25))
