@@ -35,6 +35,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0003_dispatch_outcome.sql"),
         postgres: include_str!("../migrations/postgres/0003_dispatch_outcome.sql"),
     },
+    Migration {
+        version: 5,
+        name: "conversation_listing",
+        sqlite: include_str!("../migrations/sqlite/0005_conversation_listing.sql"),
+        postgres: include_str!("../migrations/postgres/0005_conversation_listing.sql"),
+    },
 ];
 
 /// The newest version this build knows.

@@ -24,7 +24,7 @@ fn state_of(text: &str) -> Result<DispatchState, StoreError> {
     DispatchState::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown state {text:?}")))
 }
 
-fn json_of(text: &str) -> Result<Value, StoreError> {
+pub(crate) fn json_of(text: &str) -> Result<Value, StoreError> {
     serde_json::from_str(text).map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
 }
 

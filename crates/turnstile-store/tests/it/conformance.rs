@@ -2,6 +2,7 @@
 //! real PostgreSQL (`TURNSTILE_PG_URL`; missing → the PostgreSQL cases fail, never skip).
 
 use crate::support::*;
+pub use crate::listing::*;
 use serde_json::json;
 use turnstile_core::dispatch::{
     DispatchState, ProviderRecovery, RecoveryDecision, UnknownAttempt, recovery_decision,
@@ -56,6 +57,9 @@ suite!(
     an_import_writes_a_whole_legal_history_at_once_or_nothing,
     the_store_clock_is_the_database_s_own,
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
+    conversations_are_listed_newest_first_paged_searched_and_tenant_scoped,
+    conversation_listing_filters_by_last_dispatch_and_pending_calls,
+    the_quarantine_pages_newest_first_within_a_prefix,
 );
 
 /// `stuck_age_ms`: 0 on a fresh store and for an attempt whose lease runs; the time past the
