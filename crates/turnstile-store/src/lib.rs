@@ -34,7 +34,10 @@ pub mod types;
 pub use clock::StoreClock;
 pub use error::StoreError;
 pub use faults::{Fault, FaultInjector};
-pub use listing::{ConversationCursor, ConversationPage, ConversationQuery, ConversationSummary, LastDispatch, PendingFilter};
+pub use listing::{
+    ConversationCursor, ConversationPage, ConversationQuery, ConversationSummary, LastDispatch,
+    PendingFilter, QuarantinePage,
+};
 pub use postgres::PgLedger;
 pub use sqlite::{SqliteLedger, Synchronous};
 pub use turnstile_core::dispatch::{DispatchState, Timestamp};
@@ -311,7 +314,7 @@ pub trait Ledger: Send + Sync {
         id_prefix: &str,
         before: Option<i64>,
         limit: u64,
-    ) -> Result<Vec<QuarantineRecord>, StoreError>;
+    ) -> Result<listing::QuarantinePage, StoreError>;
 }
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.

@@ -192,10 +192,16 @@ pub(crate) async fn conversations<T: Tx>(
     } else {
         None
     };
-    Ok(ConversationPage {
-        conversations,
-        next,
-    })
+    Ok(ConversationPage { conversations, next })
+}
+
+/// One page of the quarantine log.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuarantinePage {
+    /// Newest first.
+    pub entries: Vec<QuarantineRecord>,
+    /// The `before` of the next page; `None` on the last page.
+    pub next: Option<i64>,
 }
 
 /// Quarantine entries of dispatches whose ids start with `id_prefix`, newest first, older than
@@ -205,7 +211,7 @@ pub(crate) async fn quarantine_page<T: Tx>(
     id_prefix: &str,
     before: Option<i64>,
     limit: u64,
-) -> Result<Vec<QuarantineRecord>, StoreError> {
+) -> Result<QuarantinePage, StoreError> {
     assert!(
         (1..=QUARANTINE_PAGE_MAX).contains(&limit),
         "the caller bounds the page size"
@@ -217,13 +223,14 @@ pub(crate) async fn quarantine_page<T: Tx>(
     if let Some(before) = before {
         condition.push_str(&format!(" AND id < {}", params.bind(before.into())));
     }
-    let fetch = params.bind(limit.into());
+    let fetch = params.bind((limit + 1).into());
     let sql = format!(
         "SELECT id, operation_id, generation, reason, content, at FROM quarantine \
          WHERE {condition} ORDER BY id DESC LIMIT {fetch}"
     );
     let rows = tx.query(&sql, &params.0).await?;
-    rows.iter()
+    let mut entries = rows
+        .iter()
         .map(|row| {
             Ok(QuarantineRecord {
                 id: row.int(0)?,
@@ -236,5 +243,12 @@ pub(crate) async fn quarantine_page<T: Tx>(
                 at: Timestamp(row.uint(5)?),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    let next = if entries.len() as u64 > limit {
+        entries.truncate(limit as usize);
+        entries.last().map(|last| last.id)
+    } else {
+        None
+    };
+    Ok(QuarantinePage { entries, next })
 }

@@ -615,7 +615,9 @@ impl Ledger for PgLedger {
         id_prefix: &str,
         before: Option<i64>,
         limit: u64,
-    ) -> Result<Vec<QuarantineRecord>, StoreError> {
-        in_tx!(self, |tx| crate::listing::quarantine_page(&mut tx, id_prefix, before, limit))
+    ) -> Result<crate::listing::QuarantinePage, StoreError> {
+        in_tx!(self, |tx| crate::listing::quarantine_page(
+            &mut tx, id_prefix, before, limit
+        ))
     }
 }

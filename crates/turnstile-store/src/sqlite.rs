@@ -677,7 +677,7 @@ impl Ledger for SqliteLedger {
         id_prefix: &str,
         before: Option<i64>,
         limit: u64,
-    ) -> Result<Vec<QuarantineRecord>, StoreError> {
+    ) -> Result<crate::listing::QuarantinePage, StoreError> {
         let id_prefix = id_prefix.to_owned();
         self.run(move |tx| block_on_ready(crate::listing::quarantine_page(tx, &id_prefix, before, limit)))
             .await

@@ -6,6 +6,7 @@
 pub mod api;
 pub mod config;
 pub mod driver;
+pub mod feed;
 pub mod hub;
 pub mod listener;
 pub mod metrics;
@@ -63,6 +64,10 @@ pub struct Shared {
     pub routes: Vec<config::Route>,
     /// The newest shadow comparisons.
     pub shadow: proxy::shadow::Diffs,
+    /// The change feed of `GET /v1/events`.
+    pub feed: Arc<feed::Feed>,
+    /// The newest proxy refusals (`GET /v1/proxy/refusals`).
+    pub refusals: proxy::refusals::Refusals,
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -89,7 +94,10 @@ pub fn fresh_id() -> String {
 /// The gateway's routes.
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
-        .route("/v1/conversations", post(api::create_conversation))
+        .route(
+            "/v1/conversations",
+            post(api::create_conversation).get(api::list_conversations),
+        )
         .route("/v1/conversations/{id}", get(api::get_conversation))
         .route("/v1/conversations/{id}/turns", post(api::append_turn))
         .route("/v1/conversations/{id}/dispatch", post(api::dispatch))
@@ -117,6 +125,9 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))
         .route("/", get(crate::console::index))
+        .route("/console/{file}", get(crate::console::module))
+        .route("/v1/events", get(feed::events))
+        .route("/v1/proxy/refusals", get(proxy::refusals::list))
         .fallback(api::fallback)
         .with_state(shared)
 }
@@ -250,7 +261,9 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         catalog,
         prometheus,
         routes: config.routes.clone(),
-        shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max),
+        shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max, config.shadow_body_bytes_max),
+        feed: Arc::new(feed::Feed::new()),
+        refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max),
     });
 
     recover(&shared, &shared.holder.clone(), 0).await?;
@@ -292,7 +305,12 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
             if hubs.contains_key(&operation_id) {
                 continue;
             }
-            let hub = Arc::new(hub::Hub::new());
+            let record = found.record();
+            let hub = Arc::new(hub::Hub::observed(
+                shared.feed.clone(),
+                &record.conversation_id,
+                &operation_id,
+            ));
             hubs.insert(operation_id.clone(), hub.clone());
             hub
         };

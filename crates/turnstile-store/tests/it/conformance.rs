@@ -1,8 +1,8 @@
 //! The store conformance suite: every case runs against SQLite (a temporary file) and against a
 //! real PostgreSQL (`TURNSTILE_PG_URL`; missing → the PostgreSQL cases fail, never skip).
 
-use crate::support::*;
 pub use crate::listing::*;
+use crate::support::*;
 use serde_json::json;
 use turnstile_core::dispatch::{
     DispatchState, ProviderRecovery, RecoveryDecision, UnknownAttempt, recovery_decision,

@@ -55,7 +55,10 @@ pub async fn conversations_are_listed_newest_first_paged_searched_and_tenant_sco
     }
     for index in 0..3 {
         let id = format!("a_%~chat-{index}");
-        let _ = store.create_conversation(&id, &tools(), at(100 + index)).await.unwrap();
+        let _ = store
+            .create_conversation(&id, &tools(), at(100 + index))
+            .await
+            .unwrap();
     }
     // An append moves a conversation to the front.
     assert_eq!(
@@ -141,7 +144,10 @@ pub async fn conversation_listing_filters_by_last_dispatch_and_pending_calls(bac
     };
     assert_eq!(filtered(by_state(DispatchState::Committed)).await, ["waiting"]);
     assert_eq!(filtered(by_state(DispatchState::Prepared)).await, ["prepared"]);
-    assert_eq!(filtered(by_state(DispatchState::Unknown)).await, Vec::<String>::new());
+    assert_eq!(
+        filtered(by_state(DispatchState::Unknown)).await,
+        Vec::<String>::new()
+    );
     let by_provider = |provider: &str| ConversationQuery {
         provider: Some(provider.into()),
         ..query("", 50)
@@ -153,7 +159,10 @@ pub async fn conversation_listing_filters_by_last_dispatch_and_pending_calls(bac
         ..query("", 50)
     };
     assert_eq!(filtered(by_pending(PendingFilter::Some)).await, ["waiting"]);
-    assert_eq!(filtered(by_pending(PendingFilter::None)).await, ["prepared", "quiet"]);
+    assert_eq!(
+        filtered(by_pending(PendingFilter::None)).await,
+        ["prepared", "quiet"]
+    );
     // A result closes one call: one is still pending.
     let claim = match store
         .claim_call("waiting", "w-call-0", "executor", 60_000)
@@ -165,12 +174,22 @@ pub async fn conversation_listing_filters_by_last_dispatch_and_pending_calls(bac
     };
     assert!(matches!(
         store
-            .submit_tool_result("waiting", "w-call-0", claim, "success", &json!([{"kind": "text", "text": "ok"}]), at(40))
+            .submit_tool_result(
+                "waiting",
+                "w-call-0",
+                claim,
+                "success",
+                &json!([{"kind": "text", "text": "ok"}]),
+                at(40)
+            )
             .await
             .unwrap(),
         ResultOutcome::Appended { .. }
     ));
-    let page = store.conversation_page(&by_pending(PendingFilter::Some)).await.unwrap();
+    let page = store
+        .conversation_page(&by_pending(PendingFilter::Some))
+        .await
+        .unwrap();
     assert_eq!(page.conversations[0].pending_calls, 1);
 }
 
@@ -199,12 +218,22 @@ pub async fn the_quarantine_pages_newest_first_within_a_prefix(backend: Backend,
             .collect()
     };
     let first = store.quarantine_page("a~", None, 2).await.unwrap();
-    assert_eq!(texts(&first), ["a~4", "a~3"]);
-    assert_eq!(first[0].entry.generation, Generation(1));
-    let second = store.quarantine_page("a~", Some(first[1].id), 2).await.unwrap();
-    assert_eq!(texts(&second), ["a~2", "a~1"]);
-    let last = store.quarantine_page("a~", Some(second[1].id), 2).await.unwrap();
-    assert_eq!(texts(&last), ["a~0"]);
-    assert_eq!(store.quarantine_page("b~", None, 500).await.unwrap().len(), 5);
-    assert!(store.quarantine_page("c~", None, 500).await.unwrap().is_empty());
+    assert_eq!(texts(&first.entries), ["a~4", "a~3"]);
+    assert_eq!(first.entries[0].entry.generation, Generation(1));
+    assert_eq!(first.entries[0].at, at(104));
+    assert_eq!(first.next, Some(first.entries[1].id));
+    let second = store.quarantine_page("a~", first.next, 2).await.unwrap();
+    assert_eq!(texts(&second.entries), ["a~2", "a~1"]);
+    let last = store.quarantine_page("a~", second.next, 2).await.unwrap();
+    assert_eq!((texts(&last.entries), last.next), (vec!["a~0".to_owned()], None));
+    let whole = store.quarantine_page("b~", None, 5).await.unwrap();
+    assert_eq!((whole.entries.len(), whole.next), (5, None));
+    assert!(
+        store
+            .quarantine_page("c~", None, 500)
+            .await
+            .unwrap()
+            .entries
+            .is_empty()
+    );
 }
