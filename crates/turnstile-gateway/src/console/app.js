@@ -118,12 +118,18 @@ async function reattach(conversationId, operationId) {
 async function showInspector() {
   const box = byId("inspector");
   const operation = view.operation || dispatches.of(view.conversation || "")?.operationId || null;
-  byId("inspector-section").hidden = !operation;
+  if (box.dataset.operation !== operation) {
+    // Never show one dispatch's details under another's name, even for a moment.
+    box.replaceChildren();
+    byId("inspector-section").hidden = true;
+    if (operation) box.dataset.operation = operation; else delete box.dataset.operation;
+  }
   if (!operation) return;
   const navigation = view.navigation;
   const nodes = await dispatchView(operation);
-  if (navigation !== view.navigation) return;
+  if (navigation !== view.navigation || box.dataset.operation !== operation) return;
   box.replaceChildren(...nodes);
+  byId("inspector-section").hidden = false;
 }
 
 /** Draw the open conversation's session: preview, outcome, the dispatch button, the log. */
@@ -227,6 +233,9 @@ const feed = new Feed({
       if (!TERMINAL.has(change.state) && !dispatches.running(change.conversation_id)) dispatches.attach(change.conversation_id, change.operation_id);
       if (view.operation === change.operation_id) showInspector();
     }
+  },
+  proxy() {
+    refreshPanels();
   },
   resync() {
     list.reload();

@@ -11,6 +11,7 @@ import { ApiFailure, readEvents, request } from "./api.js";
  * @typedef {{
  *   conversation: (change: ConversationChange) => void,
  *   dispatch: (change: DispatchChange) => void,
+ *   proxy: (kind: string) => void,
  *   resync: () => void,
  *   status: (status: "live" | "connecting" | "unauthorized" | "unreachable") => void,
  * }} FeedHandlers
@@ -51,6 +52,7 @@ export class Feed {
           this.handlers.resync();
         } else if (name === "conversation") this.handlers.conversation(data);
         else if (name === "dispatch") this.handlers.dispatch(data);
+        else if (name === "proxy") this.handlers.proxy(data.kind);
         else if (name === "resync") this.handlers.resync();
       }, controller.signal);
     } catch (error) {

@@ -4,7 +4,7 @@
 //!
 //! It carries ids and states only, never content: a subscriber re-reads the conversation or
 //! dispatch through the ordinary API with its own token. Publishers are the API's writes
-//! (create, turn, tool result) and every dispatch hub ([`super::hub::Hub::observed`]: its
+//! (create, turn, tool result), the proxy's refusals and shadow records (`event: proxy`), and every dispatch hub ([`super::hub::Hub::observed`]: its
 //! `state` and `committed` events, including hubs that watch a dispatch another replica drives).
 //!
 //! Bounds: one broadcast ring of [`FEED_RING_EVENTS`] for the whole process (a subscriber that
@@ -50,6 +50,13 @@ pub enum Change {
         conversation_id: String,
         /// Its new state.
         state: String,
+    },
+    /// A proxy request was refused, or a shadow comparison was recorded (`kind`).
+    Proxy {
+        /// The tenant's store-id prefix.
+        tenant_prefix: String,
+        /// `refusal` or `shadow`.
+        kind: &'static str,
     },
 }
 
@@ -121,6 +128,9 @@ fn client_event(prefix: &str, change: &Change) -> Option<(&'static str, Value)> 
                 "dispatch",
                 json!({"operation_id": operation, "conversation_id": conversation, "state": state}),
             ))
+        }
+        Change::Proxy { tenant_prefix, kind } => {
+            (tenant_prefix == prefix).then(|| ("proxy", json!({"kind": kind})))
         }
     }
 }

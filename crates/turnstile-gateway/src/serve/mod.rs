@@ -240,6 +240,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     // attempts when their leases run out by the store's clock.
     let holder = config.replica_id.clone().unwrap_or_else(default_replica_id);
     CLOCK_OFFSET_MS.store(config.test_clock_offset_ms, std::sync::atomic::Ordering::Relaxed);
+    let feed = Arc::new(feed::Feed::new());
     let shared = Arc::new(Shared {
         ledger,
         client,
@@ -262,8 +263,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         prometheus,
         routes: config.routes.clone(),
         shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max, config.shadow_body_bytes_max),
-        feed: Arc::new(feed::Feed::new()),
-        refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max),
+        feed: feed.clone(),
+        refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max, feed),
     });
 
     recover(&shared, &shared.holder.clone(), 0).await?;

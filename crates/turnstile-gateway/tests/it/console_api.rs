@@ -312,15 +312,15 @@ fn proxy_refusals_are_kept_newest_first_with_codes_and_the_offending_block_and_s
     assert_eq!(response.status(), 200);
     let _ = response.text();
     let mut record = Value::Null;
-    for _ in 0..200 {
+    // A bounded poll of an observable state (the comparison runs beside the forward): at most
+    // 600 looks, 50 ms apart.
+    for _ in 0..600 {
         let diffs = gateway.get("/v1/shadow/diffs");
         if let Some(found) = diffs["diffs"].as_array().and_then(|list| list.first()) {
             record = found.clone();
             break;
         }
-        // Bounded poll of an observable state: the comparison runs beside the forward.
-        std::thread::yield_now();
-        let _ = gateway.get("/healthz");
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert_eq!(record["bodies"]["original"].as_str(), Some(original), "{record}");
     assert_eq!(record["bodies"]["original_truncated"], false);

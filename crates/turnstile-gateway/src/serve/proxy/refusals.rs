@@ -12,6 +12,7 @@
 
 use super::super::{Shared, now};
 use crate::serve::api::{self, ApiError, ErrorCode};
+use crate::serve::feed::{Change, Feed};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -45,6 +46,7 @@ struct Record {
 pub struct Refusals {
     records: Mutex<(u64, VecDeque<Record>)>,
     max: usize,
+    feed: Arc<Feed>,
 }
 
 /// Why the proxy refused a request.
@@ -136,11 +138,12 @@ fn offending(document: &Value, violations: &[Violation]) -> Vec<Value> {
 }
 
 impl Refusals {
-    /// Keep at most `max` refusals.
-    pub fn new(max: usize) -> Refusals {
+    /// Keep at most `max` refusals, announcing each on `feed`.
+    pub fn new(max: usize, feed: Arc<Feed>) -> Refusals {
         Refusals {
             records: Mutex::new((0, VecDeque::new())),
             max,
+            feed,
         }
     }
 
@@ -182,6 +185,11 @@ impl Refusals {
         while records.1.len() > self.max {
             records.1.pop_front();
         }
+        drop(records);
+        self.feed.publish(Change::Proxy {
+            tenant_prefix: refused.tenant_prefix.to_owned(),
+            kind: "refusal",
+        });
     }
 
     /// One tenant's refusals older than `before`, newest first, and the next page's `before`.

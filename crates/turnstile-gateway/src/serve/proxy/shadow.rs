@@ -126,6 +126,10 @@ pub async fn forward(
             let mut record = record;
             record["tenant_prefix"] = json!(tenant_prefix);
             shared.shadow.push(record);
+            shared.feed.publish(crate::serve::feed::Change::Proxy {
+                tenant_prefix,
+                kind: "shadow",
+            });
         });
     }
     let mut request = shared
