@@ -214,6 +214,10 @@ pub struct Drive {
     /// provider handle belongs to another manifest).
     replays: HashMap<Generation, u32>,
     replay_refused: HashSet<Generation>,
+    /// Why each generation stopped, noted when the driver sees it and written with the
+    /// transition that ends the attempt (the first cause since that write wins: a head
+    /// timeout closes the connection, which is not also a cut).
+    end_causes: HashMap<Generation, String>,
     stopped: bool,
     final_retract: Option<&'static str>,
     committed_turn: Option<Value>,
@@ -263,12 +267,26 @@ impl Drive {
 
     /// A driver for a dispatch whose active attempt is UNKNOWN (start-up recovery, the lease
     /// sweep, a takeover).
-    pub fn recovered(spec: DriveSpec, attempt: &UnknownAttempt, now: Timestamp) -> Drive {
-        let recovery = spec.recovery;
+    /// `spent`: what recovery already spent on that generation, by every driver (the store's
+    /// counts), so a sweep on another replica cannot resume or replay it without bound.
+    pub fn recovered(
+        spec: DriveSpec,
+        attempt: &UnknownAttempt,
+        spent: RecoverySpent,
+        now: Timestamp,
+    ) -> Drive {
+        let placeholder = DispatchMachine::new(prepared_of(&spec.basis), spec.lease_ms);
+        let mut drive = Drive::with_machine(spec, placeholder, DispatchState::Unknown, now);
+        drive.spent(attempt.generation, spent);
+        let recovery = drive.recovery_for(attempt.generation, attempt.provider_confirmed_ended);
         let decision = recovery_decision(attempt, recovery, now);
-        let machine =
-            DispatchMachine::recover(now, prepared_of(&spec.basis), spec.lease_ms, attempt, recovery);
-        let mut drive = Drive::with_machine(spec, machine, DispatchState::Unknown, now);
+        drive.machine = DispatchMachine::recover(
+            now,
+            prepared_of(&drive.spec.basis),
+            drive.spec.lease_ms,
+            attempt,
+            recovery,
+        );
         drive
             .idempotency_keys
             .insert(attempt.generation, attempt.idempotency_key.clone());
@@ -300,6 +318,7 @@ impl Drive {
             resumes: HashMap::new(),
             replays: HashMap::new(),
             replay_refused: HashSet::new(),
+            end_causes: HashMap::new(),
             stopped: false,
             final_retract: None,
             committed_turn: None,
@@ -507,6 +526,32 @@ impl Drive {
         self.actions.push_back(Action::Count(Count::Recovery(outcome)));
     }
 
+    /// Fold in what the store says recovery spent on `generation` (another driver may have
+    /// resumed or replayed it too).
+    fn spent(&mut self, generation: Generation, spent: RecoverySpent) {
+        let resumes = self.resumes.entry(generation).or_default();
+        *resumes = (*resumes).max(spent.resumes);
+        let replays = self.replays.entry(generation).or_default();
+        *replays = (*replays).max(spent.replays);
+    }
+
+    /// Pair assertion across the store boundary (on in release): what the driver was told when
+    /// it began (or recovered) `generation` is what it reads back.
+    fn read_back(&self, generation: Generation, idempotency_key: &str) {
+        if let Some(known) = self.idempotency_keys.get(&generation) {
+            assert_eq!(
+                known, idempotency_key,
+                "{} g{}: the store gave back another idempotency key than it began with",
+                self.spec.basis.operation_id, generation.0
+            );
+        }
+    }
+
+    /// Note why `generation` stopped (kept until the write that ends the attempt).
+    fn cause(&mut self, generation: Generation, reason: impl Into<String>) {
+        self.end_causes.entry(generation).or_insert_with(|| reason.into());
+    }
+
     fn gave_up(&self) -> bool {
         self.attempts_started >= ATTEMPTS_PER_DISPATCH_MAX || self.final_retract.is_some()
     }
@@ -675,10 +720,22 @@ impl Drive {
                     to: DispatchState::Streaming,
                 },
             ),
-            Write::Transition { generation, from, to } => (
-                StoreOp::Transition { generation, from, to },
-                WriteKind::Transition { from, to },
-            ),
+            Write::Transition { generation, from, to } => {
+                let ends = matches!(
+                    to,
+                    DispatchState::Unknown | DispatchState::Failed | DispatchState::Abandoned
+                );
+                let reason = if ends { self.end_causes.remove(&generation) } else { None };
+                (
+                    StoreOp::Transition {
+                        generation,
+                        from,
+                        to,
+                        reason,
+                    },
+                    WriteKind::Transition { from, to },
+                )
+            }
             Write::Replay {
                 generation,
                 lease_expires_at,
@@ -750,6 +807,16 @@ impl Drive {
                     idempotency_key,
                 },
             ) => {
+                // Pair assertion across the store boundary (on in release): generations only
+                // grow. The store allocates them one by one per dispatch, so a begin never
+                // answers a generation at or below one this driver already knows of.
+                assert!(
+                    generation.0 > self.attempts_started.max(self.machine.generation().map_or(0, |g| g.0)),
+                    "store answered generation {} for {} after {} attempts: generations only grow",
+                    generation.0,
+                    self.spec.basis.operation_id,
+                    self.attempts_started
+                );
                 // Generations are allocated one by one per dispatch by the store: the
                 // generation is the durable count of attempts, across restarts and replicas.
                 self.attempts_started = (self.attempts_started + 1).max(generation.0);
@@ -810,6 +877,14 @@ impl Drive {
                 StoreAnswer::LeaseLost
             }
             (WriteKind::Commit { .. }, StoreResult::Committed { revision }) => {
+                // Pair assertion (on in release): a commit lands at the answered revision + 1.
+                assert_eq!(
+                    revision.0,
+                    self.spec.basis.revision.0 + 1,
+                    "the commit of {} answering revision {} landed elsewhere",
+                    self.spec.basis.operation_id,
+                    self.spec.basis.revision.0
+                );
                 let from = self.state;
                 self.transitioned(from, DispatchState::Committed);
                 // The store appends the turn as offered, stamped with its revision: the client
@@ -857,6 +932,7 @@ impl Drive {
         // The manifest names the bytes by digest: anything else must never leave.
         if Digest::of_bytes(&self.spec.basis.request_bytes).as_str() != request_digest {
             self.actions.push_back(Action::Count(Count::IllegalSend));
+            self.cause(generation, "illegal_send");
             let handled = self
                 .machine
                 .handle_provider(self.now, generation, ProviderInput::Rejected);
@@ -925,6 +1001,7 @@ impl Drive {
                 // replay of the same key would bring the same handle back.
                 self.actions.push_back(Action::Count(Count::ForeignHandle));
                 self.replay_refused.insert(generation);
+                self.cause(generation, "foreign_handle");
                 let closed: Vec<ConnectionId> = self
                     .connections
                     .iter()
@@ -972,6 +1049,10 @@ impl Drive {
                 .find(|attempt| attempt.generation == generation),
             _ => None,
         };
+        if let Some(record) = &record {
+            self.read_back(generation, &record.idempotency_key);
+            self.spent(generation, record.spent);
+        }
         let Some(record) = record else {
             // No durable view of the attempt (a store failure, or it is gone): this driver
             // cannot decide recovery; stop and leave it to the lease sweep.
@@ -1069,6 +1150,17 @@ impl Drive {
                     .collect();
                 let connection_deadline = !expired.is_empty();
                 for connection in expired {
+                    if let Some(open) = self.connections.get(&connection) {
+                        let reason = if open.opened_at.plus_ms(timeouts.attempt_ms) <= now {
+                            "attempt_timeout"
+                        } else if open.status.is_none() {
+                            "head_timeout"
+                        } else {
+                            "idle_timeout"
+                        };
+                        let generation = open.generation;
+                        self.cause(generation, reason);
+                    }
                     self.actions.push_back(Action::Count(Count::Timeout));
                     self.actions.push_back(Action::Close { connection });
                     self.work.push_back(Work::ConnectionEnded {
@@ -1148,6 +1240,7 @@ impl Drive {
                     self.machine.state(),
                     DispatchState::Dispatching | DispatchState::Sent | DispatchState::Streaming
                 ) {
+                    self.cause(generation, if clean { "ended_without_stop" } else { "stream_cut" });
                     self.work.push_front(Work::Interruption {
                         generation,
                         provider_ended: clean,
@@ -1256,6 +1349,7 @@ impl Drive {
                     self.final_retract = Some(reason.code());
                 }
                 self.retract(generation, reason.code());
+                self.cause(generation, reason.code());
                 // Resuming or replaying a generation the assembler gave up on cannot commit it.
                 self.resume_refused.insert(generation);
                 self.replay_refused.insert(generation);
@@ -1313,11 +1407,13 @@ impl Drive {
             // generation; it is interrupted like any other. A refused resume says nothing about
             // whether the response still runs: it is not a confirmed end.
             self.resume_refused.insert(generation);
+            self.cause(generation, "resume_refused");
         } else if failed {
             let code = match open.status {
                 Some(status) => format!("provider_status_{status}"),
                 None => "provider_unreachable".to_owned(),
             };
+            self.cause(generation, code.clone());
             self.emit(DriveEvent::Error {
                 code,
                 message: error_message("provider_status"),

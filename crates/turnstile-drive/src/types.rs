@@ -37,6 +37,19 @@ pub struct AttemptView {
     pub idempotency_key: String,
     /// When its lease runs out.
     pub lease_expires_at: Timestamp,
+    /// What recovery already spent on it, by every driver.
+    pub spent: RecoverySpent,
+}
+
+/// Resumes and replays already made of one generation, by every driver on every replica (the
+/// store counts them in the take-over writes), so the per-generation budgets hold across
+/// drivers, restarts and replicas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecoverySpent {
+    /// Resumes by handle.
+    pub resumes: u32,
+    /// Replays with the same idempotency key.
+    pub replays: u32,
 }
 
 /// A store operation the pump performs through `turnstile_store::drive::perform`, then answers
@@ -60,6 +73,9 @@ pub enum StoreOp {
         from: DispatchState,
         /// To.
         to: DispatchState,
+        /// Why the attempt stopped, when this transition ends it (UNKNOWN, FAILED, ABANDONED):
+        /// stored as the attempt's `end_reason`.
+        reason: Option<String>,
     },
     /// UNKNOWN → DISPATCHING under the same generation.
     Replay {

@@ -2,12 +2,8 @@
 //! under `cli/`; exit statuses come from one table, [`cli::Exit`].
 #![forbid(unsafe_code)]
 
-mod cli;
-mod console;
-mod serve;
-mod sim;
-
 use clap::{Parser, Subcommand};
+use turnstile_gateway::cli;
 use std::process::ExitCode;
 
 /// Turnstile: every request to a model provider legal and complete; every response committed

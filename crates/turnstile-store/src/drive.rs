@@ -8,7 +8,7 @@ use crate::{
 };
 use std::sync::Arc;
 use turnstile_core::dispatch::Timestamp;
-use turnstile_drive::{AttemptView, DispatchBasis, StoreOp, StoreResult};
+use turnstile_drive::{AttemptView, DispatchBasis, RecoverySpent, StoreOp, StoreResult};
 
 /// What the driver needs of a stored dispatch.
 pub fn basis_of(record: &DispatchRecord) -> DispatchBasis {
@@ -100,11 +100,19 @@ pub async fn perform(
                 .resume_attempt(operation_id, *generation, &lease(*lease_expires_at), now)
                 .await,
         ),
-        StoreOp::Transition { generation, from, to } => transition(
-            ledger
-                .transition(operation_id, *generation, *from, *to, now)
-                .await,
-        ),
+        StoreOp::Transition {
+            generation,
+            from,
+            to,
+            reason,
+        } => transition(match reason {
+            Some(reason) => {
+                ledger
+                    .end_attempt(operation_id, *generation, *from, *to, reason, now)
+                    .await
+            }
+            None => ledger.transition(operation_id, *generation, *from, *to, now).await,
+        }),
         StoreOp::Replay {
             generation,
             lease_expires_at,
@@ -191,6 +199,7 @@ pub async fn perform(
                 attempts
                     .into_iter()
                     .map(|attempt| AttemptView {
+                        spent: spent_of(&attempt),
                         generation: attempt.generation,
                         handle: attempt.handle,
                         idempotency_key: attempt.idempotency_key,
@@ -200,6 +209,14 @@ pub async fn perform(
             ),
             Err(error) => failed(error),
         },
+    }
+}
+
+/// What recovery already spent on a stored attempt.
+pub fn spent_of(attempt: &crate::AttemptRecord) -> RecoverySpent {
+    RecoverySpent {
+        resumes: attempt.resumes,
+        replays: attempt.replays,
     }
 }
 
@@ -265,6 +282,8 @@ pub enum Recoverable {
         record: DispatchRecord,
         /// Its UNKNOWN attempt, its lease in the caller's clock.
         attempt: turnstile_core::dispatch::UnknownAttempt,
+        /// What recovery already spent on that attempt (for `Drive::recovered`).
+        spent: RecoverySpent,
     },
     /// PREPARED and not touched for a lease: `Drive::new` (its begin is a compare-and-set,
     /// so a driver that is about to begin it elsewhere loses nothing).
@@ -322,6 +341,7 @@ pub async fn recoverable(
                 lease_expires_at: clocks.to_caller(attempt.lease_expires_at),
                 provider_confirmed_ended: false,
             },
+            spent: spent_of(&attempt),
         });
     }
     for operation_id in ledger

@@ -130,6 +130,18 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
+    /// [`Ledger::transition`] that also records why the attempt stopped (its `end_reason`),
+    /// in the same transaction.
+    async fn end_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
     /// UNKNOWN → DISPATCHING for the same generation (replay with the same idempotency key).
     async fn replay_attempt(
         &self,

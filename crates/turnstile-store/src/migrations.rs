@@ -36,6 +36,12 @@ pub const MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0003_dispatch_outcome.sql"),
     },
     Migration {
+        version: 4,
+        name: "attempt_story",
+        sqlite: include_str!("../migrations/sqlite/0004_attempt_story.sql"),
+        postgres: include_str!("../migrations/postgres/0004_attempt_story.sql"),
+    },
+    Migration {
         version: 5,
         name: "conversation_listing",
         sqlite: include_str!("../migrations/sqlite/0005_conversation_listing.sql"),

@@ -656,14 +656,48 @@ pub(crate) async fn transition<T: Tx>(
     to: DispatchState,
     now: Timestamp,
 ) -> Result<TransitionOutcome, StoreError> {
+    end_attempt(tx, operation_id, generation, from, to, None, now).await
+}
+
+/// A plain transition that also records why the attempt stopped (`reason`), in the same
+/// transaction, so the attempt's story survives the process that saw it.
+pub(crate) async fn end_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    to: DispatchState,
+    reason: Option<&str>,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
     if !is_plain_transition(from, to) {
         return Err(StoreError::IllegalTransition { from, to });
     }
-    if move_both(tx, operation_id, generation, from, to, now).await? {
-        Ok(TransitionOutcome::Applied)
-    } else {
-        refused(tx, operation_id).await
+    if !move_both(tx, operation_id, generation, from, to, now).await? {
+        return refused(tx, operation_id).await;
     }
+    if let Some(reason) = reason {
+        set_end_reason(tx, operation_id, generation, reason).await?;
+    }
+    Ok(TransitionOutcome::Applied)
+}
+
+/// Longest stored end reason (a reason is a code, not a message).
+const END_REASON_MAX: usize = 64;
+
+async fn set_end_reason<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    reason: &str,
+) -> Result<(), StoreError> {
+    let reason: String = reason.chars().take(END_REASON_MAX).collect();
+    tx.execute(
+        "UPDATE attempts SET end_reason = $3 WHERE operation_id = $1 AND generation = $2",
+        &[operation_id.into(), generation.0.into(), reason.as_str().into()],
+    )
+    .await?;
+    Ok(())
 }
 
 pub(crate) async fn replay_attempt<T: Tx>(
@@ -708,8 +742,17 @@ async fn take_over<T: Tx>(
     if !move_both(tx, operation_id, generation, DispatchState::Unknown, to, now).await? {
         return refused(tx, operation_id).await;
     }
+    // Every take-over is counted on the attempt, whoever makes it: the resume and replay
+    // budgets are per generation across drivers, restarts and replicas. A live attempt has
+    // no end reason (its earlier stop stays visible in its history).
+    let counter = if to == DispatchState::Streaming { "resumes" } else { "replays" };
+    let sql = format!(
+        "UPDATE attempts SET lease_holder = $3, lease_expires_at = $4, {counter} = {counter} + 1, \
+         end_reason = NULL \
+         WHERE operation_id = $1 AND generation = $2"
+    );
     tx.execute(
-        "UPDATE attempts SET lease_holder = $3, lease_expires_at = $4 WHERE operation_id = $1 AND generation = $2",
+        &sql,
         &[
             operation_id.into(),
             generation.0.into(),
@@ -732,7 +775,9 @@ pub(crate) async fn abandon_and_rearm<T: Tx>(
     // That is part of the condition, so no replica can start a new generation early.
     let attempt = tx
         .query(
-            "UPDATE attempts SET state = 'ABANDONED' WHERE operation_id = $1 AND generation = $2 \
+            "UPDATE attempts SET state = 'ABANDONED', \
+             confirmed_over = CASE WHEN lease_expires_at <= $3 THEN 'lease_expired' ELSE 'provider_ended' END \
+             WHERE operation_id = $1 AND generation = $2 \
              AND state = 'UNKNOWN' AND (lease_expires_at <= $3 OR $4 = 1) \
              AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
                          AND d.active_generation = $2 AND d.state = 'UNKNOWN') \
@@ -910,7 +955,8 @@ pub(crate) async fn cancel<T: Tx>(
     let attempt_generation = if state.is_live() { generation } else { None };
     if let Some(generation) = attempt_generation {
         tx.execute(
-            "UPDATE attempts SET state = 'ABANDONED' WHERE operation_id = $1 AND generation = $2 AND state = $3",
+            "UPDATE attempts SET state = 'ABANDONED', end_reason = COALESCE(end_reason, 'cancelled') \
+             WHERE operation_id = $1 AND generation = $2 AND state = $3",
             &[operation_id.into(), generation.0.into(), state.as_str().into()],
         )
         .await?;
@@ -1032,10 +1078,12 @@ pub(crate) async fn commit<T: Tx>(
                 now,
             )
             .await?;
+            set_end_reason(tx, operation_id, generation, "revision_moved").await?;
         }
         return Ok(refuse(reason));
     }
     tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
+    set_end_reason(tx, operation_id, generation, "committed").await?;
     tx.execute(
         "UPDATE dispatches SET committed_revision = $2, outcome = $3 WHERE operation_id = $1",
         &[
@@ -1478,7 +1526,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
 // ---------------------------------------------------------------------------------------------
 // Attempts, recovery, counters
 
-const ATTEMPT_COLUMNS: &str = "operation_id, generation, state, idempotency_key, request_digest, handle, lease_holder, lease_expires_at";
+const ATTEMPT_COLUMNS: &str = "operation_id, generation, state, idempotency_key, request_digest, handle, lease_holder, lease_expires_at, resumes, replays, end_reason, confirmed_over";
 
 async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord, StoreError> {
     let operation_id = row.text(0)?;
@@ -1503,6 +1551,10 @@ async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord,
         lease_holder: row.text(6)?,
         lease_expires_at: Timestamp(row.uint(7)?),
         history,
+        resumes: u32::try_from(row.uint(8)?).unwrap_or(u32::MAX),
+        replays: u32::try_from(row.uint(9)?).unwrap_or(u32::MAX),
+        end_reason: row.text_opt(10)?,
+        confirmed_over: row.text_opt(11)?,
     })
 }
 
@@ -1540,7 +1592,13 @@ pub(crate) async fn recover_startup<T: Tx>(
         let operation_id = row.text(0)?;
         let generation = Generation(row.uint(1)?);
         let from = state_of(&row.text(2)?)?;
+        // Why it stopped: its lease ran out (its driver is gone), or this replica restarted.
+        let story = "UPDATE attempts SET end_reason = CASE WHEN lease_expires_at <= $3 \
+                     THEN 'lease_expired' ELSE 'replica_restarted' END \
+                     WHERE operation_id = $1 AND generation = $2";
         if move_both(tx, &operation_id, generation, from, DispatchState::Unknown, now).await? {
+            tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
+                .await?;
             marked_unknown += 1;
         } else {
             // Not the active generation any more: mark only the attempt.
@@ -1560,6 +1618,8 @@ pub(crate) async fn recover_startup<T: Tx>(
                     now,
                 )
                 .await?;
+                tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
+                    .await?;
                 marked_unknown += 1;
             }
         }

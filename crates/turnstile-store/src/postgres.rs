@@ -366,6 +366,26 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn end_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::end_attempt(
+            &mut tx,
+            operation_id,
+            generation,
+            from,
+            to,
+            Some(reason),
+            now
+        ))
+    }
+
     async fn replay_attempt(
         &self,
         operation_id: &str,

@@ -444,6 +444,22 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn end_attempt(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        to: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, reason) = (operation_id.to_owned(), reason.to_owned());
+        self.run(move |tx| {
+            block_on_ready(ops::end_attempt(tx, &op, generation, from, to, Some(&reason), now))
+        })
+        .await
+    }
+
     async fn replay_attempt(
         &self,
         operation_id: &str,

@@ -114,6 +114,16 @@ pub struct AttemptRecord {
     pub lease_expires_at: Timestamp,
     /// Every state it went through, with the time passed in.
     pub history: Vec<(DispatchState, Timestamp)>,
+    /// Resumes by handle made of it, by every driver (the per-generation budget).
+    pub resumes: u32,
+    /// Replays with its idempotency key made of it, by every driver.
+    pub replays: u32,
+    /// Why it last stopped (`stream_cut`, `head_timeout`, `resume_refused`,
+    /// `provider_status_503`, `lease_expired`, `committed`, …); None while nothing stopped it.
+    pub end_reason: Option<String>,
+    /// How its end was confirmed before a new generation: `lease_expired` (by the store's
+    /// clock) or `provider_ended` (the provider's own word).
+    pub confirmed_over: Option<String>,
 }
 
 /// Answer of `prepare`.

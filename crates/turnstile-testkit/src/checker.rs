@@ -142,6 +142,26 @@ impl World {
         }
     }
 
+    /// Every provider request of an operation (first sends, replays and resumes, by every
+    /// driver on every replica, across restarts) is within the budgets: each attempt is sent
+    /// once and replayed and resumed at most their per-generation caps.
+    pub(crate) fn check_provider_requests(&mut self, op: &str) {
+        self.report.checks += 1;
+        let made = self.history.provider_requests.get(op).copied().unwrap_or(0);
+        let per_attempt = 1
+            + u64::from(turnstile_drive::REPLAYS_PER_GENERATION_MAX)
+            + u64::from(turnstile_drive::RESUMES_PER_GENERATION_MAX);
+        let bound = crate::world::ATTEMPTS_PER_DISPATCH_MAX * per_attempt;
+        if made > bound {
+            let step = self.step;
+            self.report.violate(
+                step,
+                Invariant::AttemptBudget,
+                format!("{op}: {made} provider requests, over the budget of {bound}"),
+            );
+        }
+    }
+
     /// The invariants over the committed state, after every step.
     /// A step that changed neither the store nor what executors saw cannot change these
     /// invariants: it is skipped (sends are checked at the send itself).

@@ -41,8 +41,14 @@ pub const REPLICAS: usize = 2;
 pub const SWEEP_HOLDER: &str = "turnstile-sweep";
 /// Attempt lease.
 pub const LEASE_MS: u64 = 5_000;
+/// How often each replica sweeps (the gateway's own period for this lease).
+pub const SWEEP_PERIOD_MS: u64 = turnstile_store::drive::sweep_period_ms(LEASE_MS);
 /// Slack on "every UNKNOWN resolves within lease + ε" in the liveness phase.
 pub const EPSILON_MS: u64 = 1_000;
+/// Liveness: once faults heal, every operation is terminal within this much virtual time. An
+/// attempt in flight may stream up to its deadline, its lease then runs out, and a sweep
+/// (every [`SWEEP_PERIOD_MS`]) finds it.
+pub const LIVENESS_BOUND_MS: u64 = TIMEOUTS.attempt_ms + LEASE_MS + SWEEP_PERIOD_MS + EPSILON_MS;
 /// The conversation every seed works on.
 pub const CONVERSATION_ID: &str = "dst-conversation";
 /// Most steps of one phase (a run that needs more is a liveness finding).
@@ -108,6 +114,9 @@ struct Replica {
     /// Restarts so far: each incarnation is a new process with a new lease-holder id (the
     /// gateway's default replica id is unique per process).
     incarnation: u64,
+    /// When its next lease sweep runs (virtual time): every replica sweeps every
+    /// [`SWEEP_PERIOD_MS`] beside its live drivers, as `serve/mod.rs::sweep` does.
+    sweep_at: u64,
 }
 
 /// What the checker remembers beyond the store.
@@ -134,6 +143,8 @@ pub(crate) struct History {
     /// (operation, generation) the provider is known to have ended (an error status, or a
     /// body delivered to its clean end): nothing of it runs any more.
     pub(crate) provider_over: HashSet<(String, u64)>,
+    /// Provider requests (sends, replays and resumes) per operation, across restarts.
+    pub(crate) provider_requests: HashMap<String, u64>,
 }
 
 impl History {
@@ -282,6 +293,8 @@ impl World {
                 .map(|index| Replica {
                     skew_ms: if index == 0 { 0 } else { skew_ms },
                     incarnation: 0,
+                    // Staggered: the replicas' sweeps do not run in lock step.
+                    sweep_at: 1_000_000 + SWEEP_PERIOD_MS * (index as u64 + 1) / REPLICAS as u64,
                 })
                 .collect(),
             limbo: Vec::new(),
@@ -701,6 +714,7 @@ impl World {
                 generation,
                 from: DispatchState::Unknown,
                 to: DispatchState::Streaming,
+                reason: None,
             };
         }
         // Faults on reads as well as writes.
@@ -747,6 +761,12 @@ impl World {
         request: Request,
     ) {
         let resume = matches!(request, Request::Resume { .. });
+        *self
+            .history
+            .provider_requests
+            .entry(driver.op.clone())
+            .or_default() += 1;
+        self.check_provider_requests(&driver.op);
         let answer = match request {
             Request::Send { idempotency_key } => {
                 let mut body = driver.drive.request_bytes().as_ref().clone();
@@ -1052,13 +1072,21 @@ impl World {
                 continue;
             }
             match found {
-                turnstile_store::drive::Recoverable::Unknown { record, attempt } => {
+                turnstile_store::drive::Recoverable::Unknown {
+                    record,
+                    attempt,
+                    mut spent,
+                } => {
                     self.trace(format!(
-                        "{op} recovered in UNKNOWN g{} on replica {replica}",
+                        "{op} recovered in UNKNOWN g{} on replica {replica} (spent {spent:?})",
                         attempt.generation.0
                     ));
+                    if self.bugs.recovery_budget_per_driver {
+                        // Planted defect: each new driver starts with a fresh budget.
+                        spent = turnstile_drive::RecoverySpent::default();
+                    }
                     let spec = self.spec_for(&record);
-                    let drive = Drive::recovered(spec, &attempt, self.local_now(replica));
+                    let drive = Drive::recovered(spec, &attempt, spent, self.local_now(replica));
                     self.start_driver(SimDriver { op, drive, replica });
                 }
                 turnstile_store::drive::Recoverable::Prepared { record } => {
@@ -1093,6 +1121,7 @@ impl World {
                 !(self.bugs.no_lease_timer && self.drivers[*index].drive.state() == DispatchState::Unknown)
             })
             .min();
+        let sweep = self.next_sweep();
         let ids = self.deliverable();
         if !ids.is_empty() {
             if let Some((at, index)) = due
@@ -1101,18 +1130,30 @@ impl World {
                 self.fire(index);
                 return true;
             }
+            if let Some((at, replica)) = sweep
+                && at <= self.now
+            {
+                self.sweep(replica);
+                return true;
+            }
             let id = ids[self.rng.index(ids.len())];
             self.now += self.rng.below(DELIVERY_MS_MAX);
             self.deliver(id);
             return true;
         }
-        if let Some((at, index)) = due {
-            self.now = self.now.max(at);
-            self.fire(index);
-            return true;
+        match (due, sweep) {
+            (Some((at, index)), sweep) if sweep.is_none_or(|(sweep_at, _)| at <= sweep_at) => {
+                self.now = self.now.max(at);
+                self.fire(index);
+                true
+            }
+            (_, Some((at, replica))) => {
+                self.now = self.now.max(at);
+                self.sweep(replica);
+                true
+            }
+            _ => false,
         }
-        // Nothing scheduled: the lease sweep finds attempts whose lease ran out.
-        self.sweep()
     }
 
     fn fire(&mut self, index: usize) {
@@ -1122,46 +1163,31 @@ impl World {
         self.drivers.push(driver);
     }
 
-    /// The lease sweep of a random replica, once the earliest lease of an undriven attempt ran
-    /// out (or a lease after an undriven PREPARED dispatch was seen).
-    fn sweep(&mut self) -> bool {
-        let mut expiry: Option<u64> = None;
-        for op in self.ops.clone() {
-            if self.drivers.iter().any(|driver| driver.op == op) {
-                continue;
-            }
-            for attempt in store!(self, attempts(&op)).unwrap_or_default() {
-                if attempt.state.is_live() {
-                    let at = attempt.lease_expires_at.0;
-                    expiry = Some(expiry.map_or(at, |e: u64| e.min(at)));
-                }
-            }
-            if let Ok(Some(record)) = store!(self, dispatch(&op))
-                && record.state == DispatchState::Prepared
-            {
-                // Stamped by a replica's own clock: at most one skew plus a lease away.
-                let at = self.now + LEASE_MS;
-                expiry = Some(expiry.map_or(at, |e: u64| e.min(at)));
-            }
+    /// The replica whose periodic sweep is next, while any operation is not over (a quiet
+    /// system with every operation ended has nothing to sweep; the client moves next).
+    fn next_sweep(&mut self) -> Option<(u64, usize)> {
+        if !self.operations_open() {
+            return None;
         }
-        let Some(at) = expiry else {
-            return false;
-        };
-        let drivers_before = self.drivers.len();
-        self.now = self.now.max(at);
-        let replica = self.rng.index(REPLICAS);
-        self.trace(format!("lease sweep on replica {replica}"));
-        self.recover(replica, SWEEP_HOLDER, LEASE_MS);
-        self.drivers.len() > drivers_before || self.crashed || self.sweeps_left_waiting()
+        (0..REPLICAS)
+            .filter(|replica| !self.dead(*replica))
+            .map(|replica| (self.replicas[replica].sweep_at, replica))
+            .min()
     }
 
-    /// Undriven PREPARED dispatches may need a few sweeps (their stamp is a replica's clock):
-    /// keep sweeping while some are left, within the phase's step bound.
-    fn sweeps_left_waiting(&mut self) -> bool {
+    /// Some operation's dispatch is not in a terminal state.
+    fn operations_open(&mut self) -> bool {
         self.ops.clone().into_iter().any(|op| {
-            !self.drivers.iter().any(|driver| driver.op == op)
-                && matches!(store!(self, dispatch(&op)), Ok(Some(record)) if record.state == DispatchState::Prepared)
+            !matches!(store!(self, dispatch(&op)), Ok(Some(record)) if record.state.is_terminal())
         })
+    }
+
+    /// One replica's lease sweep (`serve/mod.rs::sweep`): attempts whose lease ran out by the
+    /// store's clock, and PREPARED dispatches nobody touched for a lease.
+    fn sweep(&mut self, replica: usize) {
+        self.replicas[replica].sweep_at = self.now + SWEEP_PERIOD_MS;
+        self.trace(format!("lease sweep on replica {replica}"));
+        self.recover(replica, SWEEP_HOLDER, LEASE_MS);
     }
 
     /// The client's next move when the system is quiet. False when the run is over.
@@ -1384,8 +1410,8 @@ impl World {
                 }
                 self.check();
                 if phase == Phase::Liveness
-                    && self.now > phase_start + LEASE_MS + EPSILON_MS
-                    && self.unknown_count() > 0
+                    && self.now > phase_start + LIVENESS_BOUND_MS
+                    && self.operations_open()
                 {
                     break;
                 }

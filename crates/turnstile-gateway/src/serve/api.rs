@@ -1178,6 +1178,8 @@ pub async fn get_dispatch(
         .into_iter()
         .map(|attempt| {
             json!({"generation": attempt.generation.0, "state": attempt.state.as_str(), "handle": attempt.handle,
+                   "end_reason": attempt.end_reason, "confirmed_over": attempt.confirmed_over,
+                   "resumes": attempt.resumes, "replays": attempt.replays,
                    "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
         })
         .collect();

@@ -75,9 +75,14 @@ pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
 }
 
 /// Drive a dispatch whose active attempt is UNKNOWN (start-up recovery or a takeover).
-pub async fn drive_recovered(shared: Arc<Shared>, ctx: DriveContext, attempt: UnknownAttempt) {
+pub async fn drive_recovered(
+    shared: Arc<Shared>,
+    ctx: DriveContext,
+    attempt: UnknownAttempt,
+    spent: turnstile_drive::RecoverySpent,
+) {
     let spec = spec_of(&shared, &ctx).await;
-    let drive = Drive::recovered(spec, &attempt, now());
+    let drive = Drive::recovered(spec, &attempt, spent, now());
     run(shared, ctx, drive).await;
 }
 

@@ -316,13 +316,15 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
             hub
         };
         let (record, attempt) = match found {
-            turnstile_store::drive::Recoverable::Unknown { record, attempt } => (record, Some(attempt)),
+            turnstile_store::drive::Recoverable::Unknown { record, attempt, spent } => {
+                (record, Some((attempt, spent)))
+            }
             turnstile_store::drive::Recoverable::Prepared { record } => (record, None),
         };
         match api::context_for(shared, record, hub.clone()).await {
             Ok(ctx) => match attempt {
-                Some(unknown) => {
-                    tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown));
+                Some((unknown, spent)) => {
+                    tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown, spent));
                 }
                 None => {
                     tracing::info!(%operation_id, "driving a PREPARED dispatch nobody drives");

@@ -386,6 +386,15 @@ fn a_cut_stream_is_retracted_and_a_new_attempt_re_sends_the_same_bytes_and_commi
     assert_eq!(attempts.len(), 2);
     assert_eq!(attempts[0]["state"], "ABANDONED");
     assert_eq!(attempts[1]["state"], "COMMITTED");
+    // Why each attempt ended is durable and shown: the cut, how its end was confirmed before
+    // the new generation, and the commit.
+    // (The assembler's own code for a body that stopped before its stop signal.)
+    assert_eq!(attempts[0]["end_reason"], "cut_stream", "{dispatch}");
+    assert!(
+        ["lease_expired", "provider_ended"].contains(&attempts[0]["confirmed_over"].as_str().unwrap_or("")),
+        "{dispatch}"
+    );
+    assert_eq!(attempts[1]["end_reason"], "committed", "{dispatch}");
     assert_eq!(gateway.metric("turnstile_preview_retractions_total"), 1.0);
     assert!(gateway.metric(r#"turnstile_handle_recoveries_total{outcome="new_generation"}"#) >= 1.0);
     let calls = gateway.get("/v1/tool-calls?state=ready")["tool_calls"]
@@ -1187,6 +1196,9 @@ fn a_provider_that_never_answers_is_bounded_by_the_head_timeout_and_the_dispatch
         "attempts within the budget: {dispatch}"
     );
     assert!(gateway.metric("turnstile_provider_timeouts_total") >= attempts.len() as f64);
+    for attempt in attempts {
+        assert_eq!(attempt["end_reason"], "head_timeout", "{dispatch}");
+    }
     assert_eq!(gateway.get("/v1/conversations/c-silent")["revision"], 1);
     assert_safety_metrics_zero(&gateway);
 }

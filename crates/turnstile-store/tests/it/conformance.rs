@@ -57,10 +57,117 @@ suite!(
     an_import_writes_a_whole_legal_history_at_once_or_nothing,
     the_store_clock_is_the_database_s_own,
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
+    an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_writes_them,
     conversations_are_listed_newest_first_paged_searched_and_tenant_scoped,
     conversation_listing_filters_by_last_dispatch_and_pending_calls,
     the_quarantine_pages_newest_first_within_a_prefix,
 );
+
+/// The per-generation recovery budgets and the attempt's story live in the store: every
+/// take-over counts (whoever makes it), an ending transition records its reason, a rearm
+/// records how the end was confirmed, and the commit records `committed`.
+pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_writes_them(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    let fresh = &store.attempts("op-1").await.unwrap()[0];
+    assert_eq!((fresh.resumes, fresh.replays, fresh.end_reason.as_deref()), (0, 0, None));
+    let ledger: &dyn Ledger = &*store;
+    let unknown = |reason: &'static str, from: DispatchState| async move {
+        ledger
+            .end_attempt("op-1", generation, from, DispatchState::Unknown, reason, at(20))
+            .await
+            .unwrap()
+    };
+    assert_eq!(unknown("stream_cut", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    assert_eq!(
+        store.attempts("op-1").await.unwrap()[0].end_reason.as_deref(),
+        Some("stream_cut")
+    );
+    // Two replicas take it over in turn: both take-overs are counted on the attempt.
+    let _ = store
+        .replay_attempt("op-1", generation, &lease("replica-b", 9_000), at(21))
+        .await
+        .unwrap();
+    assert_eq!(unknown("head_timeout", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    let _ = store
+        .resume_attempt("op-1", generation, &lease("replica-c", 9_000), at(22))
+        .await
+        .unwrap();
+    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    let attempt = &store.attempts("op-1").await.unwrap()[0];
+    assert_eq!((attempt.resumes, attempt.replays), (1, 1));
+    assert_eq!(attempt.end_reason.as_deref(), Some("resume_refused"));
+    // While it runs again it has no end reason.
+    let _ = store
+        .resume_attempt("op-1", generation, &lease("replica-c", 9_000), at(22))
+        .await
+        .unwrap();
+    assert_eq!(store.attempts("op-1").await.unwrap()[0].end_reason, None);
+    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    // A refused take-over counts nothing.
+    assert!(matches!(
+        store
+            .resume_attempt("op-1", generation, &lease("replica-d", 9_000), at(23))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    ));
+    assert!(matches!(
+        store
+            .resume_attempt("op-1", generation, &lease("replica-d", 9_000), at(24))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert_eq!(store.attempts("op-1").await.unwrap()[0].resumes, 3);
+    // The provider's word ends it before its lease: recorded as such.
+    assert_eq!(unknown("ended_without_stop", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        store
+            .abandon_and_rearm("op-1", generation, true, at(25))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    let attempt = &store.attempts("op-1").await.unwrap()[0];
+    assert_eq!(attempt.state, DispatchState::Abandoned);
+    assert_eq!(attempt.confirmed_over.as_deref(), Some("provider_ended"));
+    assert_eq!(attempt.end_reason.as_deref(), Some("ended_without_stop"));
+    // The next generation commits: its reason is `committed`.
+    let store_now = store.store_now().await.unwrap().0;
+    let next = match store
+        .begin_attempt(
+            "op-1",
+            BeginExpect {
+                revision: Revision(1),
+                cancel_generation: 0,
+            },
+            &Lease {
+                holder: "replica-a".into(),
+                expires_at: at(store_now + 600_000),
+            },
+            at(26),
+        )
+        .await
+        .unwrap()
+    {
+        BeginOutcome::Began { generation, .. } => generation,
+        other => panic!("second begin: {other:?}"),
+    };
+    to_streaming(&*store, "op-1", next).await;
+    let committed = store
+        .commit("op-1", next, Revision(1), &assistant_turn("a", 0), at(27))
+        .await
+        .unwrap();
+    assert!(matches!(committed, CommitOutcome::Committed { .. }), "{committed:?}");
+    let attempts = store.attempts("op-1").await.unwrap();
+    assert_eq!(attempts[1].end_reason.as_deref(), Some("committed"));
+    assert_eq!((attempts[1].resumes, attempts[1].replays), (0, 0));
+}
 
 /// `stuck_age_ms`: 0 on a fresh store and for an attempt whose lease runs; the time past the
 /// lease for one whose lease ran out by the store's clock; 0 again once it is over.
