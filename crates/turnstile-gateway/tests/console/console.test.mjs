@@ -208,8 +208,13 @@ try {
   assert.match(await page.locator("table.diff").innerText(), /compare me/);
 
   // 10. Layout from wide to narrow with long content and the dispatch view open.
+  // A retry's reason is durable: after a reload (deep link to the dispatch) it is still shown.
   await page.goto(base + "/#/c/c-console/d/op-console");
+  await page.reload();
   await page.getByRole("heading", { name: "Attempts" }).waitFor(WAIT);
+  const first = page.getByRole("listitem").filter({ hasText: /^Generation 1/ });
+  await first.getByText(/^Ended: the provider's stream was cut \(cut_stream\)$/).waitFor(WAIT);
+  await page.getByRole("listitem").filter({ hasText: /^Generation 2/ }).getByText(/^Ended: .*\(committed\)$/).waitFor(WAIT);
   await noOverflow("1440 px");
   await page.screenshot({ path: process.env.SCREENSHOT_DIR + "/console-desktop.png" });
   for (const width of [390, 360]) {
