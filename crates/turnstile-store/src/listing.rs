@@ -11,11 +11,11 @@
 //! the first page, never duplicated within one walk of older pages.
 
 use crate::error::StoreError;
-use crate::ops::json_of;
+use crate::ops::quarantine_record;
 use crate::sql::{Dialect, SqlValue, Tx};
-use crate::types::{QuarantineEntry, QuarantineRecord};
+use crate::types::QuarantineRecord;
+use turnstile_core::Revision;
 use turnstile_core::dispatch::{DispatchState, Timestamp};
-use turnstile_core::{Generation, Revision};
 
 /// Most conversations one listing page answers (the spec's `limit` maximum).
 pub const CONVERSATIONS_PAGE_MAX: u64 = 500;
@@ -231,18 +231,7 @@ pub(crate) async fn quarantine_page<T: Tx>(
     let rows = tx.query(&sql, &params.0).await?;
     let mut entries = rows
         .iter()
-        .map(|row| {
-            Ok(QuarantineRecord {
-                id: row.int(0)?,
-                entry: QuarantineEntry {
-                    operation_id: row.text(1)?,
-                    generation: Generation(row.uint(2)?),
-                    reason: row.text(3)?,
-                    content: json_of(&row.text(4)?)?,
-                },
-                at: Timestamp(row.uint(5)?),
-            })
-        })
+        .map(quarantine_record)
         .collect::<Result<Vec<_>, StoreError>>()?;
     let next = if entries.len() as u64 > limit {
         entries.truncate(limit as usize);

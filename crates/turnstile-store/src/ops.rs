@@ -24,7 +24,7 @@ fn state_of(text: &str) -> Result<DispatchState, StoreError> {
     DispatchState::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown state {text:?}")))
 }
 
-pub(crate) fn json_of(text: &str) -> Result<Value, StoreError> {
+fn json_of(text: &str) -> Result<Value, StoreError> {
     serde_json::from_str(text).map_err(|error| StoreError::Corrupt(format!("stored JSON: {error}")))
 }
 
@@ -745,7 +745,11 @@ async fn take_over<T: Tx>(
     // Every take-over is counted on the attempt, whoever makes it: the resume and replay
     // budgets are per generation across drivers, restarts and replicas. A live attempt has
     // no end reason (its earlier stop stays visible in its history).
-    let counter = if to == DispatchState::Streaming { "resumes" } else { "replays" };
+    let counter = if to == DispatchState::Streaming {
+        "resumes"
+    } else {
+        "replays"
+    };
     let sql = format!(
         "UPDATE attempts SET lease_holder = $3, lease_expires_at = $4, {counter} = {counter} + 1, \
          end_reason = NULL \
@@ -1195,20 +1199,22 @@ pub(crate) async fn quarantined<T: Tx>(tx: &mut T, limit: u64) -> Result<Vec<Qua
             &[limit.into()],
         )
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(QuarantineRecord {
-                id: row.int(0)?,
-                entry: QuarantineEntry {
-                    operation_id: row.text(1)?,
-                    generation: Generation(row.uint(2)?),
-                    reason: row.text(3)?,
-                    content: json_of(&row.text(4)?)?,
-                },
-                at: Timestamp(row.uint(5)?),
-            })
-        })
-        .collect()
+    rows.iter().map(quarantine_record).collect()
+}
+
+/// A quarantine row as selected by [`quarantined`] and `listing::quarantine_page`
+/// (`id, operation_id, generation, reason, content, at`).
+pub(crate) fn quarantine_record(row: &Row) -> Result<QuarantineRecord, StoreError> {
+    Ok(QuarantineRecord {
+        id: row.int(0)?,
+        entry: QuarantineEntry {
+            operation_id: row.text(1)?,
+            generation: Generation(row.uint(2)?),
+            reason: row.text(3)?,
+            content: json_of(&row.text(4)?)?,
+        },
+        at: Timestamp(row.uint(5)?),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1597,8 +1603,11 @@ pub(crate) async fn recover_startup<T: Tx>(
                      THEN 'lease_expired' ELSE 'replica_restarted' END \
                      WHERE operation_id = $1 AND generation = $2";
         if move_both(tx, &operation_id, generation, from, DispatchState::Unknown, now).await? {
-            tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
-                .await?;
+            tx.execute(
+                story,
+                &[operation_id.as_str().into(), generation.0.into(), ts(now)],
+            )
+            .await?;
             marked_unknown += 1;
         } else {
             // Not the active generation any more: mark only the attempt.
@@ -1618,8 +1627,11 @@ pub(crate) async fn recover_startup<T: Tx>(
                     now,
                 )
                 .await?;
-                tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
-                    .await?;
+                tx.execute(
+                    story,
+                    &[operation_id.as_str().into(), generation.0.into(), ts(now)],
+                )
+                .await?;
                 marked_unknown += 1;
             }
         }

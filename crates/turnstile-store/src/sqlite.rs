@@ -455,7 +455,15 @@ impl Ledger for SqliteLedger {
     ) -> Result<TransitionOutcome, StoreError> {
         let (op, reason) = (operation_id.to_owned(), reason.to_owned());
         self.run(move |tx| {
-            block_on_ready(ops::end_attempt(tx, &op, generation, from, to, Some(&reason), now))
+            block_on_ready(ops::end_attempt(
+                tx,
+                &op,
+                generation,
+                from,
+                to,
+                Some(&reason),
+                now,
+            ))
         })
         .await
     }

@@ -1,5 +1,5 @@
 //! Tests of turnstile-drive (one binary): the tidy rule (sans-IO) and the driver against a
 //! scripted store and provider bytes.
 
-mod tidy;
 mod pairs;
+mod tidy;

@@ -1502,7 +1502,8 @@ fn bad_query(message: impl Into<String>) -> ApiError {
     )
 }
 
-fn list_limit(limit: Option<u64>, max: u64) -> Result<u64, ApiError> {
+/// A listing's page size: `limit` or the default, refused outside 1..=`max`.
+pub(crate) fn list_limit(limit: Option<u64>, max: u64) -> Result<u64, ApiError> {
     let limit = limit.unwrap_or(LIST_LIMIT_DEFAULT.min(max));
     if (1..=max).contains(&limit) {
         Ok(limit)

@@ -316,9 +316,11 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
             hub
         };
         let (record, attempt) = match found {
-            turnstile_store::drive::Recoverable::Unknown { record, attempt, spent } => {
-                (record, Some((attempt, spent)))
-            }
+            turnstile_store::drive::Recoverable::Unknown {
+                record,
+                attempt,
+                spent,
+            } => (record, Some((attempt, spent))),
             turnstile_store::drive::Recoverable::Prepared { record } => (record, None),
         };
         match api::context_for(shared, record, hub.clone()).await {

@@ -74,7 +74,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
     conversation_at_1(&*store, "c").await;
     let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
     let fresh = &store.attempts("op-1").await.unwrap()[0];
-    assert_eq!((fresh.resumes, fresh.replays, fresh.end_reason.as_deref()), (0, 0, None));
+    assert_eq!(
+        (fresh.resumes, fresh.replays, fresh.end_reason.as_deref()),
+        (0, 0, None)
+    );
     let ledger: &dyn Ledger = &*store;
     let unknown = |reason: &'static str, from: DispatchState| async move {
         ledger
@@ -82,7 +85,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
             .await
             .unwrap()
     };
-    assert_eq!(unknown("stream_cut", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("stream_cut", DispatchState::Dispatching).await,
+        TransitionOutcome::Applied
+    );
     assert_eq!(
         store.attempts("op-1").await.unwrap()[0].end_reason.as_deref(),
         Some("stream_cut")
@@ -92,12 +98,18 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .replay_attempt("op-1", generation, &lease("replica-b", 9_000), at(21))
         .await
         .unwrap();
-    assert_eq!(unknown("head_timeout", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("head_timeout", DispatchState::Dispatching).await,
+        TransitionOutcome::Applied
+    );
     let _ = store
         .resume_attempt("op-1", generation, &lease("replica-c", 9_000), at(22))
         .await
         .unwrap();
-    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("resume_refused", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     let attempt = &store.attempts("op-1").await.unwrap()[0];
     assert_eq!((attempt.resumes, attempt.replays), (1, 1));
     assert_eq!(attempt.end_reason.as_deref(), Some("resume_refused"));
@@ -107,7 +119,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .await
         .unwrap();
     assert_eq!(store.attempts("op-1").await.unwrap()[0].end_reason, None);
-    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("resume_refused", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     // A refused take-over counts nothing.
     assert!(matches!(
         store
@@ -125,7 +140,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
     ));
     assert_eq!(store.attempts("op-1").await.unwrap()[0].resumes, 3);
     // The provider's word ends it before its lease: recorded as such.
-    assert_eq!(unknown("ended_without_stop", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("ended_without_stop", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     assert_eq!(
         store
             .abandon_and_rearm("op-1", generation, true, at(25))
@@ -163,7 +181,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .commit("op-1", next, Revision(1), &assistant_turn("a", 0), at(27))
         .await
         .unwrap();
-    assert!(matches!(committed, CommitOutcome::Committed { .. }), "{committed:?}");
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{committed:?}"
+    );
     let attempts = store.attempts("op-1").await.unwrap();
     assert_eq!(attempts[1].end_reason.as_deref(), Some("committed"));
     assert_eq!((attempts[1].resumes, attempts[1].replays), (0, 0));

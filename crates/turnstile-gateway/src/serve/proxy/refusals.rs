@@ -11,11 +11,11 @@
 //! kinds; no content).
 
 use super::super::{Shared, now};
-use crate::serve::api::{self, ApiError, ErrorCode};
+use crate::serve::api;
 use crate::serve::feed::{Change, Feed};
 use axum::Json;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -229,7 +229,7 @@ impl Refusals {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RefusalsQuery {
-    limit: Option<usize>,
+    limit: Option<u64>,
     before: Option<u64>,
 }
 
@@ -243,15 +243,10 @@ pub async fn list(
         Ok(caller) => caller,
         Err(error) => return error.into_response(),
     };
-    let limit = query.limit.unwrap_or(50);
-    if !(1..=REFUSALS_PAGE_MAX).contains(&limit) {
-        return ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorCode::InvalidRequest,
-            format!("limit must be 1–{REFUSALS_PAGE_MAX}"),
-        )
-        .into_response();
-    }
+    let limit = match api::list_limit(query.limit, REFUSALS_PAGE_MAX as u64) {
+        Ok(limit) => limit as usize,
+        Err(error) => return error.into_response(),
+    };
     let (refusals, next) = shared.refusals.page(&caller.store_id(""), query.before, limit);
     Json(json!({"refusals": refusals, "next": next})).into_response()
 }
