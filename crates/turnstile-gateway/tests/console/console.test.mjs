@@ -223,6 +223,7 @@ try {
     await noOverflow(`${width} px`);
   }
   await page.setViewportSize({ width: 390, height: 844 });
+  await page.getByRole("heading", { name: /Conversation c-console/ }).scrollIntoViewIfNeeded();
   await page.screenshot({ path: process.env.SCREENSHOT_DIR + "/console-narrow.png" });
 
   // 11. The gateway unreachable: said in words.
