@@ -27,9 +27,10 @@
 //! into [`Imported::sampling`] in neutral names and checked against the ranges the client's own
 //! API documents (`sampling.rs`): a value that API would refuse is `invalid_request` here too.
 //! Tool choice and parallel tool calls are read into [`Imported::tool_choice`] (`tool_choice.rs`).
-//! Request fields neither the graph nor the settings carry (`cache_control`,
-//! metadata, `logit_bias`, …) are listed in [`Imported::dropped`], never silently lost; a field
-//! whose value carries nothing (`null`, `[]`, `{}`) is not listed.
+//! Anthropic per-block `cache_control` becomes the v1 `cache` breakpoint of its block or tool
+//! (`cache.rs`). Request fields neither the graph nor the settings carry are listed in
+//! [`Imported::dropped`], never silently lost; a field whose value carries nothing (`null`,
+//! `[]`, `{}`) is not listed.
 
 use crate::registry::Api;
 use crate::sampling::{Sampling, SamplingError};
@@ -495,15 +496,6 @@ impl Obj {
         }
     }
 
-    /// A field the graph does not carry: reported as dropped when it carries something.
-    pub fn drop_field(&mut self, key: &str, builder: &mut Builder) {
-        if let Some(value) = self.take(key)
-            && !carries_nothing(&value)
-        {
-            builder.dropped.insert(self.pattern_of(key));
-        }
-    }
-
     /// Rename every `snake_case` key to `camelCase` (the Gemini REST API accepts both
     /// spellings, and its own curl examples use snake case). Both spellings at once is
     /// malformed.
@@ -951,6 +943,20 @@ impl Builder {
         tool.insert("input_schema".into(), schema);
         self.tools.push(Value::Object(tool));
         Ok(())
+    }
+
+    /// Put a prompt-cache breakpoint (a v1 `cache` value) on the block added last.
+    pub fn mark_last_block(&mut self, mark: Value) {
+        if let Some(Value::Object(block)) = self.turns.last_mut().and_then(|turn| turn.blocks.last_mut()) {
+            block.insert(turnstile_core::conversation::CACHE_FIELD.into(), mark);
+        }
+    }
+
+    /// Put a prompt-cache breakpoint on the tool added last.
+    pub fn mark_last_tool(&mut self, mark: Value) {
+        if let Some(Value::Object(tool)) = self.tools.last_mut() {
+            tool.insert(turnstile_core::conversation::CACHE_FIELD.into(), mark);
+        }
     }
 
     /// Record a dropped field by its index-free path.

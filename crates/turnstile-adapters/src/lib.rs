@@ -11,6 +11,7 @@ pub mod decode;
 pub mod sse;
 
 pub mod anthropic_messages;
+pub mod cache;
 pub mod call_ids;
 pub mod catalog;
 pub mod gemini;

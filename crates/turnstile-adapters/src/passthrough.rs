@@ -26,7 +26,7 @@
 //!   `prompt_cache_key`, `prompt_cache_retention`, `reasoning`, `truncation`, `top_logprobs`,
 //!   `max_tool_calls`.
 //! - Anthropic Messages: `metadata`, `service_tier`, `thinking`, `cache_control` (the request's
-//!   automatic cache breakpoint; per-block breakpoints are not carried yet and stay reported).
+//!   automatic cache breakpoint; per-block breakpoints live on their v1 blocks, `cache.rs`).
 //! - Gemini: top-level `safetySettings`, `labels`; inside `generationConfig`: `thinkingConfig`,
 //!   `responseLogprobs`, `logprobs`, `mediaResolution`.
 //! - OpenAI Responses `include` is kept apart ([`Passthrough::include`]): the renderer always

@@ -11,6 +11,7 @@
 //! on serde_json's `preserve_order` feature; values we do not own (tool schemas, argument
 //! objects without raw text) are written in RFC 8785 canonical form.
 
+use crate::cache::CachePolicy;
 use crate::call_ids::{self, CallIdRule};
 use crate::output_format::{OutputFormat, OutputFormatError};
 use crate::passthrough::{Passthrough, PassthroughError};
@@ -195,6 +196,11 @@ pub struct RenderPolicy {
     /// The client-API-only fields (left out when there are none).
     #[serde(skip_serializing_if = "Passthrough::is_unset")]
     pub passthrough: Passthrough,
+    /// The conversation's prompt-cache breakpoints and the `prompt_cache_key` derived from
+    /// them (`cache.rs`; left out when there are none). Breakpoints are outside every content
+    /// digest, so this is where the manifest pins them.
+    #[serde(skip_serializing_if = "CachePolicy::is_unset")]
+    pub cache: CachePolicy,
 }
 
 impl RenderPolicy {
@@ -272,6 +278,8 @@ pub fn render(
         return RenderOutcome::RefusedPassthrough(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
+    let cache_policy = crate::cache::plan(adapter.api(), graph.conversation(), &options.passthrough, &mut ctx);
+    ctx.cache_policy = cache_policy;
     match adapter {
         AdapterId::OpenaiChatV1 => crate::openai_chat::v1::render::render(graph, options, &mut ctx),
         AdapterId::OpenaiChatV2 => crate::openai_chat::v2::render::render(graph, options, &mut ctx),
@@ -378,6 +386,7 @@ pub(crate) struct Ctx<'c> {
     tool_choice: ToolChoice,
     output_format: OutputFormat,
     passthrough: Passthrough,
+    cache_policy: CachePolicy,
 }
 
 impl<'c> Ctx<'c> {
@@ -400,6 +409,7 @@ impl<'c> Ctx<'c> {
             tool_choice: options.tool_choice.clone(),
             output_format: options.output_format.clone(),
             passthrough: options.passthrough.clone(),
+            cache_policy: CachePolicy::default(),
         }
     }
 
@@ -541,6 +551,11 @@ impl<'c> Ctx<'c> {
         if !written.is_empty() {
             self.tokens += self.tokenizer.count(&written);
         }
+        // OpenAI's nearest field to a cache breakpoint (`cache.rs`); not model-visible text.
+        if let Some(key) = &self.cache_policy.prompt_cache_key {
+            out.extend_from_slice(b",\"prompt_cache_key\":");
+            push_json_string(out, key);
+        }
     }
 
     /// Append Gemini's client-only `generationConfig` fields, counting their text.
@@ -573,6 +588,7 @@ impl<'c> Ctx<'c> {
                 tool_choice: std::mem::take(&mut self.tool_choice),
                 output_format: std::mem::take(&mut self.output_format),
                 passthrough: std::mem::take(&mut self.passthrough),
+                cache: std::mem::take(&mut self.cache_policy),
             },
         })
     }

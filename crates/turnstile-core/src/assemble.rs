@@ -131,6 +131,7 @@ impl Toolset {
                 description: None,
                 schema_digest: Digest::of_canonical(&input_schema),
                 input_schema,
+                cache: None,
             });
         }
         Toolset::compile(Digest::of_canonical(array), &tools)
@@ -336,9 +337,25 @@ pub struct CommitOffer {
     pub calls: Vec<CommittedCall>,
     /// The provider's stop reason.
     pub stop_reason: StopReason,
-    /// The usage reported, if any: (input, output) tokens, each the last value the provider
-    /// gave for it (reports may carry one field only).
-    pub usage: Option<(Option<u64>, Option<u64>)>,
+    /// The usage reported, if any: each field the last value the provider gave for it
+    /// (reports may carry some fields only).
+    pub usage: Option<Usage>,
+}
+
+/// The provider's token counts of one generation, cumulative, field by field as reported
+/// (Anthropic's cache counters only when the provider sent them: never invented).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Input tokens (Anthropic: not counting the cache counters below).
+    pub input_tokens: Option<u64>,
+    /// Output tokens.
+    pub output_tokens: Option<u64>,
+    /// Input tokens written to the prompt cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_creation_input_tokens: Option<u64>,
+    /// Input tokens read from the prompt cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_read_input_tokens: Option<u64>,
 }
 
 /// What the assembler asks the caller to do, in order.
@@ -522,13 +539,41 @@ pub struct Assembler {
     seen: HashSet<(Option<BlockIndex>, Seq), BuildHasherDefault<SeqHasher>>,
     bytes_total: usize,
     stop: Option<StopReason>,
-    usage: Option<(Option<u64>, Option<u64>)>,
+    usage: Option<Usage>,
     phase: Phase,
     outputs: VecDeque<Output>,
     stats: AssemblerStats,
 }
 
 impl Assembler {
+    /// What this generation produced so far, as quarantine material (JSON): every block with
+    /// its text or its arguments as received (never history: a block here is not whole, not
+    /// checked, or from a response that may not be ours).
+    pub fn material(&self) -> Value {
+        let blocks: Vec<Value> = self
+            .blocks
+            .iter()
+            .map(|(index, block)| {
+                let mut entry = match &block.body {
+                    BlockBody::Text(text) => json!({"kind": "text", "text": text}),
+                    BlockBody::ToolCall {
+                        call_id,
+                        name,
+                        arguments,
+                        ..
+                    } => json!({"kind": "tool_call", "call_id": call_id, "tool": name, "arguments": arguments}),
+                    BlockBody::Reasoning { provider, text, .. } => {
+                        json!({"kind": "reasoning", "provider": provider, "text": text})
+                    }
+                };
+                entry["index"] = json!(index.0);
+                entry["stopped"] = json!(block.stopped);
+                entry
+            })
+            .collect();
+        json!({"generation": self.config.generation.0, "handle": self.handle, "blocks": blocks})
+    }
+
     /// A new assembler for one generation.
     pub fn new(config: AssemblerConfig) -> Assembler {
         Assembler {
@@ -752,11 +797,18 @@ impl Assembler {
             StreamEvent::Usage {
                 input_tokens,
                 output_tokens,
+                cache_creation_input_tokens,
+                cache_read_input_tokens,
             } => {
                 // Field by field: Anthropic reports input tokens in `message_start` and only
                 // output tokens in `message_delta`; a later report refines, never erases.
-                let (input_last, output_last) = self.usage.unwrap_or((None, None));
-                self.usage = Some((input_tokens.or(input_last), output_tokens.or(output_last)));
+                let last = self.usage.unwrap_or_default();
+                self.usage = Some(Usage {
+                    input_tokens: input_tokens.or(last.input_tokens),
+                    output_tokens: output_tokens.or(last.output_tokens),
+                    cache_creation_input_tokens: cache_creation_input_tokens.or(last.cache_creation_input_tokens),
+                    cache_read_input_tokens: cache_read_input_tokens.or(last.cache_read_input_tokens),
+                });
             }
             StreamEvent::Malformed { detail } => return Err(RetractReason::ProtocolViolation { detail }),
             StreamEvent::ProviderError { code, message } => {

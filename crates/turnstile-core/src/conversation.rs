@@ -308,6 +308,64 @@ impl BlockBody {
     }
 }
 
+/// A prompt-cache breakpoint on a block or a tool (`"cache": {"ttl"?: "5m" | "1h"}` in v1):
+/// "cache the request up to and including this". It says how the request should be cached,
+/// not what the model reads, so it is kept out of every content digest (a breakpoint that
+/// moves from one turn to the next changes no block digest, no `sequence_digest` and no
+/// `toolset_digest`); the render policy pins it instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct CacheMark {
+    /// How long the cached prefix should live; None: the provider's default (Anthropic: 5 min).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<CacheTtl>,
+}
+
+/// The lifetimes a cache breakpoint may ask for (Anthropic's `ttl` values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum CacheTtl {
+    /// `"5m"`.
+    #[serde(rename = "5m")]
+    FiveMinutes,
+    /// `"1h"`.
+    #[serde(rename = "1h")]
+    OneHour,
+}
+
+impl CacheTtl {
+    /// The v1 string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheTtl::FiveMinutes => "5m",
+            CacheTtl::OneHour => "1h",
+        }
+    }
+}
+
+/// The field name of a cache breakpoint on a v1 block or tool.
+pub const CACHE_FIELD: &str = "cache";
+
+/// Decode a `cache` value: an object with at most `ttl` (`"5m"` or `"1h"`); `null` is none.
+pub fn cache_mark(value: Option<Value>) -> Result<Option<CacheMark>, String> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    let mut map = match value {
+        Value::Null => return Ok(None),
+        Value::Object(map) => map,
+        _ => return Err("cache must be an object".into()),
+    };
+    let ttl = match map.remove("ttl") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(ttl)) if ttl == "5m" => Some(CacheTtl::FiveMinutes),
+        Some(Value::String(ttl)) if ttl == "1h" => Some(CacheTtl::OneHour),
+        Some(_) => return Err("cache.ttl must be \"5m\" or \"1h\"".into()),
+    };
+    if let Some(key) = map.keys().next() {
+        return Err(format!("cache has an unknown field {key:?}"));
+    }
+    Ok(Some(CacheMark { ttl }))
+}
+
 /// One block of a turn.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Block {
@@ -315,10 +373,12 @@ pub struct Block {
     pub id: Option<String>,
     /// Lifecycle state.
     pub state: BlockState,
-    /// `sha256:` over the JCS form of the block's JSON without `id` and `state`.
+    /// `sha256:` over the JCS form of the block's JSON without `id`, `state` and `cache`.
     pub digest: Digest,
     /// Typed content.
     pub body: BlockBody,
+    /// A prompt-cache breakpoint on this block ([`CacheMark`]); not part of `digest`.
+    pub cache: Option<CacheMark>,
 }
 
 /// A role as written, which may be unknown.
@@ -356,6 +416,8 @@ pub struct ToolDef {
     pub input_schema: Value,
     /// `sha256:` over the JCS form of `input_schema`.
     pub schema_digest: Digest,
+    /// A prompt-cache breakpoint on this tool ([`CacheMark`]); not part of any digest.
+    pub cache: Option<CacheMark>,
 }
 
 /// A decoded v1 conversation. Structural problems found while decoding are kept with it and
@@ -368,7 +430,8 @@ pub struct Conversation {
     pub revision: Revision,
     /// Declared tools.
     pub tools: Vec<ToolDef>,
-    /// `sha256:` over the JCS form of the `tools` array as given.
+    /// `sha256:` over the JCS form of the `tools` array as given, without the tools' `cache`
+    /// breakpoints.
     pub toolset_digest: Digest,
     /// Turns in order.
     pub turns: Vec<Turn>,
@@ -411,7 +474,7 @@ impl Conversation {
             }
         };
         let tools_value = top.remove("tools").unwrap_or(Value::Array(Vec::new()));
-        let toolset_digest = Digest::of_value(&tools_value);
+        let toolset_digest = Digest::of_value(&without_cache_marks(&tools_value));
         let tools = decoder.tools(tools_value)?;
 
         let turn_values = match top.remove("turns") {
@@ -533,11 +596,19 @@ impl Decoder {
                 }
             };
             let schema_digest = Digest::of_value(&input_schema);
+            let cache = match cache_mark(map.remove(CACHE_FIELD)) {
+                Ok(cache) => cache,
+                Err(message) => {
+                    self.structure(None, &format!("tool {name:?}: {message}"));
+                    None
+                }
+            };
             tools.push(ToolDef {
                 name,
                 description,
                 input_schema,
                 schema_digest,
+                cache,
             });
         }
         Ok(tools)
@@ -634,6 +705,7 @@ impl Decoder {
                 state: BlockState::Committed,
                 digest: Digest::of_value(&value),
                 body: BlockBody::Malformed,
+                cache: None,
             };
         };
         let id = match map.remove("id") {
@@ -652,7 +724,14 @@ impl Decoder {
                 BlockState::Other("<malformed>".into())
             }
         };
-        // The digest covers the content only: `id` and `state` are already removed.
+        let cache = match cache_mark(map.remove(CACHE_FIELD)) {
+            Ok(cache) => cache,
+            Err(message) => {
+                self.structure(id.as_deref(), &message);
+                None
+            }
+        };
+        // The digest covers the content only: `id`, `state` and `cache` are already removed.
         let digest = Digest::of_map(&map);
         let body = match map.remove("kind") {
             Some(Value::String(kind)) => match block_body(&kind, map) {
@@ -672,8 +751,26 @@ impl Decoder {
             state,
             digest,
             body,
+            cache,
         }
     }
+}
+
+/// The tools array with each tool's `cache` breakpoint taken out (what `toolset_digest` covers).
+fn without_cache_marks(tools: &Value) -> std::borrow::Cow<'_, Value> {
+    let Value::Array(items) = tools else {
+        return std::borrow::Cow::Borrowed(tools);
+    };
+    if !items.iter().any(|tool| tool.get(CACHE_FIELD).is_some()) {
+        return std::borrow::Cow::Borrowed(tools);
+    }
+    let mut items = items.clone();
+    for tool in &mut items {
+        if let Value::Object(map) = tool {
+            map.remove(CACHE_FIELD);
+        }
+    }
+    std::borrow::Cow::Owned(Value::Array(items))
 }
 
 fn block_body(kind: &str, mut map: Map<String, Value>) -> FieldResult<BlockBody> {

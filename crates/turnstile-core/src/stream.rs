@@ -158,12 +158,18 @@ pub enum StreamEvent {
     /// event, the Gemini chunk with `finishReason`). A turn is offered for commit only here,
     /// and only after [`StreamEvent::Stop`].
     End,
-    /// Token usage as reported (the last report wins).
+    /// Token usage as reported (field by field, the last report wins).
     Usage {
         /// Input tokens, when reported.
         input_tokens: Option<u64>,
         /// Output tokens, when reported.
         output_tokens: Option<u64>,
+        /// Anthropic `cache_creation_input_tokens` (input written to the prompt cache, not
+        /// counted in `input_tokens`), when reported.
+        cache_creation_input_tokens: Option<u64>,
+        /// Anthropic `cache_read_input_tokens` (input read from the prompt cache, not counted
+        /// in `input_tokens`), when reported.
+        cache_read_input_tokens: Option<u64>,
     },
     /// A provider event the decoder could not understand (not JSON, a required field missing,
     /// a content kind v1 cannot hold). The assembler retracts: it never guesses.

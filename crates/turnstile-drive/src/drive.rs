@@ -39,6 +39,9 @@ pub const RESUMES_PER_GENERATION_MAX: u32 = 3;
 pub const REPLAYS_PER_GENERATION_MAX: u32 = 3;
 /// Slack added to a lease end read back from the store before a rearm is tried.
 const REARM_MARGIN_MS: u64 = 50;
+/// Largest status or cancel answer read (a Responses object without its output is far
+/// smaller; a bigger one is cut and read as no word).
+const PROBE_BODY_MAX: usize = 256 * 1024;
 /// Most pieces of queued input (a pump that outruns the driver is a bug).
 const WORK_QUEUED_MAX: usize = 65_536;
 
@@ -81,6 +84,10 @@ struct Connection {
     saw_event: bool,
     /// A resume of an earlier connection of the same generation.
     resume: bool,
+    /// A question about the response rather than the response itself (its JSON body is
+    /// read whole, not decoded as a stream).
+    probe: Option<ProbeKind>,
+    body: Vec<u8>,
     /// When it was opened, and when something last arrived on it.
     opened_at: Timestamp,
     active_at: Timestamp,
@@ -96,6 +103,12 @@ impl Connection {
         };
         whole.min(wait)
     }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ProbeKind {
+    Status,
+    Cancel,
 }
 
 /// Queued work, in order.
@@ -138,6 +151,12 @@ enum Work {
     InterruptionTail {
         tail: Box<Tail>,
     },
+    /// Keep material out of history, in the quarantine log.
+    Quarantine {
+        generation: Generation,
+        reason: &'static str,
+        content: Value,
+    },
 }
 
 /// What to do after an interruption's own effects ran.
@@ -153,6 +172,7 @@ enum Pending {
     MachineWrite(WriteKind),
     Bind {
         generation: Generation,
+        handle: String,
     },
     Quarantine,
     Interruption {
@@ -218,6 +238,13 @@ pub struct Drive {
     /// transition that ends the attempt (the first cause since that write wins: a head
     /// timeout closes the connection, which is not also a cut).
     end_causes: HashMap<Generation, String>,
+    /// Provider handles known per generation (bound, read back, or seen on the stream).
+    handles: HashMap<Generation, String>,
+    /// Generations whose provider was asked before a new generation, and what it said.
+    probed: HashSet<Generation>,
+    provider_words: HashMap<Generation, String>,
+    /// The rearm that waits for the provider's answer (the machine waits for its write).
+    held_rearm: Option<Generation>,
     stopped: bool,
     final_retract: Option<&'static str>,
     committed_turn: Option<Value>,
@@ -278,6 +305,9 @@ impl Drive {
         let placeholder = DispatchMachine::new(prepared_of(&spec.basis), spec.lease_ms);
         let mut drive = Drive::with_machine(spec, placeholder, DispatchState::Unknown, now);
         drive.spent(attempt.generation, spent);
+        if let Some(handle) = &attempt.handle {
+            drive.handles.insert(attempt.generation, handle.clone());
+        }
         let recovery = drive.recovery_for(attempt.generation, attempt.provider_confirmed_ended);
         let decision = recovery_decision(attempt, recovery, now);
         drive.machine = DispatchMachine::recover(
@@ -319,6 +349,10 @@ impl Drive {
             replays: HashMap::new(),
             replay_refused: HashSet::new(),
             end_causes: HashMap::new(),
+            handles: HashMap::new(),
+            probed: HashSet::new(),
+            provider_words: HashMap::new(),
+            held_rearm: None,
             stopped: false,
             final_retract: None,
             committed_turn: None,
@@ -423,7 +457,7 @@ impl Drive {
         };
         match pending {
             Pending::MachineWrite(kind) => self.write_answered(kind, result),
-            Pending::Bind { generation } => self.bind_answered(generation, result),
+            Pending::Bind { generation, handle } => self.bind_answered(generation, &handle, result),
             Pending::Quarantine => {
                 if let StoreResult::Failed(_) = result {
                     self.actions.push_back(Action::Count(Count::StoreFailure));
@@ -617,10 +651,11 @@ impl Drive {
             } => self.send(generation, idempotency_key, &request_digest),
             Effect::Resume { generation, handle } => self.resume(generation, handle),
             Effect::BindHandle { generation, handle } => {
-                self.store(
-                    StoreOp::BindHandle { generation, handle },
-                    Pending::Bind { generation },
-                );
+                let pending = Pending::Bind {
+                    generation,
+                    handle: handle.clone(),
+                };
+                self.store(StoreOp::BindHandle { generation, handle }, pending);
             }
             Effect::Emit(event) => match event {
                 ClientEvent::State { state, generation } => {
@@ -665,6 +700,63 @@ impl Drive {
                 // The store inserted them in the commit transaction; executors read the ledger.
                 self.actions.push_back(Action::ExposeToolCalls { revision });
             }
+        }
+    }
+
+    /// Before a new generation replaces an OpenAI Responses attempt whose handle is known, ask
+    /// the provider about it (a background response keeps running after its connection
+    /// closed): a response still running is cancelled, so two generations never run at once
+    /// at the provider. The rearm waits for the answer (every probe is bounded by the
+    /// connection deadlines); without an answer the expired lease is the confirmation.
+    fn ask_provider_first(&mut self, generation: Generation) -> bool {
+        if self.spec.api != StreamApi::OpenAiResponses || !self.probed.insert(generation) {
+            return false;
+        }
+        let handle = self.handles.get(&generation).cloned().or_else(|| {
+            self.assembler
+                .as_ref()
+                .filter(|assembler| assembler.generation() == generation)
+                .and_then(|assembler| assembler.handle().map(str::to_owned))
+        });
+        let Some(handle) = handle else {
+            return false;
+        };
+        self.held_rearm = Some(generation);
+        self.open(generation, Request::Status { handle }, false);
+        true
+    }
+
+    /// A status or cancel answer arrived (or the probe ended without one).
+    fn probe_ended(&mut self, open: Connection, ending: Ending) {
+        let generation = open.generation;
+        let answered = ending == Ending::Clean && open.status.is_some_and(|status| (200..300).contains(&status));
+        let status = answered
+            .then(|| serde_json::from_slice::<Value>(&open.body).ok())
+            .flatten()
+            .and_then(|body| body.get("status").and_then(Value::as_str).map(str::to_owned));
+        match (open.probe, status.as_deref()) {
+            (Some(ProbeKind::Status), Some("queued" | "in_progress")) => {
+                if let Some(handle) = self.handles.get(&generation).cloned().or_else(|| {
+                    self.assembler
+                        .as_ref()
+                        .and_then(|assembler| assembler.handle().map(str::to_owned))
+                }) {
+                    self.open(generation, Request::Cancel { handle }, false);
+                    return;
+                }
+            }
+            (Some(ProbeKind::Status), Some(word @ ("completed" | "failed" | "cancelled" | "incomplete"))) => {
+                self.provider_words
+                    .insert(generation, format!("provider_status_{word}"));
+            }
+            (Some(ProbeKind::Cancel), Some("cancelled")) => {
+                self.provider_words
+                    .insert(generation, "provider_cancelled".to_owned());
+            }
+            _ => {}
+        }
+        if self.held_rearm.take() == Some(generation) {
+            self.persist(Write::AbandonAndRearm { generation });
         }
     }
 
@@ -750,13 +842,20 @@ impl Drive {
                 },
                 WriteKind::Replay { generation },
             ),
-            Write::AbandonAndRearm { generation } => (
-                StoreOp::AbandonAndRearm {
-                    generation,
-                    provider_ended: self.provider_ended.contains(&generation),
-                },
-                WriteKind::AbandonAndRearm,
-            ),
+            Write::AbandonAndRearm { generation } => {
+                if self.ask_provider_first(generation) {
+                    return;
+                }
+                let provider_word = self.provider_words.remove(&generation);
+                (
+                    StoreOp::AbandonAndRearm {
+                        generation,
+                        provider_ended: self.provider_ended.contains(&generation) || provider_word.is_some(),
+                        provider_word,
+                    },
+                    WriteKind::AbandonAndRearm,
+                )
+            }
             Write::RenewLease {
                 generation,
                 lease_expires_at,
@@ -980,6 +1079,11 @@ impl Drive {
     }
 
     fn open(&mut self, generation: Generation, request: Request, resume: bool) {
+        let probe = match request {
+            Request::Status { .. } => Some(ProbeKind::Status),
+            Request::Cancel { .. } => Some(ProbeKind::Cancel),
+            Request::Send { .. } | Request::Resume { .. } => None,
+        };
         let connection = ConnectionId(self.connection_next);
         self.connection_next += 1;
         self.connections.insert(
@@ -990,6 +1094,8 @@ impl Drive {
                 status: None,
                 saw_event: false,
                 resume,
+                probe,
+                body: Vec::new(),
                 opened_at: self.now,
                 active_at: self.now,
             },
@@ -1001,7 +1107,7 @@ impl Drive {
         });
     }
 
-    fn bind_answered(&mut self, generation: Generation, result: StoreResult) {
+    fn bind_answered(&mut self, generation: Generation, handle: &str, result: StoreResult) {
         match result {
             StoreResult::BindRefused => {
                 // The handle belongs to another manifest: nothing from it may be merged, and a
@@ -1009,6 +1115,21 @@ impl Drive {
                 self.actions.push_back(Action::Count(Count::ForeignHandle));
                 self.replay_refused.insert(generation);
                 self.cause(generation, "foreign_handle");
+                // What arrived under it goes to the quarantine log with its reason, never
+                // dropped unseen (and never merged).
+                let material = self
+                    .assembler
+                    .as_ref()
+                    .filter(|assembler| assembler.generation() == generation)
+                    .map(Assembler::material);
+                if let Some(mut content) = material {
+                    content["handle"] = json!(handle);
+                    self.work.push_front(Work::Quarantine {
+                        generation,
+                        reason: "foreign_handle",
+                        content,
+                    });
+                }
                 let closed: Vec<ConnectionId> = self
                     .connections
                     .iter()
@@ -1089,6 +1210,9 @@ impl Drive {
         if provider_ended {
             self.provider_ended.insert(generation);
         }
+        if let Some(handle) = &attempt.handle {
+            self.handles.insert(generation, handle.clone());
+        }
         let recovery = self.recovery_for(generation, provider_ended);
         let decision = recovery_decision(&attempt, recovery, self.now);
         // The interruption's own effects (UNKNOWN, retract unless resuming) run next.
@@ -1157,7 +1281,9 @@ impl Drive {
                     .collect();
                 let connection_deadline = !expired.is_empty();
                 for connection in expired {
-                    if let Some(open) = self.connections.get(&connection) {
+                    if let Some(open) = self.connections.get(&connection)
+                        && open.probe.is_none()
+                    {
                         let reason = if open.opened_at.plus_ms(timeouts.attempt_ms) <= now {
                             "attempt_timeout"
                         } else if open.status.is_none() {
@@ -1187,7 +1313,7 @@ impl Drive {
                 open.status = Some(status);
                 open.active_at = self.now;
                 let generation = open.generation;
-                if (200..300).contains(&status) {
+                if open.probe.is_none() && (200..300).contains(&status) {
                     let handled = self
                         .machine
                         .handle_provider(self.now, generation, ProviderInput::Accepted);
@@ -1202,6 +1328,11 @@ impl Drive {
                 if open.status.is_some_and(|status| !(200..300).contains(&status)) {
                     return;
                 }
+                if open.probe.is_some() {
+                    let room = PROBE_BODY_MAX.saturating_sub(open.body.len());
+                    open.body.extend_from_slice(&bytes[..bytes.len().min(room)]);
+                    return;
+                }
                 open.decoder.handle_bytes(&bytes);
                 self.work.push_front(Work::DrainDecoder(connection));
             }
@@ -1209,6 +1340,10 @@ impl Drive {
                 let Some(open) = self.connections.get_mut(&connection) else {
                     return;
                 };
+                if open.probe.is_some() {
+                    self.work.push_front(Work::ConnectionEnded { connection, ending });
+                    return;
+                }
                 if ending == Ending::Clean {
                     open.decoder.handle_end_of_input();
                 }
@@ -1262,6 +1397,11 @@ impl Drive {
                 provider_ended,
             } => self.interrupted(generation, provider_ended, true),
             Work::InterruptionTail { tail } => self.interruption_tail(*tail),
+            Work::Quarantine {
+                generation,
+                reason,
+                content,
+            } => self.quarantine(generation, reason, content),
         }
     }
 
@@ -1298,6 +1438,21 @@ impl Drive {
                         ProviderInput::Handle(handle.clone()),
                     );
                     self.counted(handled);
+                }
+                if let StreamEvent::Usage {
+                    input_tokens,
+                    output_tokens,
+                    cache_creation_input_tokens,
+                    cache_read_input_tokens,
+                } = &sequenced.event
+                {
+                    let usage = turnstile_core::assemble::Usage {
+                        input_tokens: *input_tokens,
+                        output_tokens: *output_tokens,
+                        cache_creation_input_tokens: *cache_creation_input_tokens,
+                        cache_read_input_tokens: *cache_read_input_tokens,
+                    };
+                    self.emit(DriveEvent::Usage { generation, usage });
                 }
                 self.work.push_front(Work::Event {
                     connection,
@@ -1384,11 +1539,11 @@ impl Drive {
                     self.actions.push_back(Action::Count(Count::PartialToolDispatch));
                     return;
                 }
-                let (input_tokens, output_tokens) = offer.usage.unwrap_or((None, None));
+                // `usage`: `input_tokens`, `output_tokens`, and the cache counters when reported.
+                let usage = offer.usage.unwrap_or_default();
                 self.offer_facts.insert(
                     offer.generation,
-                    json!({"stop_reason": offer.stop_reason,
-                           "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}),
+                    json!({"stop_reason": offer.stop_reason, "usage": usage}),
                 );
                 let handled = self.machine.handle_provider(
                     self.now,
@@ -1404,6 +1559,10 @@ impl Drive {
         let Some(open) = self.connections.remove(&connection) else {
             return;
         };
+        if open.probe.is_some() {
+            self.probe_ended(open, ending);
+            return;
+        }
         let generation = open.generation;
         if self.machine.generation() != Some(generation) || self.machine.state().is_terminal() {
             return;

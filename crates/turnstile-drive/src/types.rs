@@ -98,6 +98,9 @@ pub enum StoreOp {
         generation: Generation,
         /// The provider confirmed the attempt ended.
         provider_ended: bool,
+        /// The provider's own word on it, when it gave one (`provider_cancelled`,
+        /// `provider_status_completed`, …): stored as how its end was confirmed.
+        provider_word: Option<String>,
     },
     /// Extend the attempt's lease.
     RenewLease {
@@ -224,6 +227,18 @@ pub enum Request {
         /// The provider sequence number last seen.
         after_sequence: Option<u64>,
     },
+    /// Ask the provider whether the response behind `handle` still runs (OpenAI Responses:
+    /// `GET /v1/responses/{handle}`; the pump reports the JSON body like any other).
+    Status {
+        /// The handle.
+        handle: String,
+    },
+    /// Ask the provider to stop the response behind `handle` (OpenAI Responses:
+    /// `POST /v1/responses/{handle}/cancel`).
+    Cancel {
+        /// The handle.
+        handle: String,
+    },
 }
 
 /// What the pump must do, in order.
@@ -292,6 +307,15 @@ pub enum DriveEvent {
         turn: Value,
         /// Stop reason and usage of the commit offer (`{"stop_reason", "usage"}`), if known.
         facts: Option<Value>,
+    },
+    /// The provider's token counts as a stream reports them (Anthropic's `message_start`
+    /// carries the input count and cache counters before any text), for a client API that
+    /// shows them before the commit. Informational: the committed usage is in `Committed`.
+    Usage {
+        /// Generation.
+        generation: Generation,
+        /// The counts of this report (`input_tokens`, `output_tokens`, cache counters).
+        usage: turnstile_core::assemble::Usage,
     },
     /// An error code for the client.
     Error {

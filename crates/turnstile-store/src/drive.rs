@@ -128,11 +128,19 @@ pub async fn perform(
         StoreOp::AbandonAndRearm {
             generation,
             provider_ended,
-        } => transition(
-            ledger
-                .abandon_and_rearm(operation_id, *generation, *provider_ended, now)
-                .await,
-        ),
+            provider_word,
+        } => transition(match provider_word {
+            Some(word) => {
+                ledger
+                    .abandon_on_provider_word(operation_id, *generation, word, now)
+                    .await
+            }
+            None => {
+                ledger
+                    .abandon_and_rearm(operation_id, *generation, *provider_ended, now)
+                    .await
+            }
+        }),
         StoreOp::RenewLease {
             generation,
             lease_expires_at,

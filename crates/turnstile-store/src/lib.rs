@@ -172,6 +172,16 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
+    /// [`Ledger::abandon_and_rearm`] on the provider's own word (`provider_cancelled`,
+    /// `provider_status_completed`, …), recorded as how the old attempt's end was confirmed.
+    async fn abandon_on_provider_word(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_word: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
     /// Extend the lease of the active attempt; the generation is the fencing token.
     async fn renew_lease(
         &self,

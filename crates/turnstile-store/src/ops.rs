@@ -775,12 +775,25 @@ pub(crate) async fn abandon_and_rearm<T: Tx>(
     provider_confirmed_ended: bool,
     now: Timestamp,
 ) -> Result<TransitionOutcome, StoreError> {
+    abandon_and_rearm_on(tx, operation_id, generation, provider_confirmed_ended, None, now).await
+}
+
+/// [`abandon_and_rearm`] recording the provider's own word on the old attempt (e.g.
+/// `provider_cancelled`) as how its end was confirmed.
+pub(crate) async fn abandon_and_rearm_on<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    provider_confirmed_ended: bool,
+    provider_word: Option<&str>,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
     // The old attempt must be confirmed dead: its lease expired, or the provider said so.
     // That is part of the condition, so no replica can start a new generation early.
     let attempt = tx
         .query(
             "UPDATE attempts SET state = 'ABANDONED', \
-             confirmed_over = CASE WHEN lease_expires_at <= $3 THEN 'lease_expired' ELSE 'provider_ended' END \
+             confirmed_over = COALESCE($5, CASE WHEN lease_expires_at <= $3 THEN 'lease_expired' ELSE 'provider_ended' END) \
              WHERE operation_id = $1 AND generation = $2 \
              AND state = 'UNKNOWN' AND (lease_expires_at <= $3 OR $4 = 1) \
              AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
@@ -791,6 +804,7 @@ pub(crate) async fn abandon_and_rearm<T: Tx>(
                 generation.0.into(),
                 ts(now),
                 SqlValue::Int(i64::from(provider_confirmed_ended)),
+                provider_word.map(str::to_owned).into(),
             ],
         )
         .await?;

@@ -418,6 +418,23 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn abandon_on_provider_word(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_word: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::abandon_and_rearm_on(
+            &mut tx,
+            operation_id,
+            generation,
+            true,
+            Some(provider_word),
+            now
+        ))
+    }
+
     async fn abandon_and_rearm(
         &self,
         operation_id: &str,

@@ -492,6 +492,20 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn abandon_on_provider_word(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        provider_word: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, word) = (operation_id.to_owned(), provider_word.to_owned());
+        self.run(move |tx| {
+            block_on_ready(ops::abandon_and_rearm_on(tx, &op, generation, true, Some(&word), now))
+        })
+        .await
+    }
+
     async fn abandon_and_rearm(
         &self,
         operation_id: &str,

@@ -11,8 +11,10 @@ pub const QUARANTINE_PER_DISPATCH_MAX: u64 = 1_024;
 pub const GROUP_COMMIT_OPS_MAX: usize = 256;
 /// Largest request body a dispatch may store, in bytes.
 pub const REQUEST_BYTES_MAX: usize = 32 * 1024 * 1024;
-/// Most attempts (generations) one dispatch may start.
-pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = 64;
+/// Most attempts (generations) one dispatch may start: the driver's budget, enforced again
+/// by the begin compare-and-set itself, so it holds across restarts, replicas and a driver
+/// that miscounts.
+pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
 /// How long a SQLite connection waits for another process's write lock.
 pub const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
 

@@ -209,6 +209,40 @@ impl Provider {
         }
     }
 
+    /// `GET /v1/responses/{id}`: a produced reply is whole at once here (generation takes no
+    /// time in this world), so a resumable one is `completed`; anything else is refused as
+    /// the real API refuses a response it cannot retrieve.
+    pub fn status(&self, handle: &str) -> Answer {
+        match self.produced.get(handle) {
+            Some(produced) if produced.resumable => Answer {
+                status: 200,
+                chunks: VecDeque::from([serde_json::json!({"id": handle, "object": "response", "status": "completed"})
+                    .to_string()
+                    .into_bytes()]),
+                clean_end: true,
+                hang: false,
+                endless: false,
+            },
+            _ => self.refusal(),
+        }
+    }
+
+    /// `POST /v1/responses/{id}/cancel`: nothing here is still running, so it is refused
+    /// (a completed response cannot be cancelled).
+    pub fn cancel(&self, _handle: &str) -> Answer {
+        self.refusal()
+    }
+
+    fn refusal(&self) -> Answer {
+        Answer {
+            status: 400,
+            chunks: VecDeque::from([wire::error_body(self.api, 400).to_string().into_bytes()]),
+            clean_end: true,
+            hang: false,
+            endless: false,
+        }
+    }
+
     fn deliver(
         &mut self,
         rng: &mut Rng,

@@ -651,6 +651,7 @@ impl World {
                 self.trace(format!("{} committed at revision {}", driver.op, revision.0));
             }
             DriveEvent::Error { code, .. } => self.trace(format!("{} error {code}", driver.op)),
+            DriveEvent::Usage { .. } => {}
         }
     }
 
@@ -760,13 +761,16 @@ impl World {
         generation: Generation,
         request: Request,
     ) {
-        let resume = matches!(request, Request::Resume { .. });
-        *self
-            .history
-            .provider_requests
-            .entry(driver.op.clone())
-            .or_default() += 1;
-        self.check_provider_requests(&driver.op);
+        let send = matches!(request, Request::Send { .. });
+        if matches!(request, Request::Send { .. } | Request::Resume { .. }) {
+            // Billed requests (status questions and cancels are not).
+            *self
+                .history
+                .provider_requests
+                .entry(driver.op.clone())
+                .or_default() += 1;
+            self.check_provider_requests(&driver.op);
+        }
         let answer = match request {
             Request::Send { idempotency_key } => {
                 let mut body = driver.drive.request_bytes().as_ref().clone();
@@ -803,8 +807,16 @@ impl World {
                 let (rng, plan, report) = (&mut self.rng, &self.plan, &mut self.report);
                 self.provider.resume(rng, plan, report, &handle, after_sequence)
             }
+            Request::Status { handle } => {
+                self.trace(format!("{} g{} status of {handle}", driver.op, generation.0));
+                self.provider.status(&handle)
+            }
+            Request::Cancel { handle } => {
+                self.trace(format!("{} g{} cancel {handle}", driver.op, generation.0));
+                self.provider.cancel(&handle)
+            }
         };
-        if !resume && !(200..300).contains(&answer.status) {
+        if send && !(200..300).contains(&answer.status) {
             // An error status: nothing of this attempt runs at the provider.
             self.history
                 .provider_over

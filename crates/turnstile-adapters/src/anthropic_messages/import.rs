@@ -28,9 +28,9 @@
 //! MCP blocks (`server_tool_use`, `web_search_tool_result`, `mcp_tool_use`, …), `file` sources,
 //! `content` document sources, `search_result` and `container_upload` blocks, any other unknown
 //! block type, documents or images inside a tool result other than images, `mcp_servers`,
-//! `container`. Dropped and reported: every other field (`tool_choice`, `metadata`,
-//! `thinking`, `service_tier`, `cache_control` on any block, `citations`, document `context`,
-//! …).
+//! `container`. `cache_control` on a system block, content block, tool result (or its last
+//! part) or tool → the v1 `cache` breakpoint of that block or tool (`cache.rs`). Dropped and
+//! reported: every other field (`citations`, document `context`, …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, base64_encode, type_name};
 use crate::sampling::Sampling;
@@ -86,8 +86,12 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
                     ));
                 }
                 let text = block.required_string("text")?;
+                let mark = cache_control(&mut block, builder)?;
                 block.finish(builder);
                 builder.text(Role::System, text)?;
+                if let Some(mark) = mark {
+                    builder.mark_last_block(mark);
+                }
             }
             builder.end()?;
         }
@@ -146,9 +150,48 @@ fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
             ));
         }
     };
+    let mark = cache_control(&mut tool, builder)?;
     let path = tool.path().to_owned();
     tool.finish(builder);
-    builder.tool(name, description, Some(schema), &path)
+    builder.tool(name, description, Some(schema), &path)?;
+    if let Some(mark) = mark {
+        builder.mark_last_tool(mark);
+    }
+    Ok(())
+}
+
+/// A block's (or tool's) `cache_control` as a v1 `cache` breakpoint: `{"type": "ephemeral",
+/// "ttl"?: "5m" | "1h"}` → `{"ttl"?}`. Another type is `unrepresentable`, another TTL
+/// malformed (Anthropic answers 400 to it).
+fn cache_control(obj: &mut Obj, builder: &mut Builder) -> Result<Option<Value>, ImportError> {
+    let path = obj.path_of("cache_control");
+    let pattern = obj.pattern_of("cache_control");
+    let mut control = match obj.take("cache_control") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(value) => Obj::new(value, path, pattern)?,
+    };
+    let kind = control.required_string("type")?;
+    if kind != "ephemeral" {
+        return Err(ImportError::unrepresentable(
+            control.path_of("type"),
+            format!("cache_control type {kind:?}"),
+        ));
+    }
+    let mut mark = serde_json::Map::new();
+    match control.string("ttl")?.as_deref() {
+        None => {}
+        Some(ttl @ ("5m" | "1h")) => {
+            mark.insert("ttl".into(), ttl.into());
+        }
+        Some(other) => {
+            return Err(ImportError::malformed(
+                control.path_of("ttl"),
+                format!("cache_control ttl {other:?} is not \"5m\" or \"1h\""),
+            ));
+        }
+    }
+    control.finish(builder);
+    Ok(Some(Value::Object(mark)))
 }
 
 fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
@@ -187,7 +230,7 @@ fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
 
 fn block(mut block: Obj, role: Role, builder: &mut Builder) -> Result<(), ImportError> {
     let kind = block.required_string("type")?;
-    block.drop_field("cache_control", builder);
+    let mut mark = cache_control(&mut block, builder)?;
     match kind.as_str() {
         "text" => {
             let text = block.required_string("text")?;
@@ -209,7 +252,9 @@ fn block(mut block: Obj, role: Role, builder: &mut Builder) -> Result<(), Import
                 Some(true) => Status::Error,
                 _ => Status::Success,
             };
-            let content = result_content(&mut block, builder)?;
+            let (content, part_mark) = result_content(&mut block, builder)?;
+            // A breakpoint on a result's last part caches the same prefix as one on the result.
+            mark = mark.or(part_mark);
             builder.tool_result(Role::Tool, call_id, None, status, content)?;
         }
         "tool_use" => {
@@ -243,6 +288,9 @@ fn block(mut block: Obj, role: Role, builder: &mut Builder) -> Result<(), Import
         }
     }
     block.finish(builder);
+    if let Some(mark) = mark {
+        builder.mark_last_block(mark);
+    }
     Ok(())
 }
 
@@ -292,17 +340,32 @@ fn source(block: &mut Obj, builder: &mut Builder) -> Result<MediaSource, ImportE
     Ok(media)
 }
 
-fn result_content(block: &mut Obj, builder: &mut Builder) -> Result<Vec<ResultContent>, ImportError> {
+/// A result's content parts, and the breakpoint on its last part (a breakpoint on any other
+/// part marks a prefix that ends inside the result, which v1 cannot place: `unrepresentable`).
+fn result_content(
+    block: &mut Obj,
+    builder: &mut Builder,
+) -> Result<(Vec<ResultContent>, Option<Value>), ImportError> {
     match block.take("content") {
-        None => Ok(Vec::new()),
-        Some(Value::String(text)) if text.is_empty() => Ok(Vec::new()),
-        Some(Value::String(text)) => Ok(vec![ResultContent::Text(text)]),
+        None => Ok((Vec::new(), None)),
+        Some(Value::String(text)) if text.is_empty() => Ok((Vec::new(), None)),
+        Some(Value::String(text)) => Ok((vec![ResultContent::Text(text)], None)),
         Some(Value::Array(parts)) => {
             let mut content = Vec::with_capacity(parts.len());
-            for (path, pattern, part) in block.elements("content", parts) {
+            let mut last_mark = None;
+            let count = parts.len();
+            for (index, (path, pattern, part)) in block.elements("content", parts).into_iter().enumerate() {
                 let mut part = Obj::new(part, path, pattern)?;
                 let kind = part.required_string("type")?;
-                part.drop_field("cache_control", builder);
+                if let Some(mark) = cache_control(&mut part, builder)? {
+                    if index + 1 != count {
+                        return Err(ImportError::unrepresentable(
+                            part.path_of("cache_control"),
+                            "a cache breakpoint inside a tool result before its last part",
+                        ));
+                    }
+                    last_mark = Some(mark);
+                }
                 match kind.as_str() {
                     "text" => content.push(ResultContent::Text(part.required_string("text")?)),
                     "image" => content.push(ResultContent::Image(source(&mut part, builder)?)),
@@ -315,7 +378,7 @@ fn result_content(block: &mut Obj, builder: &mut Builder) -> Result<Vec<ResultCo
                 }
                 part.finish(builder);
             }
-            Ok(content)
+            Ok((content, last_mark))
         }
         Some(other) => Err(ImportError::malformed(
             block.path_of("content"),

@@ -21,6 +21,7 @@ pub(crate) mod import;
 pub mod v1;
 pub mod v2;
 
+use crate::cache;
 use crate::call_ids::CallIdRule;
 use crate::render::{
     Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment, Writer, inline_len,
@@ -167,7 +168,11 @@ pub(crate) fn render(
             if index > 0 {
                 out.push(b',');
             }
-            ctx.fragment(&mut out, TAG_SYSTEM, &block.digest, |w| content_block(block, w));
+            let mark = block.cache.as_ref();
+            ctx.fragment(&mut out, cache::tag(TAG_SYSTEM, mark), &block.digest, |w| {
+                content_block(block, w);
+                cache::mark_object(&mut w.out, mark);
+            });
         }
         out.push(b']');
         ctx.tokens += tokenizer.message_overhead();
@@ -186,12 +191,21 @@ pub(crate) fn render(
             if item_index > 0 {
                 out.push(b',');
             }
+            // A cache breakpoint is written in place on the block it marks (`cache.rs`).
             match item {
                 Item::Content(block) => {
-                    ctx.fragment(&mut out, TAG_CONTENT, &block.digest, |w| content_block(block, w))
+                    let mark = block.cache.as_ref();
+                    ctx.fragment(&mut out, cache::tag(TAG_CONTENT, mark), &block.digest, |w| {
+                        content_block(block, w);
+                        cache::mark_object(&mut w.out, mark);
+                    })
                 }
                 Item::Result(block) => {
-                    ctx.fragment(&mut out, TAG_RESULT, &block.digest, |w| result_block(block, w))
+                    let mark = block.cache.as_ref();
+                    ctx.fragment(&mut out, cache::tag(TAG_RESULT, mark), &block.digest, |w| {
+                        result_block(block, w);
+                        cache::mark_object(&mut w.out, mark);
+                    })
                 }
             }
         }
@@ -200,7 +214,7 @@ pub(crate) fn render(
     out.push(b']');
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[");
-        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+        ctx.fragment(&mut out, TAG_TOOLS, &cache::tools_key(conversation), |w| {
             let start = w.out.len();
             for (index, tool) in conversation.tools.iter().enumerate() {
                 if index > 0 {
@@ -210,7 +224,11 @@ pub(crate) fn render(
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
                 }
-                w.raw(",\"input_schema\":").canonical(&tool.input_schema).raw("}");
+                w.raw(",\"input_schema\":").canonical(&tool.input_schema);
+                if let Some(mark) = &tool.cache {
+                    w.raw(",\"cache_control\":").raw(&cache::anthropic_cache_control(mark));
+                }
+                w.raw("}");
             }
             // Every byte the tools add to the request is counted, separators and the wrapper
             // around the list included (issue 17: the property test in

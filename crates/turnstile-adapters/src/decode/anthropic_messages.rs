@@ -121,6 +121,8 @@ impl EventDecoder for Anthropic {
                     out.push(StreamEvent::Usage {
                         input_tokens: u64_at(usage, "input_tokens"),
                         output_tokens: u64_at(usage, "output_tokens"),
+                        cache_creation_input_tokens: u64_at(usage, "cache_creation_input_tokens"),
+                        cache_read_input_tokens: u64_at(usage, "cache_read_input_tokens"),
                     });
                 }
             }
@@ -261,6 +263,8 @@ impl EventDecoder for Anthropic {
                     out.push(StreamEvent::Usage {
                         input_tokens: u64_at(usage, "input_tokens"),
                         output_tokens: u64_at(usage, "output_tokens"),
+                        cache_creation_input_tokens: u64_at(usage, "cache_creation_input_tokens"),
+                        cache_read_input_tokens: u64_at(usage, "cache_read_input_tokens"),
                     });
                 }
                 let delta = payload.get("delta").unwrap_or(&Value::Null);

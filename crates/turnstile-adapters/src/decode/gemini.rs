@@ -157,6 +157,8 @@ impl EventDecoder for Gemini {
                 out.push(StreamEvent::Usage {
                     input_tokens: usage.0,
                     output_tokens: usage.1,
+                    cache_creation_input_tokens: None,
+                    cache_read_input_tokens: None,
                 });
             }
         }
@@ -208,6 +210,8 @@ impl EventDecoder for Gemini {
                 out.push(StreamEvent::Usage {
                     input_tokens: usage.0,
                     output_tokens: usage.1,
+                    cache_creation_input_tokens: None,
+                    cache_read_input_tokens: None,
                 });
             }
         }

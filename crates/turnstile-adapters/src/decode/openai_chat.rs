@@ -101,6 +101,8 @@ impl EventDecoder for Chat {
             out.push(StreamEvent::Usage {
                 input_tokens: u64_at(usage, "prompt_tokens"),
                 output_tokens: u64_at(usage, "completion_tokens"),
+                cache_creation_input_tokens: None,
+                cache_read_input_tokens: None,
             });
             self.check_usage(usage, out);
         }

@@ -289,6 +289,8 @@ impl EventDecoder for Responses {
                     out.push(StreamEvent::Usage {
                         input_tokens: u64_at(usage, "input_tokens"),
                         output_tokens: u64_at(usage, "output_tokens"),
+                        cache_creation_input_tokens: None,
+                        cache_read_input_tokens: None,
                     });
                 }
                 let reason = if kind == "response.completed" {

@@ -323,8 +323,8 @@ fn anthropic_results_in_a_user_message_split_into_a_tool_turn_then_the_user_text
             stream: false,
             max_output_tokens: Some(1024),
             // `thinking` (Anthropic targets only) and `tool_choice` are carried; per-block cache
-            // breakpoints are not yet.
-            dropped: &["messages[].content[].cache_control", "system[].cache_control"],
+            // breakpoints become the `cache` of the block they mark.
+            dropped: &[],
             sampling: Sampling::default(),
             tools: json!([
                 {"name": "get_weather", "description": "Get the current weather in a given location", "input_schema": weather_schema()},
@@ -332,7 +332,7 @@ fn anthropic_results_in_a_user_message_split_into_a_tool_turn_then_the_user_text
             ]),
             turns: json!([
                 {"id": "t-1", "revision": 1, "role": "system", "blocks": [
-                    {"id": "t-1-b-1", "kind": "text", "text": "You are a weather assistant."}]},
+                    {"id": "t-1-b-1", "kind": "text", "text": "You are a weather assistant.", "cache": {}}]},
                 {"id": "t-2", "revision": 2, "role": "user", "blocks": [
                     {"id": "t-2-b-1", "kind": "text", "text": "What's the weather in SF and the time in New York?"}]},
                 {"id": "t-3", "revision": 3, "role": "assistant", "generation": 1, "blocks": [
@@ -352,7 +352,7 @@ fn anthropic_results_in_a_user_message_split_into_a_tool_turn_then_the_user_text
                      "args_digest": digest(json!({"timezone": "America/New_York"})), "generation": 1,
                      "status": "error", "content": [{"kind": "text", "text": "timezone service unavailable"}]}]},
                 {"id": "t-5", "revision": 5, "role": "user", "blocks": [
-                    {"id": "t-5-b-1", "kind": "text", "text": "Thanks, and keep it short."}]}
+                    {"id": "t-5-b-1", "kind": "text", "text": "Thanks, and keep it short.", "cache": {}}]}
             ]),
         },
     );

@@ -549,6 +549,8 @@ fn usage_reports_merge_field_by_field_so_a_later_output_count_keeps_the_input_co
         StreamEvent::Usage {
             input_tokens: Some(377),
             output_tokens: Some(1),
+            cache_creation_input_tokens: Some(1000),
+            cache_read_input_tokens: Some(0),
         },
     );
     events.insert(
@@ -556,6 +558,8 @@ fn usage_reports_merge_field_by_field_so_a_later_output_count_keeps_the_input_co
         StreamEvent::Usage {
             input_tokens: None,
             output_tokens: Some(42),
+            cache_creation_input_tokens: None,
+            cache_read_input_tokens: Some(5),
         },
     );
     let mut assembler = assembler_with(Some(weather_tools()));
@@ -563,5 +567,9 @@ fn usage_reports_merge_field_by_field_so_a_later_output_count_keeps_the_input_co
     let Some(Output::Commit(offer)) = outputs.last() else {
         panic!("{outputs:?}")
     };
-    assert_eq!(offer.usage, Some((Some(377), Some(42))));
+    let usage = offer.usage.unwrap();
+    assert_eq!(
+        (usage.input_tokens, usage.output_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens),
+        (Some(377), Some(42), Some(1000), Some(5))
+    );
 }

@@ -104,16 +104,66 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
         drive.poll_timeout()
     );
     drive.handle_timeout(Timestamp(60_001));
-    assert!(
-        matches!(
-            next_store_op(&mut drive),
-            Some(StoreOp::AbandonAndRearm {
-                provider_ended: false,
-                ..
-            })
-        ),
-        "after the lease: abandon and a new generation"
+    // After the lease, before a new generation: the provider is asked about the response, and
+    // one still in progress is cancelled; its word is what the rearm records.
+    let asked = open_request(&mut drive);
+    assert_eq!(asked.1, Request::Status { handle: "resp_1".into() });
+    answer(&mut drive, asked.0, 60_002, br#"{"id":"resp_1","status":"in_progress"}"#);
+    let cancel = open_request(&mut drive);
+    assert_eq!(cancel.1, Request::Cancel { handle: "resp_1".into() });
+    answer(&mut drive, cancel.0, 60_003, br#"{"id":"resp_1","status":"cancelled"}"#);
+    assert_eq!(
+        next_store_op(&mut drive),
+        Some(StoreOp::AbandonAndRearm {
+            generation: Generation(1),
+            provider_ended: true,
+            provider_word: Some("provider_cancelled".into()),
+        }),
+        "after the provider's word: abandon and a new generation"
     );
+}
+
+#[test]
+fn a_probe_without_an_answer_falls_back_to_the_expired_lease() {
+    let all_spent = RecoverySpent {
+        resumes: RESUMES_PER_GENERATION_MAX,
+        replays: REPLAYS_PER_GENERATION_MAX,
+    };
+    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, Timestamp(1_000));
+    drive.handle_timeout(Timestamp(60_001));
+    let asked = open_request(&mut drive);
+    drive.handle_head(Timestamp(60_002), asked.0, 400);
+    drive.handle_end(Timestamp(60_003), asked.0, Ending::Clean);
+    assert_eq!(
+        next_store_op(&mut drive),
+        Some(StoreOp::AbandonAndRearm {
+            generation: Generation(1),
+            provider_ended: false,
+            provider_word: None,
+        })
+    );
+}
+
+/// The next connection the driver opens (no store operation may come first).
+fn open_request(drive: &mut Drive) -> (ConnectionId, Request) {
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open {
+                connection,
+                request,
+                ..
+            } => return (connection, request),
+            Action::Store(op) => panic!("a store operation before the probe: {op:?}"),
+            _ => {}
+        }
+    }
+    panic!("no connection opened");
+}
+
+fn answer(drive: &mut Drive, connection: ConnectionId, at: u64, body: &[u8]) {
+    drive.handle_head(Timestamp(at), connection, 200);
+    drive.handle_chunk(Timestamp(at), connection, body.to_vec());
+    drive.handle_end(Timestamp(at), connection, Ending::Clean);
 }
 
 #[test]
@@ -175,4 +225,67 @@ fn an_attempt_read_back_with_another_key_trips_the_pair_assertion() {
         }]),
     );
     while drive.poll_action().is_some() {}
+}
+
+#[test]
+fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_their_reason() {
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let mut drive = Drive::new(spec(none, 0), Timestamp(1_000));
+    assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
+    drive.handle_store(
+        Timestamp(1_001),
+        StoreResult::Began {
+            generation: Generation(1),
+            idempotency_key: "key-1".into(),
+        },
+    );
+    let mut connection = None;
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { connection: id, .. } => connection = Some(id),
+            Action::Store(_) => drive.handle_store(Timestamp(1_002), StoreResult::Applied),
+            _ => {}
+        }
+    }
+    let connection = connection.expect("opened");
+    drive.handle_head(Timestamp(1_003), connection, 200);
+    let stream = concat!(
+        "event: response.created\n",
+        "data: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_other\",\"status\":\"in_progress\",\"output\":[]}}\n\n",
+        "event: response.output_text.delta\n",
+        "data: {\"type\":\"response.output_text.delta\",\"sequence_number\":1,\"item_id\":\"msg_1\",\"output_index\":0,\"content_index\":0,\"delta\":\"not ours\"}\n\n",
+    );
+    drive.handle_chunk(Timestamp(1_004), connection, stream.as_bytes().to_vec());
+    let mut quarantined = None;
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Store(StoreOp::BindHandle { handle, .. }) => {
+                assert_eq!(handle, "resp_other");
+                drive.handle_store(Timestamp(1_005), StoreResult::BindRefused);
+            }
+            Action::Store(StoreOp::Quarantine { reason, content, .. }) => {
+                quarantined = Some((reason, content));
+                drive.handle_store(Timestamp(1_006), StoreResult::Applied);
+            }
+            Action::Store(StoreOp::ReadAttempts) => drive.handle_store(
+                Timestamp(1_006),
+                StoreResult::Attempts(vec![AttemptView {
+                    generation: Generation(1),
+                    handle: None,
+                    idempotency_key: "key-1".into(),
+                    lease_expires_at: Timestamp(6_001),
+                    spent: RecoverySpent::default(),
+                }]),
+            ),
+            Action::Store(_) => drive.handle_store(Timestamp(1_006), StoreResult::Applied),
+            _ => {}
+        }
+    }
+    let (reason, content) = quarantined.expect("the foreign handle's material is quarantined");
+    assert_eq!(reason, "foreign_handle");
+    assert_eq!(content["handle"], "resp_other", "{content}");
+    assert_eq!(content["generation"], 1, "{content}");
 }

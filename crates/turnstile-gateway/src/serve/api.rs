@@ -628,7 +628,7 @@ pub async fn dispatch(
     // Preparation and the driver's start run in their own task: a client that disconnects
     // while its dispatch is being prepared drops this future, not the dispatch (the driver
     // runs to its end and the outcome is readable by operation id).
-    match tokio::spawn(dispatch_detached(shared, id, request)).await {
+    match tokio::spawn(super::traces::carry(dispatch_detached(shared, id, request))).await {
         Ok(result) => result,
         Err(error) => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -1118,6 +1118,7 @@ async fn context_with(
         toolset,
         call_ids_taken,
         hub,
+        trace_parent: super::traces::Parent::current(),
     })
 }
 
@@ -1128,7 +1129,9 @@ fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super:
         let frame = |(event, data): super::hub::ClientMessage| {
             Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
         };
-        for message in backlog {
+        // The spec's client events only: the hub's `usage` reports are for the proxy.
+        let native = |message: &super::hub::ClientMessage| message.0 != "usage";
+        for message in backlog.into_iter().filter(native) {
             if sender.send(Ok(frame(message))).await.is_err() {
                 return;
             }
@@ -1136,6 +1139,7 @@ fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super:
         let Some(mut receiver) = receiver else { return };
         loop {
             match receiver.recv().await {
+                Ok(Some(message)) if !native(&message) => {}
                 Ok(Some(message)) => {
                     if sender.send(Ok(frame(message))).await.is_err() {
                         return;
@@ -1183,10 +1187,13 @@ pub async fn get_dispatch(
                    "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
         })
         .collect();
-    Ok(Json(json!({"operation_id": operation_id, "state": record.state.as_str(), "manifest": record.manifest,
+    let mut body = json!({"operation_id": operation_id, "state": record.state.as_str(), "manifest": record.manifest,
                    "request_digest": record.request_digest, "request_body": String::from_utf8_lossy(&record.request_bytes),
-                   "attempts": attempts}))
-    .into_response())
+                   "attempts": attempts});
+    // The committed attempt's stop reason and usage, as the provider reported them (traces
+    // carry the same numbers).
+    body["outcome"] = record.outcome.clone().unwrap_or(Value::Null);
+    Ok(Json(body).into_response())
 }
 
 #[derive(Deserialize)]

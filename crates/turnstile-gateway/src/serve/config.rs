@@ -93,6 +93,15 @@ pub struct Config {
     /// How many shadow diffs `GET /v1/shadow/diffs` keeps (oldest dropped first).
     #[serde(default = "shadow_diffs_max_default")]
     pub shadow_diffs_max: usize,
+    /// OTLP/HTTP collector base URL for traces (`/v1/traces` is appended), e.g.
+    /// `http://127.0.0.1:4318`; overrides `OTEL_EXPORTER_OTLP_ENDPOINT`. Unset and no
+    /// endpoint in the environment: no traces (`serve/traces.rs`).
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
+    /// Record message content on dispatch spans (`gen_ai.input.messages`, …). Off by default:
+    /// content is user data.
+    #[serde(default)]
+    pub otlp_capture_content: bool,
     /// How many proxy refusals `GET /v1/proxy/refusals` keeps (oldest dropped first).
     #[serde(default = "proxy_refusals_max_default")]
     pub proxy_refusals_max: usize,

@@ -11,6 +11,7 @@
 
 use super::hub::Hub;
 use super::metrics;
+use super::traces;
 use super::transport::{self, Endpoint, TransportEvent};
 use super::{Shared, now};
 use serde_json::{Value, json};
@@ -44,6 +45,8 @@ pub struct DriveContext {
     pub call_ids_taken: HashSet<String>,
     /// Where client events go.
     pub hub: Arc<Hub>,
+    /// The trace context of the request that started the dispatch (`traces.rs`).
+    pub trace_parent: traces::Parent,
 }
 
 fn provider_recovery(endpoint: &Endpoint, api: StreamApi) -> ProviderRecovery {
@@ -92,16 +95,25 @@ struct Pump {
     ctx: DriveContext,
     sender: mpsc::Sender<(ConnectionId, TransportEvent)>,
     connections: HashMap<ConnectionId, JoinHandle<()>>,
+    /// This dispatch's spans (a no-op when traces are off).
+    trace: traces::Hook,
 }
 
 async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     let (sender, mut receiver) = mpsc::channel(TRANSPORT_QUEUE_MAX);
     let operation_id = ctx.record.operation_id.clone();
+    let trace = traces::Hook::start(&ctx.record, ctx.api, &ctx.model, &ctx.endpoint, &ctx.trace_parent);
+    if trace.captures_content()
+        && let Ok(Some(document)) = shared.ledger.conversation(&ctx.record.conversation_id).await
+    {
+        trace.input(&document, ctx.record.revision.0);
+    }
     let mut pump = Pump {
         shared,
         ctx,
         sender,
         connections: HashMap::new(),
+        trace,
     };
     pump.perform(&mut drive).await;
     while !drive.is_finished() {
@@ -116,6 +128,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 if !pump.connections.contains_key(&connection) {
                     continue;
                 }
+                pump.trace.transport(connection, &event);
                 match event {
                     TransportEvent::Head { status } => drive.handle_head(now(), connection, status),
                     TransportEvent::Chunk(bytes) => drive.handle_chunk(now(), connection, bytes.to_vec()),
@@ -139,6 +152,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         }
         pump.perform(&mut drive).await;
     }
+    pump.trace.finish(drive.state());
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {
         task.abort();
@@ -207,20 +221,30 @@ impl Pump {
                     if let turnstile_drive::StoreResult::Failed(error) = &result {
                         tracing::error!(operation_id = %self.ctx.record.operation_id, %error, "ledger operation failed");
                     }
+                    self.trace.store(&op, &result);
                     drive.handle_store(now(), result);
                 }
                 Action::Open {
                     connection,
-                    generation: _,
+                    generation,
                     request,
-                } => self.open(drive, connection, request),
+                } => {
+                    let trace_headers = self.trace.open(connection, generation.0, &request);
+                    self.open(drive, connection, request, trace_headers);
+                }
                 Action::Close { connection } => {
                     if let Some(task) = self.connections.remove(&connection) {
                         task.abort();
                     }
                 }
-                Action::Emit(event) => self.emit(event),
-                Action::Count(count) => self.count(count).await,
+                Action::Emit(event) => {
+                    self.trace.emit(&event);
+                    self.emit(event);
+                }
+                Action::Count(count) => {
+                    self.trace.count(&count);
+                    self.count(count).await;
+                }
                 Action::ExposeToolCalls { .. } => {
                     // The store inserted them in the commit transaction; executors read
                     // GET /v1/tool-calls. Nothing to do here by design.
@@ -229,8 +253,8 @@ impl Pump {
         }
     }
 
-    fn open(&mut self, drive: &Drive, connection: ConnectionId, request: Request) {
-        let outgoing = match request {
+    fn open(&mut self, drive: &Drive, connection: ConnectionId, request: Request, trace_headers: Vec<(String, String)>) {
+        let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &self.ctx.endpoint,
                 self.ctx.api,
@@ -242,7 +266,10 @@ impl Pump {
                 handle,
                 after_sequence,
             } => transport::resume_request(&self.ctx.endpoint, &handle, after_sequence),
+            Request::Status { handle } => transport::status_request(&self.ctx.endpoint, &handle),
+            Request::Cancel { handle } => transport::cancel_request(&self.ctx.endpoint, &handle),
         };
+        outgoing.headers.extend(trace_headers);
         let (forward, mut events) = mpsc::channel(TRANSPORT_QUEUE_MAX);
         let sender = self.sender.clone();
         let client = self.shared.client.clone();
@@ -296,6 +323,11 @@ impl Pump {
             }
             DriveEvent::Error { code, message } => {
                 hub.send("error", json!({"code": code, "message": message}));
+            }
+            // For the proxy's opening frame (Anthropic `message_start`); not a native client
+            // event (`api::sse_response` leaves it out).
+            DriveEvent::Usage { generation, usage } => {
+                hub.send("usage", json!({"generation": generation.0, "usage": usage}));
             }
         }
     }

@@ -98,6 +98,11 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_read_timeout)
+                // A client that wrote its whole request and closed its side (it left, or
+                // shut down writing while it waits) still has the request served: an EOF
+                // does not cut a request whose bytes all arrived (a dispatch then runs to
+                // its end and is readable by operation id).
+                .half_close(true)
                 .keep_alive(!at_cap);
             let io = TokioIo::new(stream);
             let result = if at_cap {

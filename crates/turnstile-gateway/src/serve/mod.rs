@@ -11,6 +11,7 @@ pub mod hub;
 pub mod listener;
 pub mod metrics;
 pub mod proxy;
+pub mod traces;
 pub mod transport;
 
 use axum::Router;
@@ -161,6 +162,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     let address = config.check()?;
     let prometheus = metrics::install()?;
+    let tracing_on = traces::install(&config)?;
     let ledger: Arc<dyn Ledger> = Arc::from(
         turnstile_store::open(&config.store)
             .await
@@ -282,11 +284,19 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     if let Some(control) = sim_control {
         app = app.merge(control);
     }
+    if tracing_on {
+        app = app.layer(axum::middleware::from_fn(traces::accept_traceparent));
+    }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    listener::serve(listener, app, listener::Limits::of(&config), shutdown_signal())
+    let served = listener::serve(listener, app, listener::Limits::of(&config), shutdown_signal())
         .await
-        .map_err(|error| error.to_string())
+        .map_err(|error| error.to_string());
+    if tracing_on {
+        // Export what is queued before the process ends (bounded by the SDK's shutdown time).
+        let _ = tokio::task::spawn_blocking(traces::shutdown).await;
+    }
+    served
 }
 
 /// Start-up recovery, before the listener opens: this process's (and any expired) live

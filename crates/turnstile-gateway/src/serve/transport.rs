@@ -117,6 +117,28 @@ pub fn resume_request(endpoint: &Endpoint, handle: &str, sequence_last: Option<u
     }
 }
 
+/// Build the question "does the response behind `handle` still run?" (OpenAI Responses:
+/// `GET /v1/responses/{id}`, answered with the response object and its `status`).
+pub fn status_request(endpoint: &Endpoint, handle: &str) -> Outgoing {
+    Outgoing {
+        method: reqwest::Method::GET,
+        url: format!("{}/v1/responses/{handle}", endpoint.base_url),
+        headers: Vec::new(),
+        body: Vec::new(),
+    }
+}
+
+/// Build the request that stops the response behind `handle` (OpenAI Responses:
+/// `POST /v1/responses/{id}/cancel`, answered with the response object, `status: cancelled`).
+pub fn cancel_request(endpoint: &Endpoint, handle: &str) -> Outgoing {
+    Outgoing {
+        method: reqwest::Method::POST,
+        url: format!("{}/v1/responses/{handle}/cancel", endpoint.base_url),
+        headers: Vec::new(),
+        body: Vec::new(),
+    }
+}
+
 /// Perform a request, forwarding everything to `events`. Ends when the body ends or breaks,
 /// when the receiver is dropped, or after `idle` without a chunk.
 pub async fn perform(

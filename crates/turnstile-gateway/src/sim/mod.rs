@@ -53,6 +53,20 @@ struct Produced {
     frames: Vec<Frame>,
     whole: Value,
     resumable: bool,
+    /// The reply's pace (`delay_ms` per event): a resumed background response goes on at
+    /// the pace it was generated at.
+    delay_ms: Option<u64>,
+    /// Its stop event reached a client (what `GET /v1/responses/{id}` reports as
+    /// `completed`), or it was cancelled; until then a background response is `in_progress`.
+    progress: Arc<Mutex<Progress>>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Progress {
+    #[default]
+    InProgress,
+    Completed,
+    Cancelled,
 }
 
 struct SimState {
@@ -101,6 +115,7 @@ pub fn router(sim: Sim) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(responses))
         .route("/v1/responses/{id}", get(responses_get))
+        .route("/v1/responses/{id}/cancel", post(responses_cancel))
         .route("/v1/messages", post(messages))
         .route("/v1beta/models/{*model_action}", post(gemini))
         .route("/sim/script", post(script_post))
@@ -338,6 +353,8 @@ async fn provider_request(
                     frames,
                     whole,
                     resumable,
+                    delay_ms: reply.faults.delay_ms,
+                    progress: Arc::default(),
                 };
                 state.produced.insert(handle.clone(), produced.clone());
                 if reply.faults.idempotent {
@@ -351,7 +368,7 @@ async fn provider_request(
     };
     let _ = handle;
     if stream {
-        stream_response(produced.frames, &faults)
+        stream_response(produced.frames, &faults, Some(produced.progress.clone()))
     } else {
         axum::Json(produced.whole).into_response()
     }
@@ -389,9 +406,20 @@ async fn responses_get(
         return error_response(Api::OpenAiResponses, 400);
     }
     if query.stream != Some(true) {
-        return axum::Json(produced.whole).into_response();
+        let progress = *produced.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut whole = produced.whole.clone();
+        whole["status"] = json!(match progress {
+            Progress::InProgress => "in_progress",
+            Progress::Completed => "completed",
+            Progress::Cancelled => "cancelled",
+        });
+        return axum::Json(whole).into_response();
     }
     let after = query.starting_after;
+    let pace = Faults {
+        delay_ms: produced.delay_ms,
+        ..Faults::default()
+    };
     let frames: Vec<Frame> = produced
         .frames
         .into_iter()
@@ -400,17 +428,43 @@ async fn responses_get(
             _ => true,
         })
         .collect();
-    stream_response(frames, &Faults::default())
+    stream_response(frames, &pace, Some(produced.progress.clone()))
+}
+
+/// `POST /v1/responses/{id}/cancel`: a background response still running is cancelled and
+/// answered with `status: cancelled`; one that completed cannot be (400, as on the real API).
+async fn responses_cancel(State(sim): State<Sim>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    let produced = {
+        let mut state = sim.lock();
+        record(&mut state, format!("/v1/responses/{id}/cancel"), &headers, b"");
+        state.produced.get(&id).cloned()
+    };
+    let Some(produced) = produced.filter(|produced| produced.api == Api::OpenAiResponses) else {
+        return error_response(Api::OpenAiResponses, 404);
+    };
+    if !produced.resumable {
+        return error_response(Api::OpenAiResponses, 400);
+    }
+    let mut progress = produced.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if *progress == Progress::Completed {
+        return error_response(Api::OpenAiResponses, 400);
+    }
+    *progress = Progress::Cancelled;
+    let mut whole = produced.whole.clone();
+    whole["status"] = json!("cancelled");
+    axum::Json(whole).into_response()
 }
 
 /// Stream frames with the reply's faults applied. A cut or disconnect ends the body with an
 /// error, so the connection is closed without the final chunk (what a dropped TCP connection
 /// looks like to the client).
-fn stream_response(frames: Vec<Frame>, faults: &Faults) -> Response {
+fn stream_response(frames: Vec<Frame>, faults: &Faults, progress: Option<Arc<Mutex<Progress>>>) -> Response {
     let mut events: Vec<Frame> = frames
         .into_iter()
         .filter(|frame| !(faults.drop_stop && frame.stop))
         .collect();
+    // A body that ends with the stop event completes the response (for its status).
+    let delivers_stop = events.iter().any(|frame| frame.stop);
     if faults.duplicate_events {
         events = events
             .into_iter()
@@ -453,6 +507,15 @@ fn stream_response(frames: Vec<Frame>, faults: &Faults) -> Response {
             }
             if sender.send(Ok(Bytes::from(chunk))).await.is_err() {
                 return;
+            }
+        }
+        if !abort
+            && delivers_stop
+            && let Some(progress) = &progress
+        {
+            let mut progress = progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *progress == Progress::InProgress {
+                *progress = Progress::Completed;
             }
         }
         if abort {

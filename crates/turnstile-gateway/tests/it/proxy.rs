@@ -1802,6 +1802,12 @@ fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message
         .unwrap_or_else(|| panic!("{text}"));
     assert_eq!(delta.1["usage"]["input_tokens"], json!(provider_input), "{text}");
     assert!(delta.1["usage"]["output_tokens"].as_u64().unwrap() >= 1, "{text}");
+    // The opening frame carries the provider's own start event, not the admission estimate.
+    let start = events.iter().find(|(name, _)| name == "message_start").unwrap();
+    assert_eq!(start.1["message"]["usage"]["input_tokens"], json!(provider_input), "{text}");
+    // The stored outcome has the same numbers.
+    let history_usage = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers)));
+    assert_eq!(history_usage["state"], "COMMITTED", "{history_usage}");
     // No cache counters were reported, so none are invented.
     assert!(
         delta.1["usage"].get("cache_read_input_tokens").is_none(),
@@ -1932,4 +1938,162 @@ adapter = "openai-chat@2"
     assert_eq!(status, 200, "{text}");
     assert_eq!(headers["x-turnstile-dropped"], "user", "{headers:?}");
     assert!(last_sent(&sim).get("user").is_none());
+}
+
+/// The JSON paths of every `cache_control` in a body, with their values.
+fn cache_controls(value: &Value, path: &str, out: &mut Vec<(String, Value)>) {
+    match value {
+        Value::Object(map) => {
+            for (key, item) in map {
+                let here = format!("{path}.{key}");
+                if key == "cache_control" {
+                    out.push((here, item.clone()));
+                } else {
+                    cache_controls(item, &here, out);
+                }
+            }
+        }
+        Value::Array(items) => {
+            for (index, item) in items.iter().enumerate() {
+                cache_controls(item, &format!("{path}[{index}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_prompt_cache_key_towards_openai() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script("claude-cache", json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]));
+    let ephemeral = json!({"type": "ephemeral"});
+    let tools = json!([{"name": "get_weather", "description": "Weather", "input_schema": schema(),
+                        "cache_control": ephemeral}]);
+    let system = json!([{"type": "text", "text": "You are terse.", "cache_control": ephemeral}]);
+    let question = json!({"role": "user", "content": [
+        {"type": "text", "text": "Weather in Paris and Tokyo?", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]});
+    let request = json!({"model": "claude-cache", "max_tokens": 256, "tools": tools, "system": system,
+                         "messages": [question]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let mut marks = Vec::new();
+    cache_controls(&last_sent(&sim), "", &mut marks);
+    assert_eq!(
+        marks,
+        [
+            (".messages[0].content[0].cache_control".to_owned(), json!({"type": "ephemeral", "ttl": "1h"})),
+            (".system[0].cache_control".to_owned(), ephemeral.clone()),
+            (".tools[0].cache_control".to_owned(), ephemeral.clone()),
+        ]
+    );
+    // The follow-up moves the user breakpoint to the tool results, as clients do: the provider
+    // gets exactly the follow-up's breakpoints, not those stored with the first request.
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let calls: Vec<&Value> = answer["content"].as_array().unwrap().iter().filter(|block| block["type"] == "tool_use").collect();
+    assert_eq!(calls.len(), 2, "{answer}");
+    let mut plain_question = question.clone();
+    plain_question["content"][0].as_object_mut().unwrap().remove("cache_control");
+    let results = json!({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": calls[0]["id"], "content": "12C"},
+        {"type": "tool_result", "tool_use_id": calls[1]["id"], "content": "20C", "cache_control": ephemeral}]});
+    let follow_up = json!({"model": "claude-cache", "max_tokens": 256, "tools": tools, "system": system,
+                           "messages": [plain_question, {"role": "assistant", "content": answer["content"]}, results]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &follow_up, &[]);
+    assert_eq!(status, 200, "{text}");
+    let operation = operation_of(&headers);
+    assert!(operation.contains(".r"), "the follow-up did not continue the conversation: {operation}");
+    let mut marks = Vec::new();
+    cache_controls(&last_sent(&sim), "", &mut marks);
+    assert_eq!(
+        marks,
+        [
+            (".messages[2].content[1].cache_control".to_owned(), ephemeral.clone()),
+            (".system[0].cache_control".to_owned(), ephemeral.clone()),
+            (".tools[0].cache_control".to_owned(), ephemeral.clone()),
+        ]
+    );
+    // The manifest pins the breakpoints through the policy; the content digests do not move.
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    assert!(dispatch["manifest"]["policy_digest"].as_str().is_some_and(|digest| digest.starts_with("sha256:")));
+    drop(gateway);
+
+    // An Anthropic client served by an OpenAI model: OpenAI caches prefixes itself, and the
+    // breakpoints become its prompt_cache_key; a one-hour breakpoint has no OpenAI meaning.
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "openai-chat@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    let five_minutes = json!({"model": "gpt-cache", "max_tokens": 256, "tools": tools, "system": system,
+                              "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &five_minutes, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert!(body["prompt_cache_key"].as_str().is_some_and(|key| key.starts_with("turnstile-")), "{body}");
+    assert!(!body.to_string().contains("cache_control"), "{body}");
+    let before = sim.requests().len();
+    let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
+    assert_eq!(status, 400, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["type"], "error", "{error}");
+    let kinds: Vec<&Value> = error["error"]["reason"]["blocks"].as_array().unwrap().iter().map(|pause| &pause["kind"]).collect();
+    assert_eq!(kinds, [&json!("cache.ttl")], "{error}");
+    assert_eq!(sim.requests().len(), before, "a refused request was sent");
+    drop(gateway);
+
+    // Towards Gemini the breakpoints cannot change anything: left out and reported.
+    let config = r#"
+[[routes]]
+api = "anthropic-messages"
+provider = "sim"
+adapter = "gemini@1"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    let (status, headers, text) = post(&gateway.base, "/v1/messages", &five_minutes, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(headers["x-turnstile-dropped"], "cache_control", "{headers:?}");
+    assert!(!sim.requests().last().unwrap()["body"].as_str().unwrap().contains("cache"));
+}
+
+#[test]
+fn the_native_api_takes_cache_breakpoints_on_blocks_and_tools_under_their_neutral_name() {
+    let (_dir, sim, gateway) = proxy_world("");
+    // A malformed breakpoint is refused with the validator's code, on tools and on blocks.
+    let (status, body) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": "c-bad", "tools": [{"name": "t", "cache": {"ttl": "1d"}}]}),
+    );
+    assert_eq!((status, body["error"]["code"].clone()), (422, json!("rejected")), "{body}");
+    let tools = json!([{"name": "get_weather", "input_schema": schema(), "cache": {}}]);
+    let (status, _) = gateway.post("/v1/conversations", json!({"conversation_id": "c-cache", "tools": tools}));
+    assert_eq!(status, 201);
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-cache/turns",
+        json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "Weather?", "cache": "soon"}]}}),
+    );
+    assert_eq!(status, 422, "{body}");
+    let (status, _) = gateway.post(
+        "/v1/conversations/c-cache/turns",
+        json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "A long document …", "cache": {"ttl": "1h"}},
+                          {"id": "u2", "kind": "text", "text": "Weather?"}]}}),
+    );
+    assert_eq!(status, 200);
+    let history = gateway.get("/v1/conversations/c-cache");
+    assert_eq!(history["turns"][0]["blocks"][0]["cache"], json!({"ttl": "1h"}), "{history}");
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-cache/dispatch",
+        json!({"operation_id": "op-cache", "target": {"provider": "sim", "model": "m-cache", "adapter": "anthropic-messages@1"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let sent = sent_for(&gateway, &sim, "op-cache");
+    let sent: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
+    assert_eq!(sent["tools"][0]["cache_control"], json!({"type": "ephemeral"}), "{sent}");
+    assert_eq!(sent["messages"][0]["content"][0]["cache_control"], json!({"type": "ephemeral", "ttl": "1h"}), "{sent}");
+    assert!(sent["messages"][0]["content"][1].get("cache_control").is_none(), "{sent}");
 }

@@ -36,8 +36,21 @@ impl Gateway {
         sim_url: Option<&str>,
         extra_config: &str,
     ) -> Result<Gateway, String> {
+        Gateway::start_with_env(dir, store, sim_url, extra_config, &[])
+    }
+
+    /// [`Gateway::start_with`] with extra environment variables for the gateway process.
+    pub fn start_with_env(
+        dir: &tempfile::TempDir,
+        store: &str,
+        sim_url: Option<&str>,
+        extra_config: &str,
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
         let config = dir.path().join("turnstile.toml");
-        std::fs::write(&config, format!("lease_ms = 400\n{extra_config}\n")).unwrap();
+        // A short lease unless the test sets its own.
+        let lease = if extra_config.contains("lease_ms") { "" } else { "lease_ms = 400\n" };
+        std::fs::write(&config, format!("{lease}{extra_config}\n")).unwrap();
         let log = dir.path().join(format!(
             "gateway-{}.log",
             Instant::now().elapsed().as_nanos() ^ std::process::id() as u128
@@ -55,6 +68,7 @@ impl Gateway {
         if let Some(url) = sim_url {
             command.args(["--sim-url", url]);
         }
+        command.envs(env.iter().copied());
         let mut child = command
             .env("TURNSTILE_TEST_PROVIDER_KEY", "sk-test-SECRET-KEY-123")
             .stdout(Stdio::piped())
@@ -77,7 +91,7 @@ impl Gateway {
         Ok(Gateway { child, base, log })
     }
 
-    fn kill(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -118,7 +132,7 @@ impl Gateway {
     }
 
     /// Stream a dispatch and collect its client events until the gateway ends the stream.
-    fn dispatch(
+    pub fn dispatch(
         &self,
         conversation: &str,
         operation: &str,
@@ -185,7 +199,7 @@ pub fn client_events(text: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
-fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
+pub fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
     events
         .iter()
         .filter(|(event, _)| event == name)
@@ -196,7 +210,7 @@ fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
 const TOOLS: &str = r#"[{"name": "get_weather", "input_schema": {"type": "object",
     "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}}]"#;
 
-fn conversation_with_question(gateway: &Gateway, id: &str) {
+pub fn conversation_with_question(gateway: &Gateway, id: &str) {
     let tools: Value = serde_json::from_str(TOOLS).unwrap();
     let (status, _) = gateway.post(
         "/v1/conversations",
@@ -211,14 +225,14 @@ fn conversation_with_question(gateway: &Gateway, id: &str) {
     assert_eq!((status, body), (200, json!({"revision": 1})));
 }
 
-fn two_calls(faults: Value) -> Value {
+pub fn two_calls(faults: Value) -> Value {
     json!({"text": "Checking both.", "tool_calls": [
         {"name": "get_weather", "arguments": {"city": "Paris"}},
         {"name": "get_weather", "arguments": {"city": "Tokyo"}}], "faults": faults})
 }
 
 /// Every body the simulator received for a dispatch hashes to its manifest's request digest.
-fn assert_sent_bodies_match_manifest(gateway: &Gateway, sim: &SimProcess, operation: &str) -> usize {
+pub fn assert_sent_bodies_match_manifest(gateway: &Gateway, sim: &SimProcess, operation: &str) -> usize {
     let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
     let digest = dispatch["manifest"]["request_digest"]
         .as_str()
@@ -244,7 +258,7 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn history_is_legal(gateway: &Gateway, id: &str) -> Value {
+pub fn history_is_legal(gateway: &Gateway, id: &str) -> Value {
     let document = gateway.get(&format!("/v1/conversations/{id}"));
     let conversation = turnstile_core::Conversation::from_value(document.clone()).unwrap();
     let verdict = turnstile_core::validate(&conversation);
@@ -255,7 +269,7 @@ fn history_is_legal(gateway: &Gateway, id: &str) -> Value {
     document
 }
 
-fn assistant_turns(document: &Value) -> usize {
+pub fn assistant_turns(document: &Value) -> usize {
     document["turns"]
         .as_array()
         .unwrap()
@@ -264,7 +278,7 @@ fn assistant_turns(document: &Value) -> usize {
         .count()
 }
 
-fn assert_safety_metrics_zero(gateway: &Gateway) {
+pub fn assert_safety_metrics_zero(gateway: &Gateway) {
     assert_eq!(gateway.metric("turnstile_partial_tool_dispatch_total"), 0.0);
     assert_eq!(gateway.metric("turnstile_illegal_sends_total"), 0.0);
 }

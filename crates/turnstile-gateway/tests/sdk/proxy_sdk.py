@@ -268,6 +268,32 @@ def anthropic_tool_runner():
     assert len(results) == 1 and len(sent[1]["messages"]) == 3, sent[1]
 
 
+def anthropic_streamed_usage():
+    """A streamed answer reports the simulator's own counts: in `message_start` (its start event,
+    not the gateway's admission estimate) and, cumulatively, in the final message."""
+    client = anthropic.Anthropic(base_url=BASE, api_key="sk-ant-proxy-test", max_retries=0)
+    model = "sdk-claude-usage"
+    text = "Counted by the provider, slowly."
+    script(model, [{"text": text, "faults": {"delay_ms": 20}}])
+    messages = [{"role": "user", "content": "Count the tokens of this question, please."}]
+    starts = []
+    with client.messages.stream(model=model, max_tokens=64, system="Count carefully.", messages=messages) as stream:
+        for event in stream:
+            if event.type == "message_start":
+                starts.append(event.message.usage)
+        message = stream.get_final_message()
+    with urllib.request.urlopen(f"{BASE}/sim/requests") as http:
+        bodies = [request["body"] for request in json.loads(http.read())
+                  if request["body"] and json.loads(request["body"]).get("model") == model]
+    assert len(bodies) == 1, bodies
+    # The simulator's counts: a quarter of the request's bytes in, of the text's bytes out.
+    provider_input = max(len(bodies[0].encode()) // 4, 1)
+    provider_output = max(len(text.encode()) // 4, 1)
+    assert len(starts) == 1 and starts[0].input_tokens == provider_input, (starts, provider_input)
+    assert message.usage.input_tokens == provider_input, (message.usage, provider_input)
+    assert message.usage.output_tokens == provider_output, (message.usage, provider_output)
+
+
 def gemini_default_api_version():
     """google-genai on its default API version (`v1`): a forced function call, then a JSON-schema answer."""
     client = genai.Client(api_key="g-proxy-test", http_options=genai_types.HttpOptions(base_url=BASE))
@@ -319,5 +345,6 @@ if __name__ == "__main__":
     openai_responses_chained()
     openai_forced_tool_and_json_schema()
     anthropic_tool_runner()
+    anthropic_streamed_usage()
     gemini_default_api_version()
     print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}, google-genai {genai.__version__}")

@@ -246,3 +246,25 @@ fn the_four_concatenated_responses_each_assemble_and_a_single_assembler_quaranti
     assert!(quarantined > 0);
     assert_eq!(summary(&finish(&mut assembler)), summaries[0]);
 }
+
+#[test]
+fn anthropic_cache_counters_are_decoded_from_a_recorded_stream() {
+    use turnstile_core::stream::StreamEvent;
+    let dir = captures_dir().expect("TURNSTILE_SHARED must hold fixtures/provider-streams");
+    let bytes = capture_bytes(&dir, "anthropic/text-then-tool-use.sse");
+    let events = decode_chunks(StreamApi::AnthropicMessages, [&bytes[..]], Ending::File);
+    let usage: Vec<(Option<u64>, Option<u64>, Option<u64>, Option<u64>)> = events
+        .iter()
+        .filter_map(|sequenced| match &sequenced.event {
+            StreamEvent::Usage {
+                input_tokens,
+                output_tokens,
+                cache_creation_input_tokens,
+                cache_read_input_tokens,
+            } => Some((*input_tokens, *output_tokens, *cache_creation_input_tokens, *cache_read_input_tokens)),
+            _ => None,
+        })
+        .collect();
+    // The capture's `message_start` usage (377 in, both cache counters 0) and `message_delta` (65 out).
+    assert_eq!(usage, [(Some(377), Some(1), Some(0), Some(0)), (None, Some(65), None, None)]);
+}

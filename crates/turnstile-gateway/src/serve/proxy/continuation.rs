@@ -19,6 +19,12 @@
 //! appended result takes the generation of the stored call it answers ([`pair_results`]);
 //! otherwise the append would be `result_mismatch` and the follow-up would fork, leaving the
 //! calls claimed.
+//!
+//! Prompt-cache breakpoints belong to the request that carries them: a client moves its
+//! breakpoint to the newest turn on every request, so the marks stored with earlier requests'
+//! turns are not this request's. The continued history is rendered with exactly the request's
+//! marks ([`with_request_marks`]); marks are outside every digest, so this changes no
+//! digest and nothing stored.
 
 use super::super::{Shared, now};
 use super::previous::renamed;
@@ -148,4 +154,58 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
         });
     }
     None
+}
+
+/// `stored` (the continued history) with every block's and tool's `cache` breakpoint replaced by
+/// the one `request` (the imported request, whose turns line up with `stored`'s one for one)
+/// puts at the same place: a turn whose blocks do not line up keeps no mark.
+pub fn with_request_marks(mut stored: Value, request: &Value) -> Value {
+    use turnstile_core::conversation::CACHE_FIELD;
+    let request_turns = request["turns"].as_array().map_or(&[][..], Vec::as_slice);
+    if let Some(turns) = stored["turns"].as_array_mut() {
+        for (index, turn) in turns.iter_mut().enumerate() {
+            let request_blocks = request_turns
+                .get(index)
+                .and_then(|turn| turn["blocks"].as_array())
+                .map_or(&[][..], Vec::as_slice);
+            let Some(blocks) = turn["blocks"].as_array_mut() else {
+                continue;
+            };
+            let lined_up = blocks.len() == request_blocks.len();
+            for (position, block) in blocks.iter_mut().enumerate() {
+                let mark = request_blocks
+                    .get(position)
+                    .filter(|_| lined_up)
+                    .and_then(|block| block.get(CACHE_FIELD))
+                    .cloned();
+                set_mark(block, mark);
+            }
+        }
+    }
+    let request_tools = request["tools"].as_array().map_or(&[][..], Vec::as_slice);
+    if let Some(tools) = stored["tools"].as_array_mut() {
+        for tool in tools {
+            let mark = request_tools
+                .iter()
+                .find(|candidate| candidate["name"] == tool["name"])
+                .and_then(|candidate| candidate.get(CACHE_FIELD))
+                .cloned();
+            set_mark(tool, mark);
+        }
+    }
+    stored
+}
+
+fn set_mark(object: &mut Value, mark: Option<Value>) {
+    let Some(map) = object.as_object_mut() else {
+        return;
+    };
+    match mark {
+        Some(mark) => {
+            map.insert(turnstile_core::conversation::CACHE_FIELD.to_owned(), mark);
+        }
+        None => {
+            map.remove(turnstile_core::conversation::CACHE_FIELD);
+        }
+    }
 }

@@ -651,7 +651,9 @@ async fn serve_ours(
     };
     let (conversation_id, operation_id, conversation) = match continued {
         Some(continued) => {
-            let conversation = Conversation::from_value(continued.document).map_err(|error| {
+            // This request's cache breakpoints, not the ones stored with earlier requests.
+            let document = continuation::with_request_marks(continued.document, &imported.document);
+            let conversation = Conversation::from_value(document).map_err(|error| {
                 provider_error(
                     api,
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -789,6 +791,7 @@ async fn serve_ours(
     // API (`passthrough::INERT_ACROSS_APIS`).
     let mut dropped = imported.dropped.clone();
     dropped.extend(imported.passthrough.dropped_towards(route.adapter.api()));
+    dropped.extend(turnstile_adapters::cache::dropped_towards(route.adapter.api(), &conversation));
     dropped.sort();
     dropped.dedup();
     if !dropped.is_empty() {
@@ -1020,7 +1023,11 @@ fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
             let sender = sender.clone();
             async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
         };
-        if !send(encoder.start()).await {
+        // Anthropic's opening frame carries the provider's own start usage: it waits for the
+        // hub's first report of it (or for anything else that is not a state change, then it
+        // opens with the admission count). Bounded by the dispatch's own deadlines.
+        let mut opened = !encoder.opens_with_usage();
+        if opened && !send(encoder.start()).await {
             return;
         }
         let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
@@ -1041,11 +1048,26 @@ fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
                     }
                 },
                 None => {
+                    if !opened {
+                        let _ = send(encoder.start()).await;
+                    }
                     let _ =
                         send(encoder.error("no_commit", "the dispatch ended without a committed turn")).await;
                     return;
                 }
             };
+            if !opened {
+                if event == "usage" {
+                    encoder.start_usage(&data["usage"]);
+                }
+                if event == "state" && outcome_of(event, &data).is_none() {
+                    continue;
+                }
+                opened = true;
+                if !send(encoder.start()).await {
+                    return;
+                }
+            }
             match event {
                 "preview" => {
                     let this = data["generation"].as_u64();

@@ -431,6 +431,9 @@ pub struct StreamEncoder {
     input_tokens: u64,
     /// The provider's own usage, when known before the stream opens (the commit already came).
     known: Option<Facts>,
+    /// The usage of the provider's own start event (Anthropic `message_start`), when it came
+    /// before the stream opened.
+    start_usage: Option<Value>,
     sequence: u64,
     text_open: bool,
     forwarded: String,
@@ -451,6 +454,7 @@ impl StreamEncoder {
             to,
             input_tokens,
             known: None,
+            start_usage: None,
             sequence: 0,
             text_open: false,
             forwarded: String::new(),
@@ -462,6 +466,26 @@ impl StreamEncoder {
     /// admission count.
     pub fn known_usage(&mut self, facts: Facts) {
         self.known = Some(facts);
+    }
+
+    /// The usage of the provider's start event (the hub's `usage` report: `input_tokens`,
+    /// `output_tokens`, cache counters when reported), known before [`StreamEncoder::start`]:
+    /// Anthropic's `message_start` reports it instead of the admission count.
+    pub fn start_usage(&mut self, usage: &Value) {
+        let mut out = json!({"input_tokens": usage["input_tokens"].as_u64().unwrap_or(self.input_tokens),
+                             "output_tokens": usage["output_tokens"].as_u64().unwrap_or(0)});
+        for counter in ["cache_creation_input_tokens", "cache_read_input_tokens"] {
+            if let Some(tokens) = usage[counter].as_u64() {
+                out[counter] = json!(tokens);
+            }
+        }
+        self.start_usage = Some(out);
+    }
+
+    /// Whether the opening frame waits for the provider's start event (Anthropic reports the
+    /// input count and cache counters in its opening frame).
+    pub fn opens_with_usage(&self) -> bool {
+        self.to.api == Api::AnthropicMessages && self.known.is_none()
     }
 
     /// Text forwarded so far.
@@ -522,13 +546,16 @@ impl StreamEncoder {
                 // The provider's input count (and cache counters) when the commit came first;
                 // otherwise the admission count, the only one known yet (`message_delta` carries
                 // the provider's cumulative counts at the end).
-                let usage = match &self.known {
-                    Some(facts) => {
+                // The provider's own start event when it came first (the usual case: the proxy
+                // waits for it, `opens_with_usage`).
+                let usage = match (&self.known, &self.start_usage) {
+                    (Some(facts), _) => {
                         let mut usage = facts.anthropic_usage();
                         usage["output_tokens"] = json!(0);
                         usage
                     }
-                    None => json!({"input_tokens": self.input_tokens, "output_tokens": 0}),
+                    (None, Some(usage)) => usage.clone(),
+                    (None, None) => json!({"input_tokens": self.input_tokens, "output_tokens": 0}),
                 };
                 let mut out = named(
                     "message_start",
