@@ -884,7 +884,11 @@ impl Drive {
                     to,
                     DispatchState::Unknown | DispatchState::Failed | DispatchState::Abandoned
                 );
-                let reason = if ends { self.end_causes.remove(&generation) } else { None };
+                let reason = if ends {
+                    self.end_causes.remove(&generation)
+                } else {
+                    None
+                };
                 (
                     StoreOp::Transition {
                         generation,
@@ -977,7 +981,10 @@ impl Drive {
                 // grow. The store allocates them one by one per dispatch, so a begin never
                 // answers a generation at or below one this driver already knows of.
                 assert!(
-                    generation.0 > self.attempts_started.max(self.machine.generation().map_or(0, |g| g.0)),
+                    generation.0
+                        > self
+                            .attempts_started
+                            .max(self.machine.generation().map_or(0, |g| g.0)),
                     "store answered generation {} for {} after {} attempts: generations only grow",
                     generation.0,
                     self.spec.basis.operation_id,
@@ -1464,7 +1471,10 @@ impl Drive {
                     self.machine.state(),
                     DispatchState::Dispatching | DispatchState::Sent | DispatchState::Streaming
                 ) {
-                    self.cause(generation, if clean { "ended_without_stop" } else { "stream_cut" });
+                    self.cause(
+                        generation,
+                        if clean { "ended_without_stop" } else { "stream_cut" },
+                    );
                     self.work.push_front(Work::Interruption {
                         generation,
                         provider_ended: clean,

@@ -3,8 +3,8 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
-use turnstile_gateway::cli;
 use std::process::ExitCode;
+use turnstile_gateway::cli;
 
 /// Turnstile: every request to a model provider legal and complete; every response committed
 /// at most once per conversation revision.

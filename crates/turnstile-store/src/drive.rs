@@ -111,7 +111,11 @@ pub async fn perform(
                     .end_attempt(operation_id, *generation, *from, *to, reason, now)
                     .await
             }
-            None => ledger.transition(operation_id, *generation, *from, *to, now).await,
+            None => {
+                ledger
+                    .transition(operation_id, *generation, *from, *to, now)
+                    .await
+            }
         }),
         StoreOp::Replay {
             generation,

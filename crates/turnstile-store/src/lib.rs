@@ -23,6 +23,7 @@ pub mod drive;
 pub mod error;
 pub mod faults;
 mod history;
+pub mod listing;
 pub mod migrations;
 pub mod ops;
 pub mod postgres;
@@ -33,6 +34,10 @@ pub mod types;
 pub use clock::StoreClock;
 pub use error::StoreError;
 pub use faults::{Fault, FaultInjector};
+pub use listing::{
+    ConversationCursor, ConversationPage, ConversationQuery, ConversationSummary, LastDispatch,
+    PendingFilter, QuarantinePage,
+};
 pub use postgres::PgLedger;
 pub use sqlite::{SqliteLedger, Synchronous};
 pub use turnstile_core::dispatch::{DispatchState, Timestamp};
@@ -335,6 +340,18 @@ pub trait Ledger: Send + Sync {
         call_id: &str,
         holder: &str,
     ) -> Result<bool, StoreError>;
+
+    /// A page of conversations, most recently updated first ([`listing`]).
+    async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError>;
+
+    /// Quarantine entries of operations whose ids start with `id_prefix`, newest first, older
+    /// than row `before` when given ([`listing::quarantine_page`]).
+    async fn quarantine_page(
+        &self,
+        id_prefix: &str,
+        before: Option<i64>,
+        limit: u64,
+    ) -> Result<listing::QuarantinePage, StoreError>;
 }
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.

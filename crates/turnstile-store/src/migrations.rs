@@ -42,6 +42,12 @@ pub const MIGRATIONS: &[Migration] = &[
         postgres: include_str!("../migrations/postgres/0004_attempt_story.sql"),
     },
     Migration {
+        version: 5,
+        name: "conversation_listing",
+        sqlite: include_str!("../migrations/sqlite/0005_conversation_listing.sql"),
+        postgres: include_str!("../migrations/postgres/0005_conversation_listing.sql"),
+    },
+    Migration {
         version: 6,
         name: "dispatch_policy",
         sqlite: include_str!("../migrations/sqlite/0006_dispatch_policy.sql"),

@@ -1237,20 +1237,22 @@ pub(crate) async fn quarantined<T: Tx>(tx: &mut T, limit: u64) -> Result<Vec<Qua
             &[limit.into()],
         )
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(QuarantineRecord {
-                id: row.int(0)?,
-                entry: QuarantineEntry {
-                    operation_id: row.text(1)?,
-                    generation: Generation(row.uint(2)?),
-                    reason: row.text(3)?,
-                    content: json_of(&row.text(4)?)?,
-                },
-                at: Timestamp(row.uint(5)?),
-            })
-        })
-        .collect()
+    rows.iter().map(quarantine_record).collect()
+}
+
+/// A quarantine row as selected by [`quarantined`] and `listing::quarantine_page`
+/// (`id, operation_id, generation, reason, content, at`).
+pub(crate) fn quarantine_record(row: &Row) -> Result<QuarantineRecord, StoreError> {
+    Ok(QuarantineRecord {
+        id: row.int(0)?,
+        entry: QuarantineEntry {
+            operation_id: row.text(1)?,
+            generation: Generation(row.uint(2)?),
+            reason: row.text(3)?,
+            content: json_of(&row.text(4)?)?,
+        },
+        at: Timestamp(row.uint(5)?),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1639,8 +1641,11 @@ pub(crate) async fn recover_startup<T: Tx>(
                      THEN 'lease_expired' ELSE 'replica_restarted' END \
                      WHERE operation_id = $1 AND generation = $2";
         if move_both(tx, &operation_id, generation, from, DispatchState::Unknown, now).await? {
-            tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
-                .await?;
+            tx.execute(
+                story,
+                &[operation_id.as_str().into(), generation.0.into(), ts(now)],
+            )
+            .await?;
             marked_unknown += 1;
         } else {
             // Not the active generation any more: mark only the attempt.
@@ -1660,8 +1665,11 @@ pub(crate) async fn recover_startup<T: Tx>(
                     now,
                 )
                 .await?;
-                tx.execute(story, &[operation_id.as_str().into(), generation.0.into(), ts(now)])
-                    .await?;
+                tx.execute(
+                    story,
+                    &[operation_id.as_str().into(), generation.0.into(), ts(now)],
+                )
+                .await?;
                 marked_unknown += 1;
             }
         }

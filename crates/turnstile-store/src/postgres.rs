@@ -15,7 +15,7 @@ use crate::faults::{Fault, FaultInjector};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
 use crate::sql::{Dialect, Row, SqlValue, Tx};
 use crate::types::*;
-use crate::{Ledger, ops};
+use crate::{ConversationPage, ConversationQuery, Ledger, ops};
 use bytes::BytesMut;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use serde_json::Value;
@@ -653,6 +653,21 @@ impl Ledger for PgLedger {
             conversation_id,
             call_id,
             holder
+        ))
+    }
+
+    async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError> {
+        in_tx!(self, |tx| crate::listing::conversations(&mut tx, query))
+    }
+
+    async fn quarantine_page(
+        &self,
+        id_prefix: &str,
+        before: Option<i64>,
+        limit: u64,
+    ) -> Result<crate::listing::QuarantinePage, StoreError> {
+        in_tx!(self, |tx| crate::listing::quarantine_page(
+            &mut tx, id_prefix, before, limit
         ))
     }
 }

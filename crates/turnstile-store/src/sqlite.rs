@@ -26,7 +26,7 @@ use crate::faults::{Fault, FaultInjector};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
 use crate::sql::{Dialect, Row, SqlValue, Tx, block_on_ready};
 use crate::types::*;
-use crate::{Ledger, ops};
+use crate::{ConversationPage, ConversationQuery, Ledger, ops};
 use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, OptionalExtension};
 use serde_json::Value;
@@ -468,7 +468,15 @@ impl Ledger for SqliteLedger {
     ) -> Result<TransitionOutcome, StoreError> {
         let (op, reason) = (operation_id.to_owned(), reason.to_owned());
         self.run(move |tx| {
-            block_on_ready(ops::end_attempt(tx, &op, generation, from, to, Some(&reason), now))
+            block_on_ready(ops::end_attempt(
+                tx,
+                &op,
+                generation,
+                from,
+                to,
+                Some(&reason),
+                now,
+            ))
         })
         .await
     }
@@ -706,6 +714,23 @@ impl Ledger for SqliteLedger {
     ) -> Result<bool, StoreError> {
         let (id, call, holder) = (conversation_id.to_owned(), call_id.to_owned(), holder.to_owned());
         self.run(move |tx| block_on_ready(ops::hand_to_client(tx, &id, &call, &holder)))
+            .await
+    }
+
+    async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError> {
+        let query = query.clone();
+        self.run(move |tx| block_on_ready(crate::listing::conversations(tx, &query)))
+            .await
+    }
+
+    async fn quarantine_page(
+        &self,
+        id_prefix: &str,
+        before: Option<i64>,
+        limit: u64,
+    ) -> Result<crate::listing::QuarantinePage, StoreError> {
+        let id_prefix = id_prefix.to_owned();
+        self.run(move |tx| block_on_ready(crate::listing::quarantine_page(tx, &id_prefix, before, limit)))
             .await
     }
 }

@@ -1189,9 +1189,10 @@ impl World {
 
     /// Some operation's dispatch is not in a terminal state.
     fn operations_open(&mut self) -> bool {
-        self.ops.clone().into_iter().any(|op| {
-            !matches!(store!(self, dispatch(&op)), Ok(Some(record)) if record.state.is_terminal())
-        })
+        self.ops
+            .clone()
+            .into_iter()
+            .any(|op| !matches!(store!(self, dispatch(&op)), Ok(Some(record)) if record.state.is_terminal()))
     }
 
     /// One replica's lease sweep (`serve/mod.rs::sweep`): attempts whose lease ran out by the

@@ -58,7 +58,12 @@ const BOTH: ProviderRecovery = ProviderRecovery {
 
 #[test]
 fn a_fresh_recovery_budget_resumes_at_once() {
-    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), RecoverySpent::default(), Timestamp(1_000));
+    let mut drive = Drive::recovered(
+        spec(BOTH, 1),
+        &unknown(1, 60_000),
+        RecoverySpent::default(),
+        Timestamp(1_000),
+    );
     assert!(
         matches!(next_store_op(&mut drive), Some(StoreOp::Resume { .. })),
         "a resumable attempt with nothing spent is resumed"
@@ -72,7 +77,12 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
         resumes: RESUMES_PER_GENERATION_MAX,
         replays: 0,
     };
-    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), resumes_spent, Timestamp(1_000));
+    let mut drive = Drive::recovered(
+        spec(BOTH, 1),
+        &unknown(1, 60_000),
+        resumes_spent,
+        Timestamp(1_000),
+    );
     assert!(
         matches!(next_store_op(&mut drive), Some(StoreOp::Replay { .. })),
         "resumes spent elsewhere: the driver replays instead"
@@ -83,7 +93,11 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
         replays: REPLAYS_PER_GENERATION_MAX,
     };
     let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, Timestamp(1_000));
-    assert_eq!(next_store_op(&mut drive), None, "nothing before the lease runs out");
+    assert_eq!(
+        next_store_op(&mut drive),
+        None,
+        "nothing before the lease runs out"
+    );
     assert!(
         drive.poll_timeout().is_some_and(|at| at >= Timestamp(60_000)),
         "it waits for the old lease: {:?}",

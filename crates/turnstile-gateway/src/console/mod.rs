@@ -1,11 +1,30 @@
-//! The console: one static page (HTML, CSS and script inline, no external assets: the machine
-//! may be offline) served at `/`. It reads the same HTTP API as any client, with the tenant
-//! token the user types in, so it can show nothing the token could not read.
+//! The console: a page served at `/` and its ES modules under `/console/` (plain JavaScript with
+//! JSDoc types that `tsc --noEmit` checks in `scripts/test`; no build step, no external assets:
+//! the machine may be offline). Every file is compiled into the binary. The page reads the
+//! same HTTP API as any client, with the tenant token the user types in, so it can show
+//! nothing the token could not read.
 
-use axum::http::header;
+use crate::serve::api::{ApiError, ErrorCode};
+use axum::extract::Path;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 const INDEX: &str = include_str!("index.html");
+
+/// The modules, by file name (one owner each; see `app.js` for the map).
+const MODULES: &[(&str, &str)] = &[
+    ("app.js", include_str!("app.js")),
+    ("api.js", include_str!("api.js")),
+    ("dom.js", include_str!("dom.js")),
+    ("feed.js", include_str!("feed.js")),
+    ("list.js", include_str!("list.js")),
+    ("conversation.js", include_str!("conversation.js")),
+    ("dispatch.js", include_str!("dispatch.js")),
+    ("inspect.js", include_str!("inspect.js")),
+    ("ops.js", include_str!("ops.js")),
+    ("diff.js", include_str!("diff.js")),
+    ("console.css", include_str!("console.css")),
+];
 
 /// `GET /`.
 pub async fn index() -> Response {
@@ -15,6 +34,28 @@ pub async fn index() -> Response {
             (header::CACHE_CONTROL, "no-cache"),
         ],
         INDEX,
+    )
+        .into_response()
+}
+
+/// `GET /console/{file}`: one of [`MODULES`], or 404.
+pub async fn module(Path(file): Path<String>) -> Response {
+    let Some((name, text)) = MODULES.iter().find(|(name, _)| *name == file) else {
+        return ApiError::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, "no such console file")
+            .into_response();
+    };
+    let content_type = if name.ends_with(".css") {
+        "text/css; charset=utf-8"
+    } else {
+        "text/javascript; charset=utf-8"
+    };
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        *text,
     )
         .into_response()
 }

@@ -240,7 +240,7 @@ impl IntoResponse for ApiError {
     }
 }
 
-type ApiResult = Result<Response, ApiError>;
+pub(crate) type ApiResult = Result<Response, ApiError>;
 
 impl ApiError {
     /// The stable code.
@@ -457,11 +457,14 @@ pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Req
         .await
         .map_err(ApiError::store)?
     {
-        CreateOutcome::Created => Ok((
-            StatusCode::CREATED,
-            Json(json!({"conversation_id": id, "revision": 0})),
-        )
-            .into_response()),
+        CreateOutcome::Created => Ok({
+            shared.feed.conversation(&caller.store_id(&id), 0);
+            (
+                StatusCode::CREATED,
+                Json(json!({"conversation_id": id, "revision": 0})),
+            )
+                .into_response()
+        }),
         CreateOutcome::AlreadyExists => Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::ConversationExists,
@@ -517,7 +520,10 @@ pub async fn append_turn(
         .await
         .map_err(ApiError::store)?;
     match outcome {
-        AppendOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
+        AppendOutcome::Appended { revision } => {
+            shared.feed.conversation(&caller.store_id(&id), revision.0);
+            Ok(Json(json!({"revision": revision.0})).into_response())
+        }
         AppendOutcome::Conflict { current } => Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::RevisionConflict,
@@ -896,12 +902,17 @@ pub(crate) async fn hub_for(
     prepared_from: Option<&Conversation>,
 ) -> Result<Arc<Hub>, ApiError> {
     let operation_id = record.operation_id.clone();
+    let conversation_id = record.conversation_id.clone();
     let hub = {
         let mut hubs = shared.hubs.lock().await;
         match hubs.get(&operation_id) {
             Some(hub) => Some(hub.clone()),
             None if record.state == DispatchState::Prepared => {
-                let hub = Arc::new(Hub::new());
+                let hub = Arc::new(Hub::observed(
+                    shared.feed.clone(),
+                    &record.conversation_id,
+                    &operation_id,
+                ));
                 hubs.insert(operation_id.clone(), hub.clone());
                 match context_with(shared, record.clone(), hub.clone(), prepared_from).await {
                     Ok(ctx) => {
@@ -924,7 +935,11 @@ pub(crate) async fn hub_for(
         Some(hub) => hub,
         None => {
             // Finished, or driven by another replica: watch the ledger.
-            let hub = Arc::new(Hub::new());
+            let hub = Arc::new(Hub::observed(
+                shared.feed.clone(),
+                &conversation_id,
+                &operation_id,
+            ));
             tokio::spawn(watch(shared.clone(), operation_id.clone(), hub.clone()));
             hub
         }
@@ -1434,7 +1449,12 @@ pub async fn submit_tool_result(
         .await
         .map_err(ApiError::store)?;
     match outcome {
-        ResultOutcome::Appended { revision } => Ok(Json(json!({"revision": revision.0})).into_response()),
+        ResultOutcome::Appended { revision } => {
+            shared
+                .feed
+                .conversation(&caller.store_id(&conversation_id), revision.0);
+            Ok(Json(json!({"revision": revision.0})).into_response())
+        }
         ResultOutcome::StaleClaim => {
             metrics::bump(metrics::TOOL_RESULT_STALE);
             Err(ApiError::new(
@@ -1469,10 +1489,153 @@ pub async fn submit_tool_result(
     }
 }
 
-pub async fn quarantine(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> ApiResult {
+// ---- Listings for the console (issue 18): conversations, quarantine pages ----
+
+/// `GET /v1/conversations` query (spec additions: `limit`, `after`, `q`; ours: `state`,
+/// `provider`, `pending`). Unknown parameters are refused like unknown body fields.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConversationListQuery {
+    limit: Option<u64>,
+    after: Option<String>,
+    q: Option<String>,
+    state: Option<String>,
+    provider: Option<String>,
+    pending: Option<bool>,
+}
+
+/// Page size of a listing when the client names none.
+const LIST_LIMIT_DEFAULT: u64 = 50;
+
+fn bad_query(message: impl Into<String>) -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::InvalidRequest,
+        message,
+    )
+}
+
+/// A listing's page size: `limit` or the default, refused outside 1..=`max`.
+pub(crate) fn list_limit(limit: Option<u64>, max: u64) -> Result<u64, ApiError> {
+    let limit = limit.unwrap_or(LIST_LIMIT_DEFAULT.min(max));
+    if (1..=max).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(bad_query(format!("limit must be 1–{max}")))
+    }
+}
+
+/// A listing cursor is `<updated_at>.<conversation id>` (opaque to clients; the id is the
+/// caller's own, so a cursor never names a tenant).
+fn conversation_cursor(
+    caller: &Caller,
+    cursor: &str,
+) -> Result<turnstile_store::ConversationCursor, ApiError> {
+    let (at, id) = cursor
+        .split_once('.')
+        .ok_or_else(|| bad_query("after is not a cursor this listing gave"))?;
+    let at: u64 = at
+        .parse()
+        .map_err(|_| bad_query("after is not a cursor this listing gave"))?;
+    check_id(id, "the cursor's conversation id")?;
+    Ok(turnstile_store::ConversationCursor {
+        updated_at: turnstile_core::dispatch::Timestamp(at),
+        conversation_id: caller.store_id(id),
+    })
+}
+
+/// `GET /v1/conversations?limit=N&after=CURSOR&q=TEXT&state=S&provider=P&pending=BOOL`: most
+/// recently updated first; `last_dispatch` is the newest dispatch (`provider` added),
+/// `pending_calls` the calls without a result.
+pub async fn list_conversations(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(query): Query<ConversationListQuery>,
+) -> ApiResult {
     let caller = caller(&shared, &headers)?;
-    let records = shared.ledger.quarantined(10_000).await.map_err(ApiError::store)?;
-    let entries: Vec<Value> = records
+    let limit = list_limit(query.limit, turnstile_store::listing::CONVERSATIONS_PAGE_MAX)?;
+    let search = query.q.unwrap_or_default();
+    if search.len() > turnstile_store::listing::SEARCH_BYTES_MAX {
+        return Err(bad_query(format!(
+            "q is at most {} bytes",
+            turnstile_store::listing::SEARCH_BYTES_MAX
+        )));
+    }
+    let state = match query.state.as_deref() {
+        None | Some("") => None,
+        Some(text) => Some(
+            DispatchState::parse(text)
+                .ok_or_else(|| bad_query(format!("state {text:?} is not a dispatch state")))?,
+        ),
+    };
+    let after = query
+        .after
+        .as_deref()
+        .filter(|cursor| !cursor.is_empty())
+        .map(|cursor| conversation_cursor(&caller, cursor))
+        .transpose()?;
+    let listing = turnstile_store::ConversationQuery {
+        id_prefix: caller.store_id(""),
+        search,
+        after,
+        state,
+        provider: query.provider.filter(|provider| !provider.is_empty()),
+        pending: query.pending.map(|pending| {
+            if pending {
+                turnstile_store::PendingFilter::Some
+            } else {
+                turnstile_store::PendingFilter::None
+            }
+        }),
+        limit,
+    };
+    let page = shared
+        .ledger
+        .conversation_page(&listing)
+        .await
+        .map_err(ApiError::store)?;
+    let client = |id: &str| caller.client_id(id).unwrap_or(id).to_owned();
+    let conversations: Vec<Value> = page
+        .conversations
+        .iter()
+        .map(|summary| {
+            let last = summary.last_dispatch.as_ref().map(|last| {
+                json!({"operation_id": client(&last.operation_id), "state": last.state.as_str(), "provider": last.provider})
+            });
+            json!({"conversation_id": client(&summary.conversation_id), "revision": summary.revision.0,
+                   "updated_at": summary.updated_at.0, "last_dispatch": last, "pending_calls": summary.pending_calls})
+        })
+        .collect();
+    let next = page
+        .next
+        .map(|next| format!("{}.{}", next.updated_at.0, client(&next.conversation_id)));
+    Ok(Json(json!({"conversations": conversations, "next": next})).into_response())
+}
+
+/// `GET /v1/quarantine` query.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuarantineQuery {
+    limit: Option<u64>,
+    before: Option<i64>,
+}
+
+/// `GET /v1/quarantine?limit=N&before=ID`: the caller's quarantined blocks newest first, with
+/// time and content; `next` is the `before` of the next page.
+pub async fn quarantine(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(query): Query<QuarantineQuery>,
+) -> ApiResult {
+    let caller = caller(&shared, &headers)?;
+    let limit = list_limit(query.limit, turnstile_store::listing::QUARANTINE_PAGE_MAX)?;
+    let page = shared
+        .ledger
+        .quarantine_page(&caller.store_id(""), query.before, limit)
+        .await
+        .map_err(ApiError::store)?;
+    let entries: Vec<Value> = page
+        .entries
         .into_iter()
         .filter_map(|record| {
             let operation_id = caller.client_id(&record.entry.operation_id)?.to_owned();
@@ -1482,7 +1645,7 @@ pub async fn quarantine(State(shared): State<Arc<Shared>>, headers: HeaderMap) -
             )
         })
         .collect();
-    Ok(Json(json!({"quarantine": entries})).into_response())
+    Ok(Json(json!({"quarantine": entries, "next": page.next})).into_response())
 }
 
 pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {

@@ -106,6 +106,12 @@ pub struct Config {
     /// content is user data.
     #[serde(default)]
     pub otlp_capture_content: bool,
+    /// How many proxy refusals `GET /v1/proxy/refusals` keeps (oldest dropped first).
+    #[serde(default = "proxy_refusals_max_default")]
+    pub proxy_refusals_max: usize,
+    /// Bytes of each body (the client's and ours) a shadow record keeps for the console's diff.
+    #[serde(default = "shadow_body_bytes_max_default")]
+    pub shadow_body_bytes_max: usize,
 }
 
 /// Rollout mode of a proxy route.
@@ -165,6 +171,12 @@ fn mode_default() -> Mode {
 }
 fn shadow_diffs_max_default() -> usize {
     100
+}
+fn proxy_refusals_max_default() -> usize {
+    super::proxy::refusals::PROXY_REFUSALS_MAX_DEFAULT
+}
+fn shadow_body_bytes_max_default() -> usize {
+    super::proxy::shadow::SHADOW_BODY_BYTES_MAX_DEFAULT
 }
 
 /// One tenant.

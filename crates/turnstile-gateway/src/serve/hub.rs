@@ -27,6 +27,15 @@ struct Inner {
 pub struct Hub {
     inner: Mutex<Inner>,
     grew: Notify,
+    /// Where its `state` and `committed` events are also announced ([`Hub::observed`]).
+    observer: Option<Observer>,
+}
+
+/// The change feed and the store ids a hub announces its dispatch's changes under.
+struct Observer {
+    feed: Arc<super::feed::Feed>,
+    conversation_id: String,
+    operation_id: String,
 }
 
 impl Default for Hub {
@@ -78,6 +87,41 @@ impl Hub {
                 finished: false,
             }),
             grew: Notify::new(),
+            observer: None,
+        }
+    }
+
+    /// A hub whose dispatch's state changes and commit are also published on the change feed
+    /// (ids only; subscribers re-read through the API).
+    pub fn observed(feed: Arc<super::feed::Feed>, conversation_id: &str, operation_id: &str) -> Hub {
+        Hub {
+            observer: Some(Observer {
+                feed,
+                conversation_id: conversation_id.to_owned(),
+                operation_id: operation_id.to_owned(),
+            }),
+            ..Hub::new()
+        }
+    }
+
+    fn announce(&self, event: &str, data: &Value) {
+        let Some(observer) = &self.observer else { return };
+        match event {
+            "state" => {
+                if let Some(state) = data["state"].as_str() {
+                    observer.feed.publish(super::feed::Change::Dispatch {
+                        operation_id: observer.operation_id.clone(),
+                        conversation_id: observer.conversation_id.clone(),
+                        state: state.to_owned(),
+                    });
+                }
+            }
+            "committed" => {
+                if let Some(revision) = data["revision"].as_u64() {
+                    observer.feed.conversation(&observer.conversation_id, revision);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -87,6 +131,7 @@ impl Hub {
 
     /// Publish an event.
     pub fn send(&self, event: &'static str, data: Value) {
+        self.announce(event, &data);
         {
             let mut inner = self.lock();
             if inner.backlog.len() < BACKLOG_EVENTS_MAX {

@@ -7,6 +7,7 @@ pub mod api;
 pub mod budget;
 pub mod config;
 pub mod driver;
+pub mod feed;
 pub mod hub;
 pub mod listener;
 pub mod metrics;
@@ -67,6 +68,10 @@ pub struct Shared {
     pub shadow: proxy::shadow::Diffs,
     /// One byte budget for provider output held in memory by every dispatch.
     pub output_budget: Arc<budget::OutputBudget>,
+    /// The change feed of `GET /v1/events`.
+    pub feed: Arc<feed::Feed>,
+    /// The newest proxy refusals (`GET /v1/proxy/refusals`).
+    pub refusals: proxy::refusals::Refusals,
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -93,7 +98,10 @@ pub fn fresh_id() -> String {
 /// The gateway's routes.
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
-        .route("/v1/conversations", post(api::create_conversation))
+        .route(
+            "/v1/conversations",
+            post(api::create_conversation).get(api::list_conversations),
+        )
         .route("/v1/conversations/{id}", get(api::get_conversation))
         .route("/v1/conversations/{id}/turns", post(api::append_turn))
         .route("/v1/conversations/{id}/dispatch", post(api::dispatch))
@@ -121,6 +129,9 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))
         .route("/", get(crate::console::index))
+        .route("/console/{file}", get(crate::console::module))
+        .route("/v1/events", get(feed::events))
+        .route("/v1/proxy/refusals", get(proxy::refusals::list))
         .fallback(api::fallback)
         .with_state(shared)
 }
@@ -234,6 +245,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     // attempts when their leases run out by the store's clock.
     let holder = config.replica_id.clone().unwrap_or_else(default_replica_id);
     CLOCK_OFFSET_MS.store(config.test_clock_offset_ms, std::sync::atomic::Ordering::Relaxed);
+    let feed = Arc::new(feed::Feed::new());
     let shared = Arc::new(Shared {
         ledger,
         client,
@@ -255,7 +267,9 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         catalog,
         prometheus,
         routes: config.routes.clone(),
-        shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max),
+        shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max, config.shadow_body_bytes_max),
+        feed: feed.clone(),
+        refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max, feed),
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
     });
 
@@ -306,14 +320,21 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
             if hubs.contains_key(&operation_id) {
                 continue;
             }
-            let hub = Arc::new(hub::Hub::new());
+            let record = found.record();
+            let hub = Arc::new(hub::Hub::observed(
+                shared.feed.clone(),
+                &record.conversation_id,
+                &operation_id,
+            ));
             hubs.insert(operation_id.clone(), hub.clone());
             hub
         };
         let (record, attempt) = match found {
-            turnstile_store::drive::Recoverable::Unknown { record, attempt, spent } => {
-                (record, Some((attempt, spent)))
-            }
+            turnstile_store::drive::Recoverable::Unknown {
+                record,
+                attempt,
+                spent,
+            } => (record, Some((attempt, spent))),
             turnstile_store::drive::Recoverable::Prepared { record } => (record, None),
         };
         match api::context_for(shared, record, hub.clone()).await {

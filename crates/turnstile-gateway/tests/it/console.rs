@@ -1,6 +1,6 @@
 //! The console in a real browser: Debian's Chromium driven by playwright-core (from npm) runs
-//! `tests/console/console.test.mjs` against a gateway (with one shadow proxy route) and a
-//! simulator on loopback. The browser
+//! `tests/console/console.test.mjs` against a gateway (a tenant, a shadow proxy route and a
+//! catch-all proxy route) and a simulator on loopback; the scenarios are listed in that file. The browser
 //! parts are installed by `scripts/test`; when they are missing this test fails, never skips.
 
 use crate::serve::{Gateway, sqlite};
@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 #[test]
-fn the_console_shows_preview_retracts_it_and_shows_the_committed_turn() {
+fn the_console_lists_searches_streams_once_keeps_views_apart_shows_exact_bytes_and_holds_its_layout() {
     let chromium = std::env::var("TURNSTILE_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
     let playwright = std::env::var("TURNSTILE_PLAYWRIGHT_CORE")
         .expect("TURNSTILE_PLAYWRIGHT_CORE must name the playwright-core module (scripts/test installs it)");
@@ -19,17 +19,20 @@ fn the_console_shows_preview_retracts_it_and_shows_the_committed_turn() {
     );
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let shadow_route = "[[routes]]\napi = \"openai-chat\"\nmodel = \"shadow-*\"\nmode = \"shadow\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n";
-    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, shadow_route);
+    let config = "[[tenants]]\nname = \"ops\"\ntoken = \"tok-console\"\n\
+        [[routes]]\napi = \"openai-chat\"\nmodel = \"shadow-*\"\nmode = \"shadow\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n\
+        [[routes]]\napi = \"openai-chat\"\nmodel = \"*\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n";
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, config);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/console/console.test.mjs");
-    let screenshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console-screenshot.png");
+    let screenshots = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target");
     let output = Command::new("node")
         .arg(&script)
         .env("GATEWAY", &gateway.base)
         .env("SIM", &sim.base)
         .env("CHROMIUM", &chromium)
         .env("PLAYWRIGHT_CORE", &playwright)
-        .env("SCREENSHOT", &screenshot)
+        .env("TOKEN", "tok-console")
+        .env("SCREENSHOT_DIR", &screenshots)
         .output()
         .expect("node runs");
     assert!(
@@ -38,5 +41,6 @@ fn the_console_shows_preview_retracts_it_and_shows_the_committed_turn() {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(screenshot.exists());
+    assert!(screenshots.join("console-desktop.png").exists());
+    assert!(screenshots.join("console-narrow.png").exists());
 }

@@ -3,6 +3,7 @@
 mod api_errors;
 mod assemble;
 mod console;
+mod console_api;
 mod executor;
 mod listener;
 mod proxy;

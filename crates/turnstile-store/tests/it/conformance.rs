@@ -1,6 +1,7 @@
 //! The store conformance suite: every case runs against SQLite (a temporary file) and against a
 //! real PostgreSQL (`TURNSTILE_PG_URL`; missing → the PostgreSQL cases fail, never skip).
 
+pub use crate::listing::*;
 use crate::support::*;
 use serde_json::json;
 use turnstile_core::dispatch::{
@@ -58,6 +59,9 @@ suite!(
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
     an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_writes_them,
     the_render_policy_is_kept_with_its_dispatch_only_when_it_hashes_to_policy_digest,
+    conversations_are_listed_newest_first_paged_searched_and_tenant_scoped,
+    conversation_listing_filters_by_last_dispatch_and_pending_calls,
+    the_quarantine_pages_newest_first_within_a_prefix,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -103,7 +107,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
     conversation_at_1(&*store, "c").await;
     let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
     let fresh = &store.attempts("op-1").await.unwrap()[0];
-    assert_eq!((fresh.resumes, fresh.replays, fresh.end_reason.as_deref()), (0, 0, None));
+    assert_eq!(
+        (fresh.resumes, fresh.replays, fresh.end_reason.as_deref()),
+        (0, 0, None)
+    );
     let ledger: &dyn Ledger = &*store;
     let unknown = |reason: &'static str, from: DispatchState| async move {
         ledger
@@ -111,7 +118,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
             .await
             .unwrap()
     };
-    assert_eq!(unknown("stream_cut", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("stream_cut", DispatchState::Dispatching).await,
+        TransitionOutcome::Applied
+    );
     assert_eq!(
         store.attempts("op-1").await.unwrap()[0].end_reason.as_deref(),
         Some("stream_cut")
@@ -121,12 +131,18 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .replay_attempt("op-1", generation, &lease("replica-b", 9_000), at(21))
         .await
         .unwrap();
-    assert_eq!(unknown("head_timeout", DispatchState::Dispatching).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("head_timeout", DispatchState::Dispatching).await,
+        TransitionOutcome::Applied
+    );
     let _ = store
         .resume_attempt("op-1", generation, &lease("replica-c", 9_000), at(22))
         .await
         .unwrap();
-    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("resume_refused", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     let attempt = &store.attempts("op-1").await.unwrap()[0];
     assert_eq!((attempt.resumes, attempt.replays), (1, 1));
     assert_eq!(attempt.end_reason.as_deref(), Some("resume_refused"));
@@ -136,7 +152,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .await
         .unwrap();
     assert_eq!(store.attempts("op-1").await.unwrap()[0].end_reason, None);
-    assert_eq!(unknown("resume_refused", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("resume_refused", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     // A refused take-over counts nothing.
     assert!(matches!(
         store
@@ -201,7 +220,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         .commit("op-1", next, Revision(1), &assistant_turn("a", 0), at(27))
         .await
         .unwrap();
-    assert!(matches!(committed, CommitOutcome::Committed { .. }), "{committed:?}");
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{committed:?}"
+    );
     let attempts = store.attempts("op-1").await.unwrap();
     assert_eq!(attempts[1].end_reason.as_deref(), Some("committed"));
     assert_eq!((attempts[1].resumes, attempts[1].replays), (0, 0));

@@ -6,6 +6,7 @@
 
 mod conformance;
 mod crash;
+mod listing;
 mod machine;
 mod model;
 mod races;

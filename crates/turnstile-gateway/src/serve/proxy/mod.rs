@@ -30,6 +30,7 @@
 
 pub mod continuation;
 pub mod previous;
+pub mod refusals;
 pub mod respond;
 pub mod shadow;
 
@@ -563,7 +564,18 @@ async fn serve_ours(
     keyed: bool,
     include_usage: bool,
 ) -> Result<Response, Response> {
+    let tenant_prefix = proxy_prefix.strip_suffix("proxy-").unwrap_or("");
     let imported = imported.map_err(|error| {
+        shared.refusals.record(refusals::Refused {
+            tenant_prefix,
+            api,
+            model: "",
+            refusal: refusals::Refusal::NotImportable {
+                code: error.code(),
+                path: &error.path(),
+            },
+            document: None,
+        });
         let mut extra = json!({"path": error.path()});
         if let ImportError::ThreadUnsupported { .. } = error {
             // Where Anthropic's own refusal puts it, for the SDK to fall back to the whole history.
@@ -590,6 +602,13 @@ async fn serve_ours(
         Verdict::Ready => {}
         Verdict::Waiting { pending } => {
             let pending: Vec<String> = pending.into_iter().map(|call| call.0).collect();
+            shared.refusals.record(refusals::Refused {
+                tenant_prefix,
+                api,
+                model: &imported.model,
+                refusal: refusals::Refusal::Waiting(&pending),
+                document: Some(&imported.document),
+            });
             return Err(provider_error(
                 api,
                 StatusCode::BAD_REQUEST,
@@ -600,6 +619,13 @@ async fn serve_ours(
         }
         Verdict::Rejected(violations) => {
             metrics::rejected(&violations);
+            shared.refusals.record(refusals::Refused {
+                tenant_prefix,
+                api,
+                model: &imported.model,
+                refusal: refusals::Refusal::Rejected(&violations),
+                document: Some(&imported.document),
+            });
             let codes: Vec<&str> = violations
                 .iter()
                 .map(|violation| violation.code.as_str())

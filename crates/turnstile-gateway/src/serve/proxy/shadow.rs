@@ -21,18 +21,25 @@ use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, Settings, prep
 use turnstile_adapters::render::{Graph, RenderCache};
 use turnstile_core::{Conversation, MessageSequence, Validated, Verdict, validate};
 
+/// Bytes of each body a shadow record keeps unless configured (`shadow_body_bytes_max`):
+/// enough for the console's side-by-side diff of any ordinary request, and with the default
+/// 100 records at most ~13 MB per replica.
+pub const SHADOW_BODY_BYTES_MAX_DEFAULT: usize = 64 * 1024;
+
 /// The last N shadow records, newest last.
 pub struct Diffs {
     records: Mutex<VecDeque<Value>>,
     max: usize,
+    body_bytes_max: usize,
 }
 
 impl Diffs {
-    /// Keep at most `max` records.
-    pub fn new(max: usize) -> Diffs {
+    /// Keep at most `max` records, with at most `body_bytes_max` bytes of each body.
+    pub fn new(max: usize, body_bytes_max: usize) -> Diffs {
         Diffs {
             records: Mutex::new(VecDeque::new()),
             max,
+            body_bytes_max,
         }
     }
 
@@ -119,6 +126,10 @@ pub async fn forward(
             let mut record = record;
             record["tenant_prefix"] = json!(tenant_prefix);
             shared.shadow.push(record);
+            shared.feed.publish(crate::serve::feed::Change::Proxy {
+                tenant_prefix,
+                kind: "shadow",
+            });
         });
     }
     let mut request = shared
@@ -185,6 +196,13 @@ const HOP_BY_HOP_HEADERS: [&str; 8] = [
     "content-length",
 ];
 
+/// A body as text for the record: at most `max` bytes (cut on a character boundary of the
+/// lossy UTF-8 reading), and whether it was cut.
+fn kept_body(body: &[u8], max: usize) -> (String, bool) {
+    let text = String::from_utf8_lossy(&body[..body.len().min(max)]).into_owned();
+    (text, body.len() > max)
+}
+
 /// Where two byte strings first differ (None: identical).
 fn first_difference(ours: &[u8], theirs: &[u8]) -> Option<usize> {
     let common = ours.iter().zip(theirs).take_while(|(a, b)| a == b).count();
@@ -209,6 +227,10 @@ pub fn compare(
         // reason none could be made.
         "differs": {"bytes": null, "semantic": false, "would_reject": false, "not_importable": false},
         "manifest": null, "manifest_reason": null});
+    // Both bodies (bounded) for a diff a person can read; `ours` is null until we have one.
+    let (original_text, original_truncated) = kept_body(original, shared.shadow.body_bytes_max);
+    record["bodies"] = json!({"original": original_text, "original_truncated": original_truncated,
+                              "ours": null, "ours_truncated": false});
     let imported = match imported {
         Ok(imported) => imported,
         Err(error) => {
@@ -316,6 +338,9 @@ pub fn compare(
     record["bytes"] = json!({"identical": difference.is_none(), "first_difference_at": difference,
                              "original_len": original.len(), "ours_len": ours.len(), "ours_api": ours_api.as_str()});
     record["differs"]["bytes"] = json!(difference.is_some());
+    let (ours_text, ours_truncated) = kept_body(&ours, shared.shadow.body_bytes_max);
+    record["bodies"]["ours"] = json!(ours_text);
+    record["bodies"]["ours_truncated"] = json!(ours_truncated);
     let gemini = (ours_api == Api::Gemini).then(|| turnstile_adapters::import::GeminiCall {
         model: request.model.clone(),
         stream: request.stream,
