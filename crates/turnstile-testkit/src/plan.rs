@@ -231,9 +231,6 @@ pub struct Bugs {
     /// The sweep ignores PREPARED dispatches nobody drives (the defect "a client that
     /// disconnects while its dispatch is prepared leaves it PREPARED for ever").
     pub sweep_skips_prepared: bool,
-    /// Each new driver starts the resume and replay budgets afresh instead of from the store's
-    /// counts (the defect "another replica's sweep replays a generation without bound").
-    pub recovery_budget_per_driver: bool,
     /// No bound on how long one attempt may stream (the defect "no stream deadline").
     pub no_attempt_deadline: bool,
     /// A dead executor comes back and answers with the call's current claim instead of its own

@@ -1087,16 +1087,12 @@ impl World {
                 turnstile_store::drive::Recoverable::Unknown {
                     record,
                     attempt,
-                    mut spent,
+                    spent,
                 } => {
                     self.trace(format!(
                         "{op} recovered in UNKNOWN g{} on replica {replica} (spent {spent:?})",
                         attempt.generation.0
                     ));
-                    if self.bugs.recovery_budget_per_driver {
-                        // Planted defect: each new driver starts with a fresh budget.
-                        spent = turnstile_drive::RecoverySpent::default();
-                    }
                     let spec = self.spec_for(&record);
                     let drive = Drive::recovered(spec, &attempt, spent, self.local_now(replica));
                     self.start_driver(SimDriver { op, drive, replica });

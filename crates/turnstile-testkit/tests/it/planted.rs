@@ -129,15 +129,6 @@ fn a_sweep_that_ignores_undriven_prepared_dispatches_is_caught_as_an_operation_t
 }
 
 #[test]
-fn recovery_budgets_that_restart_with_each_driver_are_caught_as_provider_requests_over_the_budget() {
-    let bugs = Bugs {
-        recovery_budget_per_driver: true,
-        ..Bugs::default()
-    };
-    caught(bugs, Invariant::AttemptBudget);
-}
-
-#[test]
 fn no_bound_on_an_endless_stream_is_caught_as_an_operation_that_never_ends() {
     let bugs = Bugs {
         no_attempt_deadline: true,
