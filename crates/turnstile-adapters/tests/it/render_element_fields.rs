@@ -125,13 +125,47 @@ fn responses_strict_and_detail_reach_a_responses_target_in_their_places() {
     assert_eq!(body["tools"][1]["strict"], false, "{body}");
 }
 
+/// The rendered image `detail` and `strict` flag of the first image and tool.
+fn image_detail_and_strict(api: Api, body: &Value) -> (Value, Value) {
+    match api {
+        Api::OpenaiChat => (
+            body["messages"][1]["content"][1]["image_url"]["detail"].clone(),
+            body["tools"][0]["function"]["strict"].clone(),
+        ),
+        _ => (
+            body["input"][0]["content"][1]["detail"].clone(),
+            body["tools"][0]["strict"].clone(),
+        ),
+    }
+}
+
 #[test]
 fn a_cached_fragment_never_carries_one_requests_element_fields_into_another() {
-    for (api, adapter, body) in [
-        (Api::OpenaiChat, AdapterId::OpenaiChatV2, chat_request()),
-        (Api::OpenaiResponses, AdapterId::OpenaiResponsesV1, responses_request()),
+    for (api, adapter, body, detail, plain_detail, plain_strict) in [
+        (Api::OpenaiChat, AdapterId::OpenaiChatV2, chat_request(), "high", Value::Null, Value::Null),
+        (
+            Api::OpenaiResponses,
+            AdapterId::OpenaiResponsesV1,
+            responses_request(),
+            "low",
+            json!("auto"),
+            json!(false),
+        ),
     ] {
         let imported = imported(api, &body);
+        // Each order, on one cache: what the first render cached must not reach the second.
+        for carried_first in [true, false] {
+            let mut cache = RenderCache::new();
+            let (_, first) = rendered(render_imported(adapter, &imported, &mut cache, carried_first));
+            let (_, second) = rendered(render_imported(adapter, &imported, &mut cache, !carried_first));
+            let (carried, plain) = if carried_first { (first, second) } else { (second, first) };
+            assert_eq!(image_detail_and_strict(api, &carried), (json!(detail), json!(true)), "{adapter}");
+            assert_eq!(
+                image_detail_and_strict(api, &plain),
+                (plain_detail.clone(), plain_strict.clone()),
+                "{adapter}"
+            );
+        }
         let mut cache = RenderCache::new();
         // Plain first (fills the cache), then with the fields, then plain again.
         let (plain, plain_body) = rendered(render_imported(adapter, &imported, &mut cache, false));
