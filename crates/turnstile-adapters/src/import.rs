@@ -640,6 +640,8 @@ pub(crate) struct Builder {
     turns: Vec<TurnDraft>,
     tools: Vec<Value>,
     pub(crate) dropped: BTreeSet<String>,
+    /// Client-only fields of single elements (`passthrough::ElementField`), for the head.
+    pub(crate) elements: Vec<crate::passthrough::ElementField>,
     calls: HashMap<String, CallEnvelope>,
     blocks_total: usize,
     has_tool_blocks: bool,
@@ -784,6 +786,23 @@ impl Builder {
         block.insert("kind".into(), "image".into());
         write_source(&mut block, source);
         self.push(role, block)
+    }
+
+    /// An `image` block with the client's image `detail` (its field path and value), carried as
+    /// a `passthrough::ElementField` on the block's id.
+    pub fn image_with_detail(
+        &mut self,
+        role: Role,
+        source: MediaSource,
+        detail: Option<(String, String)>,
+    ) -> Result<(), ImportError> {
+        self.image(role, source)?;
+        if let Some((field, detail)) = detail
+            && let Some(block) = self.last_block_id()
+        {
+            self.element(crate::passthrough::ElementKind::Detail, field, block, Value::String(detail));
+        }
+        Ok(())
     }
 
     /// A `document` block.
@@ -943,6 +962,26 @@ impl Builder {
         tool.insert("input_schema".into(), schema);
         self.tools.push(Value::Object(tool));
         Ok(())
+    }
+
+    /// The id of the turn added last (`t-N`, as [`Builder::finish`] writes it).
+    pub fn last_turn_id(&self) -> String {
+        format!("t-{}", self.turns.len())
+    }
+
+    /// The id of the block added last (`t-N-b-M`, as `push` writes it).
+    pub fn last_block_id(&self) -> Option<String> {
+        self.turns
+            .last()
+            .and_then(|turn| turn.blocks.last())
+            .and_then(|block| block.get("id"))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    }
+
+    /// Record a client-only field of one element (`passthrough::ElementField`).
+    pub fn element(&mut self, kind: crate::passthrough::ElementKind, field: String, on: String, value: Value) {
+        self.elements.push(crate::passthrough::ElementField { kind, field, on, value });
     }
 
     /// Put a prompt-cache breakpoint (a v1 `cache` value) on the block added last.

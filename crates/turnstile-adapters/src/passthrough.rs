@@ -29,6 +29,14 @@
 //!   automatic cache breakpoint; per-block breakpoints live on their v1 blocks, `cache.rs`).
 //! - Gemini: top-level `safetySettings`, `labels`; inside `generationConfig`: `thinkingConfig`,
 //!   `responseLogprobs`, `logprobs`, `mediaResolution`.
+//! - Fields of one element of the request ([`ElementField`], [`Passthrough::elements`]), kept
+//!   with what they belong to, so the renderer writes each back in its place: a tool's
+//!   `strict: true` (Chat `tools[].function.strict`, Responses `tools[].strict`; by tool name),
+//!   a Chat message's `name` (`messages[].name`; by the id of the turn it opened), an image's
+//!   `detail` other than `auto` (Chat `…image_url.detail`, Responses `input[].content[].detail`;
+//!   by the image block's id). Towards another API each is refused by that path, like the
+//!   top-level fields. Their absent values (`strict` false, `detail` `auto`, no `name`) are what
+//!   every renderer writes anyway, so they are not recorded.
 //! - OpenAI Responses `include` is kept apart ([`Passthrough::include`]): the renderer always
 //!   asks for `reasoning.encrypted_content` (to replay reasoning), and writes the client's other
 //!   values after it, each once; towards another API any value but that one is refused.
@@ -105,6 +113,32 @@ pub fn gemini_config_fields() -> &'static [&'static str] {
     GEMINI_CONFIG
 }
 
+/// Which element field an [`ElementField`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ElementKind {
+    /// A tool's `strict: true`, on the tool's name.
+    Strict,
+    /// A Chat message's `name`, on the id of the turn the message opened.
+    Name,
+    /// An image's `detail`, on the image block's id.
+    Detail,
+}
+
+/// A client-only field of one element of the request, with the element it belongs to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ElementField {
+    /// Which field.
+    pub kind: ElementKind,
+    /// The client's field as an index-free path (`tools[].function.strict`): the refusal names
+    /// it.
+    pub field: String,
+    /// The tool name, turn id or block id it belongs to.
+    pub on: String,
+    /// The value as the client sent it.
+    pub value: Value,
+}
+
 /// Client-API-only fields of one request. `Default` is "none".
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Passthrough {
@@ -121,6 +155,9 @@ pub struct Passthrough {
     /// ([`RESPONSES_INCLUDE_ALWAYS`]), in the client's order, without repeats.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub include: Vec<String>,
+    /// Fields of single elements (tools, messages, images), in the order the client sent them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub elements: Vec<ElementField>,
 }
 
 /// The `include` value the Responses renderer always writes.
@@ -161,7 +198,31 @@ impl PassthroughError {
 impl Passthrough {
     /// Whether there is no field.
     pub fn is_unset(&self) -> bool {
-        self.fields.is_empty() && self.config.is_empty() && self.include.is_empty()
+        self.fields.is_empty() && self.config.is_empty() && self.include.is_empty() && self.elements.is_empty()
+    }
+
+    /// The value of the element field `kind` on `on`, when `target` is the client's API.
+    pub fn element(&self, target: Api, kind: ElementKind, on: &str) -> Option<&Value> {
+        if self.api != Some(target) {
+            return None;
+        }
+        self.elements
+            .iter()
+            .find(|element| element.kind == kind && element.on == on)
+            .map(|element| &element.value)
+    }
+
+    /// Whether any element field `kind` goes to `target`.
+    pub fn has_elements(&self, target: Api, kind: ElementKind) -> bool {
+        self.api == Some(target) && self.elements.iter().any(|element| element.kind == kind)
+    }
+
+    /// Take the element fields the importer of `api` collected.
+    pub(crate) fn take_elements(&mut self, api: Api, elements: Vec<ElementField>) {
+        if !elements.is_empty() {
+            self.api = Some(api);
+            self.elements = elements;
+        }
     }
 
     fn crosses(&self, target: Api) -> bool {
@@ -184,6 +245,7 @@ impl Passthrough {
                     .map(|(name, _)| (format!("generationConfig.{name}"), "")),
             )
             .chain((!self.include.is_empty()).then(|| ("include".to_owned(), "")))
+            .chain(self.elements.iter().map(|element| (element.field.clone(), "")))
             .find(|(_, name)| !INERT_ACROSS_APIS.contains(name));
         match refused {
             Some((field, _)) => Err(PassthroughError::Unsupported {

@@ -430,10 +430,7 @@ impl<'c> Ctx<'c> {
             return;
         }
         self.cache.misses += 1;
-        let mut writer = Writer::new(self.tokenizer);
-        build(&mut writer);
-        out.extend_from_slice(&writer.out);
-        self.tokens += writer.tokens;
+        let writer = self.uncached(out, build);
         if self.cache.len >= RenderCache::FRAGMENTS_MAX || self.cache.bytes >= RenderCache::BYTES_MAX {
             self.cache.fragments.clear();
             self.cache.len = 0;
@@ -448,6 +445,17 @@ impl<'c> Ctx<'c> {
                 tokens: writer.tokens,
             },
         ));
+    }
+
+    /// Append a fragment built now and not cached (one that carries a per-request value, such
+    /// as a client's image `detail`: its bytes are not a function of the content digest).
+    /// Counts its tokens; the writer, for the cache.
+    pub fn uncached(&mut self, out: &mut Vec<u8>, build: impl FnOnce(&mut Writer)) -> Writer {
+        let mut writer = Writer::new(self.tokenizer);
+        build(&mut writer);
+        out.extend_from_slice(&writer.out);
+        self.tokens += writer.tokens;
+        writer
     }
 
     /// Record a pause.

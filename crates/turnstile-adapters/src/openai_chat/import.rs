@@ -34,12 +34,14 @@
 //! Carried in their own values: `tool_choice` and `parallel_tool_calls` (`tool_choice.rs`),
 //! `response_format` (`output_format.rs`), and the Chat-only fields of `passthrough.rs`
 //! (`reasoning_effort`, `service_tier`, `store`, `prompt_cache_key`, `logprobs`, `logit_bias`,
-//! `metadata`, `user`, …). Dropped and reported: every other field (`stream_options`, which
-//! shapes our answer to the client and is honoured there, `messages[].name`, an image `detail`
-//! other than `auto`, a `strict` flag, `max_tokens` when `max_completion_tokens` is also given,
-//! …).
+//! `metadata`, `user`, …), and per element (`passthrough::ElementField`): a tool's
+//! `function.strict: true`, a message's `name` (system, developer, user, assistant), an image
+//! `detail` other than `auto` (`low`, `high`; another value is `invalid_request`). Dropped and
+//! reported: every other field (`stream_options`, which shapes our answer to the client and is
+//! honoured there, `max_tokens` when `max_completion_tokens` is also given, …).
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
+use crate::passthrough::ElementKind;
 use crate::sampling::Sampling;
 use serde_json::{Map, Value};
 use turnstile_core::conversation::{MediaSource, Role};
@@ -107,6 +109,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let output_format = crate::output_format::read(crate::registry::Api::OpenaiChat, &mut top)?;
     let mut passthrough = crate::passthrough::Passthrough::default();
     crate::passthrough::read(crate::registry::Api::OpenaiChat, &mut top, &mut passthrough)?;
+    passthrough.take_elements(crate::registry::Api::OpenaiChat, std::mem::take(&mut builder.elements));
     top.finish(builder);
     Ok(Head {
         model,
@@ -143,7 +146,7 @@ fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
         }
     };
     if function.bool("strict")? == Some(true) {
-        builder.drop_path(function.pattern_of("strict"));
+        builder.element(ElementKind::Strict, function.pattern_of("strict"), name.clone(), Value::Bool(true));
     }
     let path = tool.path().to_owned();
     function.finish(builder);
@@ -154,6 +157,11 @@ fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
 fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
     let role = message.required_string("role")?;
     let path = message.path().to_owned();
+    // `name` (system, developer, user, assistant messages): carried on the turn it opens.
+    let name = match role.as_str() {
+        "tool" => None,
+        _ => message.string("name")?.map(|name| (message.pattern_of("name"), name)),
+    };
     match role.as_str() {
         "system" | "developer" => {
             builder.begin(Role::System, false, path);
@@ -185,6 +193,10 @@ fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
         }
     }
     builder.end()?;
+    if let Some((field, name)) = name {
+        let turn = builder.last_turn_id();
+        builder.element(ElementKind::Name, field, turn, Value::String(name));
+    }
     message.finish(builder);
     Ok(())
 }
@@ -222,8 +234,8 @@ fn content_part(mut part: Obj, role: Role, builder: &mut Builder) -> Result<(), 
             builder.text(role, text)?;
         }
         "image_url" => {
-            let source = image_url(&mut part, builder)?;
-            builder.image(role, source)?;
+            let (source, detail) = image_url(&mut part, builder)?;
+            builder.image_with_detail(role, source, detail)?;
         }
         "file" => {
             let mut file = part.required_object("file")?;
@@ -254,17 +266,23 @@ fn content_part(mut part: Obj, role: Role, builder: &mut Builder) -> Result<(), 
     Ok(())
 }
 
-/// The `image_url` object of a part; a `detail` other than `auto` is dropped and reported.
-fn image_url(part: &mut Obj, builder: &mut Builder) -> Result<MediaSource, ImportError> {
+/// The `image_url` object of a part, with its `detail` (field path and value) when it is not
+/// `auto`.
+fn image_url(part: &mut Obj, builder: &mut Builder) -> Result<(MediaSource, Option<(String, String)>), ImportError> {
     let mut image = part.required_object("image_url")?;
     let url = image.required_string("url")?;
-    if let Some(detail) = image.string("detail")?
-        && detail != "auto"
-    {
-        builder.drop_path(image.pattern_of("detail"));
-    }
+    let detail = match image.string("detail")?.as_deref() {
+        None | Some("auto") => None,
+        Some(detail @ ("low" | "high")) => Some((image.pattern_of("detail"), detail.to_owned())),
+        Some(other) => {
+            return Err(ImportError::malformed(
+                image.path_of("detail"),
+                format!("unknown image detail {other:?} (auto, low or high)"),
+            ));
+        }
+    };
     image.finish(builder);
-    Ok(source_from_url(url, None))
+    Ok((source_from_url(url, None), detail))
 }
 
 fn assistant(message: &mut Obj, builder: &mut Builder) -> Result<(), ImportError> {
@@ -320,7 +338,18 @@ fn tool_message(message: &mut Obj, builder: &mut Builder) -> Result<(), ImportEr
                 let kind = part.required_string("type")?;
                 match kind.as_str() {
                     "text" => content.push(ResultContent::Text(part.required_string("text")?)),
-                    "image_url" => content.push(ResultContent::Image(image_url(&mut part, builder)?)),
+                    "image_url" => {
+                        let (source, detail) = image_url(&mut part, builder)?;
+                        if detail.is_some() {
+                            // A tool message's image has no place to carry it (Chat answers
+                            // such a result with a pause anyway).
+                            return Err(ImportError::unrepresentable(
+                                part.path_of("image_url.detail"),
+                                "an image detail on a tool message's image",
+                            ));
+                        }
+                        content.push(ResultContent::Image(source));
+                    }
                     other => {
                         return Err(ImportError::unrepresentable(
                             part.path_of("type"),

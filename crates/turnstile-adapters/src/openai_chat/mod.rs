@@ -24,7 +24,9 @@ use crate::render::{
     Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
     reasoning_for, segments, status_note, wrap_context,
 };
+use crate::passthrough::ElementKind;
 use crate::tokens::{self, Tokenizer};
+use serde_json::Value;
 use std::sync::OnceLock;
 use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ToolDef, Turn};
 
@@ -72,12 +74,14 @@ pub(crate) fn render(
         match segment {
             Segment::System(turn) => {
                 open_message(&mut out, &mut first_message, version.system_role);
+                message_name(turn, &mut out, ctx);
                 ctx.tokens += role_tokens.system;
                 content_parts(version, turn, &mut out, ctx);
                 out.push(b'}');
             }
             Segment::User(turn) => {
                 open_message(&mut out, &mut first_message, "user");
+                message_name(turn, &mut out, ctx);
                 ctx.tokens += role_tokens.user;
                 content_parts(version, turn, &mut out, ctx);
                 out.push(b'}');
@@ -109,7 +113,10 @@ pub(crate) fn render(
     }
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[");
-        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+        // The client's own `function.strict` flags (same API, `passthrough.rs`) make the list a
+        // per-request value: built uncached then.
+        let strict = strict_tools(ctx, crate::registry::Api::OpenaiChat);
+        let build = |w: &mut Writer| {
             for (index, tool) in conversation.tools.iter().enumerate() {
                 if index > 0 {
                     w.raw(",");
@@ -120,11 +127,20 @@ pub(crate) fn render(
                 if let Some(description) = &tool.description {
                     w.raw(",\"description\":").string(description);
                 }
-                w.raw(",\"parameters\":").canonical(&tool.input_schema).raw("}}");
+                w.raw(",\"parameters\":").canonical(&tool.input_schema);
+                if strict.contains(&tool.name) {
+                    w.raw(",\"strict\":true");
+                }
+                w.raw("}}");
                 let charge = openai_tool_tokens(w.tokenizer, tool, &w.out[start..]);
                 w.charge(charge);
             }
-        });
+        };
+        if strict.is_empty() {
+            ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, build);
+        } else {
+            ctx.uncached(&mut out, build);
+        }
         out.push(b']');
     }
     // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
@@ -204,6 +220,44 @@ fn open_message(out: &mut Vec<u8>, first: &mut bool, role: &str) {
     out.extend_from_slice(b"\"");
 }
 
+/// The names of the tools the client declared `strict: true` (same API only).
+pub(crate) fn strict_tools(ctx: &Ctx<'_>, api: crate::registry::Api) -> Vec<String> {
+    let passthrough = ctx.passthrough();
+    if !passthrough.has_elements(api, ElementKind::Strict) {
+        return Vec::new();
+    }
+    passthrough
+        .elements
+        .iter()
+        .filter(|element| element.kind == ElementKind::Strict)
+        .map(|element| element.on.clone())
+        .collect()
+}
+
+/// The client's image `detail` for `block` (same API only, `passthrough.rs`).
+pub(crate) fn image_detail(ctx: &Ctx<'_>, api: crate::registry::Api, block: &Block) -> Option<String> {
+    let id = block.id.as_deref()?;
+    let detail = ctx.passthrough().element(api, ElementKind::Detail, id)?;
+    detail.as_str().map(str::to_owned)
+}
+
+/// `,"name":…` of a message whose client gave the participant a name (same API only).
+fn message_name(turn: &Turn, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
+    let Some(id) = turn.id.as_deref() else {
+        return;
+    };
+    let Some(Value::String(name)) = ctx
+        .passthrough()
+        .element(crate::registry::Api::OpenaiChat, ElementKind::Name, id)
+        .cloned()
+    else {
+        return;
+    };
+    out.extend_from_slice(b",\"name\":");
+    crate::render::push_json_string(out, &name);
+    ctx.tokens += ctx.tokenizer.count(&name);
+}
+
 /// `,"content":[…]` of a system or user message: each block its own part.
 fn content_parts(version: &ChatVersion, turn: &Turn, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
     out.extend_from_slice(b",\"content\":[");
@@ -225,14 +279,20 @@ fn content_parts(version: &ChatVersion, turn: &Turn, out: &mut Vec<u8>, ctx: &mu
             out.push(b',');
         }
         first = false;
-        ctx.fragment(out, TAG_CONTENT_PART, &block.digest, |w| {
-            content_part(version, block, w)
-        });
+        // An image with the client's own `detail` is a per-request fragment: built uncached.
+        match image_detail(ctx, crate::registry::Api::OpenaiChat, block) {
+            Some(detail) => {
+                ctx.uncached(out, |w| content_part(version, block, Some(&detail), w));
+            }
+            None => ctx.fragment(out, TAG_CONTENT_PART, &block.digest, |w| {
+                content_part(version, block, None, w)
+            }),
+        }
     }
     out.push(b']');
 }
 
-fn content_part(version: &ChatVersion, block: &Block, w: &mut Writer) {
+fn content_part(version: &ChatVersion, block: &Block, detail: Option<&str>, w: &mut Writer) {
     match &block.body {
         BlockBody::Text { text } => {
             w.raw("{\"type\":\"text\",\"text\":").text(text).raw("}");
@@ -247,6 +307,9 @@ fn content_part(version: &ChatVersion, block: &Block, w: &mut Writer) {
                 MediaSource::Base64 { media_type, data } => w.string(&data_url(media_type, data)),
                 MediaSource::Url { url, .. } => w.string(url),
             };
+            if let Some(detail) = detail {
+                w.raw(",\"detail\":").string(detail);
+            }
             w.raw("}}").charge_image();
         }
         BlockBody::Document { source, title } if version.documents => {
@@ -291,6 +354,7 @@ fn assistant_message(
         return;
     }
     open_message(out, first_message, "assistant");
+    message_name(turn, out, ctx);
     ctx.tokens += role_tokens;
     if has_text {
         out.extend_from_slice(b",\"content\":[");

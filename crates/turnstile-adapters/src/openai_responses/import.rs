@@ -32,7 +32,10 @@
 //! `file_id` references, files inside tool outputs, unknown part types. Dropped and reported:
 //! every other field (`top_logprobs`, `tool_choice`, `parallel_tool_calls`,
 //! `reasoning`, `text`, `include`, `store`, `truncation`, `metadata`, `user`, `background`,
-//! item `id` / `status`, non-empty `annotations`, a non-`auto` image `detail`, `strict: true`, …).
+//! item `id` / `status` (identifiers of input items: docs/decisions.md), non-empty `annotations`, …).
+//! Carried per element (`passthrough::ElementField`): a tool's `strict: true`, an `input_image`
+//! `detail` other than `auto` (`low`, `high`, `original`); on a `function_call_output` image it is
+//! `unrepresentable`.
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
 use crate::sampling::Sampling;
@@ -92,6 +95,7 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let mut passthrough = crate::passthrough::Passthrough::default();
     crate::passthrough::read(crate::registry::Api::OpenaiResponses, &mut top, &mut passthrough)?;
     crate::passthrough::read_responses_include(&mut top, &mut passthrough)?;
+    passthrough.take_elements(crate::registry::Api::OpenaiResponses, std::mem::take(&mut builder.elements));
     top.finish(builder);
     Ok(Head {
         model,
@@ -125,7 +129,12 @@ fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
         }
     };
     if tool.bool("strict")? == Some(true) {
-        builder.drop_path(tool.pattern_of("strict"));
+        builder.element(
+            crate::passthrough::ElementKind::Strict,
+            tool.pattern_of("strict"),
+            name.clone(),
+            Value::Bool(true),
+        );
     }
     let path = tool.path().to_owned();
     tool.finish(builder);
@@ -239,8 +248,8 @@ fn content_part(mut part: Obj, role: Role, builder: &mut Builder) -> Result<(), 
             builder.text(role, text)?;
         }
         "input_image" => {
-            let source = input_image(&mut part, builder)?;
-            builder.image(role, source)?;
+            let (source, detail) = input_image(&mut part)?;
+            builder.image_with_detail(role, source, detail)?;
         }
         "input_file" => {
             part.refuse("file_id", "a file_id reference to a file stored at OpenAI")?;
@@ -277,17 +286,22 @@ fn content_part(mut part: Obj, role: Role, builder: &mut Builder) -> Result<(), 
     Ok(())
 }
 
-/// An `input_image` part: `image_url` (a data URL is inline data); a `file_id` is refused and
-/// a `detail` other than `auto` is dropped and reported.
-fn input_image(part: &mut Obj, builder: &mut Builder) -> Result<MediaSource, ImportError> {
+/// An `input_image` part: `image_url` (a data URL is inline data), with its `detail` (field
+/// path and value) when it is not `auto`; a `file_id` is refused.
+fn input_image(part: &mut Obj) -> Result<(MediaSource, Option<(String, String)>), ImportError> {
     part.refuse("file_id", "a file_id reference to a file stored at OpenAI")?;
     let url = part.required_string("image_url")?;
-    if let Some(detail) = part.string("detail")?
-        && detail != "auto"
-    {
-        builder.drop_path(part.pattern_of("detail"));
-    }
-    Ok(source_from_url(url, None))
+    let detail = match part.string("detail")?.as_deref() {
+        None | Some("auto") => None,
+        Some(detail @ ("low" | "high" | "original")) => Some((part.pattern_of("detail"), detail.to_owned())),
+        Some(other) => {
+            return Err(ImportError::malformed(
+                part.path_of("detail"),
+                format!("unknown image detail {other:?} (auto, low, high or original)"),
+            ));
+        }
+    };
+    Ok((source_from_url(url, None), detail))
 }
 
 fn output(item: &mut Obj, builder: &mut Builder) -> Result<Vec<ResultContent>, ImportError> {
@@ -301,7 +315,18 @@ fn output(item: &mut Obj, builder: &mut Builder) -> Result<Vec<ResultContent>, I
                 let kind = part.required_string("type")?;
                 match kind.as_str() {
                     "input_text" => content.push(ResultContent::Text(part.required_string("text")?)),
-                    "input_image" => content.push(ResultContent::Image(input_image(&mut part, builder)?)),
+                    "input_image" => {
+                        let (source, detail) = input_image(&mut part)?;
+                        if detail.is_some() {
+                            // A result's image is part of one v1 tool_result block: no place
+                            // to carry it.
+                            return Err(ImportError::unrepresentable(
+                                part.path_of("detail"),
+                                "an image detail on a function_call_output image",
+                            ));
+                        }
+                        content.push(ResultContent::Image(source));
+                    }
                     other => {
                         return Err(ImportError::unrepresentable(
                             part.path_of("type"),

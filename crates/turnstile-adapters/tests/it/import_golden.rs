@@ -91,7 +91,7 @@ fn chat_parallel_calls_and_their_results_import_as_one_assistant_turn_and_one_to
             stream: true,
             max_output_tokens: Some(512),
             // `tool_choice` and `parallel_tool_calls` are carried (`render_tool_choice.rs`).
-            dropped: &["stream_options", "tools[].function.strict"],
+            dropped: &["stream_options"],
             sampling: Sampling {
                 temperature: Some(0.2),
                 ..Sampling::default()
@@ -147,7 +147,7 @@ fn chat_user_parts_keep_their_order_and_text_that_reads_like_a_role_stays_text()
             model: "gpt-4o",
             stream: false,
             max_output_tokens: Some(100),
-            dropped: &["messages[].content[].image_url.detail", "messages[].name"],
+            dropped: &[],
             sampling: Sampling::default(),
             tools: json!([]),
             turns: json!([

@@ -6,6 +6,7 @@ mod import_refusals;
 mod import_validator;
 mod render_admission;
 mod render_cache;
+mod render_element_fields;
 mod render_golden;
 mod render_openapi;
 mod render_output_format;

@@ -2097,3 +2097,101 @@ fn the_native_api_takes_cache_breakpoints_on_blocks_and_tools_under_their_neutra
     assert_eq!(sent["messages"][0]["content"][0]["cache_control"], json!({"type": "ephemeral", "ttl": "1h"}), "{sent}");
     assert!(sent["messages"][0]["content"][1].get("cache_control").is_none(), "{sent}");
 }
+
+#[test]
+fn element_fields_reach_a_provider_of_the_same_api_in_place_and_are_refused_by_path_across_apis() {
+    // A tool's `strict`, a Chat message's `name`, an image's `detail` (`passthrough.rs`).
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script("gpt-el", json!([{"text": "A cat."}, {"text": "Still a cat."}]));
+    let image = "data:image/png;base64,iVBORw0KGgo=";
+    let tools = json!([{"type": "function", "function": {"name": "lookup", "strict": true, "parameters":
+        {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"], "additionalProperties": false}}}]);
+    let mut messages = json!([
+        {"role": "system", "name": "rules", "content": "Be brief."},
+        {"role": "user", "name": "alice", "content": [{"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": image, "detail": "low"}}]}]);
+    let request = json!({"model": "gpt-el", "messages": messages, "tools": tools});
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let body = last_sent(&sim);
+    assert_eq!(body["messages"][0]["name"], "rules", "{body}");
+    assert_eq!(body["messages"][1]["name"], "alice", "{body}");
+    assert_eq!(body["messages"][1]["content"][1]["image_url"], json!({"url": image, "detail": "low"}));
+    assert_eq!(body["tools"][0]["function"]["strict"], true, "{body}");
+    // The stateless follow-up continues the conversation: each field stays on its own element.
+    let messages_list = messages.as_array_mut().unwrap();
+    messages_list.push(json!({"role": "assistant", "name": "helper",
+                              "content": answer["choices"][0]["message"]["content"]}));
+    messages_list.push(json!({"role": "user", "name": "bob", "content": "Sure?"}));
+    let request = json!({"model": "gpt-el", "messages": messages, "tools": tools});
+    let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    let body = last_sent(&sim);
+    let names: Vec<&Value> = body["messages"].as_array().unwrap().iter().map(|m| &m["name"]).collect();
+    assert_eq!(names, [&json!("rules"), &json!("alice"), &json!("helper"), &json!("bob")], "{body}");
+    assert_eq!(body["messages"][1]["content"][1]["image_url"]["detail"], "low", "{body}");
+    let request = json!({"model": "gpt-el", "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": image, "detail": "high"}]}],
+        "tools": [{"type": "function", "name": "lookup", "strict": true, "parameters": tools[0]["function"]["parameters"]}]});
+    let (status, headers, text) = post(&gateway.base, "/v1/responses", &request, &[]);
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
+    let body = last_sent(&sim);
+    assert_eq!(body["input"][0]["content"][0]["detail"], "high", "{body}");
+    assert_eq!(body["tools"][0]["strict"], true, "{body}");
+    drop(gateway);
+
+    let config = r#"
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "openai-responses"
+provider = "sim"
+adapter = "openai-chat@2"
+"#;
+    let (_dir, sim, gateway) = proxy_world(config);
+    let before = sim.requests().len();
+    let user = json!({"role": "user", "content": "Hi"});
+    for (path, request, field) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-x", "messages": [user], "tools": tools}),
+            "tools[].function.strict",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-x", "messages": [{"role": "user", "name": "alice", "content": "Hi"}]}),
+            "messages[].name",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-x", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image, "detail": "high"}}]}]}),
+            "messages[].content[].image_url.detail",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "gpt-x", "input": "Hi", "tools": [{"type": "function", "name": "t", "strict": true,
+                   "parameters": {"type": "object"}}]}),
+            "tools[].strict",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "gpt-x", "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": image, "detail": "low"}]}]}),
+            "input[].content[].detail",
+        ),
+    ] {
+        let (status, _, text) = post(&gateway.base, path, &request, &[]);
+        assert_eq!(status, 400, "{path} {field}: {text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+        assert_eq!(body["error"]["setting"], field, "{body}");
+    }
+    assert_eq!(sim.requests().len(), before);
+}

@@ -145,7 +145,10 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
     out.push(b']');
     if !conversation.tools.is_empty() {
         out.extend_from_slice(b",\"tools\":[");
-        ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, |w| {
+        // `strict` is false unless the client (same API, `passthrough.rs`) declared the tool
+        // strict; such a list is a per-request value, built uncached.
+        let strict = crate::openai_chat::strict_tools(ctx, crate::registry::Api::OpenaiResponses);
+        let build = |w: &mut Writer| {
             for (index, tool) in conversation.tools.iter().enumerate() {
                 if index > 0 {
                     w.raw(",");
@@ -157,11 +160,20 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                 }
                 w.raw(",\"parameters\":")
                     .canonical(&tool.input_schema)
-                    .raw(",\"strict\":false}");
+                    .raw(if strict.contains(&tool.name) {
+                        ",\"strict\":true}"
+                    } else {
+                        ",\"strict\":false}"
+                    });
                 let charge = openai_tool_tokens(w.tokenizer, tool, &w.out[start..]);
                 w.charge(charge);
             }
-        });
+        };
+        if strict.is_empty() {
+            ctx.fragment(&mut out, TAG_TOOLS, &conversation.toolset_digest, build);
+        } else {
+            ctx.uncached(&mut out, build);
+        }
         out.push(b']');
     }
     // `tool_choice`, `parallel_tool_calls` (table in `tool_choice.rs`).
@@ -199,12 +211,18 @@ fn message_item(turn: &Turn, role: &str, out: &mut Vec<u8>, first_item: &mut boo
             continue;
         }
         separator(out, &mut first);
-        ctx.fragment(out, TAG_INPUT_PART, &block.digest, |w| input_part(block, w));
+        // An image with the client's own `detail` is a per-request fragment: built uncached.
+        match crate::openai_chat::image_detail(ctx, crate::registry::Api::OpenaiResponses, block) {
+            Some(detail) => {
+                ctx.uncached(out, |w| input_part(block, &detail, w));
+            }
+            None => ctx.fragment(out, TAG_INPUT_PART, &block.digest, |w| input_part(block, "auto", w)),
+        }
     }
     out.extend_from_slice(b"]}");
 }
 
-fn input_part(block: &Block, w: &mut Writer) {
+fn input_part(block: &Block, detail: &str, w: &mut Writer) {
     match &block.body {
         BlockBody::Text { text } => {
             w.raw("{\"type\":\"input_text\",\"text\":").text(text).raw("}");
@@ -215,7 +233,7 @@ fn input_part(block: &Block, w: &mut Writer) {
                 .text(&wrapped)
                 .raw("}");
         }
-        BlockBody::Image { source } => image_part(source, w),
+        BlockBody::Image { source } => image_part(source, detail, w),
         BlockBody::Document { source, title } => {
             w.raw("{\"type\":\"input_file\"");
             match source {
@@ -235,13 +253,13 @@ fn input_part(block: &Block, w: &mut Writer) {
     }
 }
 
-fn image_part(source: &MediaSource, w: &mut Writer) {
+fn image_part(source: &MediaSource, detail: &str, w: &mut Writer) {
     w.raw("{\"type\":\"input_image\",\"image_url\":");
     match source {
         MediaSource::Base64 { media_type, data } => w.string(&data_url(media_type, data)),
         MediaSource::Url { url, .. } => w.string(url),
     };
-    w.raw(",\"detail\":\"auto\"}").charge_image();
+    w.raw(",\"detail\":").string(detail).raw("}").charge_image();
 }
 
 fn assistant_item(block: &Block, w: &mut Writer) {
@@ -322,7 +340,7 @@ fn output_item(result: &Block, w: &mut Writer) {
             ResultPart::Text(text) => {
                 w.raw("{\"type\":\"input_text\",\"text\":").text(text).raw("}");
             }
-            ResultPart::Image(source) => image_part(source, w),
+            ResultPart::Image(source) => image_part(source, "auto", w),
         }
     }
     w.raw("]}");
