@@ -808,12 +808,38 @@ impl World {
                 self.provider.resume(rng, plan, report, &handle, after_sequence)
             }
             Request::Status { handle } => {
-                self.trace(format!("{} g{} status of {handle}", driver.op, generation.0));
-                self.provider.status(&handle)
+                // A stray stream of that generation still delivering (kept across a crash) is
+                // the response still running at the provider.
+                let running = self.provider.knows(&handle) && self.stray_streams(&driver.op, generation);
+                self.trace(format!(
+                    "{} g{} status of {handle}: {}",
+                    driver.op,
+                    generation.0,
+                    if running { "in_progress" } else { "as produced" }
+                ));
+                if running {
+                    Provider::response_object(&handle, "in_progress")
+                } else {
+                    self.provider.status(&handle)
+                }
             }
             Request::Cancel { handle } => {
-                self.trace(format!("{} g{} cancel {handle}", driver.op, generation.0));
-                self.provider.cancel(&handle)
+                if self.provider.knows(&handle) && self.stray_streams(&driver.op, generation) {
+                    // Cancelled: its stray streams stop, and nothing of it runs any more.
+                    self.limbo
+                        .retain(|conn| !(conn.op == driver.op && conn.generation == generation));
+                    self.conns.retain(|_, conn| {
+                        !(conn.op == driver.op && conn.generation == generation && conn.connection.is_none())
+                    });
+                    self.history
+                        .provider_over
+                        .insert((driver.op.clone(), generation.0));
+                    self.trace(format!("{} g{} cancelled {handle}", driver.op, generation.0));
+                    Provider::response_object(&handle, "cancelled")
+                } else {
+                    self.trace(format!("{} g{} cancel {handle}: refused", driver.op, generation.0));
+                    self.provider.cancel(&handle)
+                }
             }
         };
         if send && !(200..300).contains(&answer.status) {
@@ -1169,6 +1195,18 @@ impl World {
         driver.drive.handle_timeout(self.local_now(driver.replica));
         self.pump(&mut driver);
         self.drivers.push(driver);
+    }
+
+    /// Streams of `op`'s `generation` that no live driver reads (kept across a crash, or not
+    /// yet delivering again) are still running at the provider.
+    fn stray_streams(&self, op: &str, generation: Generation) -> bool {
+        self.limbo
+            .iter()
+            .any(|conn| conn.op == op && conn.generation == generation)
+            || self
+                .conns
+                .values()
+                .any(|conn| conn.op == op && conn.generation == generation && conn.connection.is_none())
     }
 
     /// The replica whose periodic sweep is next, while any operation is not over (a quiet
