@@ -26,8 +26,8 @@ use crate::passthrough::Passthrough;
 use crate::registry::Api;
 use crate::render::{Ctx, Pause, PauseReason};
 use serde::Serialize;
-use turnstile_core::conversation::{BlockBody, CacheMark, CacheTtl, Conversation};
 use turnstile_core::Digest;
+use turnstile_core::conversation::{BlockBody, CacheMark, CacheTtl, Conversation};
 
 /// Most breakpoints Anthropic takes in one request ("A maximum of 4 blocks with cache_control
 /// may be provided"; the request-level `cache_control` uses one of them).
@@ -76,13 +76,17 @@ pub fn breakpoints(conversation: &Conversation) -> Vec<Breakpoint> {
             mark,
         })
     });
-    let blocks = conversation.turns.iter().flat_map(|turn| &turn.blocks).filter_map(|block| {
-        block.cache.map(|mark| Breakpoint {
-            block: Some(block.id.clone().unwrap_or_default()),
-            tool: None,
-            mark,
-        })
-    });
+    let blocks = conversation
+        .turns
+        .iter()
+        .flat_map(|turn| &turn.blocks)
+        .filter_map(|block| {
+            block.cache.map(|mark| Breakpoint {
+                block: Some(block.id.clone().unwrap_or_default()),
+                tool: None,
+                mark,
+            })
+        });
     tools.chain(blocks).collect()
 }
 
@@ -112,7 +116,12 @@ pub fn prompt_cache_key(conversation: &Conversation) -> Option<String> {
 }
 
 /// The policy record for `api`, pausing `ctx` on a mark the API cannot take.
-pub(crate) fn plan(api: Api, conversation: &Conversation, passthrough: &Passthrough, ctx: &mut Ctx<'_>) -> CachePolicy {
+pub(crate) fn plan(
+    api: Api,
+    conversation: &Conversation,
+    passthrough: &Passthrough,
+    ctx: &mut Ctx<'_>,
+) -> CachePolicy {
     let breakpoints = breakpoints(conversation);
     if breakpoints.is_empty() {
         return CachePolicy::default();
@@ -147,7 +156,10 @@ pub(crate) fn plan(api: Api, conversation: &Conversation, passthrough: &Passthro
                 }
             }
             let own_key = passthrough.api == Some(api)
-                && passthrough.fields.iter().any(|(name, _)| name == "prompt_cache_key");
+                && passthrough
+                    .fields
+                    .iter()
+                    .any(|(name, _)| name == "prompt_cache_key");
             if !own_key {
                 prompt_cache_key = self::prompt_cache_key(conversation);
             }
@@ -212,7 +224,11 @@ pub(crate) fn tag(base: u8, mark: Option<&CacheMark>) -> u8 {
 
 /// The fragment-cache key of the tool list with its marks.
 pub(crate) fn tools_key(conversation: &Conversation) -> Digest {
-    let marks: Vec<Option<&CacheMark>> = conversation.tools.iter().map(|tool| tool.cache.as_ref()).collect();
+    let marks: Vec<Option<&CacheMark>> = conversation
+        .tools
+        .iter()
+        .map(|tool| tool.cache.as_ref())
+        .collect();
     if marks.iter().all(Option::is_none) {
         return conversation.toolset_digest.clone();
     }

@@ -800,7 +800,12 @@ impl Builder {
         if let Some((field, detail)) = detail
             && let Some(block) = self.last_block_id()
         {
-            self.element(crate::passthrough::ElementKind::Detail, field, block, Value::String(detail));
+            self.element(
+                crate::passthrough::ElementKind::Detail,
+                field,
+                block,
+                Value::String(detail),
+            );
         }
         Ok(())
     }
@@ -980,8 +985,19 @@ impl Builder {
     }
 
     /// Record a client-only field of one element (`passthrough::ElementField`).
-    pub fn element(&mut self, kind: crate::passthrough::ElementKind, field: String, on: String, value: Value) {
-        self.elements.push(crate::passthrough::ElementField { kind, field, on, value });
+    pub fn element(
+        &mut self,
+        kind: crate::passthrough::ElementKind,
+        field: String,
+        on: String,
+        value: Value,
+    ) {
+        self.elements.push(crate::passthrough::ElementField {
+            kind,
+            field,
+            on,
+            value,
+        });
     }
 
     /// Put a prompt-cache breakpoint (a v1 `cache` value) on the block added last.

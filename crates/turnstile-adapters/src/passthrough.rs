@@ -198,7 +198,10 @@ impl PassthroughError {
 impl Passthrough {
     /// Whether there is no field.
     pub fn is_unset(&self) -> bool {
-        self.fields.is_empty() && self.config.is_empty() && self.include.is_empty() && self.elements.is_empty()
+        self.fields.is_empty()
+            && self.config.is_empty()
+            && self.include.is_empty()
+            && self.elements.is_empty()
     }
 
     /// The value of the element field `kind` on `on`, when `target` is the client's API.

@@ -278,7 +278,12 @@ pub fn render(
         return RenderOutcome::RefusedPassthrough(error);
     }
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
-    let cache_policy = crate::cache::plan(adapter.api(), graph.conversation(), &options.passthrough, &mut ctx);
+    let cache_policy = crate::cache::plan(
+        adapter.api(),
+        graph.conversation(),
+        &options.passthrough,
+        &mut ctx,
+    );
     ctx.cache_policy = cache_policy;
     match adapter {
         AdapterId::OpenaiChatV1 => crate::openai_chat::v1::render::render(graph, options, &mut ctx),

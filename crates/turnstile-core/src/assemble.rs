@@ -561,7 +561,9 @@ impl Assembler {
                         name,
                         arguments,
                         ..
-                    } => json!({"kind": "tool_call", "call_id": call_id, "tool": name, "arguments": arguments}),
+                    } => {
+                        json!({"kind": "tool_call", "call_id": call_id, "tool": name, "arguments": arguments})
+                    }
                     BlockBody::Reasoning { provider, text, .. } => {
                         json!({"kind": "reasoning", "provider": provider, "text": text})
                     }
@@ -806,7 +808,8 @@ impl Assembler {
                 self.usage = Some(Usage {
                     input_tokens: input_tokens.or(last.input_tokens),
                     output_tokens: output_tokens.or(last.output_tokens),
-                    cache_creation_input_tokens: cache_creation_input_tokens.or(last.cache_creation_input_tokens),
+                    cache_creation_input_tokens: cache_creation_input_tokens
+                        .or(last.cache_creation_input_tokens),
                     cache_read_input_tokens: cache_read_input_tokens.or(last.cache_read_input_tokens),
                 });
             }

@@ -792,7 +792,8 @@ impl Drive {
     /// A status or cancel answer arrived (or the probe ended without one).
     fn probe_ended(&mut self, open: Connection, ending: Ending) {
         let generation = open.generation;
-        let answered = ending == Ending::Clean && open.status.is_some_and(|status| (200..300).contains(&status));
+        let answered =
+            ending == Ending::Clean && open.status.is_some_and(|status| (200..300).contains(&status));
         let status = answered
             .then(|| serde_json::from_slice::<Value>(&open.body).ok())
             .flatten()
@@ -1204,7 +1205,10 @@ impl Drive {
                 for connection in &closed {
                     let mut queued = Vec::new();
                     self.work.retain(|work| match work {
-                        Work::Chunk { connection: id, bytes } if id == connection => {
+                        Work::Chunk {
+                            connection: id,
+                            bytes,
+                        } if id == connection => {
                             queued.push(bytes.clone());
                             false
                         }
@@ -1220,7 +1224,9 @@ impl Drive {
                             }
                         }
                     }
-                    self.actions.push_back(Action::Close { connection: *connection });
+                    self.actions.push_back(Action::Close {
+                        connection: *connection,
+                    });
                 }
                 content["events"] = Value::Array(events);
                 self.work.push_front(Work::Quarantine {

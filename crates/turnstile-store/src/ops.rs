@@ -1689,9 +1689,15 @@ pub(crate) async fn recover_startup<T: Tx>(
 }
 
 /// The render policy kept with a dispatch.
-pub(crate) async fn dispatch_policy<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Option<Value>, StoreError> {
+pub(crate) async fn dispatch_policy<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Option<Value>, StoreError> {
     let rows = tx
-        .query("SELECT policy FROM dispatches WHERE operation_id = $1", &[operation_id.into()])
+        .query(
+            "SELECT policy FROM dispatches WHERE operation_id = $1",
+            &[operation_id.into()],
+        )
         .await?;
     let Some(row) = rows.first() else {
         return Ok(None);

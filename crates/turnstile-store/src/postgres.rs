@@ -209,7 +209,10 @@ impl PgLedger {
             .iter()
             .map(|row| row.try_get(0))
             .collect::<Result<_, _>>()?;
-        for migration in MIGRATIONS.iter().filter(|migration| !applied.contains(&migration.version)) {
+        for migration in MIGRATIONS
+            .iter()
+            .filter(|migration| !applied.contains(&migration.version))
+        {
             tx.batch_execute(migration.postgres).await?;
             tx.execute(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
@@ -330,7 +333,13 @@ impl Ledger for PgLedger {
         policy: Option<&Value>,
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        in_tx!(self, |tx| ops::prepare(&mut tx, manifest, request_bytes, policy, now))
+        in_tx!(self, |tx| ops::prepare(
+            &mut tx,
+            manifest,
+            request_bytes,
+            policy,
+            now
+        ))
     }
 
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {

@@ -158,7 +158,10 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
         let rows = statement.query_map([], |row| row.get::<_, i64>(0))?;
         rows.collect::<Result<_, _>>()?
     };
-    for migration in MIGRATIONS.iter().filter(|migration| !applied.contains(&migration.version)) {
+    for migration in MIGRATIONS
+        .iter()
+        .filter(|migration| !applied.contains(&migration.version))
+    {
         tx.execute_batch(migration.sqlite)?;
         tx.execute(
             "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, ?3)",
@@ -419,7 +422,8 @@ impl Ledger for SqliteLedger {
 
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
         let op = operation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::dispatch_policy(tx, &op))).await
+        self.run(move |tx| block_on_ready(ops::dispatch_policy(tx, &op)))
+            .await
     }
 
     async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {
@@ -514,7 +518,14 @@ impl Ledger for SqliteLedger {
     ) -> Result<TransitionOutcome, StoreError> {
         let (op, word) = (operation_id.to_owned(), provider_word.to_owned());
         self.run(move |tx| {
-            block_on_ready(ops::abandon_and_rearm_on(tx, &op, generation, true, Some(&word), now))
+            block_on_ready(ops::abandon_and_rearm_on(
+                tx,
+                &op,
+                generation,
+                true,
+                Some(&word),
+                now,
+            ))
         })
         .await
     }

@@ -215,16 +215,20 @@ impl Provider {
 
     /// Whether `handle` names a response this provider can be asked about (a resumable one).
     pub fn knows(&self, handle: &str) -> bool {
-        self.produced.get(handle).is_some_and(|produced| produced.resumable)
+        self.produced
+            .get(handle)
+            .is_some_and(|produced| produced.resumable)
     }
 
     /// The response object of `handle` with `status`, as status and cancel answer it.
     pub fn response_object(handle: &str, status: &str) -> Answer {
         Answer {
             status: 200,
-            chunks: VecDeque::from([serde_json::json!({"id": handle, "object": "response", "status": status})
-                .to_string()
-                .into_bytes()]),
+            chunks: VecDeque::from([
+                serde_json::json!({"id": handle, "object": "response", "status": status})
+                    .to_string()
+                    .into_bytes(),
+            ]),
             clean_end: true,
             hang: false,
             endless: false,

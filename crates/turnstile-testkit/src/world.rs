@@ -837,7 +837,10 @@ impl World {
                     self.trace(format!("{} g{} cancelled {handle}", driver.op, generation.0));
                     Provider::response_object(&handle, "cancelled")
                 } else {
-                    self.trace(format!("{} g{} cancel {handle}: refused", driver.op, generation.0));
+                    self.trace(format!(
+                        "{} g{} cancel {handle}: refused",
+                        driver.op, generation.0
+                    ));
                     self.provider.cancel(&handle)
                 }
             }

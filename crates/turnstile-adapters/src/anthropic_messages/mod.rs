@@ -226,7 +226,8 @@ pub(crate) fn render(
                 }
                 w.raw(",\"input_schema\":").canonical(&tool.input_schema);
                 if let Some(mark) = &tool.cache {
-                    w.raw(",\"cache_control\":").raw(&cache::anthropic_cache_control(mark));
+                    w.raw(",\"cache_control\":")
+                        .raw(&cache::anthropic_cache_control(mark));
                 }
                 w.raw("}");
             }

@@ -109,7 +109,10 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let output_format = crate::output_format::read(crate::registry::Api::OpenaiChat, &mut top)?;
     let mut passthrough = crate::passthrough::Passthrough::default();
     crate::passthrough::read(crate::registry::Api::OpenaiChat, &mut top, &mut passthrough)?;
-    passthrough.take_elements(crate::registry::Api::OpenaiChat, std::mem::take(&mut builder.elements));
+    passthrough.take_elements(
+        crate::registry::Api::OpenaiChat,
+        std::mem::take(&mut builder.elements),
+    );
     top.finish(builder);
     Ok(Head {
         model,
@@ -146,7 +149,12 @@ fn tool(mut tool: Obj, builder: &mut Builder) -> Result<(), ImportError> {
         }
     };
     if function.bool("strict")? == Some(true) {
-        builder.element(ElementKind::Strict, function.pattern_of("strict"), name.clone(), Value::Bool(true));
+        builder.element(
+            ElementKind::Strict,
+            function.pattern_of("strict"),
+            name.clone(),
+            Value::Bool(true),
+        );
     }
     let path = tool.path().to_owned();
     function.finish(builder);
@@ -160,7 +168,9 @@ fn message(mut message: Obj, builder: &mut Builder) -> Result<(), ImportError> {
     // `name` (system, developer, user, assistant messages): carried on the turn it opens.
     let name = match role.as_str() {
         "tool" => None,
-        _ => message.string("name")?.map(|name| (message.pattern_of("name"), name)),
+        _ => message
+            .string("name")?
+            .map(|name| (message.pattern_of("name"), name)),
     };
     match role.as_str() {
         "system" | "developer" => {
@@ -268,7 +278,10 @@ fn content_part(mut part: Obj, role: Role, builder: &mut Builder) -> Result<(), 
 
 /// The `image_url` object of a part, with its `detail` (field path and value) when it is not
 /// `auto`.
-fn image_url(part: &mut Obj, builder: &mut Builder) -> Result<(MediaSource, Option<(String, String)>), ImportError> {
+fn image_url(
+    part: &mut Obj,
+    builder: &mut Builder,
+) -> Result<(MediaSource, Option<(String, String)>), ImportError> {
     let mut image = part.required_object("image_url")?;
     let url = image.required_string("url")?;
     let detail = match image.string("detail")?.as_deref() {

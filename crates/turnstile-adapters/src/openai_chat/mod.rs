@@ -19,12 +19,12 @@ pub mod v1;
 pub mod v2;
 
 use crate::call_ids::CallIdRule;
+use crate::passthrough::ElementKind;
 use crate::registry::AdapterId;
 use crate::render::{
     Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
     reasoning_for, segments, status_note, wrap_context,
 };
-use crate::passthrough::ElementKind;
 use crate::tokens::{self, Tokenizer};
 use serde_json::Value;
 use std::sync::OnceLock;

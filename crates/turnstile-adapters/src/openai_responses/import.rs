@@ -95,7 +95,10 @@ pub(crate) fn import(mut top: Obj, builder: &mut Builder) -> Result<Head, Import
     let mut passthrough = crate::passthrough::Passthrough::default();
     crate::passthrough::read(crate::registry::Api::OpenaiResponses, &mut top, &mut passthrough)?;
     crate::passthrough::read_responses_include(&mut top, &mut passthrough)?;
-    passthrough.take_elements(crate::registry::Api::OpenaiResponses, std::mem::take(&mut builder.elements));
+    passthrough.take_elements(
+        crate::registry::Api::OpenaiResponses,
+        std::mem::take(&mut builder.elements),
+    );
     top.finish(builder);
     Ok(Head {
         model,

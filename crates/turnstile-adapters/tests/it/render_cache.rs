@@ -39,7 +39,13 @@ fn anthropic_request() -> Value {
 }
 
 fn imported(body: &Value) -> (Value, Passthrough) {
-    let imported = import(Api::AnthropicMessages, body.to_string().as_bytes(), "c-cache", None).unwrap();
+    let imported = import(
+        Api::AnthropicMessages,
+        body.to_string().as_bytes(),
+        "c-cache",
+        None,
+    )
+    .unwrap();
     assert!(imported.dropped.is_empty(), "{:?}", imported.dropped);
     (imported.document, imported.passthrough)
 }
@@ -48,7 +54,12 @@ fn conversation(document: &Value) -> Conversation {
     Conversation::from_value(document.clone()).unwrap()
 }
 
-fn render_doc(conversation: &Conversation, adapter: AdapterId, passthrough: &Passthrough, cache: &mut RenderCache) -> RenderOutcome {
+fn render_doc(
+    conversation: &Conversation,
+    adapter: AdapterId,
+    passthrough: &Passthrough,
+    cache: &mut RenderCache,
+) -> RenderOutcome {
     let validated = Validated::new(conversation).unwrap();
     let sequence = MessageSequence::build(validated);
     let graph = Graph::new(validated, &sequence).unwrap();
@@ -60,7 +71,12 @@ fn render_doc(conversation: &Conversation, adapter: AdapterId, passthrough: &Pas
 }
 
 fn rendered(conversation: &Conversation, adapter: AdapterId) -> Rendered {
-    match render_doc(conversation, adapter, &Passthrough::default(), &mut RenderCache::new()) {
+    match render_doc(
+        conversation,
+        adapter,
+        &Passthrough::default(),
+        &mut RenderCache::new(),
+    ) {
         RenderOutcome::Rendered(rendered) => rendered,
         other => panic!("{adapter}: {other:?}"),
     }
@@ -115,17 +131,29 @@ fn towards_anthropic_every_breakpoint_is_written_in_place() {
     for adapter in [AdapterId::AnthropicMessagesV1, AdapterId::AnthropicMessagesV2] {
         let value = body(&rendered(&conversation, adapter));
         let ephemeral = json!({"type": EPHEMERAL});
-        assert_eq!(value["tools"][0]["cache_control"], ephemeral, "{adapter}: {value}");
+        assert_eq!(
+            value["tools"][0]["cache_control"], ephemeral,
+            "{adapter}: {value}"
+        );
         assert_eq!(value["system"][0]["cache_control"], ephemeral, "{adapter}");
         assert_eq!(
             value["messages"][0]["content"][0]["cache_control"],
             json!({"type": EPHEMERAL, "ttl": "1h"}),
             "{adapter}"
         );
-        assert!(value["messages"][0]["content"][1].get("cache_control").is_none(), "{adapter}");
-        assert!(value["messages"][1]["content"][0].get("cache_control").is_none(), "{adapter}");
+        assert!(
+            value["messages"][0]["content"][1].get("cache_control").is_none(),
+            "{adapter}"
+        );
+        assert!(
+            value["messages"][1]["content"][0].get("cache_control").is_none(),
+            "{adapter}"
+        );
         assert_eq!(value["messages"][2]["content"][0]["type"], "tool_result");
-        assert_eq!(value["messages"][2]["content"][0]["cache_control"], ephemeral, "{adapter}");
+        assert_eq!(
+            value["messages"][2]["content"][0]["cache_control"], ephemeral,
+            "{adapter}"
+        );
         let count = value.to_string().matches("cache_control").count();
         assert_eq!(count, 4, "{adapter}: {value}");
     }
@@ -137,7 +165,12 @@ fn breakpoints_stay_out_of_content_digests_and_are_pinned_by_the_policy() {
     let marked = conversation(&document);
     let plain = conversation(&unmarked(&document));
     assert_eq!(marked.toolset_digest, plain.toolset_digest);
-    for (a, b) in marked.turns.iter().flat_map(|turn| &turn.blocks).zip(plain.turns.iter().flat_map(|turn| &turn.blocks)) {
+    for (a, b) in marked
+        .turns
+        .iter()
+        .flat_map(|turn| &turn.blocks)
+        .zip(plain.turns.iter().flat_map(|turn| &turn.blocks))
+    {
         assert_eq!(a.digest, b.digest, "{:?}", a.id);
     }
     let sequence = |conversation: &Conversation| {
@@ -149,8 +182,18 @@ fn breakpoints_stay_out_of_content_digests_and_are_pinned_by_the_policy() {
         let without = rendered(&plain, adapter);
         assert_ne!(with.policy.digest(), without.policy.digest(), "{adapter}");
         let breakpoints = serde_json::to_value(&with.policy).unwrap()["cache"]["breakpoints"].clone();
-        assert_eq!(breakpoints.as_array().map(Vec::len), Some(4), "{adapter}: {breakpoints}");
-        assert!(serde_json::to_value(&without.policy).unwrap().get("cache").is_none(), "{adapter}");
+        assert_eq!(
+            breakpoints.as_array().map(Vec::len),
+            Some(4),
+            "{adapter}: {breakpoints}"
+        );
+        assert!(
+            serde_json::to_value(&without.policy)
+                .unwrap()
+                .get("cache")
+                .is_none(),
+            "{adapter}"
+        );
     }
 }
 
@@ -161,10 +204,12 @@ fn a_shared_fragment_cache_never_mixes_marked_and_unmarked_blocks() {
     let plain = conversation(&unmarked(&document));
     let mut cache = RenderCache::new();
     let adapter = AdapterId::AnthropicMessagesV2;
-    let RenderOutcome::Rendered(first) = render_doc(&marked, adapter, &Passthrough::default(), &mut cache) else {
+    let RenderOutcome::Rendered(first) = render_doc(&marked, adapter, &Passthrough::default(), &mut cache)
+    else {
         panic!("marked");
     };
-    let RenderOutcome::Rendered(second) = render_doc(&plain, adapter, &Passthrough::default(), &mut cache) else {
+    let RenderOutcome::Rendered(second) = render_doc(&plain, adapter, &Passthrough::default(), &mut cache)
+    else {
         panic!("plain");
     };
     assert!(String::from_utf8_lossy(&first.body).contains("cache_control"));
@@ -189,7 +234,12 @@ fn anthropic_takes_at_most_four_breakpoints_and_none_on_thinking() {
     let mut request = anthropic_request();
     request["cache_control"] = json!({"type": EPHEMERAL});
     let (document, passthrough) = imported(&request);
-    let outcome = render_doc(&conversation(&document), AdapterId::AnthropicMessagesV2, &passthrough, &mut RenderCache::new());
+    let outcome = render_doc(
+        &conversation(&document),
+        AdapterId::AnthropicMessagesV2,
+        &passthrough,
+        &mut RenderCache::new(),
+    );
     assert!(matches!(outcome, RenderOutcome::Paused(_)), "{outcome:?}");
     // A breakpoint on a reasoning block.
     let mut document = json!({"format": "turnstile.conversation.v1", "conversation_id": "c-r", "revision": 3, "turns": [
@@ -198,14 +248,27 @@ fn anthropic_takes_at_most_four_breakpoints_and_none_on_thinking() {
             {"id": "a-1", "kind": "reasoning", "provider": "anthropic", "signature": "sig", "text": "hm", "cache": {}},
             {"id": "a-2", "kind": "text", "text": "Hello"}]},
         {"id": "t-3", "revision": 3, "role": "user", "blocks": [{"id": "u-2", "kind": "text", "text": "More"}]}]});
-    let outcome = render_doc(&conversation(&document), AdapterId::AnthropicMessagesV2, &Passthrough::default(), &mut RenderCache::new());
+    let outcome = render_doc(
+        &conversation(&document),
+        AdapterId::AnthropicMessagesV2,
+        &Passthrough::default(),
+        &mut RenderCache::new(),
+    );
     let RenderOutcome::Paused(pauses) = outcome else {
         panic!("a marked thinking block was sent: {outcome:?}");
     };
     assert_eq!(pauses[0].block.as_deref(), Some("a-1"));
     // Control: without the mark it renders.
-    document["turns"][1]["blocks"][0].as_object_mut().unwrap().remove("cache");
-    let outcome = render_doc(&conversation(&document), AdapterId::AnthropicMessagesV2, &Passthrough::default(), &mut RenderCache::new());
+    document["turns"][1]["blocks"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("cache");
+    let outcome = render_doc(
+        &conversation(&document),
+        AdapterId::AnthropicMessagesV2,
+        &Passthrough::default(),
+        &mut RenderCache::new(),
+    );
     assert!(matches!(outcome, RenderOutcome::Rendered(_)), "{outcome:?}");
 }
 
@@ -220,28 +283,49 @@ fn five_minute_request() -> Value {
 fn towards_openai_a_marked_conversation_gets_a_stable_prompt_cache_key() {
     let (document, _) = imported(&five_minute_request());
     let marked = conversation(&document);
-    for adapter in [AdapterId::OpenaiChatV1, AdapterId::OpenaiChatV2, AdapterId::OpenaiResponsesV1] {
+    for adapter in [
+        AdapterId::OpenaiChatV1,
+        AdapterId::OpenaiChatV2,
+        AdapterId::OpenaiResponsesV1,
+    ] {
         let value = body(&rendered(&marked, adapter));
-        let key = value["prompt_cache_key"].as_str().unwrap_or_else(|| panic!("{adapter}: {value}"));
-        assert!(key.starts_with("turnstile-") && key.len() == "turnstile-".len() + 32, "{key}");
+        let key = value["prompt_cache_key"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{adapter}: {value}"));
+        assert!(
+            key.starts_with("turnstile-") && key.len() == "turnstile-".len() + 32,
+            "{key}"
+        );
         assert!(!value.to_string().contains("cache_control"), "{adapter}");
         // The first breakpoint (the tool) is unchanged when the later ones move: same key.
         let mut moved = document.clone();
-        moved["turns"][1]["blocks"][0].as_object_mut().unwrap().remove("cache");
+        moved["turns"][1]["blocks"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("cache");
         moved["turns"][1]["blocks"][1]["cache"] = json!({});
         let moved_value = body(&rendered(&conversation(&moved), adapter));
-        assert_eq!(moved_value["prompt_cache_key"], value["prompt_cache_key"], "{adapter}");
+        assert_eq!(
+            moved_value["prompt_cache_key"], value["prompt_cache_key"],
+            "{adapter}"
+        );
         // Another conversation with the same prefix gets another key.
         let mut other = document.clone();
         other["conversation_id"] = json!("c-other");
         let other_value = body(&rendered(&conversation(&other), adapter));
-        assert_ne!(other_value["prompt_cache_key"], value["prompt_cache_key"], "{adapter}");
+        assert_ne!(
+            other_value["prompt_cache_key"], value["prompt_cache_key"],
+            "{adapter}"
+        );
         // Another marked prefix (no tool mark: the system prompt is first) gets another key.
         let mut system_first = document.clone();
         system_first["tools"][0].as_object_mut().unwrap().remove("cache");
         let system_value = body(&rendered(&conversation(&system_first), adapter));
         assert!(system_value["prompt_cache_key"].is_string());
-        assert_ne!(system_value["prompt_cache_key"], value["prompt_cache_key"], "{adapter}");
+        assert_ne!(
+            system_value["prompt_cache_key"], value["prompt_cache_key"],
+            "{adapter}"
+        );
         // Nothing marked: no key.
         let plain_value = body(&rendered(&conversation(&unmarked(&document)), adapter));
         assert!(plain_value.get("prompt_cache_key").is_none(), "{adapter}");
@@ -253,8 +337,12 @@ fn towards_openai_the_clients_own_key_wins_and_a_one_hour_breakpoint_is_refused(
     let (document, _) = imported(&five_minute_request());
     let marked = conversation(&document);
     let chat = json!({"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}], "prompt_cache_key": "mine"});
-    let own = import(Api::OpenaiChat, chat.to_string().as_bytes(), "c-x", None).unwrap().passthrough;
-    let RenderOutcome::Rendered(with_own) = render_doc(&marked, AdapterId::OpenaiChatV2, &own, &mut RenderCache::new()) else {
+    let own = import(Api::OpenaiChat, chat.to_string().as_bytes(), "c-x", None)
+        .unwrap()
+        .passthrough;
+    let RenderOutcome::Rendered(with_own) =
+        render_doc(&marked, AdapterId::OpenaiChatV2, &own, &mut RenderCache::new())
+    else {
         panic!("own key");
     };
     let text = String::from_utf8_lossy(&with_own.body).into_owned();
@@ -263,8 +351,17 @@ fn towards_openai_the_clients_own_key_wins_and_a_one_hour_breakpoint_is_refused(
 
     let (document, _) = imported(&anthropic_request());
     let one_hour = conversation(&document);
-    for adapter in [AdapterId::OpenaiChatV1, AdapterId::OpenaiChatV2, AdapterId::OpenaiResponsesV1] {
-        let outcome = render_doc(&one_hour, adapter, &Passthrough::default(), &mut RenderCache::new());
+    for adapter in [
+        AdapterId::OpenaiChatV1,
+        AdapterId::OpenaiChatV2,
+        AdapterId::OpenaiResponsesV1,
+    ] {
+        let outcome = render_doc(
+            &one_hour,
+            adapter,
+            &Passthrough::default(),
+            &mut RenderCache::new(),
+        );
         let RenderOutcome::Paused(pauses) = outcome else {
             panic!("{adapter}: a one-hour breakpoint was sent: {outcome:?}");
         };
@@ -281,18 +378,30 @@ fn towards_gemini_breakpoints_are_left_out_and_reported() {
     let with = rendered(&marked, AdapterId::GeminiV1);
     let without = rendered(&conversation(&unmarked(&document)), AdapterId::GeminiV1);
     assert_eq!(with.body, without.body);
-    assert_eq!(turnstile_adapters::cache::dropped_towards(Api::Gemini, &marked), ["cache_control"]);
+    assert_eq!(
+        turnstile_adapters::cache::dropped_towards(Api::Gemini, &marked),
+        ["cache_control"]
+    );
     for api in [Api::AnthropicMessages, Api::OpenaiChat, Api::OpenaiResponses] {
-        assert!(turnstile_adapters::cache::dropped_towards(api, &marked).is_empty(), "{api:?}");
+        assert!(
+            turnstile_adapters::cache::dropped_towards(api, &marked).is_empty(),
+            "{api:?}"
+        );
     }
-    assert!(turnstile_adapters::cache::dropped_towards(Api::Gemini, &conversation(&unmarked(&document))).is_empty());
+    assert!(
+        turnstile_adapters::cache::dropped_towards(Api::Gemini, &conversation(&unmarked(&document)))
+            .is_empty()
+    );
 }
 
 #[test]
 fn malformed_breakpoints_are_named() {
     for (mark, path) in [
         (json!({"type": "persistent"}), "system[0].cache_control.type"),
-        (json!({"type": EPHEMERAL, "ttl": "2h"}), "system[0].cache_control.ttl"),
+        (
+            json!({"type": EPHEMERAL, "ttl": "2h"}),
+            "system[0].cache_control.ttl",
+        ),
     ] {
         let mut request = anthropic_request();
         request["system"][0]["cache_control"] = mark;
@@ -334,7 +443,10 @@ fn rendered_prompt_cache_keys_conform_to_the_official_openapi_request_schemas() 
     ] {
         let schema = validator(&spec, schema);
         let mut value = body(&rendered(&marked, adapter));
-        let errors: Vec<String> = schema.iter_errors(&value).map(|error| error.to_string()).collect();
+        let errors: Vec<String> = schema
+            .iter_errors(&value)
+            .map(|error| error.to_string())
+            .collect();
         assert!(errors.is_empty(), "{adapter}: {errors:?}");
         // Control: the schema checks the field.
         value["prompt_cache_key"] = json!(17);

@@ -55,7 +55,12 @@ fn imported(api: Api, body: &Value) -> Imported {
     imported
 }
 
-fn render_imported(adapter: AdapterId, imported: &Imported, cache: &mut RenderCache, with_fields: bool) -> RenderOutcome {
+fn render_imported(
+    adapter: AdapterId,
+    imported: &Imported,
+    cache: &mut RenderCache,
+    with_fields: bool,
+) -> RenderOutcome {
     let conversation = Conversation::from_value(imported.document.clone()).unwrap();
     let validated = Validated::new(&conversation).unwrap();
     let sequence = MessageSequence::build(validated);
@@ -86,7 +91,9 @@ fn rendered(outcome: RenderOutcome) -> (Rendered, Value) {
 }
 
 fn chat_adapters() -> impl Iterator<Item = AdapterId> {
-    AdapterId::ALL.into_iter().filter(|adapter| adapter.api() == Api::OpenaiChat)
+    AdapterId::ALL
+        .into_iter()
+        .filter(|adapter| adapter.api() == Api::OpenaiChat)
 }
 
 #[test]
@@ -101,11 +108,22 @@ fn chat_strict_name_and_detail_reach_a_chat_target_in_their_places() {
         assert_eq!(messages[2]["name"], "helper", "{adapter}");
         assert!(messages[3].get("name").is_none(), "{adapter}: {body}");
         let parts = messages[1]["content"].as_array().unwrap();
-        assert_eq!(parts[1]["image_url"], json!({"url": IMAGE, "detail": "high"}), "{adapter}");
+        assert_eq!(
+            parts[1]["image_url"],
+            json!({"url": IMAGE, "detail": "high"}),
+            "{adapter}"
+        );
         // `auto` is the API's default: nothing to carry.
-        assert_eq!(parts[2]["image_url"], json!({"url": "https://example.com/b.png"}), "{adapter}");
+        assert_eq!(
+            parts[2]["image_url"],
+            json!({"url": "https://example.com/b.png"}),
+            "{adapter}"
+        );
         assert_eq!(body["tools"][0]["function"]["strict"], true, "{adapter}");
-        assert!(body["tools"][1]["function"].get("strict").is_none(), "{adapter}: {body}");
+        assert!(
+            body["tools"][1]["function"].get("strict").is_none(),
+            "{adapter}: {body}"
+        );
     }
 }
 
@@ -142,7 +160,14 @@ fn image_detail_and_strict(api: Api, body: &Value) -> (Value, Value) {
 #[test]
 fn a_cached_fragment_never_carries_one_requests_element_fields_into_another() {
     for (api, adapter, body, detail, plain_detail, plain_strict) in [
-        (Api::OpenaiChat, AdapterId::OpenaiChatV2, chat_request(), "high", Value::Null, Value::Null),
+        (
+            Api::OpenaiChat,
+            AdapterId::OpenaiChatV2,
+            chat_request(),
+            "high",
+            Value::Null,
+            Value::Null,
+        ),
         (
             Api::OpenaiResponses,
             AdapterId::OpenaiResponsesV1,
@@ -158,8 +183,16 @@ fn a_cached_fragment_never_carries_one_requests_element_fields_into_another() {
             let mut cache = RenderCache::new();
             let (_, first) = rendered(render_imported(adapter, &imported, &mut cache, carried_first));
             let (_, second) = rendered(render_imported(adapter, &imported, &mut cache, !carried_first));
-            let (carried, plain) = if carried_first { (first, second) } else { (second, first) };
-            assert_eq!(image_detail_and_strict(api, &carried), (json!(detail), json!(true)), "{adapter}");
+            let (carried, plain) = if carried_first {
+                (first, second)
+            } else {
+                (second, first)
+            };
+            assert_eq!(
+                image_detail_and_strict(api, &carried),
+                (json!(detail), json!(true)),
+                "{adapter}"
+            );
             assert_eq!(
                 image_detail_and_strict(api, &plain),
                 (plain_detail.clone(), plain_strict.clone()),
@@ -215,7 +248,11 @@ fn element_fields_towards_another_api_are_refused_by_the_clients_path() {
     let cases = chat_cases
         .into_iter()
         .map(|(body, field)| (Api::OpenaiChat, body, field))
-        .chain(responses_cases.into_iter().map(|(body, field)| (Api::OpenaiResponses, body, field)));
+        .chain(
+            responses_cases
+                .into_iter()
+                .map(|(body, field)| (Api::OpenaiResponses, body, field)),
+        );
     let mut refused = 0;
     for (api, body, field) in cases {
         let imported = imported(api, &body);
@@ -247,7 +284,13 @@ fn an_unknown_image_detail_or_one_on_a_tool_output_image_is_refused_at_import() 
         {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": [
             {"type": "input_image", "image_url": IMAGE, "detail": "high"}]}]});
-    let error = import(Api::OpenaiResponses, responses.to_string().as_bytes(), "c-1", None).unwrap_err();
+    let error = import(
+        Api::OpenaiResponses,
+        responses.to_string().as_bytes(),
+        "c-1",
+        None,
+    )
+    .unwrap_err();
     assert_eq!(error.code(), "unrepresentable");
     assert_eq!(error.path(), "input[1].output[0].detail");
 }
@@ -266,7 +309,12 @@ fn rendered_element_fields_conform_to_the_official_openapi_request_schemas() {
     let responses = validator(&spec, "CreateResponse");
     let imported_chat = imported(Api::OpenaiChat, &chat_request());
     for adapter in chat_adapters() {
-        let (_, mut body) = rendered(render_imported(adapter, &imported_chat, &mut RenderCache::new(), true));
+        let (_, mut body) = rendered(render_imported(
+            adapter,
+            &imported_chat,
+            &mut RenderCache::new(),
+            true,
+        ));
         let errors: Vec<String> = chat.iter_errors(&body).map(|error| error.to_string()).collect();
         assert!(errors.is_empty(), "{adapter}: {errors:?}");
         // Control: the schema checks the field.
@@ -280,7 +328,10 @@ fn rendered_element_fields_conform_to_the_official_openapi_request_schemas() {
         &mut RenderCache::new(),
         true,
     ));
-    let errors: Vec<String> = responses.iter_errors(&body).map(|error| error.to_string()).collect();
+    let errors: Vec<String> = responses
+        .iter_errors(&body)
+        .map(|error| error.to_string())
+        .collect();
     assert!(errors.is_empty(), "{errors:?}");
     body["tools"][0]["strict"] = json!("yes");
     assert!(!responses.is_valid(&body));

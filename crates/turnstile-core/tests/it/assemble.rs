@@ -569,7 +569,12 @@ fn usage_reports_merge_field_by_field_so_a_later_output_count_keeps_the_input_co
     };
     let usage = offer.usage.unwrap();
     assert_eq!(
-        (usage.input_tokens, usage.output_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens),
+        (
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.cache_creation_input_tokens,
+            usage.cache_read_input_tokens
+        ),
         (Some(377), Some(42), Some(1000), Some(5))
     );
 }

@@ -107,11 +107,31 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
     // After the lease, before a new generation: the provider is asked about the response, and
     // one still in progress is cancelled; its word is what the rearm records.
     let asked = open_request(&mut drive);
-    assert_eq!(asked.1, Request::Status { handle: "resp_1".into() });
-    answer(&mut drive, asked.0, 60_002, br#"{"id":"resp_1","status":"in_progress"}"#);
+    assert_eq!(
+        asked.1,
+        Request::Status {
+            handle: "resp_1".into()
+        }
+    );
+    answer(
+        &mut drive,
+        asked.0,
+        60_002,
+        br#"{"id":"resp_1","status":"in_progress"}"#,
+    );
     let cancel = open_request(&mut drive);
-    assert_eq!(cancel.1, Request::Cancel { handle: "resp_1".into() });
-    answer(&mut drive, cancel.0, 60_003, br#"{"id":"resp_1","status":"cancelled"}"#);
+    assert_eq!(
+        cancel.1,
+        Request::Cancel {
+            handle: "resp_1".into()
+        }
+    );
+    answer(
+        &mut drive,
+        cancel.0,
+        60_003,
+        br#"{"id":"resp_1","status":"cancelled"}"#,
+    );
     assert_eq!(
         next_store_op(&mut drive),
         Some(StoreOp::AbandonAndRearm {
@@ -149,9 +169,7 @@ fn open_request(drive: &mut Drive) -> (ConnectionId, Request) {
     while let Some(action) = drive.poll_action() {
         match action {
             Action::Open {
-                connection,
-                request,
-                ..
+                connection, request, ..
             } => return (connection, request),
             Action::Store(op) => panic!("a store operation before the probe: {op:?}"),
             _ => {}
@@ -255,12 +273,17 @@ fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_the
     assert_eq!(reason, "foreign_handle");
     assert_eq!(content["handle"], "resp_other", "{content}");
     assert_eq!(content["generation"], 1, "{content}");
-    assert!(content.to_string().contains("not ours"), "what arrived is kept: {content}");
+    assert!(
+        content.to_string().contains("not ours"),
+        "what arrived is kept: {content}"
+    );
     // Another manifest's response is never asked about, cancelled or resumed by this dispatch.
     drive.handle_timeout(Timestamp(60_000));
     while let Some(action) = drive.poll_action() {
         match action {
-            Action::Open { request, .. } => panic!("a request about another manifest's response: {request:?}"),
+            Action::Open { request, .. } => {
+                panic!("a request about another manifest's response: {request:?}")
+            }
             Action::Store(StoreOp::AbandonAndRearm { .. }) => break,
             Action::Store(_) => drive.handle_store(Timestamp(60_001), StoreResult::Applied),
             _ => {}

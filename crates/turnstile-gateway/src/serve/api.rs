@@ -861,7 +861,12 @@ pub(crate) async fn prepare_dispatch(
     let policy = serde_json::to_value(&prepared.rendered.policy).ok();
     let outcome = shared
         .ledger
-        .prepare_with_policy(&prepared.manifest, &prepared.rendered.body, policy.as_ref(), now())
+        .prepare_with_policy(
+            &prepared.manifest,
+            &prepared.rendered.body,
+            policy.as_ref(),
+            now(),
+        )
         .await
         .map_err(ApiError::store)?;
     use turnstile_store::PrepareOutcome as Stored;
@@ -1180,7 +1185,11 @@ pub async fn get_dispatch(
         .map_err(ApiError::store)?
         .ok_or_else(|| ApiError::not_found("dispatch"))?;
     let attempts = shared.ledger.attempts(&store_id).await.map_err(ApiError::store)?;
-    let policy = shared.ledger.dispatch_policy(&store_id).await.map_err(ApiError::store)?;
+    let policy = shared
+        .ledger
+        .dispatch_policy(&store_id)
+        .await
+        .map_err(ApiError::store)?;
     let attempts: Vec<Value> = attempts
         .into_iter()
         .map(|attempt| {

@@ -276,7 +276,13 @@ impl Pump {
         }
     }
 
-    fn open(&mut self, drive: &Drive, connection: ConnectionId, request: Request, trace_headers: Vec<(String, String)>) {
+    fn open(
+        &mut self,
+        drive: &Drive,
+        connection: ConnectionId,
+        request: Request,
+        trace_headers: Vec<(String, String)>,
+    ) {
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &self.ctx.endpoint,

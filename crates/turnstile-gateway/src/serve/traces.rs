@@ -111,7 +111,10 @@ pub fn install(config: &Config) -> Result<bool, String> {
     if !wanted(config) {
         return Ok(false);
     }
-    for variable in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+    for variable in [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
         if let Ok(protocol) = std::env::var(variable) {
             if protocol.trim() != "http/protobuf" {
                 return Err(format!(
@@ -201,7 +204,10 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
         let result = self.inner.export(batch).await;
         let outcome = if result.is_ok() { "exported" } else { "failed" };
         counter!(TRACE_SPANS, "outcome" => outcome).increment(spans as u64);
-        let left = self.outstanding.fetch_sub(spans, Ordering::AcqRel).saturating_sub(spans);
+        let left = self
+            .outstanding
+            .fetch_sub(spans, Ordering::AcqRel)
+            .saturating_sub(spans);
         gauge!(TRACE_QUEUE_SPANS).set(left as f64);
         result
     }
@@ -413,14 +419,20 @@ impl Hook {
             KeyValue::new("gen_ai.conversation.id", record.conversation_id.clone()),
             KeyValue::new("turnstile.operation_id", record.operation_id.clone()),
             KeyValue::new("turnstile.conversation_id", record.conversation_id.clone()),
-            KeyValue::new("turnstile.revision", i64::try_from(record.revision.0).unwrap_or(i64::MAX)),
+            KeyValue::new(
+                "turnstile.revision",
+                i64::try_from(record.revision.0).unwrap_or(i64::MAX),
+            ),
             KeyValue::new("turnstile.provider", record.provider.clone()),
         ];
         if let Some(adapter) = record.manifest["adapter"].as_str() {
             common.push(KeyValue::new("turnstile.adapter", adapter.to_owned()));
         }
         if let Some(max) = record.manifest["max_output_tokens"].as_u64() {
-            common.push(KeyValue::new("gen_ai.request.max_tokens", i64::try_from(max).unwrap_or(i64::MAX)));
+            common.push(KeyValue::new(
+                "gen_ai.request.max_tokens",
+                i64::try_from(max).unwrap_or(i64::MAX),
+            ));
         }
         common.extend(server_attributes(endpoint));
         let name = format!("{} {model}", operation_name(api));
@@ -493,7 +505,12 @@ impl Hook {
 
     /// A connection opens for `generation`: returns the headers that carry the attempt's trace
     /// context to the provider (none when traces are off).
-    pub fn open(&mut self, connection: ConnectionId, generation: u64, request: &Request) -> Vec<(String, String)> {
+    pub fn open(
+        &mut self,
+        connection: ConnectionId,
+        generation: u64,
+        request: &Request,
+    ) -> Vec<(String, String)> {
         let Some(trace) = &mut self.0 else {
             return Vec::new();
         };
@@ -509,10 +526,10 @@ impl Hook {
             Request::Status { .. } => "status",
             Request::Cancel { .. } => "cancel",
         };
-        attempt
-            .cx
-            .span()
-            .add_event("turnstile.connection", vec![KeyValue::new("turnstile.request", kind)]);
+        attempt.cx.span().add_event(
+            "turnstile.connection",
+            vec![KeyValue::new("turnstile.request", kind)],
+        );
         let mut headers = Vec::new();
         TraceContextPropagator::new().inject_context(&attempt.cx, &mut HeaderWriter(&mut headers));
         headers
@@ -531,7 +548,9 @@ impl Hook {
     }
 
     fn head(&mut self, connection: ConnectionId, status: u16) {
-        let Some(attempt) = self.attempt_of(connection) else { return };
+        let Some(attempt) = self.attempt_of(connection) else {
+            return;
+        };
         attempt
             .cx
             .span()
@@ -543,17 +562,21 @@ impl Hook {
 
     fn ended(&mut self, connection: ConnectionId, ending: Ending) {
         let Some(trace) = &mut self.0 else { return };
-        let Some(generation) = trace.connections.remove(&connection) else { return };
-        let Some(attempt) = trace.attempts.get_mut(&generation) else { return };
+        let Some(generation) = trace.connections.remove(&connection) else {
+            return;
+        };
+        let Some(attempt) = trace.attempts.get_mut(&generation) else {
+            return;
+        };
         let (word, error) = match ending {
             Ending::Clean => ("clean", None),
             Ending::Broken => ("broken", Some("connection_broken")),
             Ending::Unreachable => ("unreachable", Some("provider_unreachable")),
         };
-        attempt
-            .cx
-            .span()
-            .add_event("turnstile.connection.end", vec![KeyValue::new("turnstile.ending", word)]);
+        attempt.cx.span().add_event(
+            "turnstile.connection.end",
+            vec![KeyValue::new("turnstile.ending", word)],
+        );
         if let Some(error) = error {
             attempt.error.get_or_insert_with(|| error.to_owned());
         }
@@ -571,16 +594,19 @@ impl Hook {
         match event {
             DriveEvent::Retract { generation, reason } => {
                 if let Some(attempt) = trace.attempts.get(&generation.0) {
-                    attempt
-                        .cx
-                        .span()
-                        .add_event("turnstile.retract", vec![KeyValue::new("turnstile.reason", reason.clone())]);
+                    attempt.cx.span().add_event(
+                        "turnstile.retract",
+                        vec![KeyValue::new("turnstile.reason", reason.clone())],
+                    );
                 }
             }
             DriveEvent::Error { code, .. } => trace.error = Some(code.clone()),
             DriveEvent::Committed { turn, facts, .. } if trace.capture_content => {
                 let mut message = json!({"role": "assistant", "parts": parts_of(turn)});
-                if let Some(reason) = facts.as_ref().and_then(|facts| finish_reason(&facts["stop_reason"])) {
+                if let Some(reason) = facts
+                    .as_ref()
+                    .and_then(|facts| finish_reason(&facts["stop_reason"]))
+                {
                     message["finish_reason"] = json!(reason);
                 }
                 let (text, _) = bounded_json(vec![message]);
@@ -635,7 +661,10 @@ impl DispatchTrace {
             }
             self.attempts_started += 1;
             let mut attributes = self.common.clone();
-            attributes.push(KeyValue::new("turnstile.generation", i64::try_from(generation).unwrap_or(i64::MAX)));
+            attributes.push(KeyValue::new(
+                "turnstile.generation",
+                i64::try_from(generation).unwrap_or(i64::MAX),
+            ));
             let span = self
                 .tracer
                 .span_builder(self.name.replacen(operation_name(self.api), "attempt", 1))
@@ -670,8 +699,10 @@ impl DispatchTrace {
                 StoreResult::Applied,
             ) => {
                 if let Some(attempt) = self.attempt(generation.0) {
-                    let mut attributes =
-                        vec![KeyValue::new("turnstile.from", from.as_str()), KeyValue::new("turnstile.to", to.as_str())];
+                    let mut attributes = vec![
+                        KeyValue::new("turnstile.from", from.as_str()),
+                        KeyValue::new("turnstile.to", to.as_str()),
+                    ];
                     if let Some(reason) = reason {
                         attributes.push(KeyValue::new("turnstile.end_reason", reason.clone()));
                     }
@@ -721,7 +752,12 @@ impl DispatchTrace {
                         .set_attribute(KeyValue::new("gen_ai.response.id", handle.clone()));
                 }
             }
-            (StoreOp::Commit { generation, outcome, .. }, StoreResult::Committed { revision }) => {
+            (
+                StoreOp::Commit {
+                    generation, outcome, ..
+                },
+                StoreResult::Committed { revision },
+            ) => {
                 let mut attributes = outcome.as_ref().map(outcome_attributes).unwrap_or_default();
                 if let Some(attempt) = self.attempt(generation.0) {
                     attempt.cx.span().set_attributes(attributes.clone());
@@ -736,14 +772,18 @@ impl DispatchTrace {
                 self.dispatch.span().set_attributes(attributes);
             }
             (_, StoreResult::Failed(_)) => {
-                self.dispatch.span().add_event("turnstile.store_failure", Vec::new());
+                self.dispatch
+                    .span()
+                    .add_event("turnstile.store_failure", Vec::new());
             }
             _ => {}
         }
     }
 
     fn end_attempt(&mut self, generation: u64) {
-        let Some(attempt) = self.attempts.remove(&generation) else { return };
+        let Some(attempt) = self.attempts.remove(&generation) else {
+            return;
+        };
         let span = attempt.cx.span();
         span.set_attribute(state_value(attempt.state));
         if attempt.state != DispatchState::Committed
@@ -763,11 +803,17 @@ impl DispatchTrace {
         let span = self.dispatch.span();
         span.set_attribute(state_value(state));
         if let Some(generation) = self.generation {
-            span.set_attribute(KeyValue::new("turnstile.generation", i64::try_from(generation).unwrap_or(i64::MAX)));
+            span.set_attribute(KeyValue::new(
+                "turnstile.generation",
+                i64::try_from(generation).unwrap_or(i64::MAX),
+            ));
         }
         // The response id of the dispatch is its committed attempt's (the last bound).
         if state != DispatchState::Committed {
-            let error = self.error.clone().unwrap_or_else(|| state.as_str().to_ascii_lowercase());
+            let error = self
+                .error
+                .clone()
+                .unwrap_or_else(|| state.as_str().to_ascii_lowercase());
             span.set_attribute(KeyValue::new("error.type", error.clone()));
             span.set_status(Status::error(error));
         }
@@ -870,7 +916,9 @@ mod tests {
                             "content": [{"kind": "text", "text": "12C"}]}]});
         assert_eq!(
             parts_of(&result),
-            vec![json!({"type": "tool_call_response", "id": "c1", "response": [{"type": "text", "content": "12C"}]})]
+            vec![
+                json!({"type": "tool_call_response", "id": "c1", "response": [{"type": "text", "content": "12C"}]})
+            ]
         );
     }
 

@@ -406,7 +406,10 @@ async fn responses_get(
         return error_response(Api::OpenAiResponses, 400);
     }
     if query.stream != Some(true) {
-        let progress = *produced.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let progress = *produced
+            .progress
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut whole = produced.whole.clone();
         whole["status"] = json!(match progress {
             Progress::InProgress => "in_progress",
@@ -445,7 +448,10 @@ async fn responses_cancel(State(sim): State<Sim>, Path(id): Path<String>, header
     if !produced.resumable {
         return error_response(Api::OpenAiResponses, 400);
     }
-    let mut progress = produced.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut progress = produced
+        .progress
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if *progress == Progress::Completed {
         return error_response(Api::OpenAiResponses, 400);
     }

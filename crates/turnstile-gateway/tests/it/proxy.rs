@@ -1804,7 +1804,11 @@ fn a_streamed_anthropic_answer_reports_the_providers_cumulative_usage_in_message
     assert!(delta.1["usage"]["output_tokens"].as_u64().unwrap() >= 1, "{text}");
     // The opening frame carries the provider's own start event, not the admission estimate.
     let start = events.iter().find(|(name, _)| name == "message_start").unwrap();
-    assert_eq!(start.1["message"]["usage"]["input_tokens"], json!(provider_input), "{text}");
+    assert_eq!(
+        start.1["message"]["usage"]["input_tokens"],
+        json!(provider_input),
+        "{text}"
+    );
     // The stored outcome has the same numbers.
     let history_usage = gateway.get(&format!("/v1/dispatches/{}", operation_of(&headers)));
     assert_eq!(history_usage["state"], "COMMITTED", "{history_usage}");
@@ -1963,9 +1967,13 @@ fn cache_controls(value: &Value, path: &str, out: &mut Vec<(String, Value)>) {
 }
 
 #[test]
-fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_prompt_cache_key_towards_openai() {
+fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_prompt_cache_key_towards_openai()
+ {
     let (_dir, sim, gateway) = proxy_world("");
-    sim.script("claude-cache", json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]));
+    sim.script(
+        "claude-cache",
+        json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]),
+    );
     let ephemeral = json!({"type": "ephemeral"});
     let tools = json!([{"name": "get_weather", "description": "Weather", "input_schema": schema(),
                         "cache_control": ephemeral}]);
@@ -1982,7 +1990,10 @@ fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_pr
     assert_eq!(
         marks,
         [
-            (".messages[0].content[0].cache_control".to_owned(), json!({"type": "ephemeral", "ttl": "1h"})),
+            (
+                ".messages[0].content[0].cache_control".to_owned(),
+                json!({"type": "ephemeral", "ttl": "1h"})
+            ),
             (".system[0].cache_control".to_owned(), ephemeral.clone()),
             (".tools[0].cache_control".to_owned(), ephemeral.clone()),
         ]
@@ -1990,10 +2001,18 @@ fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_pr
     // The follow-up moves the user breakpoint to the tool results, as clients do: the provider
     // gets exactly the follow-up's breakpoints, not those stored with the first request.
     let answer: Value = serde_json::from_str(&text).unwrap();
-    let calls: Vec<&Value> = answer["content"].as_array().unwrap().iter().filter(|block| block["type"] == "tool_use").collect();
+    let calls: Vec<&Value> = answer["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|block| block["type"] == "tool_use")
+        .collect();
     assert_eq!(calls.len(), 2, "{answer}");
     let mut plain_question = question.clone();
-    plain_question["content"][0].as_object_mut().unwrap().remove("cache_control");
+    plain_question["content"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("cache_control");
     let results = json!({"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": calls[0]["id"], "content": "12C"},
         {"type": "tool_result", "tool_use_id": calls[1]["id"], "content": "20C", "cache_control": ephemeral}]});
@@ -2002,20 +2021,30 @@ fn cache_breakpoints_reach_anthropic_in_place_follow_the_request_and_become_a_pr
     let (status, headers, text) = post(&gateway.base, "/v1/messages", &follow_up, &[]);
     assert_eq!(status, 200, "{text}");
     let operation = operation_of(&headers);
-    assert!(operation.contains(".r"), "the follow-up did not continue the conversation: {operation}");
+    assert!(
+        operation.contains(".r"),
+        "the follow-up did not continue the conversation: {operation}"
+    );
     let mut marks = Vec::new();
     cache_controls(&last_sent(&sim), "", &mut marks);
     assert_eq!(
         marks,
         [
-            (".messages[2].content[1].cache_control".to_owned(), ephemeral.clone()),
+            (
+                ".messages[2].content[1].cache_control".to_owned(),
+                ephemeral.clone()
+            ),
             (".system[0].cache_control".to_owned(), ephemeral.clone()),
             (".tools[0].cache_control".to_owned(), ephemeral.clone()),
         ]
     );
     // The manifest pins the breakpoints through the policy; the content digests do not move.
     let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
-    assert!(dispatch["manifest"]["policy_digest"].as_str().is_some_and(|digest| digest.starts_with("sha256:")));
+    assert!(
+        dispatch["manifest"]["policy_digest"]
+            .as_str()
+            .is_some_and(|digest| digest.starts_with("sha256:"))
+    );
     drop(gateway);
 
     // An Anthropic client served by an OpenAI model: OpenAI caches prefixes itself, and the
@@ -2033,14 +2062,24 @@ adapter = "openai-chat@2"
     assert_eq!(status, 200, "{text}");
     assert!(headers.get("x-turnstile-dropped").is_none(), "{headers:?}");
     let body = last_sent(&sim);
-    assert!(body["prompt_cache_key"].as_str().is_some_and(|key| key.starts_with("turnstile-")), "{body}");
+    assert!(
+        body["prompt_cache_key"]
+            .as_str()
+            .is_some_and(|key| key.starts_with("turnstile-")),
+        "{body}"
+    );
     assert!(!body.to_string().contains("cache_control"), "{body}");
     let before = sim.requests().len();
     let (status, _, text) = post(&gateway.base, "/v1/messages", &request, &[]);
     assert_eq!(status, 400, "{text}");
     let error: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(error["type"], "error", "{error}");
-    let kinds: Vec<&Value> = error["error"]["reason"]["blocks"].as_array().unwrap().iter().map(|pause| &pause["kind"]).collect();
+    let kinds: Vec<&Value> = error["error"]["reason"]["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pause| &pause["kind"])
+        .collect();
     assert_eq!(kinds, [&json!("cache.ttl")], "{error}");
     assert_eq!(sim.requests().len(), before, "a refused request was sent");
     drop(gateway);
@@ -2056,7 +2095,12 @@ adapter = "gemini@1"
     let (status, headers, text) = post(&gateway.base, "/v1/messages", &five_minutes, &[]);
     assert_eq!(status, 200, "{text}");
     assert_eq!(headers["x-turnstile-dropped"], "cache_control", "{headers:?}");
-    assert!(!sim.requests().last().unwrap()["body"].as_str().unwrap().contains("cache"));
+    assert!(
+        !sim.requests().last().unwrap()["body"]
+            .as_str()
+            .unwrap()
+            .contains("cache")
+    );
 }
 
 #[test]
@@ -2067,9 +2111,16 @@ fn the_native_api_takes_cache_breakpoints_on_blocks_and_tools_under_their_neutra
         "/v1/conversations",
         json!({"conversation_id": "c-bad", "tools": [{"name": "t", "cache": {"ttl": "1d"}}]}),
     );
-    assert_eq!((status, body["error"]["code"].clone()), (422, json!("rejected")), "{body}");
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("rejected")),
+        "{body}"
+    );
     let tools = json!([{"name": "get_weather", "input_schema": schema(), "cache": {}}]);
-    let (status, _) = gateway.post("/v1/conversations", json!({"conversation_id": "c-cache", "tools": tools}));
+    let (status, _) = gateway.post(
+        "/v1/conversations",
+        json!({"conversation_id": "c-cache", "tools": tools}),
+    );
     assert_eq!(status, 201);
     let (status, body) = gateway.post(
         "/v1/conversations/c-cache/turns",
@@ -2085,7 +2136,11 @@ fn the_native_api_takes_cache_breakpoints_on_blocks_and_tools_under_their_neutra
     );
     assert_eq!(status, 200);
     let history = gateway.get("/v1/conversations/c-cache");
-    assert_eq!(history["turns"][0]["blocks"][0]["cache"], json!({"ttl": "1h"}), "{history}");
+    assert_eq!(
+        history["turns"][0]["blocks"][0]["cache"],
+        json!({"ttl": "1h"}),
+        "{history}"
+    );
     let (status, body) = gateway.post(
         "/v1/conversations/c-cache/dispatch",
         json!({"operation_id": "op-cache", "target": {"provider": "sim", "model": "m-cache", "adapter": "anthropic-messages@1"}}),
@@ -2093,9 +2148,20 @@ fn the_native_api_takes_cache_breakpoints_on_blocks_and_tools_under_their_neutra
     assert_eq!(status, 200, "{body}");
     let sent = sent_for(&gateway, &sim, "op-cache");
     let sent: Value = serde_json::from_str(sent[0]["body"].as_str().unwrap()).unwrap();
-    assert_eq!(sent["tools"][0]["cache_control"], json!({"type": "ephemeral"}), "{sent}");
-    assert_eq!(sent["messages"][0]["content"][0]["cache_control"], json!({"type": "ephemeral", "ttl": "1h"}), "{sent}");
-    assert!(sent["messages"][0]["content"][1].get("cache_control").is_none(), "{sent}");
+    assert_eq!(
+        sent["tools"][0]["cache_control"],
+        json!({"type": "ephemeral"}),
+        "{sent}"
+    );
+    assert_eq!(
+        sent["messages"][0]["content"][0]["cache_control"],
+        json!({"type": "ephemeral", "ttl": "1h"}),
+        "{sent}"
+    );
+    assert!(
+        sent["messages"][0]["content"][1].get("cache_control").is_none(),
+        "{sent}"
+    );
 }
 
 #[test]
@@ -2118,7 +2184,10 @@ fn element_fields_reach_a_provider_of_the_same_api_in_place_and_are_refused_by_p
     let body = last_sent(&sim);
     assert_eq!(body["messages"][0]["name"], "rules", "{body}");
     assert_eq!(body["messages"][1]["name"], "alice", "{body}");
-    assert_eq!(body["messages"][1]["content"][1]["image_url"], json!({"url": image, "detail": "low"}));
+    assert_eq!(
+        body["messages"][1]["content"][1]["image_url"],
+        json!({"url": image, "detail": "low"})
+    );
     assert_eq!(body["tools"][0]["function"]["strict"], true, "{body}");
     // The stateless follow-up continues the conversation: each field stays on its own element.
     let messages_list = messages.as_array_mut().unwrap();
@@ -2129,9 +2198,21 @@ fn element_fields_reach_a_provider_of_the_same_api_in_place_and_are_refused_by_p
     let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
     assert_eq!(status, 200, "{text}");
     let body = last_sent(&sim);
-    let names: Vec<&Value> = body["messages"].as_array().unwrap().iter().map(|m| &m["name"]).collect();
-    assert_eq!(names, [&json!("rules"), &json!("alice"), &json!("helper"), &json!("bob")], "{body}");
-    assert_eq!(body["messages"][1]["content"][1]["image_url"]["detail"], "low", "{body}");
+    let names: Vec<&Value> = body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| &m["name"])
+        .collect();
+    assert_eq!(
+        names,
+        [&json!("rules"), &json!("alice"), &json!("helper"), &json!("bob")],
+        "{body}"
+    );
+    assert_eq!(
+        body["messages"][1]["content"][1]["image_url"]["detail"], "low",
+        "{body}"
+    );
     let request = json!({"model": "gpt-el", "input": [{"role": "user", "content": [
             {"type": "input_image", "image_url": image, "detail": "high"}]}],
         "tools": [{"type": "function", "name": "lookup", "strict": true, "parameters": tools[0]["function"]["parameters"]}]});

@@ -62,7 +62,10 @@ fn dispatch_until_preview(
     body: Value,
 ) -> BufReader<reqwest::blocking::Response> {
     let response = client()
-        .post(format!("{}/v1/conversations/{conversation}/dispatch", gateway.base))
+        .post(format!(
+            "{}/v1/conversations/{conversation}/dispatch",
+            gateway.base
+        ))
         .json(&body)
         .send()
         .unwrap();
@@ -71,7 +74,10 @@ fn dispatch_until_preview(
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "stream ended before a preview");
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "stream ended before a preview"
+        );
         if line.contains("event: preview") {
             return reader;
         }
@@ -193,7 +199,9 @@ fn a_background_response_still_running_is_cancelled_before_a_new_generation() {
     assert_eq!(attempts[0]["end_reason"], "attempt_timeout", "{dispatch}");
     let log = paths(&sim);
     let handle = attempts[0]["handle"].as_str().unwrap();
-    let asked = log.iter().position(|path| *path == format!("/v1/responses/{handle}"));
+    let asked = log
+        .iter()
+        .position(|path| *path == format!("/v1/responses/{handle}"));
     let cancelled = log
         .iter()
         .position(|path| *path == format!("/v1/responses/{handle}/cancel"));
@@ -262,26 +270,40 @@ fn kill_nine_on_every_attempt_never_spends_more_than_the_attempt_budget() {
     let mut seen = 0;
     for _restart in 0..6 {
         // Wait for the next provider request of this dispatch (or for the budget to end it).
-        let next = wait_for(Duration::from_secs(30), "the next attempt or the dispatch's end", || {
-            let sent = requests_for(&sim, "m-storm").len();
-            if sent > seen {
-                return Some(Some(sent));
-            }
-            let state = gateway.get("/v1/dispatches/op-storm")["state"].clone();
-            (state == "ABANDONED").then_some(None)
-        });
+        let next = wait_for(
+            Duration::from_secs(30),
+            "the next attempt or the dispatch's end",
+            || {
+                let sent = requests_for(&sim, "m-storm").len();
+                if sent > seen {
+                    return Some(Some(sent));
+                }
+                let state = gateway.get("/v1/dispatches/op-storm")["state"].clone();
+                (state == "ABANDONED").then_some(None)
+            },
+        );
         let Some(sent) = next else { break };
-        eprintln!("restart after request {sent}: {}", gateway.get("/v1/dispatches/op-storm")["attempts"]);
+        eprintln!(
+            "restart after request {sent}: {}",
+            gateway.get("/v1/dispatches/op-storm")["attempts"]
+        );
         seen = sent;
         gateway.kill();
         gateway = Gateway::start(&dir, &store, &sim, "");
     }
     let dispatch = terminal(&gateway, "op-storm");
     let sent = requests_for(&sim, "m-storm").len();
-    assert!(sent <= ATTEMPTS_MAX, "{sent} provider requests over a budget of {ATTEMPTS_MAX}: {dispatch}");
+    assert!(
+        sent <= ATTEMPTS_MAX,
+        "{sent} provider requests over a budget of {ATTEMPTS_MAX}: {dispatch}"
+    );
     assert_eq!(dispatch["state"], "ABANDONED", "{dispatch}");
     assert_eq!(dispatch["attempts"].as_array().unwrap().len(), sent, "{dispatch}");
-    assert_eq!(gateway.get("/v1/conversations/c-storm")["revision"], 1, "nothing committed");
+    assert_eq!(
+        gateway.get("/v1/conversations/c-storm")["revision"],
+        1,
+        "nothing committed"
+    );
 }
 
 /// Write a whole POST request and close the connection before any answer.
@@ -315,7 +337,9 @@ fn a_reply_past_the_process_wide_output_budget_ends_its_dispatch_and_gives_the_m
         .map(|(_, data)| data)
         .collect();
     assert!(
-        errors.iter().any(|error| error["code"] == "output_budget_exhausted"),
+        errors
+            .iter()
+            .any(|error| error["code"] == "output_budget_exhausted"),
         "{events:?}"
     );
     assert!(events.iter().all(|(name, _)| name != "committed"), "{events:?}");
@@ -325,8 +349,16 @@ fn a_reply_past_the_process_wide_output_budget_ends_its_dispatch_and_gives_the_m
     assert_eq!(attempts.len(), 1, "not retried: {dispatch}");
     assert_eq!(attempts[0]["end_reason"], "output_budget_exhausted", "{dispatch}");
     assert_eq!(gateway.metric("turnstile_provider_output_shed_total"), 1.0);
-    assert_eq!(gateway.metric("turnstile_provider_output_bytes"), 0.0, "the bytes came back");
-    assert_eq!(gateway.get("/v1/conversations/c-budget")["revision"], 1, "nothing committed");
+    assert_eq!(
+        gateway.metric("turnstile_provider_output_bytes"),
+        0.0,
+        "the bytes came back"
+    );
+    assert_eq!(
+        gateway.get("/v1/conversations/c-budget")["revision"],
+        1,
+        "nothing committed"
+    );
     // A reply within the budget is served as usual afterwards.
     sim.script("m-small", json!([{"text": "short"}]));
     let events = gateway.dispatch("c-budget", "op-small", "anthropic-messages@1", "m-small");

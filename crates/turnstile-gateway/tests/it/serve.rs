@@ -49,7 +49,11 @@ impl Gateway {
     ) -> Result<Gateway, String> {
         let config = dir.path().join("turnstile.toml");
         // A short lease unless the test sets its own.
-        let lease = if extra_config.contains("lease_ms") { "" } else { "lease_ms = 400\n" };
+        let lease = if extra_config.contains("lease_ms") {
+            ""
+        } else {
+            "lease_ms = 400\n"
+        };
         std::fs::write(&config, format!("{lease}{extra_config}\n")).unwrap();
         let log = dir.path().join(format!(
             "gateway-{}.log",
@@ -1276,6 +1280,9 @@ fn the_dispatch_view_shows_the_render_policy_that_hashes_to_the_manifests_policy
         "{dispatch}"
     );
     let text = policy.to_string();
-    assert!(text.contains("0.25") && text.contains("1234567890123456789"), "{policy}");
+    assert!(
+        text.contains("0.25") && text.contains("1234567890123456789"),
+        "{policy}"
+    );
     assert!(text.contains("required"), "{policy}");
 }

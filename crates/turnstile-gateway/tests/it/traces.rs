@@ -7,7 +7,9 @@
 
 use crate::serve::{Gateway, client, client_events, conversation_with_question, named, sqlite, two_calls};
 use crate::sim::SimProcess;
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind, status::StatusCode};
 use prost::Message as _;
@@ -37,7 +39,10 @@ impl Collector {
         let (bound, address) = std::sync::mpsc::channel();
         let state = received.clone();
         std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 bound.send(listener.local_addr().unwrap()).unwrap();
@@ -115,7 +120,10 @@ async fn receive(
     let mut received = state.lock().unwrap();
     received.bodies.push(body.to_vec());
     for resource_spans in request.resource_spans {
-        let resource = resource_spans.resource.map(|resource| resource.attributes).unwrap_or_default();
+        let resource = resource_spans
+            .resource
+            .map(|resource| resource.attributes)
+            .unwrap_or_default();
         for scope in resource_spans.scope_spans {
             for span in scope.spans {
                 received.spans.push((span, resource.clone()));
@@ -164,7 +172,8 @@ fn hex(bytes: &[u8]) -> String {
 /// The dispatch span of `operation` and its attempt spans by generation (ascending).
 fn tree<'a>(spans: &'a [Span], operation: &str) -> Option<(&'a Span, Vec<&'a Span>)> {
     let dispatch = spans.iter().find(|span| {
-        span.kind == SpanKind::Internal as i32 && attribute(span, "turnstile.operation_id") == json!(operation)
+        span.kind == SpanKind::Internal as i32
+            && attribute(span, "turnstile.operation_id") == json!(operation)
     })?;
     let mut attempts: Vec<&Span> = spans
         .iter()
@@ -180,11 +189,19 @@ fn otel_env(collector: &Collector) -> Vec<(&'static str, String)> {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.base.clone()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
         ("OTEL_SERVICE_NAME", "turnstile-under-test".into()),
-        ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=test,team=gateway".into()),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment.name=test,team=gateway".into(),
+        ),
     ]
 }
 
-fn start_traced(dir: &tempfile::TempDir, sim: &SimProcess, config: &str, env: &[(&'static str, String)]) -> Gateway {
+fn start_traced(
+    dir: &tempfile::TempDir,
+    sim: &SimProcess,
+    config: &str,
+    env: &[(&'static str, String)],
+) -> Gateway {
     let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
     Gateway::start_with_env(dir, &sqlite(dir), Some(&sim.base), config, &env).unwrap()
 }
@@ -197,10 +214,18 @@ fn traceparent() -> String {
 }
 
 /// Stream a native dispatch with a caller's `traceparent`; the client events.
-fn dispatch_traced(gateway: &Gateway, conversation: &str, operation: &str, target: Value) -> Vec<(String, Value)> {
+fn dispatch_traced(
+    gateway: &Gateway,
+    conversation: &str,
+    operation: &str,
+    target: Value,
+) -> Vec<(String, Value)> {
     let body = json!({"operation_id": operation, "target": target, "stream": true, "max_output_tokens": 256});
     let response = client()
-        .post(format!("{}/v1/conversations/{conversation}/dispatch", gateway.base))
+        .post(format!(
+            "{}/v1/conversations/{conversation}/dispatch",
+            gateway.base
+        ))
         .header("traceparent", traceparent())
         .header("tracestate", "vendor=opaque")
         .json(&body)
@@ -224,9 +249,22 @@ fn sent_traceparents(sim: &SimProcess, path: &str) -> Vec<String> {
 /// GenAI attributes of a committed attempt (or its dispatch) equal what `/v1/dispatches` says.
 fn assert_outcome_matches(span: &Span, dispatch: &Value) {
     let outcome = &dispatch["outcome"];
-    assert!(outcome["usage"]["output_tokens"].as_u64().is_some_and(|tokens| tokens > 0), "{dispatch}");
-    assert_eq!(attribute(span, "gen_ai.usage.input_tokens"), outcome["usage"]["input_tokens"], "{span:#?}");
-    assert_eq!(attribute(span, "gen_ai.usage.output_tokens"), outcome["usage"]["output_tokens"], "{span:#?}");
+    assert!(
+        outcome["usage"]["output_tokens"]
+            .as_u64()
+            .is_some_and(|tokens| tokens > 0),
+        "{dispatch}"
+    );
+    assert_eq!(
+        attribute(span, "gen_ai.usage.input_tokens"),
+        outcome["usage"]["input_tokens"],
+        "{span:#?}"
+    );
+    assert_eq!(
+        attribute(span, "gen_ai.usage.output_tokens"),
+        outcome["usage"]["output_tokens"],
+        "{span:#?}"
+    );
     assert_eq!(
         attribute(span, "gen_ai.response.finish_reasons"),
         json!([outcome["stop_reason"]]),
@@ -249,7 +287,10 @@ fn a_streamed_dispatch_joins_the_callers_trace_with_genai_attributes_and_no_key_
         &otel_env(&collector),
     );
     conversation_with_question(&gateway, "c-trace");
-    sim.script("claude-trace", json!([{"text": "Sunny in Paris, rain in Tokyo."}]));
+    sim.script(
+        "claude-trace",
+        json!([{"text": "Sunny in Paris, rain in Tokyo."}]),
+    );
     let events = dispatch_traced(
         &gateway,
         "c-trace",
@@ -277,22 +318,39 @@ fn a_streamed_dispatch_joins_the_callers_trace_with_genai_attributes_and_no_key_
         assert_eq!(attribute(span, "gen_ai.request.model"), "claude-trace");
         assert_eq!(attribute(span, "turnstile.operation_id"), "op-trace");
         assert_eq!(attribute(span, "turnstile.conversation_id"), "c-trace");
-        assert_eq!(attribute(span, "turnstile.revision"), json!(dispatch["manifest"]["conversation_revision"]));
+        assert_eq!(
+            attribute(span, "turnstile.revision"),
+            json!(dispatch["manifest"]["conversation_revision"])
+        );
         assert_eq!(attribute(span, "turnstile.state"), "COMMITTED");
         assert_eq!(attribute(span, "turnstile.generation"), 1);
         assert_outcome_matches(span, &dispatch);
     }
-    assert_eq!(attribute(attempt, "gen_ai.response.id"), dispatch["attempts"][0]["handle"]);
-    assert!(dispatch["attempts"][0]["handle"].as_str().is_some_and(|handle| handle.starts_with("msg")));
+    assert_eq!(
+        attribute(attempt, "gen_ai.response.id"),
+        dispatch["attempts"][0]["handle"]
+    );
+    assert!(
+        dispatch["attempts"][0]["handle"]
+            .as_str()
+            .is_some_and(|handle| handle.starts_with("msg"))
+    );
     assert_eq!(attribute(attempt, "http.response.status_code"), 200);
-    assert_eq!(attempt.status.as_ref().map_or(0, |status| status.code), StatusCode::Unset as i32);
+    assert_eq!(
+        attempt.status.as_ref().map_or(0, |status| status.code),
+        StatusCode::Unset as i32
+    );
     let transitions: Vec<Value> = attempt
         .events
         .iter()
         .filter(|event| event.name == "turnstile.transition")
         .map(|event| attribute_in(&event.attributes, "turnstile.to"))
         .collect();
-    assert_eq!(transitions, vec![json!("SENT"), json!("STREAMING")], "{attempt:#?}");
+    assert_eq!(
+        transitions,
+        vec![json!("SENT"), json!("STREAMING")],
+        "{attempt:#?}"
+    );
 
     // The resource: the service name and attributes of the standard environment.
     let resource = collector.resource_of(&dispatch_span.span_id);
@@ -323,7 +381,10 @@ fn a_retried_dispatch_has_one_attempt_span_per_generation_and_the_retract_on_the
     let dir = tempfile::tempdir().unwrap();
     let gateway = start_traced(&dir, &sim, "", &otel_env(&collector));
     conversation_with_question(&gateway, "c-retry");
-    sim.script("retry", json!([two_calls(json!({"cut_at_byte": 700})), two_calls(json!({}))]));
+    sim.script(
+        "retry",
+        json!([two_calls(json!({"cut_at_byte": 700})), two_calls(json!({}))]),
+    );
     let events = gateway.dispatch("c-retry", "op-retry", "anthropic-messages@1", "retry");
     assert_eq!(named(&events, "retract").len(), 1, "{events:?}");
     let spans = collector.wait_for("two attempt spans", |spans| {
@@ -337,12 +398,22 @@ fn a_retried_dispatch_has_one_attempt_span_per_generation_and_the_retract_on_the
     assert_eq!(attribute(first, "turnstile.generation"), 1);
     assert_eq!(attribute(first, "turnstile.state"), "ABANDONED");
     assert!(event_names(first).contains(&"turnstile.retract"), "{first:#?}");
-    assert_eq!(first.status.as_ref().map(|status| status.code), Some(StatusCode::Error as i32));
-    assert!(attribute(first, "error.type").as_str().is_some_and(|error| !error.is_empty()));
+    assert_eq!(
+        first.status.as_ref().map(|status| status.code),
+        Some(StatusCode::Error as i32)
+    );
+    assert!(
+        attribute(first, "error.type")
+            .as_str()
+            .is_some_and(|error| !error.is_empty())
+    );
     let second = attempts[1];
     assert_eq!(attribute(second, "turnstile.generation"), 2);
     assert_eq!(attribute(second, "turnstile.state"), "COMMITTED");
-    assert_eq!(attribute(second, "gen_ai.response.id"), dispatch["attempts"][1]["handle"]);
+    assert_eq!(
+        attribute(second, "gen_ai.response.id"),
+        dispatch["attempts"][1]["handle"]
+    );
     assert_eq!(attribute(dispatch_span, "turnstile.generation"), 2);
     assert_eq!(attribute(dispatch_span, "turnstile.state"), "COMMITTED");
     assert_outcome_matches(second, &dispatch);
@@ -353,7 +424,10 @@ fn a_retried_dispatch_has_one_attempt_span_per_generation_and_the_retract_on_the
         .filter(|event| event.name == "turnstile.recovery")
         .map(|event| attribute_in(&event.attributes, "turnstile.recovery.outcome"))
         .collect();
-    assert!(recoveries.contains(&json!("new_generation")), "{dispatch_span:#?}");
+    assert!(
+        recoveries.contains(&json!("new_generation")),
+        "{dispatch_span:#?}"
+    );
     // Each attempt's request carried its own span as parent.
     let sent = sent_traceparents(&sim, "/v1/messages");
     let expected: Vec<String> = attempts
@@ -370,7 +444,10 @@ fn a_resumed_stream_is_one_attempt_span_with_the_resume_as_its_event() {
     let dir = tempfile::tempdir().unwrap();
     let gateway = start_traced(&dir, &sim, "", &otel_env(&collector));
     conversation_with_question(&gateway, "c-resume");
-    sim.script("resume", json!([two_calls(json!({"disconnect_after_events": 9}))]));
+    sim.script(
+        "resume",
+        json!([two_calls(json!({"disconnect_after_events": 9}))]),
+    );
     let events = gateway.dispatch("c-resume", "op-resume", "openai-responses@1", "resume");
     assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
     let spans = collector.wait_for("the dispatch span", |spans| tree(spans, "op-resume").is_some());
@@ -389,7 +466,10 @@ fn a_resumed_stream_is_one_attempt_span_with_the_resume_as_its_event() {
     assert_eq!(attribute(attempt, "turnstile.state"), "COMMITTED");
     assert_eq!(attribute(attempt, "gen_ai.provider.name"), "openai");
     let dispatch = gateway.get("/v1/dispatches/op-resume");
-    assert_eq!(attribute(attempt, "gen_ai.response.id"), dispatch["attempts"][0]["handle"]);
+    assert_eq!(
+        attribute(attempt, "gen_ai.response.id"),
+        dispatch["attempts"][0]["handle"]
+    );
     assert_outcome_matches(attempt, &dispatch);
     let outcome = dispatch_span
         .events
@@ -399,7 +479,10 @@ fn a_resumed_stream_is_one_attempt_span_with_the_resume_as_its_event() {
     assert_eq!(outcome, Some(json!("resumed")));
     // The resume request carried the same attempt's context as the first send.
     let parent = format!("00-{}-{}-01", hex(&attempt.trace_id), hex(&attempt.span_id));
-    assert_eq!(sent_traceparents(&sim, "/v1/responses"), vec![parent.clone(), parent]);
+    assert_eq!(
+        sent_traceparents(&sim, "/v1/responses"),
+        vec![parent.clone(), parent]
+    );
 }
 
 #[test]
@@ -430,14 +513,24 @@ fn a_dispatch_recovered_after_a_crash_is_traced_by_the_process_that_recovers_it(
     gateway.kill();
     drop(reader);
     let gateway = Gateway::start_with_env(&dir, &store, Some(&sim.base), &config, &env).unwrap();
-    let spans = collector.wait_for("the recovering process's dispatch span", |spans| tree(spans, "op-crash").is_some());
+    let spans = collector.wait_for("the recovering process's dispatch span", |spans| {
+        tree(spans, "op-crash").is_some()
+    });
     let (dispatch_span, attempts) = tree(&spans, "op-crash").unwrap();
     let dispatch = gateway.get("/v1/dispatches/op-crash");
     assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
-    assert!(event_names(dispatch_span).contains(&"turnstile.recovery"), "{dispatch_span:#?}");
+    assert!(
+        event_names(dispatch_span).contains(&"turnstile.recovery"),
+        "{dispatch_span:#?}"
+    );
     let states: Vec<(Value, Value)> = attempts
         .iter()
-        .map(|span| (attribute(span, "turnstile.generation"), attribute(span, "turnstile.state")))
+        .map(|span| {
+            (
+                attribute(span, "turnstile.generation"),
+                attribute(span, "turnstile.state"),
+            )
+        })
         .collect();
     assert_eq!(
         states,
@@ -446,7 +539,11 @@ fn a_dispatch_recovered_after_a_crash_is_traced_by_the_process_that_recovers_it(
     );
     assert_outcome_matches(dispatch_span, &dispatch);
     let resource = collector.resource_of(&dispatch_span.span_id);
-    assert_eq!(attribute_in(&resource, "service.name"), "turnstile", "the default service name");
+    assert_eq!(
+        attribute_in(&resource, "service.name"),
+        "turnstile",
+        "the default service name"
+    );
 }
 
 #[test]
@@ -464,7 +561,10 @@ fn a_proxied_request_joins_the_callers_trace_and_its_traceparent_reaches_the_pro
         .send()
         .unwrap();
     assert_eq!(response.status(), 200);
-    let operation = response.headers()["x-turnstile-operation-id"].to_str().unwrap().to_owned();
+    let operation = response.headers()["x-turnstile-operation-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
     let answer: Value = response.json().unwrap();
     assert_eq!(answer["choices"][0]["message"]["content"], "Twelve degrees.");
     let spans = collector.wait_for("the proxied dispatch span", |spans| {
@@ -477,13 +577,19 @@ fn a_proxied_request_joins_the_callers_trace_and_its_traceparent_reaches_the_pro
     assert_eq!(attribute(dispatch_span, "gen_ai.request.model"), "gpt-trace");
     let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
     assert_outcome_matches(dispatch_span, &dispatch);
-    assert_eq!(attribute(attempts[0], "gen_ai.response.id"), dispatch["attempts"][0]["handle"]);
+    assert_eq!(
+        attribute(attempts[0], "gen_ai.response.id"),
+        dispatch["attempts"][0]["handle"]
+    );
     assert_eq!(
         sent_traceparents(&sim, "/v1/chat/completions"),
         vec![format!("00-{CALLER_TRACE}-{}-01", hex(&attempts[0].span_id))]
     );
     let exported = String::from_utf8_lossy(&collector.bytes()).into_owned();
-    assert!(!exported.contains("Oslo") && !exported.contains("Twelve"), "message text was exported");
+    assert!(
+        !exported.contains("Oslo") && !exported.contains("Twelve"),
+        "message text was exported"
+    );
 }
 
 #[test]
@@ -498,16 +604,31 @@ fn content_capture_records_the_conventions_messages_only_when_turned_on() {
     assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
     let spans = collector.wait_for("the dispatch span", |spans| tree(spans, "op-content").is_some());
     let (dispatch_span, attempts) = tree(&spans, "op-content").unwrap();
-    let input: Value = serde_json::from_str(attribute(dispatch_span, "gen_ai.input.messages").as_str().unwrap()).unwrap();
+    let input: Value = serde_json::from_str(
+        attribute(dispatch_span, "gen_ai.input.messages")
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(
         input,
         json!([{"role": "user", "parts": [{"type": "text", "content": "Weather in Paris and Tokyo?"}]}])
     );
-    let output: Value =
-        serde_json::from_str(attribute(dispatch_span, "gen_ai.output.messages").as_str().unwrap()).unwrap();
+    let output: Value = serde_json::from_str(
+        attribute(dispatch_span, "gen_ai.output.messages")
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(output[0]["role"], "assistant");
-    assert_eq!(output[0]["parts"], json!([{"type": "text", "content": "Sunny in Paris."}]));
-    assert_eq!(output[0]["finish_reason"], gateway.get("/v1/dispatches/op-content")["outcome"]["stop_reason"]);
+    assert_eq!(
+        output[0]["parts"],
+        json!([{"type": "text", "content": "Sunny in Paris."}])
+    );
+    assert_eq!(
+        output[0]["finish_reason"],
+        gateway.get("/v1/dispatches/op-content")["outcome"]["stop_reason"]
+    );
     // Content goes on the dispatch span only, once.
     assert_eq!(attribute(attempts[0], "gen_ai.input.messages"), Value::Null);
 }
@@ -528,10 +649,17 @@ fn without_an_endpoint_nothing_is_traced_and_no_traceparent_is_sent() {
     let requests = sim.requests();
     assert!(!requests.is_empty());
     assert!(
-        requests.iter().all(|request| request["headers"].get("traceparent").is_none()),
+        requests
+            .iter()
+            .all(|request| request["headers"].get("traceparent").is_none()),
         "{requests:?}"
     );
-    let metrics = client().get(format!("{}/metrics", gateway.base)).send().unwrap().text().unwrap();
+    let metrics = client()
+        .get(format!("{}/metrics", gateway.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
     assert!(!metrics.contains("turnstile_trace_"), "{metrics}");
 }
 
@@ -577,8 +705,14 @@ fn the_gateway_keeps_serving_while_the_collector_hangs_and_the_export_queue_stay
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(queued <= 4.0, "{queued} spans queued");
-    assert_eq!(gateway.metric(r#"turnstile_trace_spans_total{outcome="exported"}"#), 0.0);
-    assert_eq!(gateway.metric(r#"turnstile_trace_spans_total{outcome="failed"}"#), 0.0);
+    assert_eq!(
+        gateway.metric(r#"turnstile_trace_spans_total{outcome="exported"}"#),
+        0.0
+    );
+    assert_eq!(
+        gateway.metric(r#"turnstile_trace_spans_total{outcome="failed"}"#),
+        0.0
+    );
     assert_eq!(queued + dropped, spans);
     assert!(dropped >= spans - 4.0);
     drop(hanging);

@@ -172,7 +172,10 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
         TransitionOutcome::Refused { .. }
     ));
     assert_eq!(store.attempts("op-1").await.unwrap()[0].resumes, 3);
-    assert_eq!(unknown("ended_without_stop", DispatchState::Streaming).await, TransitionOutcome::Applied);
+    assert_eq!(
+        unknown("ended_without_stop", DispatchState::Streaming).await,
+        TransitionOutcome::Applied
+    );
     // The cap is the store's: a fourth resume is refused, whoever asks, and counts nothing.
     assert!(matches!(
         store

@@ -216,7 +216,9 @@ fn message_item(turn: &Turn, role: &str, out: &mut Vec<u8>, first_item: &mut boo
             Some(detail) => {
                 ctx.uncached(out, |w| input_part(block, &detail, w));
             }
-            None => ctx.fragment(out, TAG_INPUT_PART, &block.digest, |w| input_part(block, "auto", w)),
+            None => ctx.fragment(out, TAG_INPUT_PART, &block.digest, |w| {
+                input_part(block, "auto", w)
+            }),
         }
     }
     out.extend_from_slice(b"]}");

@@ -261,10 +261,21 @@ fn anthropic_cache_counters_are_decoded_from_a_recorded_stream() {
                 output_tokens,
                 cache_creation_input_tokens,
                 cache_read_input_tokens,
-            } => Some((*input_tokens, *output_tokens, *cache_creation_input_tokens, *cache_read_input_tokens)),
+            } => Some((
+                *input_tokens,
+                *output_tokens,
+                *cache_creation_input_tokens,
+                *cache_read_input_tokens,
+            )),
             _ => None,
         })
         .collect();
     // The capture's `message_start` usage (377 in, both cache counters 0) and `message_delta` (65 out).
-    assert_eq!(usage, [(Some(377), Some(1), Some(0), Some(0)), (None, Some(65), None, None)]);
+    assert_eq!(
+        usage,
+        [
+            (Some(377), Some(1), Some(0), Some(0)),
+            (None, Some(65), None, None)
+        ]
+    );
 }

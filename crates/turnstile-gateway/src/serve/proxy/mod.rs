@@ -791,7 +791,10 @@ async fn serve_ours(
     // API (`passthrough::INERT_ACROSS_APIS`).
     let mut dropped = imported.dropped.clone();
     dropped.extend(imported.passthrough.dropped_towards(route.adapter.api()));
-    dropped.extend(turnstile_adapters::cache::dropped_towards(route.adapter.api(), &conversation));
+    dropped.extend(turnstile_adapters::cache::dropped_towards(
+        route.adapter.api(),
+        &conversation,
+    ));
     dropped.sort();
     dropped.dedup();
     if !dropped.is_empty() {
