@@ -536,6 +536,17 @@ impl DispatchMachine {
         }
     }
 
+    /// Failover: the next attempt sends another target's stored bytes (those whose digest is
+    /// `request_digest`). Only while PREPARED, before the begin that allocates that attempt's
+    /// generation is answered; false (and nothing changes) in any other state.
+    pub fn retarget(&mut self, request_digest: String) -> bool {
+        if self.state != DispatchState::Prepared {
+            return false;
+        }
+        self.request_digest = request_digest;
+        true
+    }
+
     /// A machine for a dispatch whose attempt is UNKNOWN (after start-up recovery), with the
     /// recovery decision already applied to its effects.
     pub fn recover(

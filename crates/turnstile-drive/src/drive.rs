@@ -52,10 +52,15 @@ const WORK_QUEUED_MAX: usize = 65_536;
 pub struct DriveSpec {
     /// The stored dispatch.
     pub basis: DispatchBasis,
-    /// Which stream format the provider speaks.
-    pub api: StreamApi,
-    /// What the provider offers for recovery (resume by handle only for OpenAI Responses).
-    pub recovery: ProviderRecovery,
+    /// Its targets: 0 is the dispatch's own manifest (its bytes are `basis.request_bytes`),
+    /// the rest its failover targets in order. Never empty.
+    pub targets: Vec<DriveTarget>,
+    /// Targets whose provider is cooling down after repeated failures (the gateway's circuit
+    /// breaker): skipped when the next target is chosen, unless none other is left.
+    pub cooling: Vec<bool>,
+    /// The target of the dispatch's latest attempt, if it had one (durable, from the store):
+    /// a driver that picks up a rearmed dispatch goes on from there, not from target 0.
+    pub last_target: Option<u32>,
     /// The conversation's compiled tools (None: it declares none).
     pub toolset: Option<Arc<Toolset>>,
     /// Call ids already in the history.
@@ -73,7 +78,7 @@ impl std::fmt::Debug for DriveSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DriveSpec")
             .field("operation_id", &self.basis.operation_id)
-            .field("api", &self.api)
+            .field("targets", &self.targets.len())
             .finish_non_exhaustive()
     }
 }
@@ -205,11 +210,20 @@ enum Pending {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum WriteKind {
     Begin,
-    Transition { from: DispatchState, to: DispatchState },
-    Replay { generation: Generation },
+    Transition {
+        from: DispatchState,
+        to: DispatchState,
+    },
+    Replay {
+        generation: Generation,
+    },
     AbandonAndRearm,
+    /// The rearm after a refused attempt (FAILED → PREPARED) that moves to the next target.
+    FailOver,
     RenewLease,
-    Commit { generation: Generation },
+    Commit {
+        generation: Generation,
+    },
     Cancel,
 }
 
@@ -221,12 +235,31 @@ impl WriteKind {
             WriteKind::Begin
                 | WriteKind::Replay { .. }
                 | WriteKind::AbandonAndRearm
+                | WriteKind::FailOver
                 | WriteKind::Commit { .. }
                 | WriteKind::Transition {
                     from: DispatchState::Unknown,
                     to: DispatchState::Streaming,
                 }
         )
+    }
+}
+
+/// A failover waiting for its FAILED write.
+#[derive(Clone, Debug)]
+struct PendingFailover {
+    generation: Generation,
+    to: usize,
+    reason: String,
+}
+
+/// Whether a refused request moves the dispatch to its next target: 408, 409, 429 and 5xx
+/// (the provider may answer another time, another provider now), or no connection at all
+/// (`None`). Any other status is the request's own fault and would fail everywhere.
+pub fn fails_over_on(status: Option<u16>) -> bool {
+    match status {
+        None => true,
+        Some(status) => matches!(status, 408 | 409 | 429) || (500..600).contains(&status),
     }
 }
 
@@ -239,6 +272,14 @@ pub struct Drive {
     connections: BTreeMap<ConnectionId, Connection>,
     connection_next: u64,
     attempts_started: u64,
+    /// The target the next begin sends, and the target each generation sent.
+    target: usize,
+    targets_of: HashMap<Generation, usize>,
+    /// A failover decided on a refused request: after its FAILED write, the dispatch is
+    /// rearmed and the next generation sends `to`.
+    failover: Option<PendingFailover>,
+    /// Why each generation stopped (kept after its end write, for the failover's reason).
+    stop_reasons: HashMap<Generation, String>,
     provider_sequence_last: Option<u64>,
     idempotency_keys: HashMap<Generation, String>,
     /// The state as the store knows it (for transition counts).
@@ -317,14 +358,19 @@ impl Drive {
     /// sweep, a takeover).
     /// `spent`: what recovery already spent on that generation, by every driver (the store's
     /// counts), so a sweep on another replica cannot resume or replay it without bound.
+    /// `target`: which target that attempt sent (the store's `attempts.target`).
     pub fn recovered(
         spec: DriveSpec,
         attempt: &UnknownAttempt,
         spent: RecoverySpent,
+        target: u32,
         now: Timestamp,
     ) -> Drive {
         let placeholder = DispatchMachine::new(prepared_of(&spec.basis), spec.lease_ms);
         let mut drive = Drive::with_machine(spec, placeholder, DispatchState::Unknown, now);
+        let target = (target as usize).min(drive.spec.targets.len() - 1);
+        drive.target = target;
+        drive.targets_of.insert(attempt.generation, target);
         drive.spent(attempt.generation, spent);
         if let Some(handle) = &attempt.handle {
             drive.handles.insert(attempt.generation, handle.clone());
@@ -352,8 +398,13 @@ impl Drive {
         state: DispatchState,
         now: Timestamp,
     ) -> Drive {
-        Drive {
+        assert!(!spec.targets.is_empty(), "a dispatch has at least one target");
+        let mut drive = Drive {
             attempts_started: spec.attempts_before,
+            target: 0,
+            targets_of: HashMap::new(),
+            failover: None,
+            stop_reasons: HashMap::new(),
             spec,
             machine,
             now,
@@ -383,7 +434,36 @@ impl Drive {
             work: VecDeque::new(),
             pending: None,
             actions: VecDeque::new(),
+        };
+        // A dispatch rearmed after an attempt goes on from the target after that attempt's;
+        // a fresh one starts at its own manifest (target 0), cooling targets skipped.
+        drive.target = match drive.spec.last_target {
+            Some(last) => drive.next_target(last as usize).unwrap_or(last as usize),
+            None => drive.pick_target(0),
         }
+        .min(drive.spec.targets.len() - 1);
+        drive
+    }
+
+    /// The first target at or after `from` that is not cooling down (`from` itself if all are).
+    fn pick_target(&self, from: usize) -> usize {
+        (from..self.spec.targets.len())
+            .find(|&index| !self.spec.cooling.get(index).copied().unwrap_or(false))
+            .unwrap_or(from)
+    }
+
+    /// The target after `current`, if the dispatch has one.
+    fn next_target(&self, current: usize) -> Option<usize> {
+        (current + 1 < self.spec.targets.len()).then(|| self.pick_target(current + 1))
+    }
+
+    /// The target `generation` sent (the next begin's target for one not begun here).
+    fn target_of(&self, generation: Generation) -> usize {
+        self.targets_of.get(&generation).copied().unwrap_or(self.target)
+    }
+
+    fn target_spec(&self, generation: Generation) -> &DriveTarget {
+        &self.spec.targets[self.target_of(generation).min(self.spec.targets.len() - 1)]
     }
 
     /// The operation this driver drives.
@@ -391,9 +471,10 @@ impl Drive {
         &self.spec.basis.operation_id
     }
 
-    /// The stored bytes (what an [`Request::Send`] sends).
-    pub fn request_bytes(&self) -> &Arc<Vec<u8>> {
-        &self.spec.basis.request_bytes
+    /// The stored bytes of `target` (what an [`Request::Send`] on a connection to it sends).
+    pub fn request_bytes(&self, target: u32) -> &Arc<Vec<u8>> {
+        let index = (target as usize).min(self.spec.targets.len() - 1);
+        &self.spec.targets[index].request_bytes
     }
 
     /// The machine's state.
@@ -613,7 +694,11 @@ impl Drive {
 
     /// Note why `generation` stopped (kept until the write that ends the attempt).
     fn cause(&mut self, generation: Generation, reason: impl Into<String>) {
-        self.end_causes.entry(generation).or_insert_with(|| reason.into());
+        let reason = reason.into();
+        self.stop_reasons
+            .entry(generation)
+            .or_insert_with(|| reason.clone());
+        self.end_causes.entry(generation).or_insert(reason);
     }
 
     fn gave_up(&self) -> bool {
@@ -623,7 +708,7 @@ impl Drive {
     /// What the provider offers for getting back to `generation`: no resume after a clean end
     /// (the provider finished that response), after a refused resume, or past the resume cap.
     fn recovery_for(&self, generation: Generation, clean_end: bool) -> ProviderRecovery {
-        let mut recovery = self.spec.recovery;
+        let mut recovery = self.target_spec(generation).recovery;
         if clean_end
             || self.resume_refused.contains(&generation)
             || self.resumes.get(&generation).copied().unwrap_or(0) >= RESUMES_PER_GENERATION_MAX
@@ -688,6 +773,16 @@ impl Drive {
                 self.store(StoreOp::BindHandle { generation, handle }, pending);
             }
             Effect::Emit(event) => match event {
+                ClientEvent::State {
+                    state: DispatchState::Failed,
+                    generation: Some(generation),
+                } if self
+                    .failover
+                    .as_ref()
+                    .is_some_and(|failover| failover.generation == generation) =>
+                {
+                    // A refused attempt the dispatch fails over from: not the dispatch's end.
+                }
                 ClientEvent::State { state, generation } => {
                     self.emit(DriveEvent::State { state, generation });
                 }
@@ -739,7 +834,10 @@ impl Drive {
     /// at the provider. The rearm waits for the answer (every probe is bounded by the
     /// connection deadlines); without an answer the expired lease is the confirmation.
     fn ask_provider_first(&mut self, generation: Generation) -> bool {
-        if self.stopped || self.spec.api != StreamApi::OpenAiResponses || !self.probed.insert(generation) {
+        if self.stopped
+            || self.target_spec(generation).api != StreamApi::OpenAiResponses
+            || !self.probed.insert(generation)
+        {
             return false;
         }
         let Some(handle) = self.own_handle(generation) else {
@@ -775,7 +873,7 @@ impl Drive {
     fn give_up(&mut self, code: &'static str) {
         if let Some(generation) = self.machine.generation()
             && !self.stopped
-            && self.spec.api == StreamApi::OpenAiResponses
+            && self.target_spec(generation).api == StreamApi::OpenAiResponses
             && self.after_probe.is_none()
             && self.probed.insert(generation)
             && let Some(handle) = self.own_handle(generation)
@@ -856,8 +954,12 @@ impl Drive {
                     self.counted(handled);
                     return;
                 }
+                // The attempt sends the chosen target's bytes (failover moved it, or not).
+                let digest = self.spec.targets[self.target].request_digest.clone();
+                self.machine.retarget(digest);
                 (
                     StoreOp::Begin {
+                        target: self.target as u32,
                         expected_revision,
                         expected_cancel_generation,
                         lease_expires_at,
@@ -996,6 +1098,7 @@ impl Drive {
                 self.attempts_started = (self.attempts_started + 1).max(generation.0);
                 let from = self.state;
                 self.transitioned(from, DispatchState::Dispatching);
+                self.targets_of.insert(generation, self.target);
                 self.idempotency_keys.insert(generation, idempotency_key.clone());
                 StoreAnswer::Began {
                     generation,
@@ -1008,6 +1111,32 @@ impl Drive {
             }
             (WriteKind::Transition { from, to }, StoreResult::Applied) => {
                 self.transitioned(from, to);
+                if to == DispatchState::Failed
+                    && let Some(failover) = self.failover.take()
+                {
+                    // The refused attempt is over (nothing runs at the provider): rearm the
+                    // dispatch for the next target in the same way a dead attempt is.
+                    let generation = failover.generation;
+                    self.failover = Some(failover);
+                    self.store(
+                        StoreOp::AbandonAndRearm {
+                            generation,
+                            provider_ended: true,
+                            provider_word: None,
+                        },
+                        Pending::MachineWrite(WriteKind::FailOver),
+                    );
+                }
+                return;
+            }
+            (WriteKind::FailOver, StoreResult::Applied) => {
+                self.fail_over();
+                return;
+            }
+            (WriteKind::FailOver, _) => {
+                // Another replica or a cancel decided: the refused attempt stays FAILED.
+                self.failover = None;
+                self.stopped = true;
                 return;
             }
             (WriteKind::Transition { .. }, _) => {
@@ -1039,6 +1168,20 @@ impl Drive {
                 self.actions
                     .push_back(Action::Count(Count::Recovery("new_generation")));
                 self.state = DispatchState::Prepared;
+                // The old attempt is confirmed over (lease or the provider's word): the new
+                // generation goes to the next target, if the dispatch has one.
+                if let Some(previous) = self.machine.generation() {
+                    let from = self.target_of(previous);
+                    if let Some(to) = self.next_target(from) {
+                        let reason = self
+                            .stop_reasons
+                            .get(&previous)
+                            .cloned()
+                            .unwrap_or_else(|| "interrupted".to_owned());
+                        self.count_failover(from, to, reason);
+                        self.target = to;
+                    }
+                }
                 StoreAnswer::Rearmed
             }
             (WriteKind::AbandonAndRearm, _) => {
@@ -1086,6 +1229,35 @@ impl Drive {
         self.counted(handled);
     }
 
+    fn count_failover(&mut self, from: usize, to: usize, reason: String) {
+        self.actions.push_back(Action::Count(Count::Failover {
+            from: self.spec.targets[from].label.clone(),
+            to: self.spec.targets[to].label.clone(),
+            reason,
+        }));
+    }
+
+    /// The refused attempt is FAILED and the dispatch PREPARED again: the next generation
+    /// sends the next target's bytes. Nothing of the failed attempt reaches the next request
+    /// (each target's bytes were rendered from the committed history before anything was
+    /// sent); its preview, if any, is void.
+    fn fail_over(&mut self) {
+        let Some(failover) = self.failover.take() else {
+            return;
+        };
+        self.transitioned(DispatchState::Failed, DispatchState::Prepared);
+        let from = self.target_of(failover.generation);
+        self.count_failover(from, failover.to, failover.reason);
+        self.retract(failover.generation, "failover");
+        self.target = failover.to;
+        self.assembler = None;
+        let mut prepared = prepared_of(&self.spec.basis);
+        prepared.request_digest = self.spec.targets[self.target].request_digest.clone();
+        self.machine = DispatchMachine::new(prepared, self.spec.lease_ms);
+        let started = self.machine.start(self.now);
+        self.counted(started);
+    }
+
     /// A store write failed: its outcome is unknown.
     fn store_failed(&mut self, kind: WriteKind) {
         self.actions.push_back(Action::Count(Count::StoreFailure));
@@ -1103,8 +1275,12 @@ impl Drive {
     }
 
     fn send(&mut self, generation: Generation, idempotency_key: String, request_digest: &str) {
-        // The manifest names the bytes by digest: anything else must never leave.
-        if Digest::of_bytes(&self.spec.basis.request_bytes).as_str() != request_digest {
+        // The manifest names the bytes by digest: anything else must never leave. Each
+        // target's bytes are checked against the digest the machine sends under.
+        let target = self.target_spec(generation);
+        if target.request_digest != request_digest
+            || Digest::of_bytes(&target.request_bytes).as_str() != request_digest
+        {
             self.actions.push_back(Action::Count(Count::IllegalSend));
             self.cause(generation, "illegal_send");
             let handled = self
@@ -1158,7 +1334,7 @@ impl Drive {
             connection,
             Connection {
                 generation,
-                decoder: self.spec.api.decoder(),
+                decoder: self.target_spec(generation).api.decoder(),
                 status: None,
                 saw_event: false,
                 resume,
@@ -1168,9 +1344,11 @@ impl Drive {
                 active_at: self.now,
             },
         );
+        let target = self.target_of(generation) as u32;
         self.actions.push_back(Action::Open {
             connection,
             generation,
+            target,
             request,
         });
     }
@@ -1274,6 +1452,8 @@ impl Drive {
         if let Some(record) = &record {
             self.read_back(generation, &record.idempotency_key);
             self.spent(generation, record.spent);
+            let target = (record.target as usize).min(self.spec.targets.len() - 1);
+            self.targets_of.entry(generation).or_insert(target);
         }
         let Some(record) = record else {
             // No durable view of the attempt (a store failure, or it is gone): this driver
@@ -1699,10 +1879,23 @@ impl Drive {
                 None => "provider_unreachable".to_owned(),
             };
             self.cause(generation, code.clone());
-            self.emit(DriveEvent::Error {
-                code,
-                message: error_message("provider_status"),
-            });
+            let next = (fails_over_on(open.status) && self.attempts_started < ATTEMPTS_PER_DISPATCH_MAX)
+                .then(|| self.next_target(self.target_of(generation)))
+                .flatten();
+            match next {
+                Some(to) => {
+                    // Not the dispatch's end: its FAILED state is not a client event.
+                    self.failover = Some(PendingFailover {
+                        generation,
+                        to,
+                        reason: code,
+                    });
+                }
+                None => self.emit(DriveEvent::Error {
+                    code,
+                    message: error_message("provider_status"),
+                }),
+            }
             let handled = self
                 .machine
                 .handle_provider(self.now, generation, ProviderInput::Rejected);

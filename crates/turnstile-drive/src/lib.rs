@@ -21,5 +21,6 @@ mod types;
 
 pub use drive::{
     ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, REPLAYS_PER_GENERATION_MAX, RESUMES_PER_GENERATION_MAX,
+    fails_over_on,
 };
 pub use types::*;

@@ -39,6 +39,25 @@ pub struct AttemptView {
     pub lease_expires_at: Timestamp,
     /// What recovery already spent on it, by every driver.
     pub spent: RecoverySpent,
+    /// Which target of the dispatch it sent.
+    pub target: u32,
+}
+
+/// One target of a dispatch as the driver sees it: the exact bytes its manifest names, the
+/// stream format its provider speaks and what that provider offers for recovery. Target 0 is
+/// the dispatch's own manifest; the rest are its failover targets, in order.
+#[derive(Clone, Debug)]
+pub struct DriveTarget {
+    /// Its manifest's `request_digest`.
+    pub request_digest: String,
+    /// The stored bytes; the only bytes an attempt on this target may send.
+    pub request_bytes: Arc<Vec<u8>>,
+    /// Which stream format its provider speaks.
+    pub api: turnstile_adapters::decode::StreamApi,
+    /// What its provider offers for recovery.
+    pub recovery: turnstile_core::dispatch::ProviderRecovery,
+    /// How metrics name it (`provider/model`).
+    pub label: String,
 }
 
 /// Resumes and replays already made of one generation, by every driver on every replica (the
@@ -58,6 +77,8 @@ pub struct RecoverySpent {
 pub enum StoreOp {
     /// PREPARED → DISPATCHING, allocating a generation (`Ledger::begin_attempt`).
     Begin {
+        /// Which target the attempt sends (recorded on it with that target's digest).
+        target: u32,
         /// Expected revision.
         expected_revision: Revision,
         /// Expected cancel generation.
@@ -215,7 +236,7 @@ impl Default for Timeouts {
 /// What a request to the provider is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
-    /// Send the stored bytes (the pump sends [`DispatchBasis::request_bytes`]).
+    /// Send the stored bytes of the connection's target ([`DriveTarget::request_bytes`]).
     Send {
         /// The attempt's idempotency key.
         idempotency_key: String,
@@ -254,6 +275,8 @@ pub enum Action {
         connection: ConnectionId,
         /// The attempt it belongs to.
         generation: Generation,
+        /// The target (provider endpoint, API, model) the connection goes to.
+        target: u32,
         /// What to send.
         request: Request,
     },
@@ -360,6 +383,15 @@ pub enum Count {
     Timeout,
     /// An input the driver ignored, with the reason (stale, duplicate, foreign).
     Ignored(&'static str),
+    /// The dispatch moved from one target to the next (labels as in [`DriveTarget::label`]).
+    Failover {
+        /// The target that failed.
+        from: String,
+        /// The target the next generation sends.
+        to: String,
+        /// Why (`provider_status_429`, `provider_unreachable`, `head_timeout`, `stream_cut`, …).
+        reason: String,
+    },
 }
 
 /// The human message of an error code.

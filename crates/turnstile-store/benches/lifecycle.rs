@@ -90,6 +90,7 @@ async fn lifecycle(store: &dyn Ledger, work: &Prepared) {
     let expect = BeginExpect {
         revision: record.revision,
         cancel_generation: record.cancel_generation,
+        target: 0,
     };
     let lease = Lease {
         holder: "bench".into(),

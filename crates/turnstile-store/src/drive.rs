@@ -69,6 +69,7 @@ pub async fn perform(
     };
     match op {
         StoreOp::Begin {
+            target,
             expected_revision,
             expected_cancel_generation,
             lease_expires_at,
@@ -76,6 +77,7 @@ pub async fn perform(
             let expect = BeginExpect {
                 revision: *expected_revision,
                 cancel_generation: *expected_cancel_generation,
+                target: *target,
             };
             match ledger
                 .begin_attempt(operation_id, expect, &lease(*lease_expires_at), now)
@@ -216,6 +218,7 @@ pub async fn perform(
                         handle: attempt.handle,
                         idempotency_key: attempt.idempotency_key,
                         lease_expires_at: clocks.to_caller(attempt.lease_expires_at),
+                        target: attempt.target,
                     })
                     .collect(),
             ),
@@ -264,14 +267,26 @@ impl Clocks {
 /// Attempts the store already holds for `record`: the attempt budget is durable, counted
 /// across restarts and replicas.
 pub async fn attempts_before(ledger: &dyn Ledger, record: &DispatchRecord) -> u64 {
+    attempts_so_far(ledger, record).await.0
+}
+
+/// [`attempts_before`] and the target of the latest attempt (None: no attempt, or unread), for
+/// `DriveSpec::attempts_before` and `DriveSpec::last_target`.
+pub async fn attempts_so_far(ledger: &dyn Ledger, record: &DispatchRecord) -> (u64, Option<u32>) {
     if record.active_generation.is_none() {
-        return 0;
+        return (0, None);
     }
     match ledger.attempts(&record.operation_id).await {
-        Ok(attempts) => attempts.len() as u64,
+        Ok(attempts) => (
+            attempts.len() as u64,
+            attempts.last().map(|attempt| attempt.target),
+        ),
         // Unread: the highest generation the record names is a lower bound (generations
         // start at 1 and only grow).
-        Err(_) => record.active_generation.map_or(0, |generation| generation.0),
+        Err(_) => (
+            record.active_generation.map_or(0, |generation| generation.0),
+            None,
+        ),
     }
 }
 
@@ -296,6 +311,8 @@ pub enum Recoverable {
         attempt: turnstile_core::dispatch::UnknownAttempt,
         /// What recovery already spent on that attempt (for `Drive::recovered`).
         spent: RecoverySpent,
+        /// Which target that attempt sent.
+        target: u32,
     },
     /// PREPARED and not touched for a lease: `Drive::new` (its begin is a compare-and-set,
     /// so a driver that is about to begin it elsewhere loses nothing).
@@ -354,6 +371,7 @@ pub async fn recoverable(
                 provider_confirmed_ended: false,
             },
             spent: spent_of(&attempt),
+            target: attempt.target,
         });
     }
     for operation_id in ledger

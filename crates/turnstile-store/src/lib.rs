@@ -114,6 +114,24 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError>;
 
+    /// [`Ledger::prepare_with_policy`] for a dispatch with failover targets: the manifest is the
+    /// dispatch's own (target 0); `fallbacks` are targets 1.., each with its own manifest for
+    /// the same operation, conversation, revision and sequence, stored in the same
+    /// transaction. An existing dispatch is `Existing` only if every target's manifest digest
+    /// is the same, in the same order (else `Conflict`).
+    async fn prepare_targets(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError>;
+
+    /// The failover targets of a dispatch (positions 1.., in order; its own manifest, target
+    /// 0, is the dispatch record); empty for most dispatches.
+    async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError>;
+
     /// The render policy kept with a dispatch (None: none was given, or no such dispatch).
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError>;
 

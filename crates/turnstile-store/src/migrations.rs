@@ -53,6 +53,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0006_dispatch_policy.sql"),
         postgres: include_str!("../migrations/postgres/0006_dispatch_policy.sql"),
     },
+    Migration {
+        version: 7,
+        name: "dispatch_targets",
+        sqlite: include_str!("../migrations/sqlite/0007_dispatch_targets.sql"),
+        postgres: include_str!("../migrations/postgres/0007_dispatch_targets.sql"),
+    },
 ];
 
 /// The newest version this build knows.

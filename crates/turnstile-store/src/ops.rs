@@ -411,28 +411,81 @@ pub(crate) async fn prepare<T: Tx>(
     policy: Option<&Value>,
     now: Timestamp,
 ) -> Result<PrepareOutcome, StoreError> {
+    prepare_targets(tx, manifest, request_bytes, policy, &[], now).await
+}
+
+/// Why one target's manifest, bytes and policy cannot be stored (None: they can).
+fn target_invalid(
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    policy: Option<&Value>,
+) -> Option<&'static str> {
     if !manifest.is_intact() {
-        return Ok(PrepareOutcome::Invalid(
-            "manifest_digest does not match the manifest",
-        ));
+        return Some("manifest_digest does not match the manifest");
     }
     if let Some(policy) = policy
         && Digest::of_canonical(policy) != manifest.body.policy_digest
     {
-        return Ok(PrepareOutcome::Invalid("the policy does not match policy_digest"));
+        return Some("the policy does not match policy_digest");
     }
     if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
-        return Ok(PrepareOutcome::Invalid(
-            "request bytes do not match request_digest",
-        ));
+        return Some("request bytes do not match request_digest");
     }
     if request_bytes.len() > REQUEST_BYTES_MAX {
-        return Ok(PrepareOutcome::Invalid("request bytes exceed REQUEST_BYTES_MAX"));
+        return Some("request bytes exceed REQUEST_BYTES_MAX");
+    }
+    None
+}
+
+pub(crate) async fn prepare_targets<T: Tx>(
+    tx: &mut T,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    policy: Option<&Value>,
+    fallbacks: &[PreparedTarget],
+    now: Timestamp,
+) -> Result<PrepareOutcome, StoreError> {
+    if fallbacks.len() + 1 > TARGETS_PER_DISPATCH_MAX {
+        return Ok(PrepareOutcome::Invalid(
+            "more targets than TARGETS_PER_DISPATCH_MAX",
+        ));
+    }
+    for fallback in fallbacks {
+        if let Some(why) = target_invalid(
+            &fallback.manifest,
+            &fallback.request_bytes,
+            fallback.policy.as_ref(),
+        ) {
+            return Ok(PrepareOutcome::Invalid(why));
+        }
+        let (a, b) = (&manifest.body, &fallback.manifest.body);
+        if a.operation_id != b.operation_id
+            || a.conversation_id != b.conversation_id
+            || a.conversation_revision != b.conversation_revision
+            || a.sequence_digest != b.sequence_digest
+        {
+            return Ok(PrepareOutcome::Invalid(
+                "a failover target's manifest is for another operation, conversation, revision or sequence",
+            ));
+        }
+    }
+    let fallback_digests: Vec<&str> = fallbacks
+        .iter()
+        .map(|fallback| fallback.manifest.manifest_digest.as_str())
+        .collect();
+    if let Some(why) = target_invalid(manifest, request_bytes, policy) {
+        return Ok(PrepareOutcome::Invalid(why));
     }
     let operation_id = manifest.body.operation_id.as_str();
     let manifest_digest = manifest.manifest_digest.as_str();
     if let Some(existing) = dispatch(tx, operation_id).await? {
-        return Ok(same_or_conflict(existing, manifest_digest));
+        let stored = fallback_digests_of(tx, operation_id).await?;
+        return Ok(same_or_conflict(
+            existing,
+            manifest_digest,
+            &stored,
+            &fallback_digests,
+        ));
     }
     let conversation_id = manifest.body.conversation_id.as_str();
     let Some((current, _)) = conversation_head(tx, conversation_id, false).await? else {
@@ -474,14 +527,109 @@ pub(crate) async fn prepare<T: Tx>(
         .ok_or_else(|| StoreError::Corrupt("dispatch vanished inside its transaction".into()))?;
     if inserted == 0 {
         // Another replica inserted the same operation id between our read and our insert.
-        return Ok(same_or_conflict(record, manifest_digest));
+        let stored = fallback_digests_of(tx, operation_id).await?;
+        return Ok(same_or_conflict(
+            record,
+            manifest_digest,
+            &stored,
+            &fallback_digests,
+        ));
+    }
+    for (index, fallback) in fallbacks.iter().enumerate() {
+        let manifest_json = serde_json::to_string(&fallback.manifest)
+            .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
+        tx.execute(
+            "INSERT INTO dispatch_targets (operation_id, position, manifest, manifest_digest, request_digest, \
+             request_bytes, provider, policy) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            &[
+                operation_id.into(),
+                (index as u64 + 1).into(),
+                manifest_json.into(),
+                fallback.manifest.manifest_digest.as_str().into(),
+                fallback.manifest.body.request_digest.as_str().into(),
+                fallback.request_bytes.as_slice().into(),
+                fallback.manifest.body.provider.as_str().into(),
+                fallback.policy.as_ref().map(Value::to_string).into(),
+            ],
+        )
+        .await?;
     }
     record_transition(tx, operation_id, None, None, DispatchState::Prepared, now).await?;
     Ok(PrepareOutcome::Created(record))
 }
 
-fn same_or_conflict(existing: DispatchRecord, manifest_digest: &str) -> PrepareOutcome {
-    if existing.manifest_digest == manifest_digest {
+/// The manifest digests of a dispatch's failover targets, in order.
+async fn fallback_digests_of<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Vec<String>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT manifest_digest FROM dispatch_targets WHERE operation_id = $1 ORDER BY position",
+            &[operation_id.into()],
+        )
+        .await?;
+    rows.iter().map(|row| row.text(0)).collect()
+}
+
+/// The failover targets of a dispatch (positions 1..), in order; its own manifest is the
+/// dispatch record.
+pub(crate) async fn dispatch_fallbacks<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Vec<TargetRecord>, StoreError> {
+    let text = |manifest: &Value, field: &str| manifest[field].as_str().unwrap_or_default().to_owned();
+    let mut targets = Vec::new();
+    let rows = tx
+        .query(
+            "SELECT position, manifest, manifest_digest, request_digest, request_bytes, provider \
+             FROM dispatch_targets WHERE operation_id = $1 ORDER BY position",
+            &[operation_id.into()],
+        )
+        .await?;
+    for row in &rows {
+        let manifest = json_of(&row.text(1)?)?;
+        targets.push(TargetRecord {
+            position: u32::try_from(row.uint(0)?)
+                .map_err(|_| StoreError::Corrupt("target position out of range".into()))?,
+            model: text(&manifest, "model"),
+            adapter: text(&manifest, "adapter"),
+            manifest,
+            manifest_digest: row.text(2)?,
+            request_digest: row.text(3)?,
+            request_bytes: row.bytes(4)?,
+            provider: row.text(5)?,
+        });
+    }
+    Ok(targets)
+}
+
+/// The request digest, manifest digest and provider of target `position` (None: no such
+/// target).
+async fn target_head<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    position: u32,
+) -> Result<Option<(String, String, String)>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT request_digest, manifest_digest, provider FROM dispatch_targets \
+             WHERE operation_id = $1 AND position = $2",
+            &[operation_id.into(), u64::from(position).into()],
+        )
+        .await?;
+    rows.first()
+        .map(|row| Ok((row.text(0)?, row.text(1)?, row.text(2)?)))
+        .transpose()
+}
+
+fn same_or_conflict(
+    existing: DispatchRecord,
+    manifest_digest: &str,
+    stored_fallbacks: &[String],
+    fallbacks: &[&str],
+) -> PrepareOutcome {
+    if existing.manifest_digest == manifest_digest
+        && stored_fallbacks.len() == fallbacks.len()
+        && stored_fallbacks.iter().zip(fallbacks).all(|(a, b)| a == b)
+    {
         PrepareOutcome::Existing(existing)
     } else {
         PrepareOutcome::Conflict {
@@ -502,6 +650,20 @@ pub(crate) async fn begin_attempt<T: Tx>(
             state: None,
             active_generation: None,
         });
+    };
+    // The attempt sends one target's bytes: the dispatch's own, or a failover target's.
+    let request_digest = if expect.target == 0 {
+        record.request_digest.clone()
+    } else {
+        match target_head(tx, operation_id, expect.target).await? {
+            Some((request_digest, _, _)) => request_digest,
+            None => {
+                return Ok(BeginOutcome::Refused {
+                    state: Some(record.state),
+                    active_generation: record.active_generation,
+                });
+            }
+        }
     };
     // Lock order: conversation first (shared: the condition reads its revision).
     conversation_head(tx, &record.conversation_id, true).await?;
@@ -558,15 +720,17 @@ pub(crate) async fn begin_attempt<T: Tx>(
     let key = idempotency_key(operation_id, generation);
     tx.execute(
         "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
-         lease_holder, lease_expires_at, started_at) VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7)",
+         lease_holder, lease_expires_at, started_at, target) \
+         VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7, $8)",
         &[
             operation_id.into(),
             generation.0.into(),
             key.as_str().into(),
-            record.request_digest.as_str().into(),
+            request_digest.as_str().into(),
             lease.holder.as_str().into(),
             ts(lease.expires_at),
             ts(now),
+            u64::from(expect.target).into(),
         ],
     )
     .await?;
@@ -916,6 +1080,30 @@ pub(crate) async fn bind_handle<T: Tx>(
     };
     if record.active_generation != Some(generation) {
         return Ok(BindOutcome::StaleGeneration);
+    }
+    // A handle belongs to the manifest its attempt sent (a failover target's is its own).
+    let target = tx
+        .query(
+            "SELECT target FROM attempts WHERE operation_id = $1 AND generation = $2",
+            &[operation_id.into(), generation.0.into()],
+        )
+        .await?
+        .first()
+        .map(|row| row.uint(0))
+        .transpose()?
+        .unwrap_or(0);
+    let mut record = record;
+    if target != 0 {
+        let position =
+            u32::try_from(target).map_err(|_| StoreError::Corrupt("target out of range".into()))?;
+        let Some((_, manifest_digest, provider)) = target_head(tx, operation_id, position).await? else {
+            return Err(StoreError::Corrupt(format!(
+                "attempt {operation_id}/{} names target {target}, which is not stored",
+                generation.0
+            )));
+        };
+        record.manifest_digest = manifest_digest;
+        record.provider = provider;
     }
     let inserted = tx
         .execute(
@@ -1570,7 +1758,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
 // ---------------------------------------------------------------------------------------------
 // Attempts, recovery, counters
 
-const ATTEMPT_COLUMNS: &str = "operation_id, generation, state, idempotency_key, request_digest, handle, lease_holder, lease_expires_at, resumes, replays, end_reason, confirmed_over";
+const ATTEMPT_COLUMNS: &str = "operation_id, generation, state, idempotency_key, request_digest, handle, lease_holder, lease_expires_at, resumes, replays, end_reason, confirmed_over, target";
 
 async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord, StoreError> {
     let operation_id = row.text(0)?;
@@ -1599,6 +1787,7 @@ async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord,
         replays: u32::try_from(row.uint(9)?).unwrap_or(u32::MAX),
         end_reason: row.text_opt(10)?,
         confirmed_over: row.text_opt(11)?,
+        target: u32::try_from(row.uint(12)?).unwrap_or(u32::MAX),
     })
 }
 

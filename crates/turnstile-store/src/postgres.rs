@@ -342,6 +342,28 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn prepare_targets(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError> {
+        in_tx!(self, |tx| ops::prepare_targets(
+            &mut tx,
+            manifest,
+            request_bytes,
+            policy,
+            fallbacks,
+            now
+        ))
+    }
+
+    async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {
+        in_tx!(self, |tx| ops::dispatch_fallbacks(&mut tx, operation_id))
+    }
+
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
         in_tx!(self, |tx| ops::dispatch_policy(&mut tx, operation_id))
     }

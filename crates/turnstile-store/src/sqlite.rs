@@ -420,6 +420,35 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn prepare_targets(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        now: Timestamp,
+    ) -> Result<PrepareOutcome, StoreError> {
+        let (manifest, bytes, policy) = (manifest.clone(), request_bytes.to_vec(), policy.cloned());
+        let fallbacks = fallbacks.to_vec();
+        self.run(move |tx| {
+            block_on_ready(ops::prepare_targets(
+                tx,
+                &manifest,
+                &bytes,
+                policy.as_ref(),
+                &fallbacks,
+                now,
+            ))
+        })
+        .await
+    }
+
+    async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {
+        let op = operation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::dispatch_fallbacks(tx, &op)))
+            .await
+    }
+
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
         let op = operation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::dispatch_policy(tx, &op)))

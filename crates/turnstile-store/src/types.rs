@@ -3,6 +3,7 @@
 
 use serde_json::Value;
 use turnstile_core::dispatch::{DispatchState, Timestamp};
+use turnstile_core::manifest::DispatchManifest;
 use turnstile_core::{Generation, Revision, Violation};
 
 /// Most quarantined blocks kept per dispatch; more are counted and dropped.
@@ -11,6 +12,8 @@ pub const QUARANTINE_PER_DISPATCH_MAX: u64 = 1_024;
 pub const GROUP_COMMIT_OPS_MAX: usize = 256;
 /// Largest request body a dispatch may store, in bytes.
 pub const REQUEST_BYTES_MAX: usize = 32 * 1024 * 1024;
+/// Most targets of one dispatch (its own manifest and its failover targets).
+pub const TARGETS_PER_DISPATCH_MAX: usize = 8;
 /// Most attempts (generations) one dispatch may start: the driver's budget, enforced again
 /// by the begin compare-and-set itself, so it holds across restarts, replicas and a driver
 /// that miscounts.
@@ -126,6 +129,42 @@ pub struct AttemptRecord {
     /// How its end was confirmed before a new generation: `lease_expired` (by the store's
     /// clock) or `provider_ended` (the provider's own word).
     pub confirmed_over: Option<String>,
+    /// Which target of the dispatch it sent (0: the dispatch's own manifest).
+    pub target: u32,
+}
+
+/// One failover target of a dispatch as given to [`crate::Ledger::prepare_targets`]: its
+/// own manifest (same operation, conversation, revision and sequence as the dispatch's), its
+/// exact bytes and its render policy.
+#[derive(Clone, Debug)]
+pub struct PreparedTarget {
+    /// The sealed manifest.
+    pub manifest: DispatchManifest,
+    /// The bytes its `request_digest` names.
+    pub request_bytes: Vec<u8>,
+    /// The render policy its `policy_digest` names, if kept.
+    pub policy: Option<Value>,
+}
+
+/// One target of a stored dispatch ([`crate::Ledger::dispatch_targets`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TargetRecord {
+    /// 0 for the dispatch's own manifest, then the failover order.
+    pub position: u32,
+    /// The manifest JSON as given.
+    pub manifest: Value,
+    /// Its `manifest_digest`.
+    pub manifest_digest: String,
+    /// Its `request_digest`.
+    pub request_digest: String,
+    /// The exact bytes an attempt on this target sends.
+    pub request_bytes: Vec<u8>,
+    /// Provider, model and adapter from its manifest.
+    pub provider: String,
+    /// Model.
+    pub model: String,
+    /// Adapter id.
+    pub adapter: String,
 }
 
 /// Answer of `prepare`.
@@ -158,6 +197,10 @@ pub struct BeginExpect {
     pub revision: Revision,
     /// Nobody cancelled since this cancel generation was read.
     pub cancel_generation: u64,
+    /// Which of the dispatch's targets the attempt sends (0: the dispatch's own manifest;
+    /// 1.. its failover targets, [`crate::Ledger::dispatch_targets`]). Recorded on the attempt
+    /// with that target's `request_digest`.
+    pub target: u32,
 }
 
 /// A lease on an attempt: who drives it and until when.

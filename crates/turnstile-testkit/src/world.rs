@@ -513,16 +513,24 @@ impl World {
 
     /// What the gateway's `context_for` gives a driver.
     fn spec_for(&mut self, record: &DispatchRecord) -> DriveSpec {
-        let attempts_before = {
+        let (attempts_before, last_target) = {
             self.sync_store_clock();
             let ledger = self.ledger();
             self.rt
-                .block_on(turnstile_store::drive::attempts_before(ledger, record))
+                .block_on(turnstile_store::drive::attempts_so_far(ledger, record))
         };
+        let basis = turnstile_store::drive::basis_of(record);
         DriveSpec {
-            basis: turnstile_store::drive::basis_of(record),
-            api: self.api,
-            recovery: self.provider_recovery(),
+            targets: vec![turnstile_drive::DriveTarget {
+                request_digest: basis.request_digest.clone(),
+                request_bytes: basis.request_bytes.clone(),
+                api: self.api,
+                recovery: self.provider_recovery(),
+                label: "sim/model".to_owned(),
+            }],
+            cooling: vec![false],
+            last_target,
+            basis,
             toolset: Some(self.toolset.clone()),
             call_ids_taken: self.call_ids_taken(),
             lease_ms: LEASE_MS,
@@ -598,6 +606,7 @@ impl World {
                     connection,
                     generation,
                     request,
+                    ..
                 } => self.open(driver, connection, generation, request),
                 Action::Close { connection } => {
                     let op = driver.op.clone();
@@ -676,7 +685,7 @@ impl World {
         match &mut op {
             StoreOp::Begin { .. } if self.bugs.send_before_persist => {
                 // Planted bug: the request goes out before the begin write.
-                let body = driver.drive.request_bytes().as_ref().clone();
+                let body = driver.drive.request_bytes(0).as_ref().clone();
                 self.check_send(&driver.op, None, &body);
             }
             StoreOp::Commit { turn, .. } => {
@@ -773,7 +782,7 @@ impl World {
         }
         let answer = match request {
             Request::Send { idempotency_key } => {
-                let mut body = driver.drive.request_bytes().as_ref().clone();
+                let mut body = driver.drive.request_bytes(0).as_ref().clone();
                 if self.bugs.rerender_on_retry && self.history.sent_ops.contains(&driver.op) {
                     // Planted bug: a retry renders afresh with whatever adapter is configured now.
                     let revision = store!(self, dispatch(&driver.op))
@@ -1117,13 +1126,14 @@ impl World {
                     record,
                     attempt,
                     spent,
+                    target,
                 } => {
                     self.trace(format!(
                         "{op} recovered in UNKNOWN g{} on replica {replica} (spent {spent:?})",
                         attempt.generation.0
                     ));
                     let spec = self.spec_for(&record);
-                    let drive = Drive::recovered(spec, &attempt, spent, self.local_now(replica));
+                    let drive = Drive::recovered(spec, &attempt, spent, target, self.local_now(replica));
                     self.start_driver(SimDriver { op, drive, replica });
                 }
                 turnstile_store::drive::Recoverable::Prepared { record } => {

@@ -11,18 +11,30 @@ use turnstile_drive::*;
 
 const LEASE_MS: u64 = 5_000;
 
+fn target(body: &[u8], api: StreamApi, recovery: ProviderRecovery, label: &str) -> DriveTarget {
+    DriveTarget {
+        request_digest: Digest::of_bytes(body).as_str().to_owned(),
+        request_bytes: Arc::new(body.to_vec()),
+        api,
+        recovery,
+        label: label.to_owned(),
+    }
+}
+
 fn spec(recovery: ProviderRecovery, attempts_before: u64) -> DriveSpec {
     let bytes = br#"{"model":"m","messages":[]}"#.to_vec();
+    let primary = target(&bytes, StreamApi::OpenAiResponses, recovery, "a/m");
     DriveSpec {
         basis: DispatchBasis {
             operation_id: "op-1".into(),
             revision: Revision(3),
             cancel_generation: 0,
-            request_digest: Digest::of_bytes(&bytes).as_str().to_owned(),
-            request_bytes: Arc::new(bytes),
+            request_digest: primary.request_digest.clone(),
+            request_bytes: primary.request_bytes.clone(),
         },
-        api: StreamApi::OpenAiResponses,
-        recovery,
+        targets: vec![primary],
+        cooling: vec![false],
+        last_target: None,
         toolset: None,
         call_ids_taken: HashSet::new(),
         lease_ms: LEASE_MS,
@@ -62,6 +74,7 @@ fn a_fresh_recovery_budget_resumes_at_once() {
         spec(BOTH, 1),
         &unknown(1, 60_000),
         RecoverySpent::default(),
+        0,
         Timestamp(1_000),
     );
     assert!(
@@ -81,6 +94,7 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
         spec(BOTH, 1),
         &unknown(1, 60_000),
         resumes_spent,
+        0,
         Timestamp(1_000),
     );
     assert!(
@@ -92,7 +106,7 @@ fn resumes_spent_by_other_drivers_leave_the_replay_and_then_the_lease() {
         resumes: RESUMES_PER_GENERATION_MAX,
         replays: REPLAYS_PER_GENERATION_MAX,
     };
-    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, Timestamp(1_000));
+    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, 0, Timestamp(1_000));
     assert_eq!(
         next_store_op(&mut drive),
         None,
@@ -149,7 +163,7 @@ fn a_probe_without_an_answer_falls_back_to_the_expired_lease() {
         resumes: RESUMES_PER_GENERATION_MAX,
         replays: REPLAYS_PER_GENERATION_MAX,
     };
-    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, Timestamp(1_000));
+    let mut drive = Drive::recovered(spec(BOTH, 1), &unknown(1, 60_000), all_spent, 0, Timestamp(1_000));
     drive.handle_timeout(Timestamp(60_001));
     let asked = open_request(&mut drive);
     drive.handle_head(Timestamp(60_002), asked.0, 400);
@@ -242,6 +256,7 @@ fn attempt_read_back_with_another_key() {
             idempotency_key: "key-other".into(),
             lease_expires_at: Timestamp(6_001),
             spent: RecoverySpent::default(),
+            target: 0,
         }]),
     );
     while drive.poll_action().is_some() {}
@@ -281,6 +296,7 @@ fn blocks_under_a_handle_bound_to_another_manifest_go_to_the_quarantine_with_the
                     idempotency_key: "key-1".into(),
                     lease_expires_at: Timestamp(6_001),
                     spent: RecoverySpent::default(),
+                    target: 0,
                 }]),
             ),
             Action::Store(_) => drive.handle_store(Timestamp(1_006), StoreResult::Applied),

@@ -27,6 +27,15 @@ pub fn run(args: &SimArgs) -> Exit {
                 return Exit::Usage;
             }
         };
+        // The OpenAI encoders count output with the BPE tokenizers, which load lazily (seconds
+        // in a debug build): load them before announcing, so the first reply's response head
+        // is as fast as every other's (a gateway's head timeout must not see the load).
+        for tokenizer in [
+            turnstile_adapters::tokens::Tokenizer::O200kBase,
+            turnstile_adapters::tokens::Tokenizer::Cl100kBase,
+        ] {
+            tokenizer.count("warm");
+        }
         match listener.local_addr() {
             Ok(address) => println!("turnstile sim listening on http://{address}"),
             Err(error) => eprintln!("turnstile sim: {error}"),

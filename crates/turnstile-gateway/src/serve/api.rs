@@ -547,7 +547,12 @@ pub async fn append_turn(
 #[serde(deny_unknown_fields)]
 struct DispatchBody {
     operation_id: String,
-    target: Target,
+    /// Where the dispatch goes; or `targets`: the same, then failover targets in order
+    /// (`shared/spec/gateway-api.md`, "Failover"). Exactly one of the two.
+    #[serde(default)]
+    target: Option<Target>,
+    #[serde(default)]
+    targets: Option<Vec<Target>>,
     #[serde(default)]
     max_output_tokens: Option<u64>,
     #[serde(default)]
@@ -645,6 +650,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         &[
             "operation_id",
             "target",
+            "targets",
             "max_output_tokens",
             "stream",
             "sampling",
@@ -654,7 +660,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
             "output_format",
         ],
     )?);
-    let request: DispatchBody = serde_json::from_value(body).map_err(|error| {
+    let mut request: DispatchBody = serde_json::from_value(body).map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::InvalidRequest,
@@ -662,6 +668,33 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         )
     })?;
     check_id(&request.operation_id, "operation_id")?;
+    let targets = match (request.target.take(), request.targets.take()) {
+        (Some(target), None) => vec![target],
+        (None, Some(targets))
+            if !targets.is_empty() && targets.len() <= turnstile_store::TARGETS_PER_DISPATCH_MAX =>
+        {
+            targets
+        }
+        (None, Some(_)) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::InvalidRequest,
+                format!(
+                    "targets takes 1 to {} targets",
+                    turnstile_store::TARGETS_PER_DISPATCH_MAX
+                ),
+            )
+            .with(json!({"field": "targets"})));
+        }
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::InvalidRequest,
+                "give exactly one of target and targets",
+            )
+            .with(json!({"field": "target"})));
+        }
+    };
     if request.max_output_tokens == Some(0) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -727,7 +760,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         &shared,
         &conversation,
         operation_id,
-        &request.target,
+        &targets,
         request.max_output_tokens,
         Settings {
             sampling: request.sampling,
@@ -778,14 +811,123 @@ fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
 /// ready. Shared by the dispatch endpoint and the proxy endpoints. `settings` are checked
 /// against the adapter's API before anything renders: a setting it cannot take is 422
 /// `unsupported_setting` / `setting_out_of_range`, never dropped or clamped.
+///
+/// `targets`: the dispatch's own target first, then its failover targets. Each renders its
+/// own request from the same graph with its own adapter and is held to the same rules: one
+/// that cannot take a setting, is over its window or cannot represent the graph refuses the
+/// whole dispatch, naming it (`target` in the error), before anything is stored or sent.
 pub(crate) async fn prepare_dispatch(
     shared: &Arc<Shared>,
     conversation: &Conversation,
     operation_id: String,
-    target: &Target,
+    targets: &[Target],
     max_output_tokens: Option<u64>,
     settings: Settings,
 ) -> Result<Started, ApiError> {
+    let named = |mut error: ApiError, index: usize| {
+        if targets.len() > 1 {
+            match &mut error.extra {
+                Value::Object(extra) => {
+                    extra.insert("target".into(), json!(index));
+                }
+                extra => *extra = json!({"target": index}),
+            }
+        }
+        error
+    };
+    let mut prepared = Vec::with_capacity(targets.len());
+    for (index, target) in targets.iter().enumerate() {
+        match prepare_target(
+            shared,
+            conversation,
+            &operation_id,
+            target,
+            max_output_tokens,
+            &settings,
+        )
+        .await
+        {
+            Ok(Ok(one)) => prepared.push(one),
+            Ok(Err(mut early)) => {
+                if targets.len() > 1
+                    && let Early::Paused(reason) = &mut early
+                {
+                    reason["target"] = json!(index);
+                }
+                return Ok(Started::Early(early));
+            }
+            Err(error) => return Err(named(error, index)),
+        }
+    }
+    let mut prepared = prepared.into_iter();
+    let Some((manifest, body, policy)) = prepared.next() else {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidRequest,
+            "a dispatch needs a target",
+        ));
+    };
+    let fallbacks: Vec<turnstile_store::PreparedTarget> = prepared
+        .map(
+            |(manifest, request_bytes, policy)| turnstile_store::PreparedTarget {
+                manifest,
+                request_bytes,
+                policy,
+            },
+        )
+        .collect();
+    let outcome = if fallbacks.is_empty() {
+        shared
+            .ledger
+            .prepare_with_policy(&manifest, &body, policy.as_ref(), now())
+            .await
+    } else {
+        shared
+            .ledger
+            .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now())
+            .await
+    }
+    .map_err(ApiError::store)?;
+    use turnstile_store::PrepareOutcome as Stored;
+    let record = match outcome {
+        Stored::Created(record) | Stored::Existing(record) => record,
+        Stored::Conflict { .. } => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::OperationConflict,
+                "that operation id names a different request",
+            ));
+        }
+        Stored::StaleRevision { current } => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::RevisionConflict,
+                "the conversation moved while preparing",
+            )
+            .with(json!({"current_revision": current.0})));
+        }
+        Stored::NotFound => return Err(ApiError::not_found("conversation")),
+        Stored::Invalid(why) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::ManifestInvalid,
+                why,
+            ));
+        }
+    };
+    Ok(Started::Record(record))
+}
+
+/// One target's manifest, exact bytes and render policy (Err(Early): it cannot represent the
+/// graph).
+async fn prepare_target(
+    shared: &Arc<Shared>,
+    conversation: &Conversation,
+    operation_id: &str,
+    target: &Target,
+    max_output_tokens: Option<u64>,
+    settings: &Settings,
+) -> Result<Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>, Option<Value>), Early>, ApiError> {
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -821,7 +963,7 @@ pub(crate) async fn prepare_dispatch(
         )
     })?;
     let prepare_request = PrepareRequest {
-        operation_id: operation_id.clone(),
+        operation_id: operation_id.to_owned(),
         adapter,
         provider: Some(target.provider.clone()),
         model: target.model.clone(),
@@ -836,14 +978,14 @@ pub(crate) async fn prepare_dispatch(
     };
     let outcome = {
         let mut cache = shared.render_cache.lock().await;
-        prepare_with_settings(graph, &prepare_request, &settings, &shared.catalog, &mut cache)
+        prepare_with_settings(graph, &prepare_request, settings, &shared.catalog, &mut cache)
     };
     let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {
         PrepareOutcome::Prepared(prepared) => prepared,
         PrepareOutcome::Paused(pauses) => {
             let reason = json!({"code": "unrepresentable", "adapter": adapter.as_str(),
                                 "blocks": serde_json::to_value(&pauses).unwrap_or(Value::Null)});
-            return Ok(Started::Early(Early::Paused(reason)));
+            return Ok(Err(Early::Paused(reason)));
         }
         PrepareOutcome::OverBudget(over) => {
             return Err(ApiError::new(
@@ -859,44 +1001,7 @@ pub(crate) async fn prepare_dispatch(
     };
     // The render policy the manifest pins (`policy_digest`) is kept beside it, to be shown.
     let policy = serde_json::to_value(&prepared.rendered.policy).ok();
-    let outcome = shared
-        .ledger
-        .prepare_with_policy(
-            &prepared.manifest,
-            &prepared.rendered.body,
-            policy.as_ref(),
-            now(),
-        )
-        .await
-        .map_err(ApiError::store)?;
-    use turnstile_store::PrepareOutcome as Stored;
-    let record = match outcome {
-        Stored::Created(record) | Stored::Existing(record) => record,
-        Stored::Conflict { .. } => {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::OperationConflict,
-                "that operation id names a different request",
-            ));
-        }
-        Stored::StaleRevision { current } => {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::RevisionConflict,
-                "the conversation moved while preparing",
-            )
-            .with(json!({"current_revision": current.0})));
-        }
-        Stored::NotFound => return Err(ApiError::not_found("conversation")),
-        Stored::Invalid(why) => {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                ErrorCode::ManifestInvalid,
-                why,
-            ));
-        }
-    };
-    Ok(Started::Record(record))
+    Ok(Ok((prepared.manifest, prepared.rendered.body, policy)))
 }
 
 /// The client-event hub of a dispatch: its live hub in this process, a new driver for a
@@ -1063,13 +1168,47 @@ async fn context_with(
         )
     })?;
     let model = manifest["model"].as_str().unwrap_or("").to_owned();
-    let endpoint = shared.endpoints.get(&record.provider).cloned().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::UnknownProvider,
-            format!("provider {:?} is not configured", record.provider),
-        )
-    })?;
+    let endpoint_of = |provider: &str| {
+        shared.endpoints.get(provider).cloned().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::UnknownProvider,
+                format!("provider {provider:?} is not configured"),
+            )
+        })
+    };
+    let endpoint = endpoint_of(&record.provider)?;
+    let mut targets = vec![super::driver::TargetContext {
+        api,
+        model: model.clone(),
+        endpoint: endpoint.clone(),
+        request_digest: record.request_digest.clone(),
+        request_bytes: Arc::new(record.request_bytes.clone()),
+        provider: record.provider.clone(),
+    }];
+    // Failover targets, each with its own manifest and bytes (none for most dispatches).
+    for target in shared
+        .ledger
+        .dispatch_fallbacks(&record.operation_id)
+        .await
+        .map_err(ApiError::store)?
+    {
+        let api = StreamApi::for_adapter(&target.adapter).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::UnknownAdapter,
+                format!("stored adapter {:?}", target.adapter),
+            )
+        })?;
+        targets.push(super::driver::TargetContext {
+            api,
+            endpoint: endpoint_of(&target.provider)?,
+            model: target.model,
+            request_digest: target.request_digest,
+            request_bytes: Arc::new(target.request_bytes),
+            provider: target.provider,
+        });
+    }
     let known = known.filter(|conversation| {
         conversation.conversation_id == record.conversation_id && conversation.revision == record.revision
     });
@@ -1122,6 +1261,7 @@ async fn context_with(
         api,
         model,
         endpoint,
+        targets,
         toolset,
         call_ids_taken,
         hub,
@@ -1190,10 +1330,35 @@ pub async fn get_dispatch(
         .dispatch_policy(&store_id)
         .await
         .map_err(ApiError::store)?;
+    let fallbacks = shared
+        .ledger
+        .dispatch_fallbacks(&store_id)
+        .await
+        .map_err(ApiError::store)?;
+    // Every target: the dispatch's own manifest, then its failover targets, each with the
+    // manifest its attempts sent.
+    let text = |manifest: &Value, field: &str| manifest[field].as_str().unwrap_or_default().to_owned();
+    let mut targets = vec![
+        json!({"position": 0, "provider": record.provider, "model": text(&record.manifest, "model"),
+                                  "adapter": text(&record.manifest, "adapter"), "manifest_digest": record.manifest_digest,
+                                  "request_digest": record.request_digest}),
+    ];
+    for target in &fallbacks {
+        targets.push(
+            json!({"position": target.position, "provider": target.provider, "model": target.model,
+                            "adapter": target.adapter, "manifest_digest": target.manifest_digest,
+                            "request_digest": target.request_digest, "manifest": target.manifest,
+                            "request_body": String::from_utf8_lossy(&target.request_bytes)}),
+        );
+    }
     let attempts: Vec<Value> = attempts
         .into_iter()
         .map(|attempt| {
+            let target = &targets[(attempt.target as usize).min(targets.len() - 1)];
             json!({"generation": attempt.generation.0, "state": attempt.state.as_str(), "handle": attempt.handle,
+                   "target": attempt.target, "provider": target["provider"], "model": target["model"],
+                   "adapter": target["adapter"], "manifest_digest": target["manifest_digest"],
+                   "request_digest": attempt.request_digest,
                    "end_reason": attempt.end_reason, "confirmed_over": attempt.confirmed_over,
                    "resumes": attempt.resumes, "replays": attempt.replays,
                    "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
@@ -1201,7 +1366,7 @@ pub async fn get_dispatch(
         .collect();
     let mut body = json!({"operation_id": operation_id, "state": record.state.as_str(), "manifest": record.manifest,
                    "request_digest": record.request_digest, "request_body": String::from_utf8_lossy(&record.request_bytes),
-                   "attempts": attempts});
+                   "attempts": attempts, "targets": targets});
     // The committed attempt's stop reason and usage, as the provider reported them (traces
     // carry the same numbers).
     body["outcome"] = record.outcome.clone().unwrap_or(Value::Null);

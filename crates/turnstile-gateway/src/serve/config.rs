@@ -72,6 +72,13 @@ pub struct Config {
     /// bytes (0: none). Past it the dispatch holding the most ends (`output_budget_exhausted`).
     #[serde(default = "output_bytes_default")]
     pub provider_output_bytes_max: u64,
+    /// Failover's circuit breaker: consecutive failures of one target (`provider/model`) that
+    /// make it cool down (`breaker.rs`).
+    #[serde(default = "breaker_failures_default")]
+    pub failover_breaker_failures: u32,
+    /// How long a target whose breaker opened is skipped while another target is left.
+    #[serde(default = "breaker_cooldown_default")]
+    pub failover_cooldown_ms: u64,
     /// Replica id used as lease holder (default: host, process id and a start nonce).
     #[serde(default)]
     pub replica_id: Option<String>,
@@ -150,6 +157,24 @@ pub struct Route {
     /// it must speak `api`.
     #[serde(default)]
     pub original_provider: Option<String>,
+    /// Failover targets, in order, tried while nothing of the dispatch is committed
+    /// (`shared/spec/gateway-api.md`, "Failover"). Each renders its own request from the same
+    /// history; its adapter's API may differ from the route's.
+    #[serde(default)]
+    pub fallbacks: Vec<Fallback>,
+}
+
+/// One failover target of a route.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fallback {
+    /// Provider (`sim` or a configured provider).
+    pub provider: String,
+    /// Adapter id.
+    pub adapter: String,
+    /// Model (default: the route's `target_model`, else the client's).
+    #[serde(default)]
+    pub target_model: Option<String>,
 }
 
 impl Route {
@@ -163,6 +188,12 @@ impl Route {
     }
 }
 
+fn breaker_failures_default() -> u32 {
+    super::breaker::FAILURES_DEFAULT
+}
+fn breaker_cooldown_default() -> u64 {
+    super::breaker::COOLDOWN_MS_DEFAULT
+}
 fn any_model() -> String {
     "*".into()
 }
@@ -313,6 +344,26 @@ impl Config {
             if let Some(original) = &route.original_provider {
                 if !known(original) {
                     return Err(format!("routes[{index}]: unknown original_provider {original:?}"));
+                }
+            }
+            if route.fallbacks.len() + 1 > turnstile_store::TARGETS_PER_DISPATCH_MAX {
+                return Err(format!(
+                    "routes[{index}]: at most {} fallbacks",
+                    turnstile_store::TARGETS_PER_DISPATCH_MAX - 1
+                ));
+            }
+            for (position, fallback) in route.fallbacks.iter().enumerate() {
+                if fallback.adapter.parse::<turnstile_adapters::AdapterId>().is_err() {
+                    return Err(format!(
+                        "routes[{index}].fallbacks[{position}]: unknown adapter {:?}",
+                        fallback.adapter
+                    ));
+                }
+                if !known(&fallback.provider) {
+                    return Err(format!(
+                        "routes[{index}].fallbacks[{position}]: unknown provider {:?}",
+                        fallback.provider
+                    ));
                 }
             }
         }

@@ -43,10 +43,37 @@ pub struct DriveContext {
     pub toolset: Option<Arc<Toolset>>,
     /// Call ids already in the history.
     pub call_ids_taken: HashSet<String>,
+    /// Every target of the dispatch, its own manifest (the fields above) first, then its
+    /// failover targets in order.
+    pub targets: Vec<TargetContext>,
     /// Where client events go.
     pub hub: Arc<Hub>,
     /// The trace context of the request that started the dispatch (`traces.rs`).
     pub trace_parent: traces::Parent,
+}
+
+/// One target of a dispatch: where its attempts go and what they send.
+#[derive(Clone)]
+pub struct TargetContext {
+    /// Which stream format its provider speaks.
+    pub api: StreamApi,
+    /// Model name from its manifest.
+    pub model: String,
+    /// Where to send.
+    pub endpoint: Endpoint,
+    /// Its manifest's `request_digest` and the stored bytes.
+    pub request_digest: String,
+    /// The stored bytes.
+    pub request_bytes: Arc<Vec<u8>>,
+    /// Provider name (metrics: `provider/model`).
+    pub provider: String,
+}
+
+impl TargetContext {
+    /// How metrics and the circuit breaker name it.
+    pub fn label(&self) -> String {
+        format!("{}/{}", self.provider, self.model)
+    }
 }
 
 fn provider_recovery(endpoint: &Endpoint, api: StreamApi) -> ProviderRecovery {
@@ -58,14 +85,33 @@ fn provider_recovery(endpoint: &Endpoint, api: StreamApi) -> ProviderRecovery {
 }
 
 async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
+    let (attempts_before, last_target) =
+        turnstile_store::drive::attempts_so_far(shared.ledger.as_ref(), &ctx.record).await;
+    let targets = ctx
+        .targets
+        .iter()
+        .map(|target| turnstile_drive::DriveTarget {
+            request_digest: target.request_digest.clone(),
+            request_bytes: target.request_bytes.clone(),
+            api: target.api,
+            recovery: provider_recovery(&target.endpoint, target.api),
+            label: target.label(),
+        })
+        .collect();
+    let cooling = ctx
+        .targets
+        .iter()
+        .map(|target| shared.breaker.cooling(&target.label(), now()))
+        .collect();
     DriveSpec {
         basis: turnstile_store::drive::basis_of(&ctx.record),
-        api: ctx.api,
-        recovery: provider_recovery(&ctx.endpoint, ctx.api),
+        targets,
+        cooling,
+        last_target,
         toolset: ctx.toolset.clone(),
         call_ids_taken: ctx.call_ids_taken.clone(),
         lease_ms: shared.lease_ms,
-        attempts_before: turnstile_store::drive::attempts_before(shared.ledger.as_ref(), &ctx.record).await,
+        attempts_before,
         timeouts: shared.timeouts,
     }
 }
@@ -83,9 +129,10 @@ pub async fn drive_recovered(
     ctx: DriveContext,
     attempt: UnknownAttempt,
     spent: turnstile_drive::RecoverySpent,
+    target: u32,
 ) {
     let spec = spec_of(&shared, &ctx).await;
-    let drive = Drive::recovered(spec, &attempt, spent, now());
+    let drive = Drive::recovered(spec, &attempt, spent, target, now());
     run(shared, ctx, drive).await;
 }
 
@@ -95,6 +142,8 @@ struct Pump {
     ctx: DriveContext,
     sender: mpsc::Sender<(ConnectionId, TransportEvent)>,
     connections: HashMap<ConnectionId, JoinHandle<()>>,
+    /// Which target each connection went to (the circuit breaker's record of outcomes).
+    provider_of: HashMap<ConnectionId, usize>,
     /// This dispatch's spans (a no-op when traces are off).
     trace: traces::Hook,
 }
@@ -113,6 +162,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         ctx,
         sender,
         connections: HashMap::new(),
+        provider_of: HashMap::new(),
         trace,
     };
     // What this dispatch holds of the process-wide output budget (given back when it ends).
@@ -133,7 +183,10 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 }
                 pump.trace.transport(connection, &event);
                 match event {
-                    TransportEvent::Head { status } => drive.handle_head(now(), connection, status),
+                    TransportEvent::Head { status, retry_after_ms } => {
+                        pump.provider_outcome(connection, Some(status), retry_after_ms);
+                        drive.handle_head(now(), connection, status);
+                    }
                     TransportEvent::Chunk(bytes) => {
                         let over = share.take(bytes.len() as u64);
                         metrics::output_bytes(pump.shared.output_budget.held());
@@ -157,6 +210,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                     }
                     TransportEvent::Unreachable(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
+                        pump.provider_outcome(connection, None, None);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Unreachable);
                     }
@@ -250,10 +304,11 @@ impl Pump {
                 Action::Open {
                     connection,
                     generation,
+                    target,
                     request,
                 } => {
                     let trace_headers = self.trace.open(connection, generation.0, &request);
-                    self.open(drive, connection, request, trace_headers);
+                    self.open(drive, connection, target, request, trace_headers);
                 }
                 Action::Close { connection } => {
                     if let Some(task) = self.connections.remove(&connection) {
@@ -280,30 +335,34 @@ impl Pump {
         &mut self,
         drive: &Drive,
         connection: ConnectionId,
+        target: u32,
         request: Request,
         trace_headers: Vec<(String, String)>,
     ) {
+        let index = (target as usize).min(self.ctx.targets.len() - 1);
+        let to = &self.ctx.targets[index];
+        self.provider_of.insert(connection, index);
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
-                &self.ctx.endpoint,
-                self.ctx.api,
-                &self.ctx.model,
-                drive.request_bytes().as_ref().clone(),
+                &to.endpoint,
+                to.api,
+                &to.model,
+                drive.request_bytes(target).as_ref().clone(),
                 &idempotency_key,
             ),
             Request::Resume {
                 handle,
                 after_sequence,
-            } => transport::resume_request(&self.ctx.endpoint, &handle, after_sequence),
-            Request::Status { handle } => transport::status_request(&self.ctx.endpoint, &handle),
-            Request::Cancel { handle } => transport::cancel_request(&self.ctx.endpoint, &handle),
+            } => transport::resume_request(&to.endpoint, &handle, after_sequence),
+            Request::Status { handle } => transport::status_request(&to.endpoint, &handle),
+            Request::Cancel { handle } => transport::cancel_request(&to.endpoint, &handle),
         };
         outgoing.headers.extend(trace_headers);
         let (forward, mut events) = mpsc::channel(TRANSPORT_QUEUE_MAX);
         let sender = self.sender.clone();
         let client = self.shared.client.clone();
-        let endpoint = self.ctx.endpoint.clone();
-        let api = self.ctx.api;
+        let endpoint = to.endpoint.clone();
+        let api = to.api;
         let idle = self.shared.idle;
         let task = tokio::spawn(async move {
             let relay = async move {
@@ -319,6 +378,26 @@ impl Pump {
             );
         });
         self.connections.insert(connection, task);
+    }
+
+    /// Tell the circuit breaker how a connection's target answered: a response head (`status`)
+    /// or no connection at all (None).
+    fn provider_outcome(&self, connection: ConnectionId, status: Option<u16>, retry_after_ms: Option<u64>) {
+        let Some(target) = self
+            .provider_of
+            .get(&connection)
+            .and_then(|&index| self.ctx.targets.get(index))
+        else {
+            return;
+        };
+        match status {
+            Some(status) if (200..300).contains(&status) => self.shared.breaker.success(&target.label()),
+            status if turnstile_drive::fails_over_on(status) => {
+                let retry_after = retry_after_ms.filter(|_| status == Some(429));
+                self.shared.breaker.failure(&target.label(), retry_after, now());
+            }
+            _ => {}
+        }
     }
 
     fn emit(&self, event: DriveEvent) {
@@ -388,6 +467,14 @@ impl Pump {
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
             Count::Ignored(reason) => metrics::ignored(reason),
             Count::Timeout => metrics::bump(metrics::PROVIDER_TIMEOUTS),
+            Count::Failover { from, to, reason } => {
+                // Statuses and refused connections were told to the breaker as they arrived.
+                if !reason.starts_with("provider_status_") && reason != "provider_unreachable" {
+                    self.shared.breaker.failure(&from, None, now());
+                }
+                tracing::info!(operation_id = %self.ctx.record.operation_id, %from, %to, %reason, "failover");
+                metrics::failover(&from, &to, &reason);
+            }
         }
     }
 }

@@ -50,6 +50,8 @@ pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
 pub const OUTPUT_SHED: &str = "turnstile_provider_output_shed_total";
 /// Provider output bytes held in memory by all dispatches of this process.
 pub const OUTPUT_BYTES: &str = "turnstile_provider_output_bytes";
+/// Dispatches that moved from one target to the next, by target (`provider/model`) and reason.
+pub const FAILOVERS: &str = "turnstile_failovers_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
 pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
 /// Claims granted to executors on the tool-call ledger (takeovers of expired claims included).
@@ -158,6 +160,12 @@ pub fn rejected_codes(codes: &[ViolationCode]) {
 /// Count an input the driver ignored.
 pub fn ignored(reason: &'static str) {
     counter!(DRIVER_IGNORED, "reason" => reason).increment(1);
+}
+
+/// Count a failover.
+pub fn failover(from: &str, to: &str, reason: &str) {
+    counter!(FAILOVERS, "from" => from.to_owned(), "to" => to.to_owned(), "reason" => reason.to_owned())
+        .increment(1);
 }
 
 /// Count a dispatch transition.

@@ -4,6 +4,7 @@
 //! listener stops, in-flight responses finish.
 
 pub mod api;
+pub mod breaker;
 pub mod budget;
 pub mod config;
 pub mod driver;
@@ -72,6 +73,8 @@ pub struct Shared {
     pub feed: Arc<feed::Feed>,
     /// The newest proxy refusals (`GET /v1/proxy/refusals`).
     pub refusals: proxy::refusals::Refusals,
+    /// Per-target failure counts and cool-downs for failover (`breaker.rs`).
+    pub breaker: breaker::Breaker,
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -270,6 +273,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         shadow: proxy::shadow::Diffs::new(config.shadow_diffs_max, config.shadow_body_bytes_max),
         feed: feed.clone(),
         refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max, feed),
+        breaker: breaker::Breaker::new(config.failover_breaker_failures, config.failover_cooldown_ms),
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
     });
 
@@ -334,13 +338,20 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
                 record,
                 attempt,
                 spent,
-            } => (record, Some((attempt, spent))),
+                target,
+            } => (record, Some((attempt, spent, target))),
             turnstile_store::drive::Recoverable::Prepared { record } => (record, None),
         };
         match api::context_for(shared, record, hub.clone()).await {
             Ok(ctx) => match attempt {
-                Some((unknown, spent)) => {
-                    tokio::spawn(driver::drive_recovered(shared.clone(), ctx, unknown, spent));
+                Some((unknown, spent, target)) => {
+                    tokio::spawn(driver::drive_recovered(
+                        shared.clone(),
+                        ctx,
+                        unknown,
+                        spent,
+                        target,
+                    ));
                 }
                 None => {
                     tracing::info!(%operation_id, "driving a PREPARED dispatch nobody drives");

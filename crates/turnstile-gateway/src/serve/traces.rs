@@ -539,7 +539,7 @@ impl Hook {
     pub fn transport(&mut self, connection: ConnectionId, event: &super::transport::TransportEvent) {
         use super::transport::TransportEvent;
         match event {
-            TransportEvent::Head { status } => self.head(connection, *status),
+            TransportEvent::Head { status, .. } => self.head(connection, *status),
             TransportEvent::Chunk(_) => {}
             TransportEvent::End => self.ended(connection, Ending::Clean),
             TransportEvent::Broken(_) => self.ended(connection, Ending::Broken),

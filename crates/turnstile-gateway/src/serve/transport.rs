@@ -19,6 +19,8 @@ pub enum TransportEvent {
     Head {
         /// HTTP status.
         status: u16,
+        /// Its `retry-after`, in milliseconds (delta-seconds only), if any.
+        retry_after_ms: Option<u64>,
     },
     /// Body bytes.
     Chunk(Bytes),
@@ -182,6 +184,11 @@ pub async fn perform(
     if events
         .send(TransportEvent::Head {
             status: response.status().as_u16(),
+            retry_after_ms: response
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(super::breaker::retry_after_ms),
         })
         .await
         .is_err()

@@ -5,6 +5,7 @@ mod assemble;
 mod console;
 mod console_api;
 mod executor;
+mod failover;
 mod listener;
 mod proxy;
 mod proxy_sdk;

@@ -59,6 +59,7 @@ suite!(
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
     an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_writes_them,
     the_render_policy_is_kept_with_its_dispatch_only_when_it_hashes_to_policy_digest,
+    failover_targets_keep_their_own_manifests_and_each_attempt_records_the_one_it_sent,
     conversations_are_listed_newest_first_paged_searched_and_tenant_scoped,
     conversation_listing_filters_by_last_dispatch_and_pending_calls,
     the_quarantine_pages_newest_first_within_a_prefix,
@@ -94,6 +95,144 @@ pub async fn the_render_policy_is_kept_with_its_dispatch_only_when_it_hashes_to_
     ));
     assert_eq!(store.dispatch_policy("op-p").await.unwrap(), Some(policy));
     assert_eq!(store.dispatch_policy("op-none").await.unwrap(), None);
+}
+
+/// A dispatch with failover targets: each target's manifest and bytes are stored beside the
+/// dispatch's own in the prepare's transaction; a re-prepare with the same targets is
+/// `Existing`, with other targets `Conflict`; a fallback for another revision is refused; a
+/// begin records the target and that target's request digest on its attempt; a handle binds
+/// to the manifest its attempt sent.
+pub async fn failover_targets_keep_their_own_manifests_and_each_attempt_records_the_one_it_sent(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (primary, primary_bytes) = manifest("op-f", "c", 1, "m-a");
+    let fallback_of = |model: &str, provider: &str| {
+        let bytes = format!("{{\"model\":\"{model}\",\"op\":\"op-f\"}}").into_bytes();
+        let mut body = primary.body.clone();
+        body.model = model.into();
+        body.provider = provider.into();
+        body.adapter = "openai-chat@2".into();
+        body.request_digest = turnstile_core::Digest::of_bytes(&bytes);
+        PreparedTarget {
+            manifest: body.seal(),
+            request_bytes: bytes,
+            policy: None,
+        }
+    };
+    let fallback = fallback_of("m-b", "b");
+    // A fallback for another revision is not this dispatch's.
+    let mut stale = fallback_of("m-b", "b");
+    let mut body = stale.manifest.body.clone();
+    body.conversation_revision = Revision(2);
+    stale.manifest = body.seal();
+    assert!(matches!(
+        store
+            .prepare_targets(&primary, &primary_bytes, None, &[stale], at(9))
+            .await
+            .unwrap(),
+        PrepareOutcome::Invalid(_)
+    ));
+    assert!(store.dispatch("op-f").await.unwrap().is_none(), "nothing stored");
+    assert!(matches!(
+        store
+            .prepare_targets(
+                &primary,
+                &primary_bytes,
+                None,
+                std::slice::from_ref(&fallback),
+                at(10)
+            )
+            .await
+            .unwrap(),
+        PrepareOutcome::Created(_)
+    ));
+    assert!(matches!(
+        store
+            .prepare_targets(
+                &primary,
+                &primary_bytes,
+                None,
+                std::slice::from_ref(&fallback),
+                at(11)
+            )
+            .await
+            .unwrap(),
+        PrepareOutcome::Existing(_)
+    ));
+    for other in [vec![], vec![fallback_of("m-c", "b")]] {
+        assert!(
+            matches!(
+                store
+                    .prepare_targets(&primary, &primary_bytes, None, &other, at(12))
+                    .await
+                    .unwrap(),
+                PrepareOutcome::Conflict { .. }
+            ),
+            "other targets under the same operation id"
+        );
+    }
+    let targets = store.dispatch_fallbacks("op-f").await.unwrap();
+    assert_eq!(targets.len(), 1);
+    assert_eq!(
+        (
+            targets[0].position,
+            targets[0].provider.as_str(),
+            targets[0].model.as_str()
+        ),
+        (1, "b", "m-b")
+    );
+    assert_eq!(targets[0].request_bytes, fallback.request_bytes);
+    assert_eq!(
+        targets[0].manifest_digest,
+        fallback.manifest.manifest_digest.as_str()
+    );
+    // Target 1 begins: its attempt records it and its own digest.
+    let expect = |target| BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+        target,
+    };
+    assert!(
+        matches!(
+            store
+                .begin_attempt("op-f", expect(7), &lease("a", 1_000), at(20))
+                .await
+                .unwrap(),
+            BeginOutcome::Refused { .. }
+        ),
+        "no such target"
+    );
+    let BeginOutcome::Began { generation, .. } = store
+        .begin_attempt("op-f", expect(1), &lease("a", 1_000), at(21))
+        .await
+        .unwrap()
+    else {
+        panic!("begin refused");
+    };
+    let attempts = store.attempts("op-f").await.unwrap();
+    assert_eq!(attempts[0].target, 1);
+    assert_eq!(
+        attempts[0].request_digest,
+        fallback.manifest.body.request_digest.as_str()
+    );
+    // Its handle belongs to the fallback's manifest (and provider).
+    assert_eq!(
+        store
+            .bind_handle("op-f", generation, "msg_1", at(22))
+            .await
+            .unwrap(),
+        BindOutcome::Bound
+    );
+    assert_eq!(
+        store
+            .bind_handle("op-f", generation, "msg_1", at(23))
+            .await
+            .unwrap(),
+        BindOutcome::AlreadyBound
+    );
 }
 
 /// The per-generation recovery budgets and the attempt's story live in the store: every
@@ -205,6 +344,7 @@ pub async fn an_attempt_s_resumes_replays_and_end_reasons_are_durable_whoever_wr
             BeginExpect {
                 revision: Revision(1),
                 cancel_generation: 0,
+                target: 0,
             },
             &Lease {
                 holder: "replica-a".into(),
@@ -246,6 +386,7 @@ pub async fn a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     // A lease far in the store's future: not stuck.
     let store_now = store.store_now().await.unwrap().0;
@@ -436,6 +577,7 @@ pub async fn begin_allocates_a_durable_generation_once_and_refuses_a_second_begi
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     assert_eq!(
         store
@@ -600,6 +742,7 @@ pub async fn a_commit_from_another_generation_is_refused_quarantined_and_counted
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     let BeginOutcome::Began {
         generation: second, ..
@@ -723,6 +866,7 @@ pub async fn a_cancel_bumps_the_cancel_generation_and_a_begin_with_the_old_one_l
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     assert!(matches!(
         store
@@ -1022,6 +1166,7 @@ pub async fn startup_recovery_marks_live_attempts_unknown_but_not_another_replic
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     let _ = store
         .begin_attempt("op-theirs", expect, &lease("replica-b", 50_000), at(11))
@@ -1105,6 +1250,7 @@ pub async fn recovery_after_a_dead_lease_resends_the_stored_bytes_under_a_new_ge
             BeginExpect {
                 revision: record.revision,
                 cancel_generation: record.cancel_generation,
+                target: 0,
             },
             &lease("replica-a", 10_000),
             at(5_001),
@@ -1141,6 +1287,7 @@ pub async fn a_drop_before_commit_leaves_nothing_and_a_retry_succeeds(backend: B
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     store.faults().arm(Fault::DropBeforeCommit);
     assert!(
@@ -1181,6 +1328,7 @@ pub async fn a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn(
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     store.faults().arm(Fault::DropAfterCommit);
     assert!(

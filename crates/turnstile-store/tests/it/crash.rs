@@ -47,6 +47,7 @@ async fn step(store: &Store, index: usize, sent: &mut SentLog) -> Result<(), Sto
             let expect = BeginExpect {
                 revision: Revision(1),
                 cancel_generation: 0,
+                target: 0,
             };
             let outcome = store
                 .begin_attempt(OPERATION, expect, &lease(HOLDER, 5_000), at(4))
@@ -170,6 +171,7 @@ async fn finish(store: &Store, sent: &mut SentLog) {
                 let expect = BeginExpect {
                     revision: record.revision,
                     cancel_generation: record.cancel_generation,
+                    target: 0,
                 };
                 let BeginOutcome::Began { generation, .. } = store
                     .begin_attempt(OPERATION, expect, &lease(HOLDER, now + 5_000), at(now))
@@ -330,6 +332,7 @@ async fn child_lifecycle(store: &SqliteLedger, tag: &str, sent: &std::sync::Mute
     let expect = BeginExpect {
         revision: Revision(1),
         cancel_generation: 0,
+        target: 0,
     };
     let BeginOutcome::Began { generation, .. } = store
         .begin_attempt(&operation_id, expect, &lease("child", 5_000), at(11))

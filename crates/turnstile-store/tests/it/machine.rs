@@ -71,6 +71,7 @@ async fn drive(
                 let expect = BeginExpect {
                     revision: expected_revision,
                     cancel_generation: expected_cancel_generation,
+                    target: 0,
                 };
                 let lease = Lease {
                     holder: holder.into(),

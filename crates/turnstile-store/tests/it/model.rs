@@ -254,6 +254,7 @@ async fn apply(store: &Store, model: &Model, operation: &Op, index: usize) -> Se
             let expect = BeginExpect {
                 revision: record.revision,
                 cancel_generation: record.cancel_generation,
+                target: 0,
             };
             match store
                 .begin_attempt(&operation_id(op), expect, &lease("r", 1_000_000), now)

@@ -128,6 +128,7 @@ pub async fn many_tasks_on_two_replicas_racing_one_operation_id_make_exactly_one
                 let expect = BeginExpect {
                     revision: record.revision,
                     cancel_generation: record.cancel_generation,
+                    target: 0,
                 };
                 tasks.spawn(async move {
                     store
@@ -233,6 +234,7 @@ pub async fn two_generations_and_a_cancel_racing_leave_exactly_one_winner(backen
             let expect = BeginExpect {
                 revision: Revision(1),
                 cancel_generation: 0,
+                target: 0,
             };
             let BeginOutcome::Began {
                 generation: second, ..

@@ -217,6 +217,7 @@ pub async fn prepared_and_begun(
             BeginExpect {
                 revision: record.revision,
                 cancel_generation: record.cancel_generation,
+                target: 0,
             },
             &lease("replica-a", 5_000),
             at(11),

@@ -75,6 +75,8 @@ pub struct RouteSpec {
     pub target_model: Option<String>,
     /// Where the original bytes go.
     pub original_provider: String,
+    /// Failover targets, in order.
+    pub fallbacks: Vec<super::config::Fallback>,
 }
 
 fn mode_label(mode: Mode) -> &'static str {
@@ -109,6 +111,7 @@ fn route_for(routes: &[Route], api: Api, model: &str) -> Option<RouteSpec> {
             adapter: newest_adapter(api),
             target_model: None,
             original_provider: "sim".into(),
+            fallbacks: Vec::new(),
         });
     }
     let route = routes.iter().find(|route| route.matches(api.as_str(), model))?;
@@ -123,6 +126,7 @@ fn route_for(routes: &[Route], api: Api, model: &str) -> Option<RouteSpec> {
             .original_provider
             .clone()
             .unwrap_or_else(|| route.provider.clone()),
+        fallbacks: route.fallbacks.clone(),
     })
 }
 
@@ -723,19 +727,26 @@ async fn serve_ours(
         }
     };
     let client_model = imported.model.clone();
-    let target = Target {
+    let model = route
+        .target_model
+        .clone()
+        .unwrap_or_else(|| imported.model.clone());
+    // The route's target, then its fallbacks (each its own adapter and model), in order.
+    let mut targets = vec![Target {
         provider: route.provider.clone(),
-        model: route
-            .target_model
-            .clone()
-            .unwrap_or_else(|| imported.model.clone()),
+        model: model.clone(),
         adapter: route.adapter.as_str().to_owned(),
-    };
+    }];
+    targets.extend(route.fallbacks.iter().map(|fallback| Target {
+        provider: fallback.provider.clone(),
+        model: fallback.target_model.clone().unwrap_or_else(|| model.clone()),
+        adapter: fallback.adapter.clone(),
+    }));
     let started = api::prepare_dispatch(
         shared,
         &conversation,
         operation_id.clone(),
-        &target,
+        &targets,
         imported.max_output_tokens,
         turnstile_adapters::prepare::Settings {
             sampling: imported.sampling.clone(),

@@ -1,0 +1,468 @@
+//! Issue 20: failover that never splices. Two simulators are two providers (`sim` and `b`);
+//! every trigger of the spec (429, 503, a refused connection, no response head, a stream cut
+//! before its stop signal) moves the dispatch to its next target while nothing is committed.
+//! Each test checks: exactly one canonical turn, from the fallback; every body each provider
+//! received hashes to its own attempt's manifest; the fallback's body carries nothing of the
+//! first answer; the client stream shows the first target's retract.
+
+use crate::serve::{
+    Gateway, assert_safety_metrics_zero, assistant_turns, client, client_events, conversation_with_question,
+    hex, history_is_legal, named, sqlite,
+};
+use crate::sim::SimProcess;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+
+const FALLBACK_TEXT: &str = "The fallback answers: sunny in Paris.";
+
+fn sha(body: &str) -> String {
+    format!("sha256:{}", hex(&Sha256::digest(body.as_bytes())))
+}
+
+/// Bodies a simulator received for `model` (the model name is in every wire format's body or
+/// path).
+fn bodies_for(sim: &SimProcess, model: &str) -> Vec<String> {
+    sim.requests()
+        .into_iter()
+        .filter(|request| {
+            request["path"].as_str().is_some_and(|path| path.contains(model))
+                || request["body"].as_str().is_some_and(|body| body.contains(model))
+        })
+        .filter_map(|request| request["body"].as_str().map(str::to_owned))
+        .filter(|body| !body.is_empty())
+        .collect()
+}
+
+/// A gateway whose provider `b` is the second simulator, plus `extra` config.
+fn gateway_with_fallback(dir: &tempfile::TempDir, sim: &SimProcess, b: &SimProcess, extra: &str) -> Gateway {
+    Gateway::start(
+        dir,
+        &sqlite(dir),
+        sim,
+        &format!("{extra}\n[providers.b]\nbase_url = \"{}\"\n", b.base),
+    )
+}
+
+fn stream_dispatch(gateway: &Gateway, conversation: &str, body: &Value) -> Vec<(String, Value)> {
+    let response = client()
+        .post(format!(
+            "{}/v1/conversations/{conversation}/dispatch",
+            gateway.base
+        ))
+        .json(body)
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut text = String::new();
+    std::io::BufReader::new(response)
+        .read_to_string(&mut text)
+        .unwrap();
+    client_events(&text)
+}
+
+/// The committed turn's text blocks, joined.
+fn committed_text(turn: &Value) -> String {
+    turn["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|block| block["text"].as_str())
+        .collect()
+}
+
+/// The checks every failover shares: one canonical turn (the fallback's), two attempts on two
+/// targets with their own manifests, and every sent body equal to its attempt's manifest.
+fn assert_failed_over(
+    gateway: &Gateway,
+    operation: &str,
+    conversation: &str,
+    first: (&SimProcess, &str),
+    fallback: (&SimProcess, &str),
+) -> Value {
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    let last = attempts.last().unwrap();
+    assert_eq!(last["state"], "COMMITTED", "{dispatch}");
+    assert_eq!(last["provider"], "b", "the fallback committed: {dispatch}");
+    assert_eq!(last["model"], fallback.1, "{dispatch}");
+    assert_eq!(attempts[0]["model"], first.1, "{dispatch}");
+    assert_ne!(
+        attempts[0]["manifest_digest"], last["manifest_digest"],
+        "each target has its own manifest: {dispatch}"
+    );
+    for attempt in attempts {
+        let target = &dispatch["targets"][attempt["target"].as_u64().unwrap() as usize];
+        assert_eq!(attempt["request_digest"], target["request_digest"], "{dispatch}");
+        assert_eq!(
+            attempt["manifest_digest"], target["manifest_digest"],
+            "{dispatch}"
+        );
+    }
+    // Every body each provider got hashes to the request digest of the attempt that sent it.
+    let first_digest = attempts[0]["request_digest"].as_str().unwrap();
+    let fallback_digest = last["request_digest"].as_str().unwrap();
+    let fallback_bodies = bodies_for(fallback.0, fallback.1);
+    assert!(!fallback_bodies.is_empty(), "the fallback was called");
+    for body in &fallback_bodies {
+        assert_eq!(
+            sha(body),
+            fallback_digest,
+            "a fallback body off its manifest: {body}"
+        );
+    }
+    for body in bodies_for(first.0, first.1) {
+        assert_eq!(
+            sha(&body),
+            first_digest,
+            "a first-target body off its manifest: {body}"
+        );
+    }
+    // One canonical turn, the fallback's, and a legal history.
+    let document = history_is_legal(gateway, conversation);
+    assert_eq!(assistant_turns(&document), 1, "{document}");
+    let turn = document["turns"].as_array().unwrap().last().unwrap();
+    assert_eq!(committed_text(turn), FALLBACK_TEXT, "{turn}");
+    assert_eq!(turn["generation"], last["generation"], "{turn}");
+    assert_safety_metrics_zero(gateway);
+    dispatch
+}
+
+#[test]
+fn a_refusal_429_or_503_moves_a_streamed_dispatch_to_the_fallback_and_commits_once() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(&dir, &sim, &b, "");
+    for status in [429u16, 503] {
+        let conversation = format!("c-fo-{status}");
+        let (first, fallback) = (format!("m-first-{status}"), format!("m-fb-{status}"));
+        conversation_with_question(&gateway, &conversation);
+        sim.script(&first, json!([{"text": "never", "faults": {"status": status}}]));
+        b.script(&fallback, json!([{"text": FALLBACK_TEXT}]));
+        let operation = format!("op-fo-{status}");
+        let body = json!({"operation_id": operation, "stream": true, "targets": [
+            {"provider": "sim", "model": first, "adapter": "anthropic-messages@2"},
+            {"provider": "b", "model": fallback, "adapter": "anthropic-messages@2"}]});
+        let events = stream_dispatch(&gateway, &conversation, &body);
+        let committed = named(&events, "committed");
+        assert_eq!(committed.len(), 1, "{events:?}");
+        assert_eq!(committed_text(&committed[0]["turn"]), FALLBACK_TEXT);
+        assert!(
+            named(&events, "error").is_empty(),
+            "a failover is no error: {events:?}"
+        );
+        assert!(
+            named(&events, "state")
+                .iter()
+                .all(|state| state["state"] != "FAILED"),
+            "the refused attempt is not the dispatch's end: {events:?}"
+        );
+        let retracts = named(&events, "retract");
+        assert!(
+            retracts
+                .iter()
+                .any(|retract| retract["generation"] == 1 && retract["reason"] == "failover"),
+            "the client sees the first target retracted: {events:?}"
+        );
+        let dispatch = assert_failed_over(
+            &gateway,
+            &operation,
+            &conversation,
+            (&sim, &first),
+            (&b, &fallback),
+        );
+        let attempts = dispatch["attempts"].as_array().unwrap();
+        assert_eq!(attempts.len(), 2, "{dispatch}");
+        assert_eq!(attempts[0]["state"], "FAILED", "{dispatch}");
+        assert_eq!(
+            attempts[0]["end_reason"],
+            format!("provider_status_{status}"),
+            "{dispatch}"
+        );
+        assert_eq!(attempts[0]["provider"], "sim", "{dispatch}");
+        assert_eq!(
+            gateway.metric(&format!(
+                "turnstile_failovers_total{{from=\"sim/{first}\",to=\"b/{fallback}\",reason=\"provider_status_{status}\"}}"
+            )),
+            1.0
+        );
+    }
+}
+
+#[test]
+fn a_dispatch_without_fallbacks_still_fails_on_a_503_and_a_400_never_fails_over() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(&dir, &sim, &b, "");
+    conversation_with_question(&gateway, "c-one");
+    sim.script("m-one", json!([{"text": "never", "faults": {"status": 503}}]));
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-one/dispatch",
+        json!({"operation_id": "op-one", "target": {"provider": "sim", "model": "m-one", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let dispatch = gateway.get("/v1/dispatches/op-one");
+    assert_eq!(dispatch["state"], "FAILED", "{dispatch}");
+    assert_eq!(dispatch["attempts"].as_array().unwrap().len(), 1, "{dispatch}");
+    // A 400 is the request's own fault: every provider would refuse it, so it ends there.
+    conversation_with_question(&gateway, "c-400");
+    sim.script("m-400", json!([{"text": "never", "faults": {"status": 400}}]));
+    b.script("m-400-fb", json!([{"text": FALLBACK_TEXT}]));
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-400/dispatch",
+        json!({"operation_id": "op-400", "targets": [
+            {"provider": "sim", "model": "m-400", "adapter": "openai-chat@2"},
+            {"provider": "b", "model": "m-400-fb", "adapter": "openai-chat@2"}]}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let dispatch = gateway.get("/v1/dispatches/op-400");
+    assert_eq!(dispatch["state"], "FAILED", "{dispatch}");
+    assert_eq!(dispatch["attempts"].as_array().unwrap().len(), 1, "{dispatch}");
+    assert!(
+        bodies_for(&b, "m-400-fb").is_empty(),
+        "the fallback was never called"
+    );
+}
+
+#[test]
+fn a_refused_connection_fails_over_across_apis_without_streaming() {
+    // A port with nothing listening: the connection is refused, nothing was sent.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(
+        &dir,
+        &sim,
+        &b,
+        &format!("[providers.down]\nbase_url = \"http://127.0.0.1:{port}\"\n"),
+    );
+    conversation_with_question(&gateway, "c-down");
+    b.script("m-down-fb", json!([{"text": FALLBACK_TEXT}]));
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-down/dispatch",
+        json!({"operation_id": "op-down", "targets": [
+            {"provider": "down", "model": "m-down", "adapter": "anthropic-messages@2"},
+            {"provider": "b", "model": "m-down-fb", "adapter": "openai-chat@2"}]}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(committed_text(&body["turn"]), FALLBACK_TEXT, "{body}");
+    let dispatch = assert_failed_over(&gateway, "op-down", "c-down", (&sim, "m-down"), (&b, "m-down-fb"));
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts[0]["end_reason"], "provider_unreachable", "{dispatch}");
+    assert_eq!(attempts[0]["adapter"], "anthropic-messages@2", "{dispatch}");
+    assert_eq!(attempts[1]["adapter"], "openai-chat@2", "{dispatch}");
+    // The fallback's body is OpenAI Chat, rendered from the same history.
+    let sent: Value = serde_json::from_str(&bodies_for(&b, "m-down-fb")[0]).unwrap();
+    assert!(sent["messages"].is_array(), "{sent}");
+}
+
+#[test]
+fn no_response_head_within_the_timeout_fails_over_once_the_old_attempt_is_over() {
+    // A provider that accepts connections and never answers.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => held.push(stream),
+                Err(_) => return,
+            }
+        }
+    });
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(
+        &dir,
+        &sim,
+        &b,
+        &format!(
+            "provider_connect_timeout_ms = 300\n[providers.silent]\nbase_url = \"http://127.0.0.1:{port}\"\n"
+        ),
+    );
+    conversation_with_question(&gateway, "c-hung");
+    b.script("m-hung-fb", json!([{"text": FALLBACK_TEXT}]));
+    let body = json!({"operation_id": "op-hung", "stream": true, "targets": [
+        {"provider": "silent", "model": "m-hung", "adapter": "openai-chat@2"},
+        {"provider": "b", "model": "m-hung-fb", "adapter": "openai-chat@2"}]});
+    let events = stream_dispatch(&gateway, "c-hung", &body);
+    assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+    let dispatch = assert_failed_over(&gateway, "op-hung", "c-hung", (&sim, "m-hung"), (&b, "m-hung-fb"));
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{dispatch}");
+    assert_eq!(attempts[0]["end_reason"], "head_timeout", "{dispatch}");
+    // The request may have reached the silent provider: no new generation before its lease
+    // ran out by the store's clock.
+    assert_eq!(attempts[0]["confirmed_over"], "lease_expired", "{dispatch}");
+    let ended = attempts[0]["history"].as_array().unwrap().first().unwrap()["at"]
+        .as_u64()
+        .unwrap();
+    let began = attempts[1]["history"].as_array().unwrap().first().unwrap()["at"]
+        .as_u64()
+        .unwrap();
+    assert!(began >= ended + 400, "generation 2 waited a lease: {dispatch}");
+}
+
+#[test]
+fn a_stream_cut_before_its_stop_is_retracted_and_nothing_of_it_reaches_the_fallback() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(&dir, &sim, &b, "");
+    conversation_with_question(&gateway, "c-cut");
+    let partial = "Zanzibar-partial-answer ".repeat(20);
+    sim.script(
+        "m-cut",
+        json!([{"text": partial, "faults": {"cut_at_byte": 600}}]),
+    );
+    b.script("m-cut-fb", json!([{"text": FALLBACK_TEXT}]));
+    let body = json!({"operation_id": "op-cut", "stream": true, "targets": [
+        {"provider": "sim", "model": "m-cut", "adapter": "openai-chat@2"},
+        {"provider": "b", "model": "m-cut-fb", "adapter": "anthropic-messages@2"}]});
+    let events = stream_dispatch(&gateway, "c-cut", &body);
+    let previews = named(&events, "preview");
+    assert!(
+        previews
+            .iter()
+            .any(|preview| preview["generation"] == 1
+                && preview["delta"].as_str().unwrap().contains("Zanzibar")),
+        "the first target's text was previewed: {events:?}"
+    );
+    let retract_at = events
+        .iter()
+        .position(|(event, data)| event == "retract" && data["generation"] == 1)
+        .expect("generation 1 retracted");
+    let fallback_text_at = events
+        .iter()
+        .position(|(event, data)| event == "preview" && data["generation"] == 2)
+        .expect("the fallback's preview");
+    assert!(
+        retract_at < fallback_text_at,
+        "retract before the next target's text: {events:?}"
+    );
+    let dispatch = assert_failed_over(&gateway, "op-cut", "c-cut", (&sim, "m-cut"), (&b, "m-cut-fb"));
+    assert_eq!(dispatch["attempts"][0]["state"], "ABANDONED", "{dispatch}");
+    // No prefill, no "continue from": the fallback's request has nothing of the first answer.
+    for body in bodies_for(&b, "m-cut-fb") {
+        assert!(
+            !body.contains("Zanzibar"),
+            "the first answer leaked into the fallback: {body}"
+        );
+    }
+    let document = gateway.get("/v1/conversations/c-cut");
+    assert!(!document.to_string().contains("Zanzibar"), "{document}");
+}
+
+fn proxy_config(b: &SimProcess) -> String {
+    format!(
+        "[providers.b]\nbase_url = \"{}\"\n\n[[routes]]\napi = \"openai-chat\"\nmodel = \"m-proxy*\"\nprovider = \"sim\"\n\
+         adapter = \"openai-chat@2\"\nfallbacks = [{{provider = \"b\", adapter = \"anthropic-messages@2\", target_model = \"m-proxy-fb\"}}]\n",
+        b.base
+    )
+}
+
+#[test]
+fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, &proxy_config(&b));
+    sim.script(
+        "m-proxy",
+        json!([{"text": "never", "faults": {"status": 503}}, {"text": "never", "faults": {"status": 429}}]),
+    );
+    b.script(
+        "m-proxy-fb",
+        json!([{"text": FALLBACK_TEXT}, {"text": FALLBACK_TEXT}]),
+    );
+    let request = |stream: bool, question: &str| {
+        client()
+            .post(format!("{}/v1/chat/completions", gateway.base))
+            .json(&json!({"model": "m-proxy", "stream": stream,
+                          "messages": [{"role": "user", "content": question}]}))
+            .send()
+            .unwrap()
+    };
+    let response = request(false, "Weather in Paris?");
+    assert_eq!(response.status().as_u16(), 200);
+    let answer: Value = response.json().unwrap();
+    assert_eq!(
+        answer["choices"][0]["message"]["content"], FALLBACK_TEXT,
+        "{answer}"
+    );
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    let response = request(true, "Weather in Lyon?");
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().unwrap();
+    let streamed: String = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .filter_map(|chunk| {
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(streamed, FALLBACK_TEXT, "{text}");
+    // Both sent bodies to the fallback are Anthropic Messages, each its attempt's manifest.
+    let fallback_bodies = bodies_for(&b, "m-proxy-fb");
+    assert_eq!(fallback_bodies.len(), 2, "{fallback_bodies:?}");
+    for body in &fallback_bodies {
+        let sent: Value = serde_json::from_str(body).unwrap();
+        assert!(
+            sent["messages"].is_array() && sent["max_tokens"].is_u64(),
+            "{sent}"
+        );
+        assert!(!body.contains("never"), "{body}");
+    }
+    assert!(gateway.metric("turnstile_failovers_total{from=\"sim/m-proxy\",to=\"b/m-proxy-fb\",reason=\"provider_status_503\"}") >= 1.0);
+    assert!(gateway.metric("turnstile_failovers_total{from=\"sim/m-proxy\",to=\"b/m-proxy-fb\",reason=\"provider_status_429\"}") >= 1.0);
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn targets_are_checked_one_by_one_and_a_setting_one_target_cannot_take_names_it() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(&dir, &sim, &b, "");
+    conversation_with_question(&gateway, "c-check");
+    // top_k exists for Anthropic, not for OpenAI Chat: the fallback cannot take it.
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-check/dispatch",
+        json!({"operation_id": "op-check", "sampling": {"top_k": 5}, "targets": [
+            {"provider": "sim", "model": "m", "adapter": "anthropic-messages@2"},
+            {"provider": "b", "model": "m", "adapter": "openai-chat@2"}]}),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
+    assert_eq!(body["error"]["target"], 1, "{body}");
+    assert_eq!(body["error"]["setting"], "top_k", "{body}");
+    for bad in [
+        json!({"operation_id": "op-both", "target": {"model": "m", "adapter": "openai-chat@2"},
+               "targets": [{"model": "m", "adapter": "openai-chat@2"}]}),
+        json!({"operation_id": "op-none", "targets": []}),
+        json!({"operation_id": "op-neither"}),
+    ] {
+        let (status, body) = gateway.post("/v1/conversations/c-check/dispatch", bad);
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_request", "{body}");
+    }
+    assert!(
+        gateway.get("/v1/dispatches/op-check")["error"].is_object(),
+        "nothing was stored"
+    );
+    assert!(
+        sim.requests().is_empty() && b.requests().is_empty(),
+        "nothing was sent"
+    );
+}
