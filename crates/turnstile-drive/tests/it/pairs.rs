@@ -346,3 +346,178 @@ fn begun_and_sent(recovery: ProviderRecovery) -> (Drive, ConnectionId) {
     }
     (drive, connection.expect("opened"))
 }
+
+#[test]
+fn a_commit_answered_at_another_revision_trips_the_pair_assertion() {
+    trips("landed elsewhere", commit_answered_at_another_revision);
+}
+
+/// The basis answers revision 3, so its commit must land at 4; the store answers 9.
+fn commit_answered_at_another_revision() {
+    use turnstile_adapters::simulate::script::Reply;
+    use turnstile_adapters::simulate::wire::Api;
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let mut spec = spec(none, 0);
+    spec.targets[0].api = StreamApi::AnthropicMessages;
+    let reply = Reply {
+        text: "Sunny in Paris.".into(),
+        ..Reply::default()
+    };
+    let body: Vec<u8> =
+        turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, "msg_1", "m", &[], 40)
+            .into_iter()
+            .flat_map(|frame| frame.bytes)
+            .collect();
+    let mut drive = Drive::new(spec, Timestamp(1_000));
+    let mut at = 1_000;
+    let mut fed = false;
+    loop {
+        at += 1;
+        match drive.poll_action() {
+            Some(Action::Store(StoreOp::Begin { .. })) => drive.handle_store(
+                Timestamp(at),
+                StoreResult::Began {
+                    generation: Generation(1),
+                    idempotency_key: "key-1".into(),
+                },
+            ),
+            Some(Action::Store(StoreOp::Commit { .. })) => {
+                drive.handle_store(
+                    Timestamp(at),
+                    StoreResult::Committed {
+                        revision: Revision(9),
+                    },
+                );
+            }
+            Some(Action::Store(_)) => drive.handle_store(Timestamp(at), StoreResult::Applied),
+            Some(Action::Open { connection, .. }) if !fed => {
+                fed = true;
+                answer(&mut drive, connection, at, &body);
+            }
+            Some(_) => {}
+            None => break,
+        }
+    }
+}
+
+/// Every store operation of a dispatch whose attempts the provider answers with `statuses`
+/// in turn (`None`: no connection), a target per attempt as the driver chose it.
+fn begins_under_refusals(statuses: &[Option<u16>], targets: usize) -> (Vec<u32>, Vec<StoreOp>) {
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let mut spec = spec(none, 0);
+    for index in 1..targets {
+        let body = format!("{{\"model\":\"fallback-{index}\"}}");
+        spec.targets.push(target(
+            body.as_bytes(),
+            StreamApi::AnthropicMessages,
+            none,
+            &format!("b/m{index}"),
+        ));
+        spec.cooling.push(false);
+    }
+    let mut drive = Drive::new(spec, Timestamp(1_000));
+    let (mut begun, mut ops) = (Vec::new(), Vec::new());
+    let mut statuses = statuses.iter();
+    let mut generation = 0;
+    let mut at = 1_000;
+    while let Some(action) = drive.poll_action() {
+        at += 1;
+        match action {
+            Action::Store(op) => {
+                let answer = match &op {
+                    StoreOp::Begin { target, .. } => {
+                        begun.push(*target);
+                        generation += 1;
+                        StoreResult::Began {
+                            generation: Generation(generation),
+                            idempotency_key: format!("key-{generation}"),
+                        }
+                    }
+                    _ => StoreResult::Applied,
+                };
+                ops.push(op);
+                drive.handle_store(Timestamp(at), answer);
+            }
+            Action::Open {
+                connection, target, ..
+            } => {
+                assert_eq!(
+                    Some(&target),
+                    begun.last(),
+                    "the connection goes to the begun target"
+                );
+                match statuses.next() {
+                    Some(Some(status)) => {
+                        drive.handle_head(Timestamp(at), connection, *status);
+                        drive.handle_end(Timestamp(at), connection, Ending::Clean);
+                    }
+                    Some(None) => drive.handle_end(Timestamp(at), connection, Ending::Unreachable),
+                    None => return (begun, ops),
+                }
+            }
+            _ => {}
+        }
+    }
+    (begun, ops)
+}
+
+#[test]
+fn a_refused_attempt_moves_to_the_next_target_and_a_request_fault_does_not() {
+    // 429, then no connection, then the last target answers: targets 0, 1, 2 in order.
+    let (begun, ops) = begins_under_refusals(&[Some(429), None], 3);
+    assert_eq!(begun, vec![0, 1, 2]);
+    // Each refused attempt is written FAILED with its cause, then rearmed.
+    let failed: Vec<Option<String>> = ops
+        .iter()
+        .filter_map(|op| match op {
+            StoreOp::Transition {
+                to: turnstile_core::dispatch::DispatchState::Failed,
+                reason,
+                ..
+            } => Some(reason.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed,
+        vec![
+            Some("provider_status_429".to_owned()),
+            Some("provider_unreachable".to_owned())
+        ]
+    );
+    assert_eq!(
+        ops.iter()
+            .filter(|op| matches!(
+                op,
+                StoreOp::AbandonAndRearm {
+                    provider_ended: true,
+                    ..
+                }
+            ))
+            .count(),
+        2
+    );
+    // A 400 is the request's own fault: no second begin. Nor without a next target.
+    assert_eq!(begins_under_refusals(&[Some(400)], 2).0, vec![0]);
+    assert_eq!(begins_under_refusals(&[Some(503)], 1).0, vec![0]);
+    for status in [408, 409, 500, 502, 503, 504, 529] {
+        assert_eq!(
+            begins_under_refusals(&[Some(status)], 2).0,
+            vec![0, 1],
+            "status {status}"
+        );
+    }
+    for status in [400, 401, 403, 404, 413, 422] {
+        assert_eq!(
+            begins_under_refusals(&[Some(status)], 2).0,
+            vec![0],
+            "status {status}"
+        );
+    }
+}

@@ -9,9 +9,11 @@ import { clock, el } from "./dom.js";
 /**
  * @typedef {{ state: string, at: number }} Step
  * @typedef {{ generation: number, state: string, handle: string | null, history: Step[], end_reason?: string | null,
- *             provider?: string, model?: string }} Attempt
+ *             provider?: string, model?: string, adapter?: string, target?: number, manifest_digest?: string }} Attempt
+ * @typedef {{ position: number, provider: string, model: string, adapter: string, manifest_digest: string,
+ *             request_digest: string, request_body?: string }} Target
  * @typedef {{ operation_id: string, state: string, manifest: Record<string, any>, request_digest: string,
- *             request_body: string, attempts: Attempt[] }} DispatchDocument
+ *             request_body: string, attempts: Attempt[], targets?: Target[] }} DispatchDocument
  */
 
 /** Why an attempt ended, in words (the code is shown beside it). */
@@ -21,6 +23,9 @@ const END_REASONS = /** @type {Record<string, string>} */ ({
   cut_stream: "the provider's stream was cut",
   ended_without_stop: "the stream ended without a stop event",
   provider_unreachable: "the provider could not be reached",
+  provider_status_408: "the provider timed the request out (408)",
+  provider_status_429: "the provider was rate limiting (429)",
+  provider_status_503: "the provider was unavailable (503)",
   lease_expired: "its lease ran out",
   resume_refused: "the provider refused to resume it",
   provider_status: "the provider answered an error status",
@@ -49,12 +54,28 @@ export async function sha256(text) {
   return "sha256:" + [...new Uint8Array(digest)].map((byte) => byte.toString(16).padStart(2, "0")).join("");
 }
 
+/**
+ * The failover order, when the dispatch has more than its own target.
+ * @param {Target[]} targets
+ * @returns {HTMLElement[]}
+ */
+function targetsView(targets) {
+  if (targets.length < 2) return [];
+  return [
+    el("h3", {}, "Targets (failover order)"),
+    el("ol", { class: "targets", start: "0" }, targets.map((target) =>
+      el("li", { class: "wrap" }, `${target.provider} ${target.model} · ${target.adapter} · manifest ${target.manifest_digest}`))),
+  ];
+}
+
 /** @param {Attempt} attempt */
 function attemptView(attempt) {
   const steps = attempt.history.map((step) => el("li", {}, `${step.state} at ${clock(step.at)}`));
   return el("li", { class: "attempt" },
     el("div", {}, el("strong", {}, `Generation ${attempt.generation}`), ` · ${attempt.state}`,
+      attempt.target ? ` · fallback ${attempt.target}` : "",
       attempt.provider ? ` · ${attempt.provider} ${attempt.model || ""}` : "",
+      attempt.adapter ? ` · ${attempt.adapter}` : "",
       attempt.handle ? ` · handle ${attempt.handle}` : ""),
     attempt.end_reason ? el("div", { class: "reason" }, "Ended: ", endReasonText(attempt.end_reason)) : null,
     el("ol", { class: "steps", "aria-label": `states of generation ${attempt.generation}` }, steps));
@@ -101,6 +122,7 @@ export async function dispatchView(operationId) {
   return [
     el("p", {}, el("strong", {}, `Operation ${doc.operation_id}`), ` · ${doc.state} · ${m.adapter} → ${m.provider} ${m.model} · prompt tokens ${m.prompt_tokens} · output cap ${m.max_output_tokens}`),
     el("p", { class: "meta wrap" }, `manifest ${m.manifest_digest} · sequence ${m.sequence_digest} · revision ${m.conversation_revision}`),
+    ...targetsView(doc.targets || []),
     el("h3", {}, "Attempts"),
     el("ol", { class: "timeline" }, doc.attempts.map(attemptView)),
     el("h3", {}, "Request body as sent"),
