@@ -280,6 +280,8 @@ pub struct Drive {
     failover: Option<PendingFailover>,
     /// Why each generation stopped (kept after its end write, for the failover's reason).
     stop_reasons: HashMap<Generation, String>,
+    /// Generations this driver took over in UNKNOWN (their first request was someone's).
+    recovered_generations: HashSet<Generation>,
     provider_sequence_last: Option<u64>,
     idempotency_keys: HashMap<Generation, String>,
     /// The state as the store knows it (for transition counts).
@@ -371,6 +373,7 @@ impl Drive {
         let target = (target as usize).min(drive.spec.targets.len() - 1);
         drive.target = target;
         drive.targets_of.insert(attempt.generation, target);
+        drive.recovered_generations.insert(attempt.generation);
         drive.spent(attempt.generation, spent);
         if let Some(handle) = &attempt.handle {
             drive.handles.insert(attempt.generation, handle.clone());
@@ -379,7 +382,7 @@ impl Drive {
         let decision = recovery_decision(attempt, recovery, now);
         drive.machine = DispatchMachine::recover(
             now,
-            prepared_of(&drive.spec.basis),
+            drive.prepared_for(attempt.generation),
             drive.spec.lease_ms,
             attempt,
             recovery,
@@ -405,6 +408,7 @@ impl Drive {
             targets_of: HashMap::new(),
             failover: None,
             stop_reasons: HashMap::new(),
+            recovered_generations: HashSet::new(),
             spec,
             machine,
             now,
@@ -464,6 +468,14 @@ impl Drive {
 
     fn target_spec(&self, generation: Generation) -> &DriveTarget {
         &self.spec.targets[self.target_of(generation).min(self.spec.targets.len() - 1)]
+    }
+
+    /// What the machine needs for `generation`: a replay sends that generation's target's
+    /// bytes, so the machine names them by that target's digest.
+    fn prepared_for(&self, generation: Generation) -> Prepared {
+        let mut prepared = prepared_of(&self.spec.basis);
+        prepared.request_digest = self.target_spec(generation).request_digest.clone();
+        prepared
     }
 
     /// The operation this driver drives.
@@ -1532,7 +1544,7 @@ impl Drive {
             .insert(tail.generation, tail.attempt.idempotency_key.clone());
         self.machine = DispatchMachine::recover(
             self.now,
-            prepared_of(&self.spec.basis),
+            self.prepared_for(tail.generation),
             self.spec.lease_ms,
             &tail.attempt,
             tail.recovery,
@@ -1879,7 +1891,16 @@ impl Drive {
                 None => "provider_unreachable".to_owned(),
             };
             self.cause(generation, code.clone());
-            let next = (fails_over_on(open.status) && self.attempts_started < ATTEMPTS_PER_DISPATCH_MAX)
+            // Only a generation whose one request was this refused one is over: a refused
+            // replay or resume says nothing of the generation's first request, which may still
+            // run at the provider (it ends FAILED as without failover).
+            let only_request = !open.resume
+                && self.replays.get(&generation).copied().unwrap_or(0) == 0
+                && self.resumes.get(&generation).copied().unwrap_or(0) == 0
+                && !self.recovered_generations.contains(&generation);
+            let next = (only_request
+                && fails_over_on(open.status)
+                && self.attempts_started < ATTEMPTS_PER_DISPATCH_MAX)
                 .then(|| self.next_target(self.target_of(generation)))
                 .flatten();
             match next {

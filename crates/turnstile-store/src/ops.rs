@@ -997,7 +997,22 @@ pub(crate) async fn abandon_and_rearm_on<T: Tx>(
         )
         .await?;
     let from = if attempt.is_empty() {
-        // A FAILED attempt produced nothing: it is already terminal and may be rearmed.
+        // A FAILED attempt is terminal and may be rearmed, but only when its end is confirmed
+        // (the provider refused it: `provider_confirmed_ended`) or its lease ran out: an
+        // attempt that failed on a replay may still run at the provider from its first
+        // request, and no generation may start beside it.
+        if !provider_confirmed_ended {
+            let expired = tx
+                .query(
+                    "SELECT 1 FROM attempts WHERE operation_id = $1 AND generation = $2 \
+                     AND state = 'FAILED' AND lease_expires_at <= $3",
+                    &[operation_id.into(), generation.0.into(), ts(now)],
+                )
+                .await?;
+            if expired.is_empty() {
+                return refused(tx, operation_id).await;
+            }
+        }
         DispatchState::Failed
     } else {
         record_transition(

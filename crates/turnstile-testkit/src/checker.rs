@@ -31,7 +31,7 @@ impl World {
     /// At a send: the body is the manifest's bytes (SHA-256 equals its request digest and it
     /// re-renders from the pinned history with the pinned adapter), and a durable DISPATCHING
     /// row of that generation exists (`None`: of any generation).
-    pub(crate) fn check_send(&mut self, op: &str, generation: Option<Generation>, body: &[u8]) {
+    pub(crate) fn check_send(&mut self, op: &str, generation: Option<Generation>, target: u32, body: &[u8]) {
         self.report.checks += 1;
         let step = self.step;
         let Ok(Some(record)) = store!(self, dispatch(op)) else {
@@ -43,29 +43,37 @@ impl World {
             );
             return;
         };
-        let manifest_digest = record.manifest["request_digest"]
-            .as_str()
-            .unwrap_or("")
-            .to_owned();
+        // The manifest of the target the attempt sends (0: the dispatch's own).
+        let manifest = if target == 0 {
+            record.manifest.clone()
+        } else {
+            store!(self, dispatch_fallbacks(op))
+                .ok()
+                .and_then(|targets| targets.into_iter().find(|found| found.position == target))
+                .map_or(serde_json::Value::Null, |found| found.manifest)
+        };
+        let manifest_digest = manifest["request_digest"].as_str().unwrap_or("").to_owned();
+        let key = format!("{op}#{target}");
         let mut illegal = Vec::new();
         if Digest::of_bytes(body).as_str() != manifest_digest {
             illegal.push("body digest differs from the manifest's request_digest".to_owned());
         }
-        if !self.history.rerendered.contains_key(op) {
-            let revision = record.manifest["conversation_revision"].as_u64().unwrap_or(0);
-            let max_output = record.manifest["max_output_tokens"].as_u64();
-            let adapter = record.manifest["adapter"]
+        if !self.history.rerendered.contains_key(&key) {
+            let revision = manifest["conversation_revision"].as_u64().unwrap_or(0);
+            let max_output = manifest["max_output_tokens"].as_u64();
+            let model = manifest["model"].as_str().unwrap_or("").to_owned();
+            let adapter = manifest["adapter"]
                 .as_str()
                 .and_then(|text| text.parse::<AdapterId>().ok());
             let digest = match adapter {
                 Some(adapter) => self
-                    .render_at(revision, adapter, op, max_output)
+                    .render_for(revision, adapter, op, max_output, &model)
                     .map(|(manifest, _)| manifest.body.request_digest.as_str().to_owned()),
                 None => Err("manifest names no known adapter".into()),
             };
-            self.history.rerendered.insert(op.to_owned(), digest);
+            self.history.rerendered.insert(key.clone(), digest);
         }
-        match &self.history.rerendered[op] {
+        match &self.history.rerendered[&key] {
             Ok(digest) if *digest == manifest_digest => {}
             Ok(digest) => illegal.push(format!(
                 "re-render gives {digest}, manifest pins {manifest_digest}"

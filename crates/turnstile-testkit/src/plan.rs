@@ -53,6 +53,8 @@ pub enum FaultKind {
     ClientRetry,
     /// An executor claimed a tool call and died before its result.
     ExecutorCrash,
+    /// The operation was prepared with a failover target (its own manifest) beside its own.
+    FailoverTargets,
 }
 
 impl FaultKind {
@@ -82,6 +84,7 @@ impl FaultKind {
             FaultKind::ClockSkew => "clock_skew",
             FaultKind::ClientRetry => "client_retry",
             FaultKind::ExecutorCrash => "executor_crash",
+            FaultKind::FailoverTargets => "failover_targets",
         }
     }
 }
@@ -133,6 +136,8 @@ pub struct FaultPlan {
     pub skew_ms: i64,
     /// An executor dies between claim and result (per call).
     pub executor_crash: f64,
+    /// An operation names a failover target beside its own (per operation).
+    pub failover: f64,
 }
 
 impl FaultPlan {
@@ -186,6 +191,7 @@ impl FaultPlan {
                 3 => 15_000,
                 _ => -15_000,
             },
+            failover: if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.6 },
         }
     }
 
@@ -236,4 +242,7 @@ pub struct Bugs {
     /// A dead executor comes back and answers with the call's current claim instead of its own
     /// (an executor that "blindly claims a call listed as claimed").
     pub executor_uses_current_claim: bool,
+    /// A failover attempt sends the first target's bytes (the pump looks up the wrong
+    /// target): a body that is not its attempt's manifest.
+    pub failover_sends_first_target: bool,
 }

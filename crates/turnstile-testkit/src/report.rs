@@ -108,6 +108,8 @@ pub struct SeedReport {
     pub clock_skew_ms_max: u64,
     /// Client disconnects (left after prepare, or cut by a crash of their replica).
     pub disconnects: u64,
+    /// Dispatches that moved to their failover target (the driver's `Count::Failover`).
+    pub failovers: u64,
     /// Liveness violations (UNKNOWN left, operation not terminal).
     pub liveness_violations: u64,
     /// The trace, when asked for.
@@ -182,6 +184,8 @@ pub struct Summary {
     pub clock_skew_ms_max: u64,
     /// Client disconnects.
     pub disconnects: u64,
+    /// Failovers to a dispatch's next target.
+    pub failovers: u64,
     /// Liveness violations.
     pub liveness_violations: u64,
 }
@@ -215,6 +219,7 @@ impl Summary {
         self.replicas = self.replicas.max(report.replicas);
         self.clock_skew_ms_max = self.clock_skew_ms_max.max(report.clock_skew_ms_max);
         self.disconnects += report.disconnects;
+        self.failovers += report.failovers;
         self.liveness_violations += report.liveness_violations;
     }
 
@@ -246,8 +251,8 @@ impl Summary {
             self.steps, self.checks, self.sends, self.commits, self.violations_total
         ));
         out.push_str(&format!(
-            "replicas {}  clock skew up to {} ms  client disconnects {}  liveness violations {}\n",
-            self.replicas, self.clock_skew_ms_max, self.disconnects, self.liveness_violations
+            "replicas {}  clock skew up to {} ms  client disconnects {}  failovers {}  liveness violations {}\n",
+            self.replicas, self.clock_skew_ms_max, self.disconnects, self.failovers, self.liveness_violations
         ));
         for violation in &self.violations {
             out.push_str(&format!(
@@ -283,6 +288,7 @@ impl Summary {
             "replicas": self.replicas,
             "clock_skew_ms_max": self.clock_skew_ms_max,
             "disconnects": self.disconnects,
+            "failovers": self.failovers,
             "liveness_violations": self.liveness_violations,
         })
     }

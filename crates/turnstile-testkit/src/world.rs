@@ -51,6 +51,10 @@ pub const EPSILON_MS: u64 = 1_000;
 pub const LIVENESS_BOUND_MS: u64 = TIMEOUTS.attempt_ms + LEASE_MS + SWEEP_PERIOD_MS + EPSILON_MS;
 /// The conversation every seed works on.
 pub const CONVERSATION_ID: &str = "dst-conversation";
+/// The model of every dispatch's own target, and of its failover target when it has one.
+pub const PRIMARY_MODEL: &str = "dst-model";
+/// The failover target's model.
+pub const FALLBACK_MODEL: &str = "dst-fallback";
 /// Most steps of one phase (a run that needs more is a liveness finding).
 pub const STEPS_PER_PHASE_MAX: u64 = 600;
 /// Most client rounds (dispatch, then tool results) per seed.
@@ -405,6 +409,18 @@ impl World {
         operation_id: &str,
         max_output_tokens: Option<u64>,
     ) -> Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>), String> {
+        self.render_for(revision, adapter, operation_id, max_output_tokens, PRIMARY_MODEL)
+    }
+
+    /// [`World::render_at`] for `model` (a failover target's).
+    pub(crate) fn render_for(
+        &mut self,
+        revision: u64,
+        adapter: AdapterId,
+        operation_id: &str,
+        max_output_tokens: Option<u64>,
+        model: &str,
+    ) -> Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>), String> {
         let mut document = store!(self, conversation(CONVERSATION_ID))
             .map_err(|e| e.to_string())?
             .ok_or("no conversation")?;
@@ -424,7 +440,7 @@ impl World {
             operation_id: operation_id.to_owned(),
             adapter,
             provider: None,
-            model: "dst-model".into(),
+            model: model.into(),
             max_output_tokens,
             stream: true,
             background: false,
@@ -457,9 +473,28 @@ impl World {
         let operation_id = format!("op-{}", self.ops.len() + 1);
         let adapter = self.adapter;
         let (manifest, bytes) = self.render_at(revision, adapter, &operation_id, None)?;
+        // Some operations name a failover target: its own manifest, rendered from the same
+        // history for another model, stored beside the dispatch's own (the gateway's
+        // `targets`). The driver moves to it after a refusal or a confirmed-dead attempt.
+        let mut fallbacks = Vec::new();
+        if self.phase == Phase::Safety && self.rng.chance(self.plan.failover) {
+            self.report.fault(FaultKind::FailoverTargets);
+            let (manifest, request_bytes) =
+                self.render_for(revision, adapter, &operation_id, None, FALLBACK_MODEL)?;
+            fallbacks.push(turnstile_store::PreparedTarget {
+                manifest,
+                request_bytes,
+                policy: None,
+            });
+        }
         // The replica's own clock stamps what it prepares, as the gateway's does.
         let now = self.local_now(replica);
-        let record = match store!(self, prepare(&manifest, &bytes, now)).map_err(|e| e.to_string())? {
+        let prepared = if fallbacks.is_empty() {
+            store!(self, prepare(&manifest, &bytes, now))
+        } else {
+            store!(self, prepare_targets(&manifest, &bytes, None, &fallbacks, now))
+        };
+        let record = match prepared.map_err(|e| e.to_string())? {
             StorePrepare::Created(record) | StorePrepare::Existing(record) => record,
             other => return Err(format!("prepare refused: {other:?}")),
         };
@@ -520,15 +555,28 @@ impl World {
                 .block_on(turnstile_store::drive::attempts_so_far(ledger, record))
         };
         let basis = turnstile_store::drive::basis_of(record);
-        DriveSpec {
-            targets: vec![turnstile_drive::DriveTarget {
-                request_digest: basis.request_digest.clone(),
-                request_bytes: basis.request_bytes.clone(),
+        let mut targets = vec![turnstile_drive::DriveTarget {
+            request_digest: basis.request_digest.clone(),
+            request_bytes: basis.request_bytes.clone(),
+            api: self.api,
+            recovery: self.provider_recovery(),
+            label: format!("sim/{PRIMARY_MODEL}"),
+        }];
+        // As the gateway's `context_with`: every failover target with its own bytes.
+        let fallbacks = store!(self, dispatch_fallbacks(&record.operation_id)).unwrap_or_default();
+        for fallback in fallbacks {
+            targets.push(turnstile_drive::DriveTarget {
+                request_digest: fallback.request_digest,
+                request_bytes: std::sync::Arc::new(fallback.request_bytes),
                 api: self.api,
                 recovery: self.provider_recovery(),
-                label: "sim/model".to_owned(),
-            }],
-            cooling: vec![false],
+                label: format!("sim/{}", fallback.model),
+            });
+        }
+        let cooling = vec![false; targets.len()];
+        DriveSpec {
+            targets,
+            cooling,
             last_target,
             basis,
             toolset: Some(self.toolset.clone()),
@@ -605,9 +653,9 @@ impl World {
                 Action::Open {
                     connection,
                     generation,
+                    target,
                     request,
-                    ..
-                } => self.open(driver, connection, generation, request),
+                } => self.open(driver, connection, generation, target, request),
                 Action::Close { connection } => {
                     let op = driver.op.clone();
                     self.conns
@@ -616,6 +664,10 @@ impl World {
                 Action::Emit(event) => self.emitted(driver, event),
                 Action::Count(count) => match count {
                     Count::PartialToolDispatch => self.report.partial_tool_dispatch += 1,
+                    Count::Failover { from, to, reason } => {
+                        self.report.failovers += 1;
+                        self.trace(format!("{} fails over from {from} to {to} ({reason})", driver.op));
+                    }
                     Count::IllegalSend => self.trace(format!(
                         "{} stored bytes do not match the manifest; not sent",
                         driver.op
@@ -686,7 +738,7 @@ impl World {
             StoreOp::Begin { .. } if self.bugs.send_before_persist => {
                 // Planted bug: the request goes out before the begin write.
                 let body = driver.drive.request_bytes(0).as_ref().clone();
-                self.check_send(&driver.op, None, &body);
+                self.check_send(&driver.op, None, 0, &body);
             }
             StoreOp::Commit { turn, .. } => {
                 if self.bugs.expose_before_commit {
@@ -768,6 +820,7 @@ impl World {
         driver: &mut SimDriver,
         connection: ConnectionId,
         generation: Generation,
+        target: u32,
         request: Request,
     ) {
         let send = matches!(request, Request::Send { .. });
@@ -782,7 +835,12 @@ impl World {
         }
         let answer = match request {
             Request::Send { idempotency_key } => {
-                let mut body = driver.drive.request_bytes(0).as_ref().clone();
+                let sent_target = if self.bugs.failover_sends_first_target {
+                    0
+                } else {
+                    target
+                };
+                let mut body = driver.drive.request_bytes(sent_target).as_ref().clone();
                 if self.bugs.rerender_on_retry && self.history.sent_ops.contains(&driver.op) {
                     // Planted bug: a retry renders afresh with whatever adapter is configured now.
                     let revision = store!(self, dispatch(&driver.op))
@@ -794,7 +852,7 @@ impl World {
                         body = fresh;
                     }
                 }
-                self.check_send(&driver.op, Some(generation), &body);
+                self.check_send(&driver.op, Some(generation), target, &body);
                 self.check_new_generation(&driver.op, generation);
                 self.history.sent_ops.insert(driver.op.clone());
                 self.report.sends += 1;

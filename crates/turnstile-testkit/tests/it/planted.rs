@@ -45,6 +45,15 @@ fn re_rendering_a_retry_with_the_upgraded_adapter_is_caught_as_an_illegal_send()
 }
 
 #[test]
+fn a_failover_attempt_sending_the_first_targets_bytes_is_caught_as_an_illegal_send() {
+    let bugs = Bugs {
+        failover_sends_first_target: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::IllegalSend);
+}
+
+#[test]
 fn appending_a_late_turn_without_the_generation_condition_is_caught() {
     let bugs = Bugs {
         commit_late_turn: true,

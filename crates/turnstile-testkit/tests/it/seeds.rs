@@ -104,6 +104,7 @@ fn the_json_report_has_exactly_the_issues_keys() {
             "checks",
             "clock_skew_ms_max",
             "disconnects",
+            "failovers",
             "faults",
             "illegal_sends",
             "liveness_violations",
