@@ -51,7 +51,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use turnstile_adapters::AdapterId;
 use turnstile_adapters::Api;
-use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import};
+use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import_value, parse_body};
 use turnstile_core::dispatch::DispatchState;
 use turnstile_core::{Conversation, Generation, Verdict, validate};
 use turnstile_drive::DriveEvent;
@@ -349,10 +349,14 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
             );
         }
     };
-    let peek: Peek = if gemini.is_some() {
-        Peek::default()
-    } else {
-        serde_json::from_slice(&bytes).unwrap_or_default()
+    // The body is parsed once: routing peeks at the parsed value, the importer takes it.
+    let body = parse_body(&bytes);
+    let peek: Peek = match (&gemini, &body) {
+        (Some(_), _) => Peek::default(),
+        (None, Ok(value)) => Peek::deserialize(value).unwrap_or_default(),
+        // Past the importer's limits (or not JSON): routing still reads what it can, so a
+        // shadow route forwards it untouched as before.
+        (None, Err(_)) => serde_json::from_slice(&bytes).unwrap_or_default(),
     };
     let model = match &gemini {
         Some(call) => call.model.clone(),
@@ -396,10 +400,10 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         },
         None => None,
     };
-    let imported = match &continued {
-        None => import(api, &bytes, &conversation_id, gemini.clone()),
-        Some(stored) => import_continuation(&bytes, &conversation_id, stored),
-    };
+    let imported = body.and_then(|value| match &continued {
+        None => import_value(api, value, &conversation_id, gemini.clone()),
+        Some(stored) => import_continuation(value, &conversation_id, stored),
+    });
     let ours = match route.mode {
         _ if continued.is_some() => true,
         Mode::On => true,
@@ -506,20 +510,15 @@ async fn stored_response(shared: &Arc<Shared>, store_id: &str) -> Result<Value, 
 
 /// Import a Responses request that continues a stored response: its own input imported
 /// without `previous_response_id`, spliced after the stored history.
-fn import_continuation(body: &[u8], conversation_id: &str, stored: &Value) -> Result<Imported, ImportError> {
-    let mut value: Value =
-        turnstile_core::parse::json_from_slice(body).map_err(|error| ImportError::Malformed {
-            path: String::new(),
-            message: error.to_string(),
-        })?;
+fn import_continuation(
+    mut value: Value,
+    conversation_id: &str,
+    stored: &Value,
+) -> Result<Imported, ImportError> {
     if let Some(object) = value.as_object_mut() {
         object.remove("previous_response_id");
     }
-    let bytes = serde_json::to_vec(&value).map_err(|error| ImportError::Malformed {
-        path: String::new(),
-        message: error.to_string(),
-    })?;
-    let mut imported = import(Api::OpenaiResponses, &bytes, conversation_id, None)?;
+    let mut imported = import_value(Api::OpenaiResponses, value, conversation_id, None)?;
     imported.document =
         previous::splice(stored, &imported.document).map_err(|error| ImportError::Unrepresentable {
             path: "previous_response_id".into(),
