@@ -175,7 +175,14 @@ pub fn import(
     conversation_id: &str,
     gemini: Option<GeminiCall>,
 ) -> Result<Imported, ImportError> {
-    let value = turnstile_core::parse::json_from_slice(body).map_err(|error| match error {
+    import_value(api, parse_body(body)?, conversation_id, gemini)
+}
+
+/// A request body as JSON, the input limits (size, depth) checked before parsing: the first
+/// half of [`import`], for a caller that reads a field of the body itself (the proxy routes by
+/// `model`) and should not parse it twice.
+pub fn parse_body(body: &[u8]) -> Result<Value, ImportError> {
+    turnstile_core::parse::json_from_slice(body).map_err(|error| match error {
         turnstile_core::conversation::Unreadable::Limit { what, actual, max } => ImportError::Limit {
             path: String::new(),
             what,
@@ -183,7 +190,16 @@ pub fn import(
             max,
         },
         other => ImportError::malformed("", other.to_string()),
-    })?;
+    })
+}
+
+/// [`import`] of a body [`parse_body`] already parsed.
+pub fn import_value(
+    api: Api,
+    value: Value,
+    conversation_id: &str,
+    gemini: Option<GeminiCall>,
+) -> Result<Imported, ImportError> {
     let top = Obj::new(value, String::new(), String::new())?;
     let mut builder = Builder::default();
     let head = match api {

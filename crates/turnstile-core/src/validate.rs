@@ -64,6 +64,25 @@ impl<'a> Validated<'a> {
         }
     }
 
+    /// Validate once and keep both the verdict (its pending calls or its violations, for the
+    /// caller's answer) and, for ready or waiting history, the proof: a caller that reports the
+    /// verdict and then builds the graph need not validate twice.
+    pub fn with_verdict(conversation: &'a Conversation) -> (Verdict, Option<Validated<'a>>) {
+        let verdict = validate(conversation);
+        let validated = match &verdict {
+            Verdict::Ready => Some(Validated {
+                conversation,
+                waiting: false,
+            }),
+            Verdict::Waiting { .. } => Some(Validated {
+                conversation,
+                waiting: true,
+            }),
+            Verdict::Rejected(_) => None,
+        };
+        (verdict, validated)
+    }
+
     /// The validated conversation.
     pub fn conversation(&self) -> &'a Conversation {
         self.conversation

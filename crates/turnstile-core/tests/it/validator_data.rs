@@ -4,7 +4,7 @@
 
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use turnstile_core::{Verdict, ViolationCode, parse, validate};
+use turnstile_core::{Validated, Verdict, ViolationCode, parse, validate};
 
 pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data")
@@ -14,6 +14,14 @@ pub fn data_dir() -> PathBuf {
 fn actual(bytes: &[u8]) -> Value {
     let conversation = parse::conversation_from_slice(bytes).expect("test data is readable");
     let verdict = validate(&conversation);
+    // The verdict-and-proof door agrees with `validate` and with `Validated::new`.
+    let (again, proof) = Validated::with_verdict(&conversation);
+    assert_eq!(again.status(), verdict.status());
+    assert_eq!(proof.is_some(), !matches!(verdict, Verdict::Rejected(_)));
+    assert_eq!(
+        proof.map(|proof| proof.is_waiting()),
+        Validated::new(&conversation).ok().map(|proof| proof.is_waiting())
+    );
     let (pending, violations): (Vec<String>, Vec<Value>) = match &verdict {
         Verdict::Ready => (vec![], vec![]),
         Verdict::Waiting { pending } => (pending.iter().map(|id| id.0.clone()).collect(), vec![]),

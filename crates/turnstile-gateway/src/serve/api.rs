@@ -617,7 +617,7 @@ fn early_response(early: Early, stream: bool) -> Response {
         Early::Paused(reason) => ("paused", json!({"reason": reason}), StatusCode::CONFLICT),
     };
     if stream {
-        sse_response(vec![(event, data)], None)
+        sse_once(event, &data)
     } else {
         let mut body = data;
         body["status"] = json!(event);
@@ -1070,18 +1070,12 @@ async fn attach(
     let hub = hub_for(&shared, record, prepared_from).await?;
     let _ = caller;
     if stream {
-        let (backlog, finished, receiver) = hub.subscribe();
-        Ok(sse_response(
-            backlog,
-            if finished { None } else { Some(receiver) },
-        ))
+        Ok(sse_response(hub.subscribe()))
     } else {
-        let (backlog, finished, mut receiver) = hub.subscribe();
-        let mut events = backlog;
-        if !finished {
-            while let Ok(Some(message)) = receiver.recv().await {
-                events.push(message);
-            }
+        let mut receiver = hub.subscribe();
+        let mut events = Vec::new();
+        while let Ok(Some(event)) = receiver.recv().await {
+            events.push(event);
         }
         let record = shared
             .ledger
@@ -1089,11 +1083,23 @@ async fn attach(
             .await
             .map_err(ApiError::store)?;
         let state = record.as_ref().map_or("unknown", |record| record.state.as_str());
+        // Every event, `usage` reports included (as this answer always listed them).
+        let listed: Vec<Value> = events
+            .iter()
+            .map(|event| {
+                let (name, data) = client_event_json(event);
+                json!({"event": name, "data": data})
+            })
+            .collect();
         let mut body = json!({"operation_id": caller.client_id(&operation_id).unwrap_or(&operation_id), "state": state,
-                              "events": events.iter().map(|(event, data)| json!({"event": event, "data": data})).collect::<Vec<_>>()});
-        if let Some((_, committed)) = events.iter().rev().find(|(event, _)| *event == "committed") {
-            body["revision"] = committed["revision"].clone();
-            body["turn"] = committed["turn"].clone();
+                              "events": listed});
+        let committed = events.iter().rev().find_map(|event| match &**event {
+            turnstile_drive::DriveEvent::Committed { revision, turn, .. } => Some((revision, turn)),
+            _ => None,
+        });
+        if let Some((revision, turn)) = committed {
+            body["revision"] = json!(revision.0);
+            body["turn"] = turn.clone();
         }
         Ok(Json(body).into_response())
     }
@@ -1110,10 +1116,10 @@ pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hu
         };
         if last != Some(record.state) {
             last = Some(record.state);
-            hub.send(
-                "state",
-                json!({"state": record.state.as_str(), "generation": record.active_generation.map(|g| g.0)}),
-            );
+            hub.send(turnstile_drive::DriveEvent::State {
+                state: record.state,
+                generation: record.active_generation,
+            });
         }
         if record.state.is_terminal() {
             if let Some(revision) = record.committed_revision {
@@ -1125,13 +1131,13 @@ pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hu
                         .unwrap_or(Value::Null),
                     _ => Value::Null,
                 };
-                let mut data = json!({"revision": revision.0, "turn": turn});
-                if let (Some(Value::Object(outcome)), Some(object)) =
-                    (record.outcome.clone(), data.as_object_mut())
-                {
-                    object.extend(outcome);
-                }
-                hub.send("committed", data);
+                // The same event the driver emits at its commit: the stored outcome is the
+                // commit offer's facts (stop reason and usage).
+                hub.send(turnstile_drive::DriveEvent::Committed {
+                    revision,
+                    turn,
+                    facts: record.outcome.clone(),
+                });
             }
             break;
         }
@@ -1269,45 +1275,89 @@ async fn context_with(
     })
 }
 
-/// An SSE response: the backlog, then live events until the end marker.
-fn sse_response(backlog: Vec<super::hub::ClientMessage>, receiver: Option<super::hub::Receiver>) -> Response {
+/// A client event as the spec writes it (`gateway-api.md`, "Client stream events"): its
+/// `event:` name and its JSON data. The only place the native API turns a hub event into JSON.
+fn client_event_json(event: &turnstile_drive::DriveEvent) -> (&'static str, Value) {
+    use turnstile_drive::DriveEvent;
+    match event {
+        DriveEvent::State { state, generation } => (
+            "state",
+            json!({"state": state.as_str(), "generation": generation.map(|g| g.0)}),
+        ),
+        DriveEvent::Preview {
+            generation,
+            block_index,
+            delta,
+        } => (
+            "preview",
+            json!({"generation": generation.0, "block_index": block_index, "delta": delta}),
+        ),
+        DriveEvent::Retract { generation, reason } => {
+            ("retract", json!({"generation": generation.0, "reason": reason}))
+        }
+        DriveEvent::Committed {
+            revision,
+            turn,
+            facts,
+        } => {
+            let mut data = json!({"revision": revision.0, "turn": turn});
+            if let (Some(Value::Object(facts)), Some(object)) = (facts, data.as_object_mut()) {
+                object.extend(facts.iter().map(|(key, value)| (key.clone(), value.clone())));
+            }
+            ("committed", data)
+        }
+        DriveEvent::Usage { generation, usage } => {
+            ("usage", json!({"generation": generation.0, "usage": usage}))
+        }
+        DriveEvent::Error { code, message } => ("error", json!({"code": code, "message": message})),
+    }
+}
+
+fn sse_frame(event: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
+}
+
+/// An SSE response: every event of the dispatch from its first, until the end marker.
+fn sse_response(mut receiver: super::hub::Receiver) -> Response {
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     tokio::spawn(async move {
-        let frame = |(event, data): super::hub::ClientMessage| {
-            Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
-        };
-        // The spec's client events only: the hub's `usage` reports are for the proxy.
-        let native = |message: &super::hub::ClientMessage| message.0 != "usage";
-        for message in backlog.into_iter().filter(native) {
-            if sender.send(Ok(frame(message))).await.is_err() {
-                return;
-            }
-        }
-        let Some(mut receiver) = receiver else { return };
         loop {
             match receiver.recv().await {
-                Ok(Some(message)) if !native(&message) => {}
-                Ok(Some(message)) => {
-                    if sender.send(Ok(frame(message))).await.is_err() {
+                // The spec's client events only: the hub's `usage` reports are for the proxy.
+                Ok(Some(event)) if matches!(*event, turnstile_drive::DriveEvent::Usage { .. }) => {}
+                Ok(Some(event)) => {
+                    let (name, data) = client_event_json(&event);
+                    if sender.send(Ok(sse_frame(name, &data))).await.is_err() {
                         return;
                     }
                 }
                 Ok(None) | Err(super::hub::RecvError::Closed) => return,
                 Err(super::hub::RecvError::Lagged(missed)) => {
                     let data = json!({"code": "client_lagged", "message": format!("{missed} events were skipped; GET /v1/dispatches/{{operation_id}} has the outcome")});
-                    let _ = sender.send(Ok(frame(("error", data)))).await;
+                    let _ = sender.send(Ok(sse_frame("error", &data))).await;
                     return;
                 }
             }
         }
     });
+    sse_headers(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
+        out,
+    )))
+}
+
+/// An SSE response of one event (an answer before any dispatch exists: `waiting`, `rejected`,
+/// `paused`), streamed like every other SSE body.
+fn sse_once(event: &str, data: &Value) -> Response {
+    let frame = sse_frame(event, data);
+    sse_headers(Body::from_stream(tokio_stream::once(Ok::<_, Infallible>(frame))))
+}
+
+fn sse_headers(body: Body) -> Response {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
-            out,
-        )))
+        .body(body)
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
@@ -1942,6 +1992,84 @@ mod tests {
         // The spec is the contract: without it this test fails rather than passing unchecked.
         std::fs::read_to_string(&path)
             .unwrap_or_else(|error| panic!("{}: {error} (set TURNSTILE_SHARED)", path.display()))
+    }
+
+    #[test]
+    fn native_client_events_are_written_as_the_spec_names_them() {
+        use super::{client_event_json, sse_frame};
+        use serde_json::json;
+        use turnstile_core::dispatch::DispatchState;
+        use turnstile_core::{Generation, Revision};
+        use turnstile_drive::DriveEvent;
+        let check = |event: DriveEvent, expected: &str| {
+            let (name, data) = client_event_json(&event);
+            assert_eq!(String::from_utf8_lossy(&sse_frame(name, &data)), expected);
+        };
+        check(
+            DriveEvent::State {
+                state: DispatchState::Streaming,
+                generation: Some(Generation(3)),
+            },
+            "event: state\ndata: {\"generation\":3,\"state\":\"STREAMING\"}\n\n",
+        );
+        check(
+            DriveEvent::State {
+                state: DispatchState::Prepared,
+                generation: None,
+            },
+            "event: state\ndata: {\"generation\":null,\"state\":\"PREPARED\"}\n\n",
+        );
+        check(
+            DriveEvent::Preview {
+                generation: Generation(3),
+                block_index: 1,
+                delta: "Hi \"you\"".into(),
+            },
+            "event: preview\ndata: {\"block_index\":1,\"delta\":\"Hi \\\"you\\\"\",\"generation\":3}\n\n",
+        );
+        check(
+            DriveEvent::Retract {
+                generation: Generation(3),
+                reason: "stream_broken".into(),
+            },
+            "event: retract\ndata: {\"generation\":3,\"reason\":\"stream_broken\"}\n\n",
+        );
+        // The commit offer's facts sit beside the revision and the turn.
+        check(
+            DriveEvent::Committed {
+                revision: Revision(5),
+                turn: json!({"id": "t", "revision": 5}),
+                facts: Some(json!({"stop_reason": "end_turn", "usage": {"input_tokens": 1}})),
+            },
+            "event: committed\ndata: {\"revision\":5,\"stop_reason\":\"end_turn\",\"turn\":{\"id\":\"t\",\"revision\":5},\"usage\":{\"input_tokens\":1}}\n\n",
+        );
+        check(
+            DriveEvent::Committed {
+                revision: Revision(5),
+                turn: json!({"id": "t"}),
+                facts: None,
+            },
+            "event: committed\ndata: {\"revision\":5,\"turn\":{\"id\":\"t\"}}\n\n",
+        );
+        check(
+            DriveEvent::Error {
+                code: "begin_refused".into(),
+                message: "no",
+            },
+            "event: error\ndata: {\"code\":\"begin_refused\",\"message\":\"no\"}\n\n",
+        );
+        // Not a native stream event (`sse_response` leaves it out), but listed by the
+        // non-streaming answer.
+        check(
+            DriveEvent::Usage {
+                generation: Generation(3),
+                usage: turnstile_core::assemble::Usage {
+                    input_tokens: Some(7),
+                    ..Default::default()
+                },
+            },
+            "event: usage\ndata: {\"generation\":3,\"usage\":{\"input_tokens\":7,\"output_tokens\":null}}\n\n",
+        );
     }
 
     #[test]

@@ -14,7 +14,6 @@ use super::metrics;
 use super::traces;
 use super::transport::{self, Endpoint, TransportEvent};
 use super::{Shared, now};
-use serde_json::{Value, json};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -260,10 +259,10 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     } else {
         if drive.stopped() {
             // Nobody drives it: the conversation moved on, or the dispatch was cancelled.
-            pump.ctx.hub.send(
-                "error",
-                json!({"code": "begin_refused", "message": turnstile_drive::error_message("begin_refused")}),
-            );
+            pump.ctx.hub.send(DriveEvent::Error {
+                code: "begin_refused".into(),
+                message: turnstile_drive::error_message("begin_refused"),
+            });
         }
         pump.ctx.hub.finish();
     }
@@ -317,7 +316,8 @@ impl Pump {
                 }
                 Action::Emit(event) => {
                     self.trace.emit(&event);
-                    self.emit(event);
+                    // Typed to the hub; JSON only at the client edges (`hub.rs`).
+                    self.ctx.hub.send(event);
                 }
                 Action::Count(count) => {
                     self.trace.count(&count);
@@ -397,46 +397,6 @@ impl Pump {
                 self.shared.breaker.failure(&target.label(), retry_after, now());
             }
             _ => {}
-        }
-    }
-
-    fn emit(&self, event: DriveEvent) {
-        let hub = &self.ctx.hub;
-        match event {
-            DriveEvent::State { state, generation } => hub.send(
-                "state",
-                json!({"state": state.as_str(), "generation": generation.map(|g| g.0)}),
-            ),
-            DriveEvent::Preview {
-                generation,
-                block_index,
-                delta,
-            } => hub.send(
-                "preview",
-                json!({"generation": generation.0, "block_index": block_index, "delta": delta}),
-            ),
-            DriveEvent::Retract { generation, reason } => {
-                hub.send("retract", json!({"generation": generation.0, "reason": reason}));
-            }
-            DriveEvent::Committed {
-                revision,
-                turn,
-                facts,
-            } => {
-                let mut data = json!({"revision": revision.0, "turn": turn});
-                if let (Some(Value::Object(facts)), Some(object)) = (facts, data.as_object_mut()) {
-                    object.extend(facts);
-                }
-                hub.send("committed", data);
-            }
-            DriveEvent::Error { code, message } => {
-                hub.send("error", json!({"code": code, "message": message}));
-            }
-            // For the proxy's opening frame (Anthropic `message_start`); not a native client
-            // event (`api::sse_response` leaves it out).
-            DriveEvent::Usage { generation, usage } => {
-                hub.send("usage", json!({"generation": generation.0, "usage": usage}));
-            }
         }
     }
 

@@ -86,6 +86,11 @@ impl Feed {
         let _ = self.sender.send(change);
     }
 
+    /// A receiver of the changes published from now on.
+    pub fn changes(&self) -> broadcast::Receiver<Change> {
+        self.sender.subscribe()
+    }
+
     /// A conversation is at `revision`.
     pub fn conversation(&self, conversation_id: &str, revision: u64) {
         self.publish(Change::Conversation {
@@ -153,7 +158,7 @@ pub async fn events(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Ap
         ));
     }
     let slot = Slot(feed.subscribers.clone());
-    let mut receiver = feed.sender.subscribe();
+    let mut receiver = feed.changes();
     let prefix = caller.store_id("");
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     tokio::spawn(async move {

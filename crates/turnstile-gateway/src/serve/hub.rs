@@ -1,29 +1,37 @@
 //! Client event fan-out for one dispatch: every event is kept (a bounded backlog) and
 //! broadcast, so a client that attaches late with the same operation id sees the whole stream,
 //! and a client that leaves loses nothing of the dispatch itself.
+//!
+//! The events are the driver's own typed [`DriveEvent`]s, each behind one `Arc`: the hub never
+//! writes JSON, and no subscriber copies an event. JSON is written at the edges only — the
+//! native SSE stream (`api::sse_response`, the spec's "client stream events") and the proxy's
+//! encoders (`proxy::respond`) — and the change feed reads the typed fields ([`Hub::observed`]).
 
-use serde_json::Value;
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 pub use tokio::sync::broadcast::error::RecvError;
+use turnstile_drive::DriveEvent;
 
 /// Most events kept for late attachers.
 pub const BACKLOG_EVENTS_MAX: usize = 100_000;
 
-/// One client event: the SSE `event:` name and its JSON data.
-pub type ClientMessage = (&'static str, Value);
+/// One client event, shared by every subscriber (a preview delta or a committed turn is never
+/// copied per client).
+pub type ClientEvent = Arc<DriveEvent>;
 
 struct Inner {
-    backlog: Vec<ClientMessage>,
+    backlog: Vec<ClientEvent>,
     /// Events not kept because the backlog was full.
     dropped: u64,
     finished: bool,
 }
 
 /// The fan-out point. The backlog is the only copy of the events: a receiver is a cursor into
-/// it, woken when it grows, so a slow client never lags behind a fixed-size ring (and a dispatch
-/// allocates nothing up front — a broadcast ring of 4,096 slots per dispatch used to cost more
-/// CPU than the rest of the hub).
+/// it, starting at its first event and woken when it grows, so a late subscriber reads the same
+/// vector as an early one (nothing is copied at subscription: a full backlog is 100,000
+/// events), a slow client never lags behind a fixed-size ring, and a dispatch allocates nothing
+/// up front (a broadcast ring of 4,096 slots per dispatch used to cost more CPU than the rest
+/// of the hub).
 pub struct Hub {
     inner: Mutex<Inner>,
     grew: Notify,
@@ -52,8 +60,9 @@ pub struct Receiver {
 
 impl Receiver {
     /// The next event; `Ok(None)` once the hub is finished and every event was read;
-    /// `Err(Lagged)` only if events beyond the backlog limit were dropped.
-    pub async fn recv(&mut self) -> Result<Option<ClientMessage>, RecvError> {
+    /// `Err(Lagged)` only if events beyond the backlog limit were dropped (after every event
+    /// the backlog kept).
+    pub async fn recv(&mut self) -> Result<Option<ClientEvent>, RecvError> {
         loop {
             // Registered before looking, so a send between the look and the wait still wakes us.
             let grew = self.hub.grew.notified();
@@ -61,9 +70,9 @@ impl Receiver {
             grew.as_mut().enable();
             {
                 let inner = self.hub.lock();
-                if let Some(message) = inner.backlog.get(self.cursor) {
+                if let Some(event) = inner.backlog.get(self.cursor) {
                     self.cursor += 1;
-                    return Ok(Some(message.clone()));
+                    return Ok(Some(event.clone()));
                 }
                 if inner.dropped > 0 {
                     return Err(RecvError::Lagged(inner.dropped));
@@ -74,6 +83,17 @@ impl Receiver {
             }
             grew.await;
         }
+    }
+
+    /// The next event if the hub already has it; `None` when the receiver would have to wait
+    /// (or the stream ended: [`Receiver::recv`] tells which).
+    pub fn try_recv(&mut self) -> Option<ClientEvent> {
+        let inner = self.hub.lock();
+        let event = inner.backlog.get(self.cursor).cloned();
+        if event.is_some() {
+            self.cursor += 1;
+        }
+        event
     }
 }
 
@@ -104,24 +124,21 @@ impl Hub {
         }
     }
 
-    fn announce(&self, event: &str, data: &Value) {
+    fn announce(&self, event: &DriveEvent) {
         let Some(observer) = &self.observer else { return };
         match event {
-            "state" => {
-                if let Some(state) = data["state"].as_str() {
-                    observer.feed.publish(super::feed::Change::Dispatch {
-                        operation_id: observer.operation_id.clone(),
-                        conversation_id: observer.conversation_id.clone(),
-                        state: state.to_owned(),
-                    });
-                }
+            DriveEvent::State { state, .. } => observer.feed.publish(super::feed::Change::Dispatch {
+                operation_id: observer.operation_id.clone(),
+                conversation_id: observer.conversation_id.clone(),
+                state: state.as_str().to_owned(),
+            }),
+            DriveEvent::Committed { revision, .. } => {
+                observer.feed.conversation(&observer.conversation_id, revision.0);
             }
-            "committed" => {
-                if let Some(revision) = data["revision"].as_u64() {
-                    observer.feed.conversation(&observer.conversation_id, revision);
-                }
-            }
-            _ => {}
+            DriveEvent::Preview { .. }
+            | DriveEvent::Retract { .. }
+            | DriveEvent::Usage { .. }
+            | DriveEvent::Error { .. } => {}
         }
     }
 
@@ -130,12 +147,12 @@ impl Hub {
     }
 
     /// Publish an event.
-    pub fn send(&self, event: &'static str, data: Value) {
-        self.announce(event, &data);
+    pub fn send(&self, event: DriveEvent) {
+        self.announce(&event);
         {
             let mut inner = self.lock();
             if inner.backlog.len() < BACKLOG_EVENTS_MAX {
-                inner.backlog.push((event, data));
+                inner.backlog.push(Arc::new(event));
             } else {
                 inner.dropped += 1;
             }
@@ -149,34 +166,64 @@ impl Hub {
         self.grew.notify_waiters();
     }
 
-    /// Everything so far, and a receiver for what follows (`None` marks the end). Taken under
-    /// one lock so no event falls between the two.
-    pub fn subscribe(self: &Arc<Self>) -> (Vec<ClientMessage>, bool, Receiver) {
-        let inner = self.lock();
-        let receiver = Receiver {
+    /// A receiver of the whole stream: every event so far, then what follows, then the end
+    /// (`Ok(None)`). It reads the shared backlog by cursor, so there is no seam between
+    /// "backlog" and "live" for an event to fall into, and subscribing copies nothing.
+    pub fn subscribe(self: &Arc<Self>) -> Receiver {
+        Receiver {
             hub: self.clone(),
-            cursor: inner.backlog.len(),
-        };
-        (inner.backlog.clone(), inner.finished, receiver)
+            cursor: 0,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use turnstile_core::dispatch::DispatchState;
+    use turnstile_core::{Generation, Revision};
+
+    fn preview(number: u64) -> DriveEvent {
+        DriveEvent::Preview {
+            generation: Generation(1),
+            block_index: 0,
+            delta: number.to_string(),
+        }
+    }
+
+    fn number_of(event: &DriveEvent) -> Option<u64> {
+        match event {
+            DriveEvent::Preview { delta, .. } => delta.parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// Every event of `receiver` until the end, and how it ended.
+    async fn read_all(receiver: &mut Receiver) -> (Vec<ClientEvent>, Result<(), RecvError>) {
+        let mut seen = Vec::new();
+        loop {
+            match receiver.recv().await {
+                Ok(Some(event)) => seen.push(event),
+                Ok(None) => return (seen, Ok(())),
+                Err(error) => return (seen, Err(error)),
+            }
+        }
+    }
 
     #[tokio::test]
-    async fn a_receiver_sees_every_event_after_its_backlog_in_order_however_slow_it_is() {
+    async fn a_receiver_sees_every_event_in_order_however_late_or_slow_it_is() {
         let hub = Arc::new(Hub::new());
-        hub.send("state", json!(0));
-        let (backlog, finished, mut receiver) = hub.subscribe();
-        assert_eq!((backlog.len(), finished), (1, false));
+        hub.send(DriveEvent::State {
+            state: DispatchState::Dispatching,
+            generation: Some(Generation(1)),
+        });
+        // Subscribed after the first event, while the stream goes on.
+        let mut early = hub.subscribe();
         let sender = {
             let hub = hub.clone();
             tokio::spawn(async move {
                 for number in 1..=10_000 {
-                    hub.send("preview", json!(number));
+                    hub.send(preview(number));
                     if number % 1000 == 0 {
                         tokio::task::yield_now().await;
                     }
@@ -184,15 +231,88 @@ mod tests {
                 hub.finish();
             })
         };
-        let mut seen = Vec::new();
-        while let Ok(Some((_, data))) = receiver.recv().await {
-            seen.push(data.as_u64().unwrap());
-        }
+        let (seen, ended) = read_all(&mut early).await;
         sender.await.unwrap();
-        assert_eq!(seen, (1..=10_000).collect::<Vec<u64>>());
-        // A late subscriber gets the whole backlog and an immediate end.
-        let (backlog, finished, mut late) = hub.subscribe();
-        assert_eq!((backlog.len(), finished), (10_001, true));
+        assert!(ended.is_ok());
+        assert!(matches!(*seen[0], DriveEvent::State { .. }));
+        let numbers: Vec<u64> = seen[1..].iter().filter_map(|event| number_of(event)).collect();
+        assert_eq!(numbers, (1..=10_000).collect::<Vec<u64>>());
+        assert_eq!(seen.len(), 10_001);
+        // A late subscriber reads the same events (the same allocations: nothing is copied per
+        // subscriber) and then the end.
+        let mut late = hub.subscribe();
+        let (again, ended) = read_all(&mut late).await;
+        assert!(ended.is_ok());
+        assert_eq!(again.len(), seen.len());
+        assert!(again.iter().zip(&seen).all(|(a, b)| Arc::ptr_eq(a, b)));
         assert!(matches!(late.recv().await, Ok(None)));
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_between_two_sends_loses_nothing_of_either() {
+        let hub = Arc::new(Hub::new());
+        let mut readers = Vec::new();
+        for number in 0..100 {
+            readers.push(hub.subscribe());
+            hub.send(preview(number));
+        }
+        hub.finish();
+        for mut reader in readers {
+            let (seen, ended) = read_all(&mut reader).await;
+            assert!(ended.is_ok());
+            let numbers: Vec<u64> = seen.iter().filter_map(|event| number_of(event)).collect();
+            assert_eq!(numbers, (0..100).collect::<Vec<u64>>());
+        }
+    }
+
+    #[tokio::test]
+    async fn events_beyond_the_backlog_limit_end_every_reader_with_lagged_after_what_was_kept() {
+        let hub = Arc::new(Hub::new());
+        for number in 0..BACKLOG_EVENTS_MAX as u64 + 3 {
+            hub.send(preview(number));
+        }
+        hub.finish();
+        let mut reader = hub.subscribe();
+        let (seen, ended) = read_all(&mut reader).await;
+        assert_eq!(seen.len(), BACKLOG_EVENTS_MAX);
+        assert!(matches!(ended, Err(RecvError::Lagged(3))));
+    }
+
+    #[tokio::test]
+    async fn an_observed_hub_announces_states_and_commits_from_the_typed_fields() {
+        let feed = Arc::new(super::super::feed::Feed::new());
+        let mut changes = feed.changes();
+        let hub = Hub::observed(feed.clone(), "t~c1", "t~op1");
+        hub.send(DriveEvent::State {
+            state: DispatchState::Streaming,
+            generation: Some(Generation(2)),
+        });
+        hub.send(preview(1));
+        hub.send(DriveEvent::Committed {
+            revision: Revision(4),
+            turn: serde_json::json!({"revision": 4}),
+            facts: None,
+        });
+        hub.finish();
+        match changes.try_recv() {
+            Ok(super::super::feed::Change::Dispatch {
+                operation_id,
+                conversation_id,
+                state,
+            }) => assert_eq!(
+                (operation_id.as_str(), conversation_id.as_str(), state.as_str()),
+                ("t~op1", "t~c1", "STREAMING")
+            ),
+            other => panic!("expected the state change, got {other:?}"),
+        }
+        match changes.try_recv() {
+            Ok(super::super::feed::Change::Conversation {
+                conversation_id,
+                revision,
+            }) => assert_eq!((conversation_id.as_str(), revision), ("t~c1", 4)),
+            other => panic!("expected the commit, got {other:?}"),
+        }
+        // The preview was not announced: the feed carries ids and states only.
+        assert!(changes.try_recv().is_err());
     }
 }

@@ -146,22 +146,12 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
         )
     );
     // The committed calls are handed to the client (state `client`: no claim, no lease), not
-    // left ready for an executor; the hand-off follows the commit, so poll for it (bounded).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let handed = loop {
-        let handed = gateway.get("/v1/tool-calls?state=client")["tool_calls"]
-            .as_array()
-            .unwrap()
-            .clone();
-        if handed.len() == 2 {
-            break handed;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not handed to the client: {handed:?}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    };
+    // left ready for an executor; the hand-off precedes the answer that shows them.
+    let handed = gateway.get("/v1/tool-calls?state=client")["tool_calls"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(handed.len(), 2, "not handed to the client: {handed:?}");
     assert!(
         handed.iter().all(|call| call["claims"] == 0
             && call["claim_expires_at"].is_null()
@@ -1097,6 +1087,53 @@ adapter = "anthropic-messages@2"
     assert_eq!(body["error"]["code"], "unsupported_setting", "{body}");
     assert_eq!(body["error"]["setting"], "seed", "{body}");
     assert_eq!(sim.requests().len(), before);
+}
+
+#[test]
+fn a_streamed_client_that_leaves_before_the_commit_still_has_its_calls_handed_over() {
+    let (_dir, sim, gateway) = proxy_world("");
+    // 60 text events at 50 ms before the calls: the status line goes out with the first
+    // preview, seconds before the commit, and the stream's writes fail once the client is gone.
+    let mut slow = two_calls();
+    slow["text"] = json!("word ".repeat(60));
+    slow["faults"] = json!({"delay_ms": 50});
+    sim.script("gpt-leaves", json!([slow]));
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let response = client()
+        .post(format!("{}/v1/chat/completions", gateway.base))
+        .header("content-type", "application/json")
+        .body(chat_request("gpt-leaves", question, true).to_string())
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let operation = operation_of(response.headers());
+    // The client leaves without reading its stream.
+    drop(response);
+    // The request's reader goes on without it: the dispatch commits and its calls are handed
+    // over (bounded poll on the ledger).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let handed = loop {
+        let handed = gateway.get("/v1/tool-calls?state=client")["tool_calls"]
+            .as_array()
+            .unwrap()
+            .clone();
+        if handed.len() == 2 {
+            break handed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not handed to the client: {handed:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(
+        handed.iter().all(|call| call["holder"] == "proxy-client"),
+        "{handed:?}"
+    );
+    assert_eq!(
+        gateway.get(&format!("/v1/dispatches/{operation}"))["state"],
+        "COMMITTED"
+    );
 }
 
 #[test]

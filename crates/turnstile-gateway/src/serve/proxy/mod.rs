@@ -36,7 +36,7 @@ pub mod shadow;
 
 use super::api::{self, ApiError, Early, Started, Target, caller_with_token, hub_for};
 use super::config::{Mode, Route};
-use super::hub::Hub;
+use super::hub::{ClientEvent, Receiver};
 use super::{Shared, metrics, now};
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -51,8 +51,10 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use turnstile_adapters::AdapterId;
 use turnstile_adapters::Api;
-use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import};
-use turnstile_core::{Conversation, Verdict, validate};
+use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import_value, parse_body};
+use turnstile_core::dispatch::DispatchState;
+use turnstile_core::{Conversation, Generation, Verdict, validate};
+use turnstile_drive::DriveEvent;
 use turnstile_store::ImportOutcome;
 
 /// Holder recorded on tool calls handed to a proxy client (state `client`).
@@ -351,10 +353,14 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
             );
         }
     };
-    let peek: Peek = if gemini.is_some() {
-        Peek::default()
-    } else {
-        serde_json::from_slice(&bytes).unwrap_or_default()
+    // The body is parsed once: routing peeks at the parsed value, the importer takes it.
+    let body = parse_body(&bytes);
+    let peek: Peek = match (&gemini, &body) {
+        (Some(_), _) => Peek::default(),
+        (None, Ok(value)) => Peek::deserialize(value).unwrap_or_default(),
+        // Past the importer's limits (or not JSON): routing still reads what it can, so a
+        // shadow route forwards it untouched as before.
+        (None, Err(_)) => serde_json::from_slice(&bytes).unwrap_or_default(),
     };
     let model = match &gemini {
         Some(call) => call.model.clone(),
@@ -398,10 +404,10 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         },
         None => None,
     };
-    let imported = match &continued {
-        None => import(api, &bytes, &conversation_id, gemini.clone()),
-        Some(stored) => import_continuation(&bytes, &conversation_id, stored),
-    };
+    let imported = body.and_then(|value| match &continued {
+        None => import_value(api, value, &conversation_id, gemini.clone()),
+        Some(stored) => import_continuation(value, &conversation_id, stored),
+    });
     let ours = match route.mode {
         _ if continued.is_some() => true,
         Mode::On => true,
@@ -508,20 +514,15 @@ async fn stored_response(shared: &Arc<Shared>, store_id: &str) -> Result<Value, 
 
 /// Import a Responses request that continues a stored response: its own input imported
 /// without `previous_response_id`, spliced after the stored history.
-fn import_continuation(body: &[u8], conversation_id: &str, stored: &Value) -> Result<Imported, ImportError> {
-    let mut value: Value =
-        turnstile_core::parse::json_from_slice(body).map_err(|error| ImportError::Malformed {
-            path: String::new(),
-            message: error.to_string(),
-        })?;
+fn import_continuation(
+    mut value: Value,
+    conversation_id: &str,
+    stored: &Value,
+) -> Result<Imported, ImportError> {
     if let Some(object) = value.as_object_mut() {
         object.remove("previous_response_id");
     }
-    let bytes = serde_json::to_vec(&value).map_err(|error| ImportError::Malformed {
-        path: String::new(),
-        message: error.to_string(),
-    })?;
-    let mut imported = import(Api::OpenaiResponses, &bytes, conversation_id, None)?;
+    let mut imported = import_value(Api::OpenaiResponses, value, conversation_id, None)?;
     imported.document =
         previous::splice(stored, &imported.document).map_err(|error| ImportError::Unrepresentable {
             path: "previous_response_id".into(),
@@ -785,11 +786,6 @@ async fn serve_ours(
     let hub = hub_for(shared, record, Some(&conversation))
         .await
         .map_err(|error| from_api_error(api, error))?;
-    tokio::spawn(hand_to_client(
-        shared.clone(),
-        conversation_id.clone(),
-        hub.clone(),
-    ));
     let to = Addressee {
         api,
         id: client_response_id(api, &operation_id),
@@ -811,18 +807,27 @@ async fn serve_ours(
     if !dropped.is_empty() {
         headers.push(("x-turnstile-dropped", dropped.join(",")));
     }
-    let response = if imported.stream {
-        // The status line waits for the first sign of an answer: a dispatch that fails before
-        // any output (the provider's 429, say) is that HTTP error, so the SDK raises its own
-        // typed exception and backs off, instead of a 200 with an error inside.
-        match failure_before_output(&hub).await {
-            Some(Outcome::Failed { code, message }) => failed_response(api, &code, &message),
-            _ => stream_answer(hub, to, prompt_tokens),
-        }
-    } else {
-        whole_answer(hub, to, prompt_tokens).await
+    // One reader of the dispatch's events per request, in its own task: it answers the client
+    // and hands the committed tool calls over, whether or not the client is still there.
+    let follower = Follower {
+        shared: shared.clone(),
+        conversation_id: conversation_id.clone(),
+        receiver: hub.subscribe(),
+        committed: false,
+        ended: false,
     };
-    let mut response = response;
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    tokio::spawn(follow(follower, to, prompt_tokens, imported.stream, reply));
+    // Invariant: `follow` replies before it returns; only a panic there drops the sender.
+    let mut response = answer.await.unwrap_or_else(|_| {
+        provider_error(
+            api,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "no_commit",
+            "the request's answer was lost",
+            &Value::Null,
+        )
+    });
     for (name, value) in headers {
         if let Ok(value) = header::HeaderValue::from_str(&value) {
             response.headers_mut().insert(name, value);
@@ -841,7 +846,6 @@ async fn keyed_operation(
     shared: &Arc<Shared>,
     conversation_id: &str,
 ) -> Result<String, turnstile_store::StoreError> {
-    use turnstile_core::dispatch::DispatchState;
     let mut operation_id = conversation_id.to_owned();
     for retry in 1..=KEYED_RETRIES_MAX {
         match shared.ledger.dispatch(&operation_id).await? {
@@ -886,31 +890,83 @@ fn same_prefix(stored: &Value, turns: &[Value]) -> bool {
     }
 }
 
-/// Hand the committed tool calls to the proxy client, whether or not it is still connected:
-/// the client runs them and its follow-up request carries the results (continuation appends
-/// them, which closes the calls). Handed, not claimed: no lease runs out and no executor is
-/// offered them.
-async fn hand_to_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<Hub>) {
-    let (backlog, finished, mut receiver) = hub.subscribe();
-    let mut events = backlog;
-    let committed = loop {
-        if let Some((_, data)) = events.iter().find(|(event, _)| *event == "committed") {
-            break Some(data.clone());
+/// The one reader of a proxied request's dispatch events (`docs/decisions.md`, 2026-12-01:
+/// one subscription per proxy request). Reading the commit hands its tool calls to the client
+/// before the commit is passed on, so the answer that shows a call never precedes its
+/// hand-over.
+struct Follower {
+    shared: Arc<Shared>,
+    conversation_id: String,
+    receiver: Receiver,
+    /// The commit was read (and its calls handed over).
+    committed: bool,
+    /// The events ended (the hub finished, or its backlog overflowed).
+    ended: bool,
+}
+
+impl Follower {
+    /// The next event; `None` at the end.
+    async fn next(&mut self) -> Option<ClientEvent> {
+        if self.ended {
+            return None;
         }
-        if finished {
-            break None;
+        match self.receiver.recv().await {
+            Ok(Some(event)) => Some(self.read(event).await),
+            Ok(None) | Err(_) => {
+                self.ended = true;
+                None
+            }
         }
-        match receiver.recv().await {
-            Ok(Some(message)) => events = vec![message],
-            _ => break None,
+    }
+
+    /// The next event if the hub already has it.
+    async fn next_ready(&mut self) -> Option<ClientEvent> {
+        let event = self.receiver.try_recv()?;
+        Some(self.read(event).await)
+    }
+
+    async fn read(&mut self, event: ClientEvent) -> ClientEvent {
+        if let DriveEvent::Committed { turn, .. } = &*event
+            && !self.committed
+        {
+            self.committed = true;
+            hand_to_client(&self.shared, &self.conversation_id, turn).await;
         }
-    };
-    let Some(committed) = committed else { return };
-    for part in parts_of(&committed["turn"]) {
+        event
+    }
+
+    /// Read on to the commit or the end, the client gone or not: its calls are handed over.
+    async fn finish(mut self) {
+        while !self.committed && self.next().await.is_some() {}
+    }
+}
+
+/// Answer one proxied request from its dispatch's events, then read on to the hand-over.
+async fn follow(
+    mut follower: Follower,
+    to: Addressee,
+    prompt_tokens: u64,
+    stream: bool,
+    reply: tokio::sync::oneshot::Sender<Response>,
+) {
+    if stream {
+        stream_answer(&mut follower, to, prompt_tokens, reply).await;
+    } else {
+        let response = whole_answer(&mut follower, to, prompt_tokens).await;
+        let _ = reply.send(response);
+    }
+    follower.finish().await;
+}
+
+/// Hand the committed tool calls to the proxy client: the client runs them and its follow-up
+/// request carries the results (continuation appends them, which closes the calls). Handed,
+/// not claimed: no lease runs out and no executor is offered them.
+async fn hand_to_client(shared: &Shared, conversation_id: &str, turn: &Value) {
+    for part in parts_of(turn) {
         if let Part::Call { id, .. } = part
             && let Err(error) = shared
                 .ledger
-                .hand_to_client(&conversation_id, &id, PROXY_CLIENT_HOLDER)
+                .hand_to_client(conversation_id, &id, PROXY_CLIENT_HOLDER)
                 .await
         {
             tracing::warn!(%error, "handing a proxy tool call to the client failed");
@@ -920,52 +976,59 @@ async fn hand_to_client(shared: Arc<Shared>, conversation_id: String, hub: Arc<H
 
 /// How a dispatch ended, from its events.
 enum Outcome {
-    Committed(Value),
-    Failed { code: String, message: String },
+    /// The `Committed` event.
+    Committed(ClientEvent),
+    Failed {
+        code: String,
+        message: String,
+    },
 }
 
-fn outcome_of(event: &str, data: &Value) -> Option<Outcome> {
-    match event {
-        "committed" => Some(Outcome::Committed(data.clone())),
-        "error" => Some(Outcome::Failed {
-            code: data["code"].as_str().unwrap_or("dispatch_error").to_owned(),
-            message: data["message"].as_str().unwrap_or("dispatch error").to_owned(),
+fn outcome_of(event: &ClientEvent) -> Option<Outcome> {
+    match &**event {
+        DriveEvent::Committed { .. } => Some(Outcome::Committed(event.clone())),
+        DriveEvent::Error { code, message } => Some(Outcome::Failed {
+            code: code.clone(),
+            message: (*message).to_owned(),
         }),
-        "state" if matches!(data["state"].as_str(), Some("FAILED" | "ABANDONED")) => Some(Outcome::Failed {
-            code: "dispatch_failed".into(),
-            message: format!("the dispatch ended {}", data["state"].as_str().unwrap_or("")),
-        }),
+        DriveEvent::State { state, .. }
+            if matches!(state, DispatchState::Failed | DispatchState::Abandoned) =>
+        {
+            Some(Outcome::Failed {
+                code: "dispatch_failed".into(),
+                message: format!("the dispatch ended {}", state.as_str()),
+            })
+        }
         _ => None,
     }
 }
 
+/// The committed turn's parts and facts, from its `Committed` event.
+fn answer_of(committed: &DriveEvent, prompt_tokens: u64) -> (Vec<Part>, Facts) {
+    let (turn, facts) = match committed {
+        DriveEvent::Committed { turn, facts, .. } => (turn, facts.as_ref()),
+        _ => (&Value::Null, None),
+    };
+    let parts = parts_of(turn);
+    let facts = Facts::from_commit(facts.unwrap_or(&Value::Null), prompt_tokens, &parts);
+    (parts, facts)
+}
+
 /// The dispatch's failure if it fails before any preview or commit; None as soon as output
-/// (or a commit) appears.
-async fn failure_before_output(hub: &Arc<Hub>) -> Option<Outcome> {
-    let (backlog, finished, mut receiver) = hub.subscribe();
-    let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
-    let mut live = !finished;
-    loop {
-        let (event, data) = match pending.pop_front() {
-            Some(message) => message,
-            None if live => match receiver.recv().await {
-                Ok(Some(message)) => message,
-                _ => {
-                    live = false;
-                    continue;
-                }
-            },
-            None => return None,
-        };
-        if event == "preview" {
+/// (or a commit) appears. What it read is left in `read`, for the stream to start from.
+async fn failure_before_output(follower: &mut Follower, read: &mut Vec<ClientEvent>) -> Option<Outcome> {
+    while let Some(event) = follower.next().await {
+        read.push(event.clone());
+        if matches!(*event, DriveEvent::Preview { .. }) {
             return None;
         }
-        match outcome_of(event, &data) {
+        match outcome_of(&event) {
             Some(Outcome::Committed(_)) => return None,
             Some(failed) => return Some(failed),
             None => {}
         }
     }
+    None
 }
 
 /// A failed dispatch as the client's HTTP error: the provider's own refusal keeps its status
@@ -984,26 +1047,22 @@ fn failed_response(api: Api, code: &str, message: &str) -> Response {
     provider_error(api, status, code, message, &Value::Null)
 }
 
-async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
-    let (backlog, finished, mut receiver) = hub.subscribe();
-    let mut outcome = backlog.iter().find_map(|(event, data)| outcome_of(event, data));
-    if outcome.is_none() && !finished {
-        while let Ok(Some((event, data))) = receiver.recv().await {
-            match outcome_of(event, &data) {
-                Some(found @ Outcome::Committed(_)) => {
-                    outcome = Some(found);
-                    break;
-                }
-                // The first failure names the cause (a later FAILED state only repeats it).
-                Some(found) if outcome.is_none() => outcome = Some(found),
-                _ => {}
+async fn whole_answer(follower: &mut Follower, to: Addressee, prompt_tokens: u64) -> Response {
+    let mut outcome = None;
+    while let Some(event) = follower.next().await {
+        match outcome_of(&event) {
+            Some(found @ Outcome::Committed(_)) => {
+                outcome = Some(found);
+                break;
             }
+            // The first failure names the cause (a later FAILED state only repeats it).
+            Some(found) if outcome.is_none() => outcome = Some(found),
+            _ => {}
         }
     }
     match outcome {
         Some(Outcome::Committed(event)) => {
-            let parts = parts_of(&event["turn"]);
-            let facts = Facts::from_event(&event, prompt_tokens, &parts);
+            let (parts, facts) = answer_of(&event, prompt_tokens);
             Json(respond::whole(&to, &parts, &facts)).into_response()
         }
         Some(Outcome::Failed { code, message }) => failed_response(to.api, &code, &message),
@@ -1023,44 +1082,68 @@ async fn whole_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Respo
 /// was already sent and only while it agrees with it; if it diverges (or the committed turn
 /// does), the stream ends with the provider's error event. The dispatch itself goes on and
 /// commits at most once; a client retrying with the same `Idempotency-Key` gets that commit.
-fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
+///
+/// The status line waits for the first sign of an answer: a dispatch that fails before any
+/// output (the provider's 429, say) is that HTTP error, so the SDK raises its own typed
+/// exception and backs off, instead of a 200 with an error inside.
+async fn stream_answer(
+    follower: &mut Follower,
+    to: Addressee,
+    prompt_tokens: u64,
+    reply: tokio::sync::oneshot::Sender<Response>,
+) {
+    let mut read = Vec::new();
+    if let Some(Outcome::Failed { code, message }) = failure_before_output(follower, &mut read).await {
+        let _ = reply.send(failed_response(to.api, &code, &message));
+        return;
+    }
+    // What the hub already has joins what was read: a commit among it is known up front.
+    while let Some(event) = follower.next_ready().await {
+        read.push(event);
+    }
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
-    tokio::spawn(async move {
-        let (backlog, finished, mut receiver) = hub.subscribe();
-        let mut encoder = StreamEncoder::new(to, prompt_tokens);
-        // A commit already in the backlog gives the provider's own usage for the opening frame.
-        if let Some((_, committed)) = backlog.iter().find(|(event, _)| *event == "committed") {
-            let parts = parts_of(&committed["turn"]);
-            encoder.known_usage(Facts::from_event(committed, prompt_tokens, &parts));
-        }
-        let send = |bytes: Vec<u8>| {
-            let sender = sender.clone();
-            async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
-        };
-        // Anthropic's opening frame carries the provider's own start usage: it waits for the
-        // hub's first report of it (or for anything else that is not a state change, then it
-        // opens with the admission count). Bounded by the dispatch's own deadlines.
-        let mut opened = !encoder.opens_with_usage();
-        if opened && !send(encoder.start()).await {
-            return;
-        }
-        let mut pending: std::collections::VecDeque<(&'static str, Value)> = backlog.into();
-        let mut live = !finished;
-        // The generation whose preview is followed, the text of its first block so far, and
-        // whether a later block has started (then all further text waits for the commit).
-        let mut generation: Option<u64> = None;
-        let mut first_block = String::new();
-        let mut frozen = false;
-        loop {
-            let (event, data) = match pending.pop_front() {
-                Some(message) => message,
-                None if live => match receiver.recv().await {
-                    Ok(Some(message)) => message,
-                    Ok(None) | Err(_) => {
-                        live = false;
-                        continue;
-                    }
-                },
+    let response = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
+            out,
+        )))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    if reply.send(response).is_err() {
+        // The client left before the status line.
+        return;
+    }
+    let mut encoder = StreamEncoder::new(to, prompt_tokens);
+    // A commit already read gives the provider's own usage for the opening frame.
+    if let Some(committed) = read
+        .iter()
+        .find(|event| matches!(***event, DriveEvent::Committed { .. }))
+    {
+        encoder.known_usage(answer_of(committed, prompt_tokens).1);
+    }
+    let send = |bytes: Vec<u8>| {
+        let sender = sender.clone();
+        async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
+    };
+    // Anthropic's opening frame carries the provider's own start usage: it waits for the
+    // hub's first report of it (or for anything else that is not a state change, then it
+    // opens with the admission count). Bounded by the dispatch's own deadlines.
+    let mut opened = !encoder.opens_with_usage();
+    if opened && !send(encoder.start()).await {
+        return;
+    }
+    let mut pending: std::collections::VecDeque<ClientEvent> = read.into();
+    // The generation whose preview is followed, the text of its first block so far, and
+    // whether a later block has started (then all further text waits for the commit).
+    let mut generation: Option<Generation> = None;
+    let mut first_block = String::new();
+    let mut frozen = false;
+    loop {
+        let event = match pending.pop_front() {
+            Some(event) => event,
+            None => match follower.next().await {
+                Some(event) => event,
                 None => {
                     if !opened {
                         let _ = send(encoder.start()).await;
@@ -1069,89 +1152,89 @@ fn stream_answer(hub: Arc<Hub>, to: Addressee, prompt_tokens: u64) -> Response {
                         send(encoder.error("no_commit", "the dispatch ended without a committed turn")).await;
                     return;
                 }
-            };
-            if !opened {
-                if event == "usage" {
-                    encoder.start_usage(&data["usage"]);
-                }
-                if event == "state" && outcome_of(event, &data).is_none() {
-                    continue;
-                }
-                opened = true;
-                if !send(encoder.start()).await {
-                    return;
-                }
+            },
+        };
+        if !opened {
+            if let DriveEvent::Usage { usage, .. } = &*event {
+                encoder.start_usage(usage);
             }
-            match event {
-                "preview" => {
-                    let this = data["generation"].as_u64();
-                    if generation.is_none() {
-                        generation = this;
-                        first_block.clear();
-                        frozen = false;
-                    }
-                    if frozen || this != generation {
-                        continue;
-                    }
-                    if data["block_index"].as_u64() != Some(0) {
-                        frozen = true;
-                        continue;
-                    }
-                    first_block.push_str(data["delta"].as_str().unwrap_or(""));
-                    // Text already forwarded (by an earlier, retracted generation) is sent
-                    // once: a new generation continues the stream only while it agrees with it.
-                    let forwarded = encoder.forwarded();
-                    let agrees = if first_block.len() <= forwarded.len() {
-                        forwarded.starts_with(first_block.as_str())
-                    } else {
-                        first_block.starts_with(forwarded)
-                    };
-                    if !agrees {
-                        let _ = send(encoder.error("preview_diverged",
-                            "a new attempt produced different text than was already sent; the dispatch continues")).await;
-                        return;
-                    }
-                    if first_block.len() > forwarded.len() {
-                        let rest = first_block[forwarded.len()..].to_owned();
-                        if !send(encoder.text(&rest)).await {
-                            return;
-                        }
-                    }
-                }
-                "retract" => {
-                    if data["generation"].as_u64() == generation {
-                        generation = None;
-                    }
-                }
-                _ => match outcome_of(event, &data) {
-                    Some(Outcome::Committed(event)) => {
-                        let parts = parts_of(&event["turn"]);
-                        let facts = Facts::from_event(&event, prompt_tokens, &parts);
-                        let frames = match encoder.finish(&parts, &facts) {
-                            Ok(frames) => frames,
-                            Err(_) => encoder.error(
-                                "preview_mismatch",
-                                "the committed turn differs from the text already sent",
-                            ),
-                        };
-                        let _ = send(frames).await;
-                        return;
-                    }
-                    Some(Outcome::Failed { code, message }) => {
-                        let _ = send(encoder.error(&code, &message)).await;
-                        return;
-                    }
-                    None => {}
-                },
+            if matches!(*event, DriveEvent::State { .. }) && outcome_of(&event).is_none() {
+                continue;
+            }
+            opened = true;
+            if !send(encoder.start()).await {
+                return;
             }
         }
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(
-            out,
-        )))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        match &*event {
+            DriveEvent::Preview {
+                generation: this,
+                block_index,
+                delta,
+            } => {
+                if generation.is_none() {
+                    generation = Some(*this);
+                    first_block.clear();
+                    frozen = false;
+                }
+                if frozen || Some(*this) != generation {
+                    continue;
+                }
+                if *block_index != 0 {
+                    frozen = true;
+                    continue;
+                }
+                first_block.push_str(delta);
+                // Text already forwarded (by an earlier, retracted generation) is sent
+                // once: a new generation continues the stream only while it agrees with it.
+                let forwarded = encoder.forwarded();
+                let agrees = if first_block.len() <= forwarded.len() {
+                    forwarded.starts_with(first_block.as_str())
+                } else {
+                    first_block.starts_with(forwarded)
+                };
+                if !agrees {
+                    let _ = send(encoder.error(
+                        "preview_diverged",
+                        "a new attempt produced different text than was already sent; the dispatch continues",
+                    ))
+                    .await;
+                    return;
+                }
+                if first_block.len() > forwarded.len() {
+                    let rest = first_block[forwarded.len()..].to_owned();
+                    if !send(encoder.text(&rest)).await {
+                        return;
+                    }
+                }
+            }
+            DriveEvent::Retract {
+                generation: retracted,
+                ..
+            } => {
+                if Some(*retracted) == generation {
+                    generation = None;
+                }
+            }
+            _ => match outcome_of(&event) {
+                Some(Outcome::Committed(event)) => {
+                    let (parts, facts) = answer_of(&event, prompt_tokens);
+                    let frames = match encoder.finish(&parts, &facts) {
+                        Ok(frames) => frames,
+                        Err(_) => encoder.error(
+                            "preview_mismatch",
+                            "the committed turn differs from the text already sent",
+                        ),
+                    };
+                    let _ = send(frames).await;
+                    return;
+                }
+                Some(Outcome::Failed { code, message }) => {
+                    let _ = send(encoder.error(&code, &message)).await;
+                    return;
+                }
+                None => {}
+            },
+        }
+    }
 }

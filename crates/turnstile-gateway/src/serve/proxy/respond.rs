@@ -19,6 +19,7 @@
 
 use serde_json::{Value, json};
 use turnstile_adapters::Api;
+use turnstile_core::assemble::Usage;
 
 /// One piece of a committed turn, in the client's terms.
 #[derive(Clone, Debug, PartialEq)]
@@ -113,9 +114,9 @@ impl Facts {
 }
 
 impl Facts {
-    /// From the `committed` event's `usage`/`stop_reason`, falling back to the manifest's
-    /// prompt count and a 4-bytes-per-token estimate of the output.
-    pub fn from_event(event: &Value, prompt_tokens: u64, parts: &[Part]) -> Facts {
+    /// From the commit's facts (`usage`/`stop_reason` of the `Committed` event), falling back
+    /// to the manifest's prompt count and a 4-bytes-per-token estimate of the output.
+    pub fn from_commit(event: &Value, prompt_tokens: u64, parts: &[Part]) -> Facts {
         let output_bytes: usize = parts
             .iter()
             .map(|part| match part {
@@ -468,14 +469,18 @@ impl StreamEncoder {
         self.known = Some(facts);
     }
 
-    /// The usage of the provider's start event (the hub's `usage` report: `input_tokens`,
-    /// `output_tokens`, cache counters when reported), known before [`StreamEncoder::start`]:
+    /// The usage of the provider's start event (the hub's `Usage` report: input and output
+    /// tokens, cache counters when reported), known before [`StreamEncoder::start`]:
     /// Anthropic's `message_start` reports it instead of the admission count.
-    pub fn start_usage(&mut self, usage: &Value) {
-        let mut out = json!({"input_tokens": usage["input_tokens"].as_u64().unwrap_or(self.input_tokens),
-                             "output_tokens": usage["output_tokens"].as_u64().unwrap_or(0)});
-        for counter in ["cache_creation_input_tokens", "cache_read_input_tokens"] {
-            if let Some(tokens) = usage[counter].as_u64() {
+    pub fn start_usage(&mut self, usage: &Usage) {
+        let mut out = json!({"input_tokens": usage.input_tokens.unwrap_or(self.input_tokens),
+                             "output_tokens": usage.output_tokens.unwrap_or(0)});
+        let counters = [
+            ("cache_creation_input_tokens", usage.cache_creation_input_tokens),
+            ("cache_read_input_tokens", usage.cache_read_input_tokens),
+        ];
+        for (counter, tokens) in counters {
+            if let Some(tokens) = tokens {
                 out[counter] = json!(tokens);
             }
         }
@@ -874,7 +879,7 @@ mod tests {
         let committed = json!({"stop_reason": "end_turn", "usage": {"input_tokens": 1234, "output_tokens": 56,
                                "cache_creation_input_tokens": 1000, "cache_read_input_tokens": 0}});
         let parts = vec![Part::Text("Hi.".into())];
-        let facts = Facts::from_event(&committed, 99, &parts);
+        let facts = Facts::from_commit(&committed, 99, &parts);
         // Streaming before the commit: message_start has only the admission count; message_delta
         // the provider's cumulative counts, cache counters included.
         let mut encoder = StreamEncoder::new(to(Api::AnthropicMessages), 99);
@@ -902,7 +907,7 @@ mod tests {
                    "cache_read_input_tokens": 0})
         );
         // No cache counters reported: none invented.
-        let plain = Facts::from_event(
+        let plain = Facts::from_commit(
             &json!({"usage": {"input_tokens": 7, "output_tokens": 1}}),
             99,
             &parts,

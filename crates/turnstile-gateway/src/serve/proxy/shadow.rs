@@ -19,7 +19,7 @@ use turnstile_adapters::Api;
 use turnstile_adapters::import::{ImportError, Imported, import, semantic_diff};
 use turnstile_adapters::prepare::{PrepareOutcome, PrepareRequest, Settings, prepare_with_settings};
 use turnstile_adapters::render::{Graph, RenderCache};
-use turnstile_core::{Conversation, MessageSequence, Validated, Verdict, validate};
+use turnstile_core::{Conversation, MessageSequence, Validated, Verdict};
 
 /// Bytes of each body a shadow record keeps unless configured (`shadow_body_bytes_max`):
 /// enough for the console's side-by-side diff of any ordinary request, and with the default
@@ -253,7 +253,9 @@ pub fn compare(
             return record;
         }
     };
-    match validate(&conversation) {
+    // One validation: the verdict for the record, the proof for the graph.
+    let (verdict, validated) = Validated::with_verdict(&conversation);
+    match verdict {
         Verdict::Ready => record["verdict"] = json!("ready"),
         Verdict::Waiting { pending } => {
             record["differs"]["would_reject"] = json!(true);
@@ -271,8 +273,8 @@ pub fn compare(
             return record;
         }
     }
-    // Invariant: the validator said ready just above.
-    let Ok(validated) = Validated::new(&conversation) else {
+    // Invariant: a ready verdict comes with its proof.
+    let Some(validated) = validated else {
         return record;
     };
     let sequence = MessageSequence::build(validated);
