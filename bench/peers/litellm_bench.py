@@ -12,6 +12,8 @@ Workloads, on the inputs written by `turnstile-peerbench gen`:
   listed in ../shared/reference/peers.md §5 "Exact entry points" A.
   Also `litellm.utils.return_raw_request(CallTypes.completion, kwargs)` (the whole
   `litellm.completion` pipeline up to the HTTP call, "BETA" in utils.py) as a second row.
+- step/N: the agent step — the history held parsed, one user message appended, the whole
+  history transformed again (what `litellm.completion` converts on every step of a loop).
 - stream/<api>/<size>: raw SSE bytes → assembled response: decode, split lines (what httpx's
   `iter_lines` hands LiteLLM), the provider's chunk iterator
   (`llms/anthropic/chat/handler.py::ModelResponseIterator`,
@@ -57,6 +59,32 @@ def transform(raw: bytes) -> bytes:
         model=MODEL, messages=data["messages"], optional_params=optional, litellm_params={}, headers={}
     )
     return json.dumps(body).encode()
+
+
+STEP_MESSAGE = {"role": "user", "content": "And the next question: The committed history is replayed to the "
+                "provider on every turn, so the adapter renders the same blocks again and again; only the "
+                "newest turn is new work. Numbers 1, 2, 3."}
+
+
+def step(history) -> bytes:
+    """The agent step: the history held parsed (as a loop holds it), one user message appended,
+    the whole history transformed again (map_openai_params + transform_request + json.dumps),
+    the message popped afterwards so every repetition converts the same history + one."""
+    history["messages"].append(STEP_MESSAGE)
+    try:
+        config = AnthropicConfig()
+        optional = config.map_openai_params(
+            non_default_params={"tools": history["tools"], "max_tokens": MAX_TOKENS},
+            optional_params={},
+            model=MODEL,
+            drop_params=False,
+        )
+        body = config.transform_request(
+            model=MODEL, messages=history["messages"], optional_params=optional, litellm_params={}, headers={}
+        )
+        return json.dumps(body).encode()
+    finally:
+        history["messages"].pop()
 
 
 def raw_request(raw: bytes):
@@ -111,6 +139,20 @@ def micro(args, meta):
                  {"what": "json.loads + litellm.utils.return_raw_request(completion, anthropic/...)"})
         except Exception as error:  # noqa: BLE001 - reported, never faked
             emit_unavailable("litellm_raw_request", workload, f"{type(error).__name__}: {error}")
+    for blocks in ("20", "200", "2000"):
+        workload = f"step/{blocks}"
+        if not wanted(args, workload):
+            continue
+        history = json.loads(open(os.path.join(args.inputs, f"conv-{blocks}.openai.json"), "rb").read())
+        first = step(history)
+        # LiteLLM must not have changed the held history: a second step gives the same body.
+        if step(history) != first:
+            emit_unavailable("litellm_step", workload, "transform_request changed the held history between steps")
+            continue
+        samples, iterations = measure(lambda: step(history), args.runs, args.min_run)
+        emit("litellm_step", workload, samples, iterations,
+             {"body_bytes": len(first), "version": litellm_version(),
+              "what": "history held parsed: append one user message + map_openai_params + transform_request + json.dumps"})
     for key, info in sorted(meta["streams"].items()):
         api = key.split("/")[0]
         workload = f"stream/{key}"

@@ -23,6 +23,8 @@ NAMES = {
     "vercel_provider": "Vercel AI SDK provider conversion (getArgs)",
     "vercel_generateText": "Vercel AI SDK generateText (whole pipeline)",
     "vercel": "Vercel AI SDK doStream",
+    "vercel_step": "Vercel AI SDK agent step (standardizePrompt + convertToLanguageModelPrompt + getArgs)",
+    "litellm_step": "LiteLLM agent step (transform of the whole history)",
     "turnstile_serve": "Turnstile serve (SQLite, synchronous=FULL)",
     "turnstile_serve_tmpfs": "Turnstile serve (SQLite on tmpfs: fsync ≈ free)",
     "litellm_proxy": "LiteLLM proxy (1 worker, default)",
@@ -34,12 +36,22 @@ NAMES = {
     "direct_stream_extra_sim": "floor: streamed reply from the TCP_NODELAY simulator build, kept-alive",
 }
 PEERS_PREPARE = ["vercel_provider", "vercel_generateText", "litellm", "litellm_raw_request"]
+PEERS_STEP = ["vercel_step", "litellm_step"]
 PEERS_STREAM = ["vercel", "litellm"]
 PEERS_GATEWAY = ["litellm_proxy", "litellm_proxy_2w", "tensorzero_embedded"]
 # (workload, peer, minimum ratio, wording)
 TARGETS = [
     ("prepare/200", "vercel_provider", 10, "prepare path ≥ 10× faster than the Vercel provider conversion (200 blocks)"),
     ("prepare/200", "litellm", 100, "prepare path ≥ 100× faster than LiteLLM's transform (200 blocks)"),
+    # Issue 21: cold prepare beside the peers' conversion, and the agent step.
+    ("prepare/20", "vercel_provider", 0.5, "cold prepare ≥ 0.5× the Vercel provider conversion (20 blocks)"),
+    ("prepare/200", "vercel_provider", 0.5, "cold prepare ≥ 0.5× the Vercel provider conversion (200 blocks)"),
+    ("prepare/2000", "vercel_provider", 0.5, "cold prepare ≥ 0.5× the Vercel provider conversion (2,000 blocks)"),
+    ("prepare/20", "litellm", 10, "cold prepare ≥ 10× faster than LiteLLM's transform (20 blocks)"),
+    ("prepare/200", "litellm", 10, "cold prepare ≥ 10× faster than LiteLLM's transform (200 blocks)"),
+    ("prepare/2000", "litellm", 10, "cold prepare ≥ 10× faster than LiteLLM's transform (2,000 blocks)"),
+    ("step/200", "vercel_step", 10, "agent step ≥ 10× faster than the Vercel AI SDK's (200 blocks)"),
+    ("step/2000", "vercel_step", 20, "agent step ≥ 20× faster than the Vercel AI SDK's (2,000 blocks)"),
     ("gateway", ("litellm_proxy", "litellm_proxy_2w"), 20,
      "gateway throughput ≥ 20× the LiteLLM proxy (its faster configuration)"),
     ("gateway", "tensorzero_embedded", 1, "gateway throughput above TensorZero's embedded round trip"),
@@ -92,7 +104,7 @@ def load(path):
 
 def workloads(measurements):
     names = sorted({w for w, _ in measurements}, key=lambda w: (
-        {"prepare": 0, "stream": 1, "gateway": 2}[w.split("/")[0]],
+        {"prepare": 0, "step": 1, "stream": 2, "gateway": 3}[w.split("/")[0]],
         w.split("/")[1] if "/" in w else "",
         int(w.split("/")[-1].replace("k", "000")) if w.split("/")[-1].replace("k", "").isdigit() else 0))
     return names
@@ -104,6 +116,8 @@ def table(workload, measurements, unavailable, meta):
     base = measurements.get((workload, base_name))
     if family == "prepare":
         order = ["turnstile", "turnstile_part_validate", "turnstile_part_render", "floor"] + PEERS_PREPARE
+    elif family == "step":
+        order = ["turnstile"] + PEERS_STEP
     elif family == "stream":
         order = ["turnstile", "floor"] + PEERS_STREAM
     else:
@@ -170,6 +184,10 @@ def title(workload, meta):
     if parts[0] == "prepare":
         info = meta["conversations"][parts[1]]
         return f"Prepare path, {int(parts[1]):,}-block conversation ({info['messages']} messages, parallel tool calls) → Anthropic Messages body"
+    if parts[0] == "step":
+        info = meta["conversations"][parts[1]]
+        return (f"Agent step: one user turn appended to a stored {int(parts[1]):,}-block conversation "
+                f"({info['messages']} messages), next Anthropic Messages body prepared")
     if parts[0] == "stream":
         info = meta["streams"][f"{parts[1]}/{parts[2]}"]
         return (f"Stream decode + assemble, {parts[1]} wire format, {info['events']:,} SSE events, "
@@ -369,6 +387,14 @@ def main():
                 text = f"gateway throughput {wording}, against the TCP_NODELAY simulator build"
                 report["targets"].append({"target": text, "ratio": value, "minimum": minimum, "verdict": verdict})
                 lines.append(f"| {text} | {fmt_ratio(value)} | {verdict} |")
+    # Issue 21: the step must grow little with the history: step(2,000) ≤ 3 × step(20).
+    small, large = measurements.get(("step/20", "turnstile")), measurements.get(("step/2000", "turnstile"))
+    if small and large:
+        growth = large["median"] / small["median"]
+        verdict = "**met**" if growth <= 3 else "**missed**"
+        wording = "agent step grows little with the history: step(2,000) ≤ 3 × step(20)"
+        report["targets"].append({"target": wording, "ratio": growth, "maximum": 3, "verdict": verdict})
+        lines.append(f"| {wording} | {fmt_ratio(growth)} ({fmt_time(large['median'])} / {fmt_time(small['median'])}) | {verdict} |")
     for workload in workloads(measurements):
         if not workload.startswith("stream/"):
             continue
@@ -407,7 +433,7 @@ def main():
     bars = []
     for workload in workloads(measurements):
         family = workload.split("/")[0]
-        peers = {"prepare": PEERS_PREPARE, "stream": PEERS_STREAM, "gateway": PEERS_GATEWAY}[family]
+        peers = {"prepare": PEERS_PREPARE, "step": PEERS_STEP, "stream": PEERS_STREAM, "gateway": PEERS_GATEWAY}[family]
         for peer in peers:
             if (workload, peer) not in measurements and (workload, peer) not in unavailable:
                 continue

@@ -11,6 +11,9 @@
 //   capturing `fetch` that answers a canned Anthropic JSON reply (zod validation of the prompt,
 //   conversion, the HTTP body, response parsing): ai-sdk.dev docs "generateText", provider
 //   setting `fetch` ("Custom fetch implementation ... for testing").
+// - step/N, "vercel_step": the agent step — history held parsed, one user message appended,
+//   the whole history converted again (standardizePrompt + convertToLanguageModelPrompt from
+//   `ai/internal`, then getArgs + JSON.stringify), as every generateText call of a loop does.
 // - stream/<api>/<size>: raw SSE bytes → parsed + assembled stream parts via the provider's
 //   `model.doStream({prompt, tools})` (LanguageModelV3; @ai-sdk/provider-utils
 //   `parseJsonEventStream` + the provider's tool-input assembly), with a `fetch` that serves the
@@ -133,6 +136,50 @@ async function generate(raw) {
   return seen.body;
 }
 
+// The agent step (step/N): what an agent loop built on the AI SDK pays per step. The history
+// is held parsed in memory (as the loop holds it); each step appends the new user message and
+// converts the whole history again, as generateText does before every call:
+// standardizePrompt + convertToLanguageModelPrompt (exported from `ai/internal`), then the
+// provider's getArgs and JSON.stringify. The message is popped afterwards so every repetition
+// converts the same history plus one message.
+let internal = null;
+let internalError = null;
+try {
+  internal = await import('ai/internal');
+} catch (error) {
+  internalError = String(error && error.message || error);
+}
+const stepMessage = { role: 'user', content: [{ type: 'text', text: 'And the next question: ' +
+  'The committed history is replayed to the provider on every turn, so the adapter renders the same blocks again ' +
+  'and again; only the newest turn is new work. Numbers 1, 2, 3.' }] };
+
+/** The history as a loop holds it: the leading system message as `system` (as `generate` passes it). */
+function heldHistory(raw) {
+  const data = JSON.parse(raw);
+  let messages = data.messages;
+  let system;
+  if (messages.length && messages[0].role === 'system') {
+    system = messages[0].content;
+    messages = messages.slice(1);
+  }
+  return { system, messages, tools: data.tools };
+}
+
+async function agentStep(model, history) {
+  history.messages.push(stepMessage);
+  try {
+    const standardized = await internal.standardizePrompt({ system: history.system, messages: history.messages });
+    const prompt = await internal.convertToLanguageModelPrompt({ prompt: standardized, supportedUrls: {}, download: undefined });
+    const { args } = await model.getArgs({
+      prompt, maxOutputTokens: 1024, tools: providerTools(history.tools),
+      providerOptions: {}, userSuppliedBetas: new Set(), stream: false,
+    });
+    return JSON.stringify(args);
+  } finally {
+    history.messages.pop();
+  }
+}
+
 const READ = 16 * 1024;
 function sseResponse(bytes) {
   let offset = 0;
@@ -194,6 +241,20 @@ async function micro() {
         { body_bytes: body.length, what: 'JSON.parse + generateText (validation, conversion, body, canned reply parsed) with a capturing fetch' });
     } catch (error) {
       unavailable('vercel_generateText', workload, String(error && error.message || error));
+    }
+  }
+  for (const blocks of ['20', '200', '2000']) {
+    const workload = `step/${blocks}`;
+    if (!wanted(workload)) continue;
+    const raw = readFileSync(join(inputs, `conv-${blocks}.vercel.json`), 'utf8');
+    try {
+      if (!internal) throw new Error(`ai/internal is not importable: ${internalError}`);
+      const history = heldHistory(raw);
+      const body = await agentStep(anthropicModel, history);
+      emit('vercel_step', workload, await measure(() => agentStep(anthropicModel, history)),
+        { body_bytes: body.length, what: 'history held parsed in memory: push one user message + standardizePrompt + convertToLanguageModelPrompt (ai/internal) + @ai-sdk/anthropic getArgs + JSON.stringify' });
+    } catch (error) {
+      unavailable('vercel_step', workload, String(error && error.message || error));
     }
   }
   const tools = JSON.parse(readFileSync(join(inputs, 'conv-20.vercel.json'), 'utf8')).tools;

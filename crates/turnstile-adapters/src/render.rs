@@ -321,11 +321,42 @@ struct Fragment {
 /// when either is reached it is cleared, which costs a cold render, never a wrong one.
 #[derive(Debug, Default)]
 pub struct RenderCache {
-    fragments: HashMap<Digest, Vec<(FragmentKey, Fragment)>>,
+    fragments: HashMap<Digest, Vec<(FragmentKey, Fragment)>, DigestHasherBuilder>,
     len: usize,
     bytes: usize,
     hits: u64,
     misses: u64,
+}
+
+/// Hashes a [`Digest`] key: its text is already the hex of a SHA-256, so folding its bytes with
+/// a multiply-rotate spreads keys well at a fraction of SipHash's cost (every render looks up
+/// one fragment per block; SipHash was 3.7 % of a warm 200-block prepare's profile, 3.0 % with
+/// this, `docs/benchmarks.md` 2026-12-01). Keys are SHA-256 digests of content: many keys that
+/// collide under this hash would have to be ground out of SHA-256, unlike the ids a client
+/// picks (the validator's id sets keep SipHash).
+#[derive(Clone, Copy, Debug, Default)]
+struct DigestHasherBuilder;
+
+impl std::hash::BuildHasher for DigestHasherBuilder {
+    type Hasher = DigestHasher;
+    fn build_hasher(&self) -> DigestHasher {
+        DigestHasher(0)
+    }
+}
+
+struct DigestHasher(u64);
+
+impl std::hash::Hasher for DigestHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(word)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,6 +423,8 @@ pub(crate) struct Ctx<'c> {
     output_format: OutputFormat,
     passthrough: Passthrough,
     cache_policy: CachePolicy,
+    /// The buffer fragments are built in (see [`Ctx::fragment`]).
+    scratch: Vec<u8>,
 }
 
 impl<'c> Ctx<'c> {
@@ -415,6 +448,7 @@ impl<'c> Ctx<'c> {
             output_format: options.output_format.clone(),
             passthrough: options.passthrough.clone(),
             cache_policy: CachePolicy::default(),
+            scratch: Vec::with_capacity(1024),
         }
     }
 
@@ -435,7 +469,17 @@ impl<'c> Ctx<'c> {
             return;
         }
         self.cache.misses += 1;
-        let writer = self.uncached(out, build);
+        // Built in a buffer reused across the render's fragments (a fresh `Vec` per fragment
+        // grew by reallocation several times and was then shrunk for the cache).
+        let mut writer = Writer {
+            out: std::mem::take(&mut self.scratch),
+            tokens: 0,
+            tokenizer: self.tokenizer,
+        };
+        writer.out.clear();
+        build(&mut writer);
+        out.extend_from_slice(&writer.out);
+        self.tokens += writer.tokens;
         if self.cache.len >= RenderCache::FRAGMENTS_MAX || self.cache.bytes >= RenderCache::BYTES_MAX {
             self.cache.fragments.clear();
             self.cache.len = 0;
@@ -446,10 +490,11 @@ impl<'c> Ctx<'c> {
         self.cache.fragments.entry(digest.clone()).or_default().push((
             key,
             Fragment {
-                bytes: writer.out.into_boxed_slice(),
+                bytes: Box::from(writer.out.as_slice()),
                 tokens: writer.tokens,
             },
         ));
+        self.scratch = writer.out;
     }
 
     /// Append a fragment built now and not cached (one that carries a per-request value, such

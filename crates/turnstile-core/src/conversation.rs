@@ -524,10 +524,82 @@ impl Conversation {
         })
     }
 
+    /// Decode one more turn (a v1 turn object, as in the file's `turns` array) and append it
+    /// as the conversation's revision `revision`: for a conversation that decoded without
+    /// findings, the same result as decoding the whole file with that turn at the end and
+    /// `revision` as its revision (`tests/it/push_turn.rs`), for the cost of the new turn (and a
+    /// count of the blocks held, for `BLOCKS_MAX`).
+    /// This is how a conversation kept in memory between dispatches takes the next turn
+    /// (`docs/benchmarks.md`, "agent step"); validate it again before building a graph.
+    /// `Err` (and nothing appended) when a limit breaks, as `from_value` would.
+    pub fn push_turn(&mut self, turn: Value, revision: Revision) -> Result<PushedTurn, Unreadable> {
+        if self.turns.len() >= limits::TURNS_MAX {
+            return Err(Unreadable::Limit {
+                what: "TURNS_MAX",
+                actual: self.turns.len() + 1,
+                max: limits::TURNS_MAX,
+            });
+        }
+        let mut decoder = Decoder {
+            violations: Vec::new(),
+            turn_id: None,
+        };
+        let turn = decoder.turn(turn)?;
+        let blocks_total: usize =
+            self.turns.iter().map(|turn| turn.blocks.len()).sum::<usize>() + turn.blocks.len();
+        if blocks_total > limits::BLOCKS_MAX {
+            return Err(Unreadable::Limit {
+                what: "BLOCKS_MAX",
+                actual: blocks_total,
+                max: limits::BLOCKS_MAX,
+            });
+        }
+        let pushed = PushedTurn {
+            revision_before: self.revision,
+            violations_before: self.decode_violations.len(),
+        };
+        // `from_value` reports a last turn revision above the conversation's; the whole file
+        // would be read with `revision` as its revision, so the same check runs against it.
+        let revision_last = turn
+            .revision
+            .or_else(|| self.turns.iter().rev().find_map(|turn| turn.revision));
+        if let Some(last) = revision_last
+            && last > revision
+        {
+            decoder.turn_id = None;
+            decoder.structure(
+                None,
+                &format!("conversation revision {revision} is below its last turn's revision {last}"),
+            );
+        }
+        self.decode_violations.append(&mut decoder.violations);
+        self.turns.push(turn);
+        self.revision = revision;
+        Ok(pushed)
+    }
+
+    /// Take back the turn [`Conversation::push_turn`] appended (a turn the validator refused,
+    /// or a benchmark's step), restoring the revision and the decode findings as they were.
+    /// `pushed` must be the value of the last push not yet popped.
+    pub fn pop_turn(&mut self, pushed: PushedTurn) -> Option<Turn> {
+        let turn = self.turns.pop()?;
+        self.revision = pushed.revision_before;
+        self.decode_violations.truncate(pushed.violations_before);
+        Some(turn)
+    }
+
     /// The tool declaration of that name.
     pub fn tool(&self, name: &str) -> Option<&ToolDef> {
         self.tools.iter().find(|tool| tool.name == name)
     }
+}
+
+/// What [`Conversation::pop_turn`] needs to undo one [`Conversation::push_turn`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub struct PushedTurn {
+    revision_before: Revision,
+    violations_before: usize,
 }
 
 struct Decoder {

@@ -51,6 +51,7 @@ macro_rules! sse_decoder {
 }
 pub mod anthropic_messages;
 pub mod gemini;
+pub(crate) mod json;
 pub mod openai_chat;
 pub mod openai_responses;
 

@@ -6,6 +6,7 @@ mod dispatch;
 mod generate;
 mod never_panics;
 mod properties;
+mod push_turn;
 mod sequence;
 mod tidy;
 mod validator_data;

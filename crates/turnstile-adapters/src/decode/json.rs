@@ -1,0 +1,149 @@
+//! Typed, borrowing reads of provider JSON that accept exactly what `serde_json::Value` accepts
+//! and mean what the decoders' `Value` paths mean, for the hot events' fast paths.
+//!
+//! Why not `#[derive(Deserialize)]`: a derived struct also accepts a JSON *array* (fields by
+//! position), skips unknown members with `IgnoredAny` (which lets through a lone UTF-16
+//! surrogate escape or a number out of range that `Value` refuses) and fails on a repeated key
+//! (where a `Value` map keeps the last). The objects declared with [`json_object!`] read only
+//! objects, check every skipped member as strictly as `Value` does ([`Strict`]) and let the last
+//! of repeated keys win, so whenever a fast path succeeds, the `Value` path would have read the
+//! same fields; whenever it fails, the event goes to the `Value` path, unchanged.
+
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use std::borrow::Cow;
+use std::fmt;
+
+/// A JSON string, borrowed from the event data when it has no escapes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Str<'a>(pub(crate) Cow<'a, str>);
+
+impl Str<'_> {
+    pub(crate) fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for Str<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'de> Visitor<'de> for Text {
+            type Value = Str<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, text: &'de str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Borrowed(text)))
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(text.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(text)))
+            }
+        }
+        deserializer.deserialize_str(Text)
+    }
+}
+
+/// Any JSON value, read and dropped, refused exactly where building a `serde_json::Value` of
+/// it would fail (strings are unescaped and checked, numbers are parsed).
+pub(crate) struct Strict;
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Anything;
+        impl<'de> Visitor<'de> for Anything {
+            type Value = Strict;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Strict, E> {
+                Ok(Strict)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Strict, D::Error> {
+                Strict::deserialize(deserializer)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+                while seq.next_element::<Strict>()?.is_some() {}
+                Ok(Strict)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+                while map.next_entry::<Strict, Strict>()?.is_some() {}
+                Ok(Strict)
+            }
+        }
+        deserializer.deserialize_any(Anything)
+    }
+}
+
+/// An object member's name.
+pub(crate) struct Key<'a>(Cow<'a, str>);
+
+impl Key<'_> {
+    pub(crate) fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Str::deserialize(deserializer).map(|name| Key(name.0))
+    }
+}
+
+/// `Deserialize` for a struct of `Option` fields read from a JSON object only: listed members
+/// are read into their field (the last of repeated keys wins, as in a `Value` map), every other
+/// member is checked by [`Strict`] and dropped. A missing member, or `null`, leaves `None`.
+macro_rules! json_object {
+    ($name:ident<$lt:lifetime> { $($key:literal => $field:ident),* $(,)? }) => {
+        json_object!(@impl [$name<'de>] $name { $($key => $field),* });
+    };
+    ($name:ident { $($key:literal => $field:ident),* $(,)? }) => {
+        json_object!(@impl [$name] $name { $($key => $field),* });
+    };
+    (@impl [$($ty:tt)*] $name:ident { $($key:literal => $field:ident),* }) => {
+        impl<'de> serde::Deserialize<'de> for $($ty)* {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                struct Members;
+                impl<'de> serde::de::Visitor<'de> for Members {
+                    type Value = $($ty)*;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str(concat!("a JSON object (", stringify!($name), ")"))
+                    }
+                    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                        let mut value = <$($ty)*>::default();
+                        while let Some(key) = map.next_key::<$crate::decode::json::Key<'de>>()? {
+                            match key.as_str() {
+                                $($key => value.$field = map.next_value()?,)*
+                                _ => {
+                                    map.next_value::<$crate::decode::json::Strict>()?;
+                                }
+                            }
+                        }
+                        Ok(value)
+                    }
+                }
+                deserializer.deserialize_map(Members)
+            }
+        }
+    };
+}
+pub(crate) use json_object;
