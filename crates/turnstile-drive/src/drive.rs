@@ -218,8 +218,10 @@ enum WriteKind {
         generation: Generation,
     },
     AbandonAndRearm,
-    /// The rearm after a refused attempt (FAILED → PREPARED) that moves to the next target.
-    FailOver,
+    /// A refused attempt to FAILED and the dispatch to PREPARED for its next target.
+    FailOver {
+        from: DispatchState,
+    },
     RenewLease,
     Commit {
         generation: Generation,
@@ -235,7 +237,7 @@ impl WriteKind {
             WriteKind::Begin
                 | WriteKind::Replay { .. }
                 | WriteKind::AbandonAndRearm
-                | WriteKind::FailOver
+                | WriteKind::FailOver { .. }
                 | WriteKind::Commit { .. }
                 | WriteKind::Transition {
                     from: DispatchState::Unknown,
@@ -785,16 +787,6 @@ impl Drive {
                 self.store(StoreOp::BindHandle { generation, handle }, pending);
             }
             Effect::Emit(event) => match event {
-                ClientEvent::State {
-                    state: DispatchState::Failed,
-                    generation: Some(generation),
-                } if self
-                    .failover
-                    .as_ref()
-                    .is_some_and(|failover| failover.generation == generation) =>
-                {
-                    // A refused attempt the dispatch fails over from: not the dispatch's end.
-                }
                 ClientEvent::State { state, generation } => {
                     self.emit(DriveEvent::State { state, generation });
                 }
@@ -1123,29 +1115,14 @@ impl Drive {
             }
             (WriteKind::Transition { from, to }, StoreResult::Applied) => {
                 self.transitioned(from, to);
-                if to == DispatchState::Failed
-                    && let Some(failover) = self.failover.take()
-                {
-                    // The refused attempt is over (nothing runs at the provider): rearm the
-                    // dispatch for the next target in the same way a dead attempt is.
-                    let generation = failover.generation;
-                    self.failover = Some(failover);
-                    self.store(
-                        StoreOp::AbandonAndRearm {
-                            generation,
-                            provider_ended: true,
-                            provider_word: None,
-                        },
-                        Pending::MachineWrite(WriteKind::FailOver),
-                    );
-                }
                 return;
             }
-            (WriteKind::FailOver, StoreResult::Applied) => {
+            (WriteKind::FailOver { from }, StoreResult::Applied) => {
+                self.transitioned(from, DispatchState::Failed);
                 self.fail_over();
                 return;
             }
-            (WriteKind::FailOver, _) => {
+            (WriteKind::FailOver { .. }, _) => {
                 // Another replica or a cancel decided: the refused attempt stays FAILED.
                 self.failover = None;
                 self.stopped = true;
@@ -1243,13 +1220,14 @@ impl Drive {
 
     fn count_failover(&mut self, from: usize, to: usize, reason: String) {
         self.actions.push_back(Action::Count(Count::Failover {
+            from_target: from as u32,
             from: self.spec.targets[from].label.clone(),
             to: self.spec.targets[to].label.clone(),
             reason,
         }));
     }
 
-    /// The refused attempt is FAILED and the dispatch PREPARED again: the next generation
+    /// The refused attempt is FAILED and the dispatch PREPARED again (one write): the next generation
     /// sends the next target's bytes. Nothing of the failed attempt reaches the next request
     /// (each target's bytes were rendered from the committed history before anything was
     /// sent); its preview, if any, is void.
@@ -1258,6 +1236,8 @@ impl Drive {
             return;
         };
         self.transitioned(DispatchState::Failed, DispatchState::Prepared);
+        // Its cause was written with the failover itself.
+        self.end_causes.remove(&failover.generation);
         let from = self.target_of(failover.generation);
         self.count_failover(from, failover.to, failover.reason);
         self.retract(failover.generation, "failover");
@@ -1903,20 +1883,32 @@ impl Drive {
                 && self.attempts_started < ATTEMPTS_PER_DISPATCH_MAX)
                 .then(|| self.next_target(self.target_of(generation)))
                 .flatten();
-            match next {
-                Some(to) => {
-                    // Not the dispatch's end: its FAILED state is not a client event.
-                    self.failover = Some(PendingFailover {
+            let from = self.machine.state();
+            if let Some(to) = next
+                && matches!(from, DispatchState::Dispatching | DispatchState::Sent)
+            {
+                // Not the dispatch's end: one write moves the attempt to FAILED and the
+                // dispatch back to PREPARED (it is never FAILED in between); the machine of
+                // the next generation starts when it lands.
+                self.failover = Some(PendingFailover {
+                    generation,
+                    to,
+                    reason: code.clone(),
+                });
+                self.store(
+                    StoreOp::FailOver {
                         generation,
-                        to,
+                        from,
                         reason: code,
-                    });
-                }
-                None => self.emit(DriveEvent::Error {
-                    code,
-                    message: error_message("provider_status"),
-                }),
+                    },
+                    Pending::MachineWrite(WriteKind::FailOver { from }),
+                );
+                return;
             }
+            self.emit(DriveEvent::Error {
+                code,
+                message: error_message("provider_status"),
+            });
             let handled = self
                 .machine
                 .handle_provider(self.now, generation, ProviderInput::Rejected);

@@ -56,7 +56,7 @@ pub struct DriveTarget {
     pub api: turnstile_adapters::decode::StreamApi,
     /// What its provider offers for recovery.
     pub recovery: turnstile_core::dispatch::ProviderRecovery,
-    /// How metrics name it (`provider/model`).
+    /// How metrics name it: its provider (a configured name, so label values stay bounded).
     pub label: String,
 }
 
@@ -97,6 +97,16 @@ pub enum StoreOp {
         /// Why the attempt stopped, when this transition ends it (UNKNOWN, FAILED, ABANDONED):
         /// stored as the attempt's `end_reason`.
         reason: Option<String>,
+    },
+    /// A refused attempt (DISPATCHING or SENT) to FAILED and the dispatch back to PREPARED for
+    /// its next target, in one write (`Ledger::fail_over`).
+    FailOver {
+        /// Generation.
+        generation: Generation,
+        /// Its state now.
+        from: DispatchState,
+        /// Why it was refused (`provider_status_429`, `provider_unreachable`, …).
+        reason: String,
     },
     /// UNKNOWN → DISPATCHING under the same generation.
     Replay {
@@ -385,6 +395,8 @@ pub enum Count {
     Ignored(&'static str),
     /// The dispatch moved from one target to the next (labels as in [`DriveTarget::label`]).
     Failover {
+        /// The index of the target that failed.
+        from_target: u32,
         /// The target that failed.
         from: String,
         /// The target the next generation sends.

@@ -43,6 +43,7 @@ pub async fn perform(
             | StoreOp::Resume { .. }
             | StoreOp::RenewLease { .. }
             | StoreOp::AbandonAndRearm { .. }
+            | StoreOp::FailOver { .. }
             | StoreOp::ReadAttempts
     );
     let now = if fenced {
@@ -119,6 +120,15 @@ pub async fn perform(
                     .await
             }
         }),
+        StoreOp::FailOver {
+            generation,
+            from,
+            reason,
+        } => transition(
+            ledger
+                .fail_over(operation_id, *generation, *from, reason, now)
+                .await,
+        ),
         StoreOp::Replay {
             generation,
             lease_expires_at,

@@ -175,6 +175,21 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
+    /// Failover from a refused attempt, in one transaction: attempt `generation` from `from`
+    /// (DISPATCHING or SENT) to FAILED with `reason` (confirmed over: `provider_refused`) and
+    /// the dispatch back to PREPARED for its next target. The dispatch is never FAILED in
+    /// between, so no watcher, sweep or retry on any replica sees an end that is not one, and
+    /// a crash leaves either the old attempt (its lease decides) or a PREPARED dispatch (the
+    /// sweep drives it), never a stranded one.
+    async fn fail_over(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError>;
+
     /// UNKNOWN → DISPATCHING for the same generation (replay with the same idempotency key).
     async fn replay_attempt(
         &self,

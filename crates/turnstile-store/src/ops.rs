@@ -853,6 +853,71 @@ pub(crate) async fn end_attempt<T: Tx>(
     Ok(TransitionOutcome::Applied)
 }
 
+/// See [`crate::Ledger::fail_over`].
+pub(crate) async fn fail_over<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    reason: &str,
+    now: Timestamp,
+) -> Result<TransitionOutcome, StoreError> {
+    if !matches!(from, DispatchState::Dispatching | DispatchState::Sent) {
+        return Err(StoreError::IllegalTransition {
+            from,
+            to: DispatchState::Failed,
+        });
+    }
+    let moved = tx
+        .execute(
+            "UPDATE dispatches SET state = 'PREPARED', updated_at = $4 \
+             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    if moved == 0 {
+        return refused(tx, operation_id).await;
+    }
+    let attempt = tx
+        .execute(
+            "UPDATE attempts SET state = 'FAILED', confirmed_over = 'provider_refused' \
+             WHERE operation_id = $1 AND generation = $2 AND state = $3",
+            &[operation_id.into(), generation.0.into(), from.as_str().into()],
+        )
+        .await?;
+    if attempt != 1 {
+        return Err(StoreError::Corrupt(format!(
+            "dispatch {operation_id} was {from} at generation {} but its attempt was not",
+            generation.0
+        )));
+    }
+    set_end_reason(tx, operation_id, generation, reason).await?;
+    record_transition(
+        tx,
+        operation_id,
+        Some(generation),
+        Some(from),
+        DispatchState::Failed,
+        now,
+    )
+    .await?;
+    record_transition(
+        tx,
+        operation_id,
+        None,
+        Some(DispatchState::Failed),
+        DispatchState::Prepared,
+        now,
+    )
+    .await?;
+    Ok(TransitionOutcome::Applied)
+}
+
 /// Longest stored end reason (a reason is a code, not a message).
 const END_REASON_MAX: usize = 64;
 

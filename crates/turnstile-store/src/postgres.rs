@@ -410,6 +410,24 @@ impl Ledger for PgLedger {
         ))
     }
 
+    async fn fail_over(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        in_tx!(self, |tx| ops::fail_over(
+            &mut tx,
+            operation_id,
+            generation,
+            from,
+            reason,
+            now
+        ))
+    }
+
     async fn end_attempt(
         &self,
         operation_id: &str,

@@ -490,6 +490,19 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn fail_over(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        from: DispatchState,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<TransitionOutcome, StoreError> {
+        let (op, reason) = (operation_id.to_owned(), reason.to_owned());
+        self.run(move |tx| block_on_ready(ops::fail_over(tx, &op, generation, from, &reason, now)))
+            .await
+    }
+
     async fn end_attempt(
         &self,
         operation_id: &str,

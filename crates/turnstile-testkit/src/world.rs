@@ -560,7 +560,7 @@ impl World {
             request_bytes: basis.request_bytes.clone(),
             api: self.api,
             recovery: self.provider_recovery(),
-            label: format!("sim/{PRIMARY_MODEL}"),
+            label: "sim".to_owned(),
         }];
         // As the gateway's `context_with`: every failover target with its own bytes.
         let fallbacks = store!(self, dispatch_fallbacks(&record.operation_id)).unwrap_or_default();
@@ -570,7 +570,7 @@ impl World {
                 request_bytes: std::sync::Arc::new(fallback.request_bytes),
                 api: self.api,
                 recovery: self.provider_recovery(),
-                label: format!("sim/{}", fallback.model),
+                label: fallback.provider,
             });
         }
         let cooling = vec![false; targets.len()];
@@ -664,7 +664,7 @@ impl World {
                 Action::Emit(event) => self.emitted(driver, event),
                 Action::Count(count) => match count {
                     Count::PartialToolDispatch => self.report.partial_tool_dispatch += 1,
-                    Count::Failover { from, to, reason } => {
+                    Count::Failover { from, to, reason, .. } => {
                         self.report.failovers += 1;
                         self.trace(format!("{} fails over from {from} to {to} ({reason})", driver.op));
                     }

@@ -472,36 +472,25 @@ fn a_refused_attempt_moves_to_the_next_target_and_a_request_fault_does_not() {
     // 429, then no connection, then the last target answers: targets 0, 1, 2 in order.
     let (begun, ops) = begins_under_refusals(&[Some(429), None], 3);
     assert_eq!(begun, vec![0, 1, 2]);
-    // Each refused attempt is written FAILED with its cause, then rearmed.
-    let failed: Vec<Option<String>> = ops
+    // Each refused attempt is written FAILED with its cause and the dispatch PREPARED in one
+    // write; no FAILED transition and no rearm of its own.
+    let failed: Vec<&str> = ops
         .iter()
         .filter_map(|op| match op {
-            StoreOp::Transition {
-                to: turnstile_core::dispatch::DispatchState::Failed,
-                reason,
-                ..
-            } => Some(reason.clone()),
+            StoreOp::FailOver { reason, .. } => Some(reason.as_str()),
             _ => None,
         })
         .collect();
-    assert_eq!(
-        failed,
-        vec![
-            Some("provider_status_429".to_owned()),
-            Some("provider_unreachable".to_owned())
-        ]
-    );
-    assert_eq!(
-        ops.iter()
-            .filter(|op| matches!(
-                op,
-                StoreOp::AbandonAndRearm {
-                    provider_ended: true,
-                    ..
-                }
-            ))
-            .count(),
-        2
+    assert_eq!(failed, vec!["provider_status_429", "provider_unreachable"]);
+    assert!(
+        !ops.iter().any(|op| matches!(
+            op,
+            StoreOp::Transition {
+                to: turnstile_core::dispatch::DispatchState::Failed,
+                ..
+            } | StoreOp::AbandonAndRearm { .. }
+        )),
+        "{ops:?}"
     );
     // A 400 is the request's own fault: no second begin. Nor without a next target.
     assert_eq!(begins_under_refusals(&[Some(400)], 2).0, vec![0]);

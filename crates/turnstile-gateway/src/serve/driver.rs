@@ -25,6 +25,14 @@ use turnstile_core::dispatch::{DispatchState, ProviderRecovery, UnknownAttempt};
 use turnstile_drive::{Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Ending, Request};
 use turnstile_store::DispatchRecord;
 
+/// What a response connection's target did, for the circuit breaker.
+enum Outcome {
+    Head(u16, Option<u64>),
+    End,
+    Broken,
+    Unreachable,
+}
+
 /// Transport events buffered per dispatch.
 const TRANSPORT_QUEUE_MAX: usize = 256;
 
@@ -69,7 +77,7 @@ pub struct TargetContext {
 }
 
 impl TargetContext {
-    /// How metrics and the circuit breaker name it.
+    /// How the circuit breaker names it.
     pub fn label(&self) -> String {
         format!("{}/{}", self.provider, self.model)
     }
@@ -94,7 +102,7 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
             request_bytes: target.request_bytes.clone(),
             api: target.api,
             recovery: provider_recovery(&target.endpoint, target.api),
-            label: target.label(),
+            label: target.provider.clone(),
         })
         .collect();
     let cooling = ctx
@@ -142,7 +150,7 @@ struct Pump {
     sender: mpsc::Sender<(ConnectionId, TransportEvent)>,
     connections: HashMap<ConnectionId, JoinHandle<()>>,
     /// Which target each connection went to (the circuit breaker's record of outcomes).
-    provider_of: HashMap<ConnectionId, usize>,
+    provider_of: HashMap<ConnectionId, (usize, bool)>,
     /// This dispatch's spans (a no-op when traces are off).
     trace: traces::Hook,
 }
@@ -183,7 +191,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 pump.trace.transport(connection, &event);
                 match event {
                     TransportEvent::Head { status, retry_after_ms } => {
-                        pump.provider_outcome(connection, Some(status), retry_after_ms);
+                        pump.provider_outcome(connection, Outcome::Head(status, retry_after_ms));
                         drive.handle_head(now(), connection, status);
                     }
                     TransportEvent::Chunk(bytes) => {
@@ -199,17 +207,19 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                         }
                     }
                     TransportEvent::End => {
+                        pump.provider_outcome(connection, Outcome::End);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Clean);
                     }
                     TransportEvent::Broken(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider connection broke");
+                        pump.provider_outcome(connection, Outcome::Broken);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Broken);
                     }
                     TransportEvent::Unreachable(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
-                        pump.provider_outcome(connection, None, None);
+                        pump.provider_outcome(connection, Outcome::Unreachable);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Unreachable);
                     }
@@ -341,7 +351,8 @@ impl Pump {
     ) {
         let index = (target as usize).min(self.ctx.targets.len() - 1);
         let to = &self.ctx.targets[index];
-        self.provider_of.insert(connection, index);
+        let streams = matches!(request, Request::Send { .. } | Request::Resume { .. });
+        self.provider_of.insert(connection, (index, streams));
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &to.endpoint,
@@ -380,23 +391,29 @@ impl Pump {
         self.connections.insert(connection, task);
     }
 
-    /// Tell the circuit breaker how a connection's target answered: a response head (`status`)
-    /// or no connection at all (None).
-    fn provider_outcome(&self, connection: ConnectionId, status: Option<u16>, retry_after_ms: Option<u64>) {
-        let Some(target) = self
+    /// Tell the circuit breaker how a response connection's target did (status and cancel
+    /// questions are not counted): a refusal with a failover status, no connection or a broken
+    /// stream is a failure; only a stream that ended cleanly is a success (a 200 whose stream is
+    /// then cut is not).
+    fn provider_outcome(&self, connection: ConnectionId, outcome: Outcome) {
+        let Some((target, true)) = self
             .provider_of
             .get(&connection)
-            .and_then(|&index| self.ctx.targets.get(index))
+            .and_then(|&(index, streams)| self.ctx.targets.get(index).map(|target| (target, streams)))
         else {
             return;
         };
-        match status {
-            Some(status) if (200..300).contains(&status) => self.shared.breaker.success(&target.label()),
-            status if turnstile_drive::fails_over_on(status) => {
-                let retry_after = retry_after_ms.filter(|_| status == Some(429));
-                self.shared.breaker.failure(&target.label(), retry_after, now());
+        let label = target.label();
+        match outcome {
+            Outcome::Head(status, _) if (200..300).contains(&status) => {}
+            Outcome::Head(status, retry_after_ms) => {
+                if turnstile_drive::fails_over_on(Some(status)) {
+                    let retry_after = retry_after_ms.filter(|_| status == 429);
+                    self.shared.breaker.failure(&label, retry_after, now());
+                }
             }
-            _ => {}
+            Outcome::End => self.shared.breaker.success(&label),
+            Outcome::Broken | Outcome::Unreachable => self.shared.breaker.failure(&label, None, now()),
         }
     }
 
@@ -427,10 +444,17 @@ impl Pump {
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
             Count::Ignored(reason) => metrics::ignored(reason),
             Count::Timeout => metrics::bump(metrics::PROVIDER_TIMEOUTS),
-            Count::Failover { from, to, reason } => {
-                // Statuses and refused connections were told to the breaker as they arrived.
-                if !reason.starts_with("provider_status_") && reason != "provider_unreachable" {
-                    self.shared.breaker.failure(&from, None, now());
+            Count::Failover {
+                from_target,
+                from,
+                to,
+                reason,
+            } => {
+                // A connection the driver closed at a deadline reported nothing to the breaker.
+                if reason.ends_with("_timeout")
+                    && let Some(target) = self.ctx.targets.get(from_target as usize)
+                {
+                    self.shared.breaker.failure(&target.label(), None, now());
                 }
                 tracing::info!(operation_id = %self.ctx.record.operation_id, %from, %to, %reason, "failover");
                 metrics::failover(&from, &to, &reason);

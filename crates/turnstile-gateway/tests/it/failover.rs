@@ -184,7 +184,7 @@ fn a_refusal_429_or_503_moves_a_streamed_dispatch_to_the_fallback_and_commits_on
         assert_eq!(attempts[0]["provider"], "sim", "{dispatch}");
         assert_eq!(
             gateway.metric(&format!(
-                "turnstile_failovers_total{{from=\"sim/{first}\",to=\"b/{fallback}\",reason=\"provider_status_{status}\"}}"
+                "turnstile_failovers_total{{from=\"sim\",to=\"b\",reason=\"provider_status_{status}\"}}"
             )),
             1.0
         );
@@ -301,13 +301,17 @@ fn no_response_head_within_the_timeout_fails_over_once_the_old_attempt_is_over()
     // The request may have reached the silent provider: no new generation before its lease
     // ran out by the store's clock.
     assert_eq!(attempts[0]["confirmed_over"], "lease_expired", "{dispatch}");
-    let ended = attempts[0]["history"].as_array().unwrap().first().unwrap()["at"]
+    // Its lease ran from its begin (at least): generation 2 began no earlier than that.
+    let began_first = attempts[0]["history"].as_array().unwrap().first().unwrap()["at"]
         .as_u64()
         .unwrap();
     let began = attempts[1]["history"].as_array().unwrap().first().unwrap()["at"]
         .as_u64()
         .unwrap();
-    assert!(began >= ended + 400, "generation 2 waited a lease: {dispatch}");
+    assert!(
+        began >= began_first + 400,
+        "generation 2 waited a lease: {dispatch}"
+    );
 }
 
 #[test]
@@ -349,6 +353,12 @@ fn a_stream_cut_before_its_stop_is_retracted_and_nothing_of_it_reaches_the_fallb
     );
     let dispatch = assert_failed_over(&gateway, "op-cut", "c-cut", (&sim, "m-cut"), (&b, "m-cut-fb"));
     assert_eq!(dispatch["attempts"][0]["state"], "ABANDONED", "{dispatch}");
+    // The cut request may still run at the provider (no resume, no idempotency key honoured):
+    // the next target waited for its lease by the store's clock.
+    assert_eq!(
+        dispatch["attempts"][0]["confirmed_over"], "lease_expired",
+        "{dispatch}"
+    );
     // No prefill, no "continue from": the fallback's request has nothing of the first answer.
     for body in bodies_for(&b, "m-cut-fb") {
         assert!(
@@ -424,8 +434,14 @@ fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not()
         );
         assert!(!body.contains("never"), "{body}");
     }
-    assert!(gateway.metric("turnstile_failovers_total{from=\"sim/m-proxy\",to=\"b/m-proxy-fb\",reason=\"provider_status_503\"}") >= 1.0);
-    assert!(gateway.metric("turnstile_failovers_total{from=\"sim/m-proxy\",to=\"b/m-proxy-fb\",reason=\"provider_status_429\"}") >= 1.0);
+    assert!(
+        gateway.metric("turnstile_failovers_total{from=\"sim\",to=\"b\",reason=\"provider_status_503\"}")
+            >= 1.0
+    );
+    assert!(
+        gateway.metric("turnstile_failovers_total{from=\"sim\",to=\"b\",reason=\"provider_status_429\"}")
+            >= 1.0
+    );
     assert_safety_metrics_zero(&gateway);
 }
 

@@ -233,6 +233,82 @@ pub async fn failover_targets_keep_their_own_manifests_and_each_attempt_records_
             .unwrap(),
         BindOutcome::AlreadyBound
     );
+    // A refused attempt fails over in one write: FAILED with its reason, the dispatch PREPARED.
+    assert_eq!(
+        store
+            .fail_over(
+                "op-f",
+                generation,
+                DispatchState::Dispatching,
+                "provider_status_429",
+                at(24)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    let record = store.dispatch("op-f").await.unwrap().unwrap();
+    assert_eq!(record.state, DispatchState::Prepared);
+    let attempt = &store.attempts("op-f").await.unwrap()[0];
+    assert_eq!(attempt.state, DispatchState::Failed);
+    assert_eq!(attempt.end_reason.as_deref(), Some("provider_status_429"));
+    assert_eq!(attempt.confirmed_over.as_deref(), Some("provider_refused"));
+    // A second failover of the same attempt (another replica) is refused.
+    assert!(matches!(
+        store
+            .fail_over(
+                "op-f",
+                generation,
+                DispatchState::Dispatching,
+                "provider_status_429",
+                at(25)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    // Generation 2 (target 0) is written FAILED after it may have run (e.g. a refused
+    // replay): its rearm without the provider's word waits for its lease.
+    let BeginOutcome::Began {
+        generation: second, ..
+    } = store
+        .begin_attempt("op-f", expect(0), &lease("a", 2_000), at(30))
+        .await
+        .unwrap()
+    else {
+        panic!("begin refused");
+    };
+    assert_eq!(
+        store
+            .end_attempt(
+                "op-f",
+                second,
+                DispatchState::Dispatching,
+                DispatchState::Failed,
+                "illegal_send",
+                at(31)
+            )
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    assert!(
+        matches!(
+            store
+                .abandon_and_rearm("op-f", second, false, at(1_999))
+                .await
+                .unwrap(),
+            TransitionOutcome::Refused { .. }
+        ),
+        "no rearm from FAILED before the lease runs out"
+    );
+    assert_eq!(
+        store
+            .abandon_and_rearm("op-f", second, false, at(2_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
 }
 
 /// The per-generation recovery budgets and the attempt's story live in the store: every
