@@ -110,8 +110,16 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
         .iter()
         .map(|target| shared.breaker.cooling(&target.label(), now()))
         .collect();
+    // The dispatch's own bytes are shared with target 0 (one copy per dispatch, not two).
+    let basis = turnstile_drive::DispatchBasis {
+        operation_id: ctx.record.operation_id.clone(),
+        revision: ctx.record.revision,
+        cancel_generation: ctx.record.cancel_generation,
+        request_digest: ctx.record.request_digest.clone(),
+        request_bytes: ctx.targets[0].request_bytes.clone(),
+    };
     DriveSpec {
-        basis: turnstile_store::drive::basis_of(&ctx.record),
+        basis,
         targets,
         cooling,
         last_target,

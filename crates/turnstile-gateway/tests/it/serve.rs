@@ -287,6 +287,22 @@ pub fn assert_safety_metrics_zero(gateway: &Gateway) {
     assert_eq!(gateway.metric("turnstile_illegal_sends_total"), 0.0);
 }
 
+/// A provider that accepts connections and never sends a response head: its port.
+pub fn silent_provider() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => held.push(stream),
+                Err(_) => return,
+            }
+        }
+    });
+    port
+}
+
 pub fn sqlite(dir: &tempfile::TempDir) -> String {
     format!("sqlite:{}", dir.path().join("turnstile.db").display())
 }
@@ -1175,18 +1191,7 @@ fn a_dispatch_with_a_stale_expected_revision_is_a_conflict_and_sends_nothing() {
 
 #[test]
 fn a_provider_that_never_answers_is_bounded_by_the_head_timeout_and_the_dispatch_ends() {
-    // A provider that accepts connections and never sends a response head.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        let mut held = Vec::new();
-        for stream in listener.incoming() {
-            match stream {
-                Ok(stream) => held.push(stream),
-                Err(_) => return,
-            }
-        }
-    });
+    let port = silent_provider();
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
     let gateway = Gateway::start(
