@@ -30,7 +30,8 @@ use turnstile_adapters::registry::AdapterId;
 use turnstile_adapters::render::Graph;
 use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_adapters::tool_choice::{Choice, ToolChoice};
-use turnstile_core::dispatch::DispatchState;
+use turnstile_adapters::{Catalog, RenderCache};
+use turnstile_core::dispatch::{DispatchState, Timestamp};
 use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
 use turnstile_store::{
     AppendOutcome, CLAIM_LEASE_MS_MAX, CallClaimOutcome, CreateOutcome, ReleaseOutcome, RenewOutcome,
@@ -585,7 +586,7 @@ struct DispatchBody {
 /// Where a dispatch goes.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct Target {
+pub struct Target {
     /// Provider name (`sim` by default).
     #[serde(default = "sim_provider")]
     pub provider: String,
@@ -600,7 +601,7 @@ fn sim_provider() -> String {
 }
 
 /// How the dispatch request ends before any dispatch exists (waiting, rejected, paused).
-pub(crate) enum Early {
+pub enum Early {
     Waiting(Vec<String>),
     Rejected(Vec<turnstile_core::Violation>),
     Paused(Value),
@@ -780,7 +781,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
 }
 
 /// How preparing a dispatch ended: a stored dispatch to attach to, or no dispatch at all.
-pub(crate) enum Started {
+pub enum Started {
     /// Stored (new or existing with the same manifest).
     Record(turnstile_store::DispatchRecord),
     /// Paused: the adapter cannot represent the graph.
@@ -824,6 +825,56 @@ pub(crate) async fn prepare_dispatch(
     max_output_tokens: Option<u64>,
     settings: Settings,
 ) -> Result<Started, ApiError> {
+    let resume_by_handle = |provider: &str| {
+        shared
+            .endpoints
+            .get(provider)
+            .map(|endpoint| endpoint.resume_by_handle)
+    };
+    let rendered = {
+        let mut cache = shared.render_cache.lock().await;
+        render_targets(
+            &shared.catalog,
+            &mut cache,
+            &resume_by_handle,
+            conversation,
+            &operation_id,
+            targets,
+            max_output_tokens,
+            &settings,
+        )?
+    };
+    match rendered {
+        Ok(rendered) => Ok(Started::Record(
+            store_rendered(shared.ledger.as_ref(), rendered, now()).await?,
+        )),
+        Err(early) => Ok(Started::Early(early)),
+    }
+}
+
+/// Every target of a dispatch rendered and sealed, before anything is stored: target 0's
+/// manifest, bytes and render policy, then the failover targets'.
+pub struct Rendered {
+    pub manifest: turnstile_core::manifest::DispatchManifest,
+    pub body: Vec<u8>,
+    pub policy: Option<Value>,
+    pub fallbacks: Vec<turnstile_store::PreparedTarget>,
+}
+
+/// Render → admission → manifest for every target, without I/O (the gateway's
+/// [`prepare_dispatch`] and the deterministic simulation's proxy clients call it).
+/// `resume_by_handle(provider)`: None when the provider is not configured.
+#[allow(clippy::too_many_arguments)]
+pub fn render_targets(
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+    resume_by_handle: &dyn Fn(&str) -> Option<bool>,
+    conversation: &Conversation,
+    operation_id: &str,
+    targets: &[Target],
+    max_output_tokens: Option<u64>,
+    settings: &Settings,
+) -> Result<Result<Rendered, Early>, ApiError> {
     let named = |mut error: ApiError, index: usize| {
         if targets.len() > 1 {
             match &mut error.extra {
@@ -838,15 +889,15 @@ pub(crate) async fn prepare_dispatch(
     let mut prepared = Vec::with_capacity(targets.len());
     for (index, target) in targets.iter().enumerate() {
         match prepare_target(
-            shared,
+            catalog,
+            cache,
+            resume_by_handle,
             conversation,
-            &operation_id,
+            operation_id,
             target,
             max_output_tokens,
-            &settings,
-        )
-        .await
-        {
+            settings,
+        ) {
             Ok(Ok(one)) => prepared.push(one),
             Ok(Err(mut early)) => {
                 if targets.len() > 1
@@ -854,7 +905,7 @@ pub(crate) async fn prepare_dispatch(
                 {
                     reason["target"] = json!(index);
                 }
-                return Ok(Started::Early(early));
+                return Ok(Err(early));
             }
             Err(error) => return Err(named(error, index)),
         }
@@ -876,52 +927,67 @@ pub(crate) async fn prepare_dispatch(
             },
         )
         .collect();
+    Ok(Ok(Rendered {
+        manifest,
+        body,
+        policy,
+        fallbacks,
+    }))
+}
+
+/// `ledger.prepare` (or `prepare_targets`) of what [`render_targets`] sealed, its outcome as
+/// the API's answer.
+pub async fn store_rendered(
+    ledger: &dyn turnstile_store::Ledger,
+    rendered: Rendered,
+    now: Timestamp,
+) -> Result<turnstile_store::DispatchRecord, ApiError> {
+    let Rendered {
+        manifest,
+        body,
+        policy,
+        fallbacks,
+    } = rendered;
     let outcome = if fallbacks.is_empty() {
-        shared
-            .ledger
-            .prepare_with_policy(&manifest, &body, policy.as_ref(), now())
+        ledger
+            .prepare_with_policy(&manifest, &body, policy.as_ref(), now)
             .await
     } else {
-        shared
-            .ledger
-            .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now())
+        ledger
+            .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now)
             .await
     }
     .map_err(ApiError::store)?;
     use turnstile_store::PrepareOutcome as Stored;
-    let record = match outcome {
-        Stored::Created(record) | Stored::Existing(record) => record,
-        Stored::Conflict { .. } => {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::OperationConflict,
-                "that operation id names a different request",
-            ));
-        }
-        Stored::StaleRevision { current } => {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::RevisionConflict,
-                "the conversation moved while preparing",
-            )
-            .with(json!({"current_revision": current.0})));
-        }
-        Stored::NotFound => return Err(ApiError::not_found("conversation")),
-        Stored::Invalid(why) => {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                ErrorCode::ManifestInvalid,
-                why,
-            ));
-        }
-    };
-    Ok(Started::Record(record))
+    match outcome {
+        Stored::Created(record) | Stored::Existing(record) => Ok(record),
+        Stored::Conflict { .. } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::OperationConflict,
+            "that operation id names a different request",
+        )),
+        Stored::StaleRevision { current } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::RevisionConflict,
+            "the conversation moved while preparing",
+        )
+        .with(json!({"current_revision": current.0}))),
+        Stored::NotFound => Err(ApiError::not_found("conversation")),
+        Stored::Invalid(why) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::ManifestInvalid,
+            why,
+        )),
+    }
 }
 
 /// One target's manifest, exact bytes and render policy (Err(Early): it cannot represent the
 /// graph).
-async fn prepare_target(
-    shared: &Arc<Shared>,
+#[allow(clippy::too_many_arguments)]
+fn prepare_target(
+    catalog: &Catalog,
+    cache: &mut RenderCache,
+    resume_by_handle: &dyn Fn(&str) -> Option<bool>,
     conversation: &Conversation,
     operation_id: &str,
     target: &Target,
@@ -939,13 +1005,13 @@ async fn prepare_target(
         .sampling
         .check(adapter.api())
         .map_err(|error| setting_error(SettingError::Sampling(error), adapter))?;
-    if !shared.endpoints.contains_key(&target.provider) {
+    let Some(background) = resume_by_handle(&target.provider) else {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::UnknownProvider,
             format!("no provider {:?} is configured", target.provider),
         ));
-    }
+    };
     // Invariant: `validate` said ready just above.
     let validated = Validated::new(conversation).map_err(|_| {
         ApiError::new(
@@ -971,15 +1037,9 @@ async fn prepare_target(
         // The gateway always streams from the provider; `stream` only shapes the answer.
         stream: true,
         // Resumable by handle where the provider is configured for it (Responses only).
-        background: shared
-            .endpoints
-            .get(&target.provider)
-            .is_some_and(|endpoint| endpoint.resume_by_handle),
+        background,
     };
-    let outcome = {
-        let mut cache = shared.render_cache.lock().await;
-        prepare_with_settings(graph, &prepare_request, settings, &shared.catalog, &mut cache)
-    };
+    let outcome = prepare_with_settings(graph, &prepare_request, settings, catalog, cache);
     let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {
         PrepareOutcome::Prepared(prepared) => prepared,
         PrepareOutcome::Paused(pauses) => {

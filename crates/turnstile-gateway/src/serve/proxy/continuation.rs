@@ -26,13 +26,12 @@
 //! marks ([`with_request_marks`]); marks are outside every digest, so this changes no
 //! digest and nothing stored.
 
-use super::super::{Shared, now};
 use super::previous::renamed;
 use serde_json::{Value, json};
-use std::sync::Arc;
 use turnstile_adapters::import::semantic_diff;
 use turnstile_core::Revision;
-use turnstile_store::AppendOutcome;
+use turnstile_core::dispatch::Timestamp;
+use turnstile_store::{AppendOutcome, Ledger};
 
 /// A stored conversation the request continues, with the request's new turns appended.
 pub struct Continued {
@@ -93,10 +92,15 @@ fn pair_results(turn: &mut Value, generations: &std::collections::HashMap<String
 
 /// Find the conversation `imported` continues and append its new turns; None when there is
 /// none (or it moved), and the caller stores a fresh conversation instead.
-pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &Value) -> Option<Continued> {
+pub async fn find_and_append(
+    ledger: &dyn Ledger,
+    id_prefix: &str,
+    imported: &Value,
+    now: Timestamp,
+) -> Option<Continued> {
     let (assistant_index, call_id) = last_call_id(imported)?;
     let new_turns = imported["turns"].as_array()?;
-    let candidates = match shared.ledger.conversations_with_call(call_id, id_prefix).await {
+    let candidates = match ledger.conversations_with_call(call_id, id_prefix).await {
         Ok(candidates) => candidates,
         Err(error) => {
             tracing::warn!(%error, "continuation lookup failed; storing a fresh conversation");
@@ -104,7 +108,7 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
         }
     };
     for conversation_id in candidates {
-        let Ok(Some(stored)) = shared.ledger.conversation(&conversation_id).await else {
+        let Ok(Some(stored)) = ledger.conversation(&conversation_id).await else {
             continue;
         };
         let stored_turns = stored["turns"].as_array().map_or(&[][..], Vec::as_slice);
@@ -137,17 +141,13 @@ pub async fn find_and_append(shared: &Arc<Shared>, id_prefix: &str, imported: &V
                 object.remove("revision");
             }
             pair_results(&mut turn, &generations);
-            match shared
-                .ledger
-                .append_turn(&conversation_id, revision, &turn, now())
-                .await
-            {
+            match ledger.append_turn(&conversation_id, revision, &turn, now).await {
                 Ok(AppendOutcome::Appended { revision: next }) => revision = next,
                 // Moved under us, or the combination is illegal after all: fresh conversation.
                 _ => return None,
             }
         }
-        let document = shared.ledger.conversation(&conversation_id).await.ok()??;
+        let document = ledger.conversation(&conversation_id).await.ok()??;
         return Some(Continued {
             conversation_id,
             document,

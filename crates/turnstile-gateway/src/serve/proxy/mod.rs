@@ -28,6 +28,7 @@
 //! (holder `proxy-client`) at once: the client runs them and sends the results in its next
 //! request, which is a new conversation.
 
+pub mod answer;
 pub mod continuation;
 pub mod previous;
 pub mod refusals;
@@ -43,7 +44,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use respond::{Addressee, Facts, Part, StreamEncoder, parts_of};
+use respond::{Addressee, Part, parts_of};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
@@ -53,9 +54,10 @@ use turnstile_adapters::AdapterId;
 use turnstile_adapters::Api;
 use turnstile_adapters::import::{GeminiCall, ImportError, Imported, import_value, parse_body};
 use turnstile_core::dispatch::DispatchState;
-use turnstile_core::{Conversation, Generation, Verdict, validate};
+use turnstile_core::dispatch::Timestamp;
+use turnstile_core::{Conversation, Verdict, Violation, validate};
 use turnstile_drive::DriveEvent;
-use turnstile_store::ImportOutcome;
+use turnstile_store::{ImportOutcome, Ledger};
 
 /// Holder recorded on tool calls handed to a proxy client (state `client`).
 pub const PROXY_CLIENT_HOLDER: &str = "proxy-client";
@@ -558,55 +560,70 @@ fn original_path(api: Api, gemini: Option<&GeminiCall>, query: &str) -> String {
     }
 }
 
-/// Mode `on`: import → validate → store → prepare → dispatch → answer.
-async fn serve_ours(
-    shared: &Arc<Shared>,
-    api: Api,
-    route: &RouteSpec,
-    imported: Result<Imported, ImportError>,
-    conversation_id: String,
-    proxy_prefix: &str,
-    keyed: bool,
-    include_usage: bool,
-) -> Result<Response, Response> {
-    let tenant_prefix = proxy_prefix.strip_suffix("proxy-").unwrap_or("");
-    let imported = imported.map_err(|error| {
-        shared.refusals.record(refusals::Refused {
-            tenant_prefix,
-            api,
-            model: "",
-            refusal: refusals::Refusal::NotImportable {
-                code: error.code(),
-                path: &error.path(),
-            },
-            document: None,
-        });
-        let mut extra = json!({"path": error.path()});
-        if let ImportError::ThreadUnsupported { .. } = error {
-            // Where Anthropic's own refusal puts it, for the SDK to fall back to the whole history.
-            extra["details"] = json!({"error_code": error.code(), "unsupported": [error.path()]});
+/// Why a proxied request is not admitted: nothing is stored or sent.
+pub enum NotAdmitted {
+    /// The body is not a request the importer can carry (the field is named).
+    NotImportable(ImportError),
+    /// The imported document is not a conversation.
+    Unreadable(String),
+    /// The last assistant turn has calls without results.
+    Waiting(Box<Imported>, Vec<String>),
+    /// The sequence is illegal.
+    Rejected(Box<Imported>, Vec<Violation>),
+}
+
+/// Import → structure → validate (steps 3 of the module doc, before anything is stored): the
+/// request as a ready conversation, or why not.
+pub fn admit(imported: Result<Imported, ImportError>) -> Result<(Imported, Conversation), NotAdmitted> {
+    let imported = imported.map_err(NotAdmitted::NotImportable)?;
+    let conversation = Conversation::from_value(imported.document.clone())
+        .map_err(|error| NotAdmitted::Unreadable(error.to_string()))?;
+    match validate(&conversation) {
+        Verdict::Ready => Ok((imported, conversation)),
+        Verdict::Waiting { pending } => {
+            let pending = pending.into_iter().map(|call| call.0).collect();
+            Err(NotAdmitted::Waiting(Box::new(imported), pending))
         }
-        provider_error(
-            api,
-            StatusCode::BAD_REQUEST,
-            error.code(),
-            &error.to_string(),
-            &extra,
-        )
-    })?;
-    let conversation = Conversation::from_value(imported.document.clone()).map_err(|error| {
-        provider_error(
+        Verdict::Rejected(violations) => Err(NotAdmitted::Rejected(Box::new(imported), violations)),
+    }
+}
+
+/// A request that was not admitted: recorded for the console, answered in the client's shape.
+fn refuse(shared: &Shared, tenant_prefix: &str, api: Api, not: NotAdmitted) -> Response {
+    match not {
+        NotAdmitted::NotImportable(error) => {
+            shared.refusals.record(refusals::Refused {
+                tenant_prefix,
+                api,
+                model: "",
+                refusal: refusals::Refusal::NotImportable {
+                    code: error.code(),
+                    path: &error.path(),
+                },
+                document: None,
+            });
+            let mut extra = json!({"path": error.path()});
+            if let ImportError::ThreadUnsupported { .. } = error {
+                // Where Anthropic's own refusal puts it, for the SDK to fall back to the whole
+                // history.
+                extra["details"] = json!({"error_code": error.code(), "unsupported": [error.path()]});
+            }
+            provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                error.code(),
+                &error.to_string(),
+                &extra,
+            )
+        }
+        NotAdmitted::Unreadable(error) => provider_error(
             api,
             StatusCode::BAD_REQUEST,
             "invalid_structure",
-            &error.to_string(),
+            &error,
             &Value::Null,
-        )
-    })?;
-    match validate(&conversation) {
-        Verdict::Ready => {}
-        Verdict::Waiting { pending } => {
-            let pending: Vec<String> = pending.into_iter().map(|call| call.0).collect();
+        ),
+        NotAdmitted::Waiting(imported, pending) => {
             shared.refusals.record(refusals::Refused {
                 tenant_prefix,
                 api,
@@ -614,15 +631,15 @@ async fn serve_ours(
                 refusal: refusals::Refusal::Waiting(&pending),
                 document: Some(&imported.document),
             });
-            return Err(provider_error(
+            provider_error(
                 api,
                 StatusCode::BAD_REQUEST,
                 "tool_results_pending",
                 "the last assistant turn has tool calls without results; nothing was sent",
                 &json!({"pending": pending}),
-            ));
+            )
         }
-        Verdict::Rejected(violations) => {
+        NotAdmitted::Rejected(imported, violations) => {
             metrics::rejected(&violations);
             shared.refusals.record(refusals::Refused {
                 tenant_prefix,
@@ -635,7 +652,7 @@ async fn serve_ours(
                 .iter()
                 .map(|violation| violation.code.as_str())
                 .collect();
-            return Err(provider_error(
+            provider_error(
                 api,
                 StatusCode::BAD_REQUEST,
                 "illegal_sequence",
@@ -644,95 +661,126 @@ async fn serve_ours(
                     codes.join(", ")
                 ),
                 &json!({"violations": api::violations_json(&violations)}),
-            ));
+            )
         }
     }
-    // A stateless request that continues a conversation committed here appends to it (an
-    // Idempotency-Key names its own conversation and keeps the retry semantics above).
+}
+
+/// Where an admitted request's dispatch goes.
+pub struct Placed {
+    /// The conversation it continues or was stored as.
+    pub conversation_id: String,
+    /// Its dispatch's operation id.
+    pub operation_id: String,
+    /// The history the dispatch renders.
+    pub conversation: Conversation,
+}
+
+/// Store an admitted request: a stateless request that continues a conversation committed here
+/// appends to it (an Idempotency-Key names its own conversation and keeps the retry semantics);
+/// anything else is a new conversation `conversation_id`. `now` stamps what is written.
+#[allow(clippy::too_many_arguments)]
+pub async fn place(
+    ledger: &dyn Ledger,
+    api: Api,
+    proxy_prefix: &str,
+    conversation_id: String,
+    imported: &Imported,
+    conversation: Conversation,
+    keyed: bool,
+    now: Timestamp,
+) -> Result<Placed, Response> {
     let continued = if keyed {
         None
     } else {
-        continuation::find_and_append(shared, proxy_prefix, &imported.document).await
+        continuation::find_and_append(ledger, proxy_prefix, &imported.document, now).await
     };
-    let (conversation_id, operation_id, conversation) = match continued {
-        Some(continued) => {
-            // This request's cache breakpoints, not the ones stored with earlier requests.
-            let document = continuation::with_request_marks(continued.document, &imported.document);
-            let conversation = Conversation::from_value(document).map_err(|error| {
-                provider_error(
-                    api,
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "stored_history_unreadable",
-                    &error.to_string(),
-                    &Value::Null,
-                )
-            })?;
-            let operation_id = format!("{}.r{}", continued.conversation_id, conversation.revision.0);
-            (continued.conversation_id, operation_id, conversation)
-        }
-        None => {
-            let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
-            let tools = imported.document["tools"].clone();
-            let stored = shared
-                .ledger
-                .import_conversation(&conversation_id, &tools, &turns, now())
+    if let Some(continued) = continued {
+        // This request's cache breakpoints, not the ones stored with earlier requests.
+        let document = continuation::with_request_marks(continued.document, &imported.document);
+        let conversation = Conversation::from_value(document).map_err(|error| {
+            provider_error(
+                api,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "stored_history_unreadable",
+                &error.to_string(),
+                &Value::Null,
+            )
+        })?;
+        let operation_id = continued_operation_id(&continued.conversation_id, conversation.revision);
+        return Ok(Placed {
+            conversation_id: continued.conversation_id,
+            operation_id,
+            conversation,
+        });
+    }
+    let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
+    let tools = imported.document["tools"].clone();
+    let stored = ledger
+        .import_conversation(&conversation_id, &tools, &turns, now)
+        .await
+        .map_err(|error| from_api_error(api, ApiError::store(error)))?;
+    match stored {
+        ImportOutcome::Created { .. } => {}
+        ImportOutcome::AlreadyExists { .. } if keyed => {
+            // A retry under the same key: the same history attaches, another one conflicts.
+            let document = ledger
+                .conversation(&conversation_id)
                 .await
-                .map_err(|error| from_api_error(api, ApiError::store(error)))?;
-            match stored {
-                ImportOutcome::Created { .. } => {}
-                ImportOutcome::AlreadyExists { .. } if keyed => {
-                    // A retry under the same key: the same history attaches, another one conflicts.
-                    let document = shared
-                        .ledger
-                        .conversation(&conversation_id)
-                        .await
-                        .map_err(|error| from_api_error(api, ApiError::store(error)))?
-                        .unwrap_or(Value::Null);
-                    if !same_prefix(&document["turns"], &turns) || document["tools"] != tools {
-                        return Err(provider_error(
-                            api,
-                            StatusCode::CONFLICT,
-                            "idempotency_conflict",
-                            "this Idempotency-Key was used for another request",
-                            &Value::Null,
-                        ));
-                    }
-                }
-                ImportOutcome::AlreadyExists { .. } => {
-                    return Err(provider_error(
-                        api,
-                        StatusCode::CONFLICT,
-                        "conversation_exists",
-                        "a fresh proxy conversation id was taken",
-                        &Value::Null,
-                    ));
-                }
-                ImportOutcome::Rejected(violations) => {
-                    return Err(provider_error(
-                        api,
-                        StatusCode::BAD_REQUEST,
-                        "illegal_sequence",
-                        "the conversation is not a legal request; nothing was sent",
-                        &json!({"violations": api::violations_json(&violations)}),
-                    ));
-                }
+                .map_err(|error| from_api_error(api, ApiError::store(error)))?
+                .unwrap_or(Value::Null);
+            if !same_prefix(&document["turns"], &turns) || document["tools"] != tools {
+                return Err(provider_error(
+                    api,
+                    StatusCode::CONFLICT,
+                    "idempotency_conflict",
+                    "this Idempotency-Key was used for another request",
+                    &Value::Null,
+                ));
             }
-            let operation_id = if keyed {
-                keyed_operation(shared, &conversation_id)
-                    .await
-                    .map_err(|error| from_api_error(api, ApiError::store(error)))?
-            } else {
-                conversation_id.clone()
-            };
-            (conversation_id, operation_id, conversation)
         }
+        ImportOutcome::AlreadyExists { .. } => {
+            return Err(provider_error(
+                api,
+                StatusCode::CONFLICT,
+                "conversation_exists",
+                "a fresh proxy conversation id was taken",
+                &Value::Null,
+            ));
+        }
+        ImportOutcome::Rejected(violations) => {
+            return Err(provider_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "illegal_sequence",
+                "the conversation is not a legal request; nothing was sent",
+                &json!({"violations": api::violations_json(&violations)}),
+            ));
+        }
+    }
+    let operation_id = if keyed {
+        keyed_operation(ledger, &conversation_id)
+            .await
+            .map_err(|error| from_api_error(api, ApiError::store(error)))?
+    } else {
+        conversation_id.clone()
     };
-    let client_model = imported.model.clone();
-    let model = route
-        .target_model
-        .clone()
-        .unwrap_or_else(|| imported.model.clone());
-    // The route's target, then its fallbacks (each its own adapter and model), in order.
+    Ok(Placed {
+        conversation_id,
+        operation_id,
+        conversation,
+    })
+}
+
+/// The operation id of a dispatch that continues `conversation_id` at `revision`.
+pub fn continued_operation_id(conversation_id: &str, revision: turnstile_core::Revision) -> String {
+    format!("{conversation_id}.r{}", revision.0)
+}
+
+/// The route's target, then its fallbacks (each its own adapter and model), in order; `model`
+/// is the client's.
+pub fn targets_of(route: &RouteSpec, model: &str) -> Vec<Target> {
+    let model = route.target_model.clone().unwrap_or_else(|| model.to_owned());
     let mut targets = vec![Target {
         provider: route.provider.clone(),
         model: model.clone(),
@@ -743,6 +791,40 @@ async fn serve_ours(
         model: fallback.target_model.clone().unwrap_or_else(|| model.clone()),
         adapter: fallback.adapter.clone(),
     }));
+    targets
+}
+
+/// Mode `on`: import → validate → store → prepare → dispatch → answer.
+#[allow(clippy::too_many_arguments)]
+async fn serve_ours(
+    shared: &Arc<Shared>,
+    api: Api,
+    route: &RouteSpec,
+    imported: Result<Imported, ImportError>,
+    conversation_id: String,
+    proxy_prefix: &str,
+    keyed: bool,
+    include_usage: bool,
+) -> Result<Response, Response> {
+    let tenant_prefix = proxy_prefix.strip_suffix("proxy-").unwrap_or("");
+    let (imported, conversation) = admit(imported).map_err(|not| refuse(shared, tenant_prefix, api, not))?;
+    let Placed {
+        conversation_id,
+        operation_id,
+        conversation,
+    } = place(
+        shared.ledger.as_ref(),
+        api,
+        proxy_prefix,
+        conversation_id,
+        &imported,
+        conversation,
+        keyed,
+        now(),
+    )
+    .await?;
+    let client_model = imported.model.clone();
+    let targets = targets_of(route, &imported.model);
     let started = api::prepare_dispatch(
         shared,
         &conversation,
@@ -843,12 +925,12 @@ const KEYED_RETRIES_MAX: u32 = 100;
 /// each retry after it) ended FAILED or ABANDONED without a commit — the next `<id>.k<n>`, so a
 /// key is never poisoned by a provider's transient refusal.
 async fn keyed_operation(
-    shared: &Arc<Shared>,
+    ledger: &dyn Ledger,
     conversation_id: &str,
 ) -> Result<String, turnstile_store::StoreError> {
     let mut operation_id = conversation_id.to_owned();
     for retry in 1..=KEYED_RETRIES_MAX {
-        match shared.ledger.dispatch(&operation_id).await? {
+        match ledger.dispatch(&operation_id).await? {
             Some(record) if matches!(record.state, DispatchState::Failed | DispatchState::Abandoned) => {
                 operation_id = format!("{conversation_id}.k{retry}");
             }
@@ -930,7 +1012,7 @@ impl Follower {
             && !self.committed
         {
             self.committed = true;
-            hand_to_client(&self.shared, &self.conversation_id, turn).await;
+            hand_to_client(self.shared.ledger.as_ref(), &self.conversation_id, turn).await;
         }
         event
     }
@@ -961,11 +1043,10 @@ async fn follow(
 /// Hand the committed tool calls to the proxy client: the client runs them and its follow-up
 /// request carries the results (continuation appends them, which closes the calls). Handed,
 /// not claimed: no lease runs out and no executor is offered them.
-async fn hand_to_client(shared: &Shared, conversation_id: &str, turn: &Value) {
+pub async fn hand_to_client(ledger: &dyn Ledger, conversation_id: &str, turn: &Value) {
     for part in parts_of(turn) {
         if let Part::Call { id, .. } = part
-            && let Err(error) = shared
-                .ledger
+            && let Err(error) = ledger
                 .hand_to_client(conversation_id, &id, PROXY_CLIENT_HOLDER)
                 .await
         {
@@ -974,132 +1055,45 @@ async fn hand_to_client(shared: &Shared, conversation_id: &str, turn: &Value) {
     }
 }
 
-/// How a dispatch ended, from its events.
-enum Outcome {
-    /// The `Committed` event.
-    Committed(ClientEvent),
-    Failed {
-        code: String,
-        message: String,
-    },
-}
-
-fn outcome_of(event: &ClientEvent) -> Option<Outcome> {
-    match &**event {
-        DriveEvent::Committed { .. } => Some(Outcome::Committed(event.clone())),
-        DriveEvent::Error { code, message } => Some(Outcome::Failed {
-            code: code.clone(),
-            message: (*message).to_owned(),
-        }),
-        DriveEvent::State { state, .. }
-            if matches!(state, DispatchState::Failed | DispatchState::Abandoned) =>
-        {
-            Some(Outcome::Failed {
-                code: "dispatch_failed".into(),
-                message: format!("the dispatch ended {}", state.as_str()),
-            })
-        }
-        _ => None,
-    }
-}
-
-/// The committed turn's parts and facts, from its `Committed` event.
-fn answer_of(committed: &DriveEvent, prompt_tokens: u64) -> (Vec<Part>, Facts) {
-    let (turn, facts) = match committed {
-        DriveEvent::Committed { turn, facts, .. } => (turn, facts.as_ref()),
-        _ => (&Value::Null, None),
-    };
-    let parts = parts_of(turn);
-    let facts = Facts::from_commit(facts.unwrap_or(&Value::Null), prompt_tokens, &parts);
-    (parts, facts)
-}
-
-/// The dispatch's failure if it fails before any preview or commit; None as soon as output
-/// (or a commit) appears. What it read is left in `read`, for the stream to start from.
-async fn failure_before_output(follower: &mut Follower, read: &mut Vec<ClientEvent>) -> Option<Outcome> {
-    while let Some(event) = follower.next().await {
-        read.push(event.clone());
-        if matches!(*event, DriveEvent::Preview { .. }) {
-            return None;
-        }
-        match outcome_of(&event) {
-            Some(Outcome::Committed(_)) => return None,
-            Some(failed) => return Some(failed),
-            None => {}
-        }
-    }
-    None
-}
-
-/// A failed dispatch as the client's HTTP error: the provider's own refusal keeps its status
-/// (a 429 stays a 429, so SDKs back off and retry); everything else is a gateway-side 502.
-fn failed_response(api: Api, code: &str, message: &str) -> Response {
-    if code == "max_tokens_in_tool_arguments" {
-        // The request itself cannot succeed as sent: its output cap is too small.
-        return provider_error(api, StatusCode::BAD_REQUEST, code, message, &Value::Null);
-    }
-    let status = code
-        .strip_prefix("provider_status_")
-        .and_then(|status| status.parse::<u16>().ok())
-        .and_then(|status| StatusCode::from_u16(status).ok())
-        .filter(|status| status.is_client_error() || status.is_server_error())
-        .unwrap_or(StatusCode::BAD_GATEWAY);
-    provider_error(api, status, code, message, &Value::Null)
+fn failure_response(api: Api, failure: &answer::Failure) -> Response {
+    provider_error(api, failure.status, &failure.code, &failure.message, &Value::Null)
 }
 
 async fn whole_answer(follower: &mut Follower, to: Addressee, prompt_tokens: u64) -> Response {
-    let mut outcome = None;
+    let api = to.api;
+    let mut answer = answer::WholeAnswer::new(to, prompt_tokens);
     while let Some(event) = follower.next().await {
-        match outcome_of(&event) {
-            Some(found @ Outcome::Committed(_)) => {
-                outcome = Some(found);
-                break;
-            }
-            // The first failure names the cause (a later FAILED state only repeats it).
-            Some(found) if outcome.is_none() => outcome = Some(found),
-            _ => {}
+        if let Some(body) = answer.push(&event) {
+            return Json(body).into_response();
         }
     }
-    match outcome {
-        Some(Outcome::Committed(event)) => {
-            let (parts, facts) = answer_of(&event, prompt_tokens);
-            Json(respond::whole(&to, &parts, &facts)).into_response()
-        }
-        Some(Outcome::Failed { code, message }) => failed_response(to.api, &code, &message),
-        None => provider_error(
-            to.api,
-            StatusCode::BAD_GATEWAY,
-            "no_commit",
-            "the dispatch ended without a committed turn",
-            &Value::Null,
-        ),
-    }
+    failure_response(api, &answer.end())
 }
 
-/// Stream the answer: forward preview text of the first block while it is the followed
-/// generation's, then everything else from the committed turn. Provider wire formats cannot
-/// take text back, so after a retract the next generation's text is forwarded only past what
-/// was already sent and only while it agrees with it; if it diverges (or the committed turn
-/// does), the stream ends with the provider's error event. The dispatch itself goes on and
-/// commits at most once; a client retrying with the same `Idempotency-Key` gets that commit.
-///
-/// The status line waits for the first sign of an answer: a dispatch that fails before any
-/// output (the provider's 429, say) is that HTTP error, so the SDK raises its own typed
-/// exception and backs off, instead of a 200 with an error inside.
+/// Stream the answer ([`answer::StreamAnswer`] decides what is sent; this pumps it).
 async fn stream_answer(
     follower: &mut Follower,
     to: Addressee,
     prompt_tokens: u64,
     reply: tokio::sync::oneshot::Sender<Response>,
 ) {
-    let mut read = Vec::new();
-    if let Some(Outcome::Failed { code, message }) = failure_before_output(follower, &mut read).await {
-        let _ = reply.send(failed_response(to.api, &code, &message));
-        return;
+    let api = to.api;
+    let mut answer = answer::StreamAnswer::new(to, prompt_tokens);
+    // The status line waits for the first sign of an answer.
+    while let Some(event) = follower.next().await {
+        match answer.before_head(event) {
+            answer::Head::Wait => continue,
+            answer::Head::Fail(failure) => {
+                let _ = reply.send(failure_response(api, &failure));
+                return;
+            }
+            answer::Head::Open => break,
+        }
     }
-    // What the hub already has joins what was read: a commit among it is known up front.
+    // What the hub already has joins what was read.
+    let mut ready = Vec::new();
     while let Some(event) = follower.next_ready().await {
-        read.push(event);
+        ready.push(event);
     }
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     let response = Response::builder()
@@ -1114,127 +1108,18 @@ async fn stream_answer(
         // The client left before the status line.
         return;
     }
-    let mut encoder = StreamEncoder::new(to, prompt_tokens);
-    // A commit already read gives the provider's own usage for the opening frame.
-    if let Some(committed) = read
-        .iter()
-        .find(|event| matches!(***event, DriveEvent::Committed { .. }))
-    {
-        encoder.known_usage(answer_of(committed, prompt_tokens).1);
-    }
     let send = |bytes: Vec<u8>| {
         let sender = sender.clone();
         async move { bytes.is_empty() || sender.send(Ok(Bytes::from(bytes))).await.is_ok() }
     };
-    // Anthropic's opening frame carries the provider's own start usage: it waits for the
-    // hub's first report of it (or for anything else that is not a state change, then it
-    // opens with the admission count). Bounded by the dispatch's own deadlines.
-    let mut opened = !encoder.opens_with_usage();
-    if opened && !send(encoder.start()).await {
-        return;
-    }
-    let mut pending: std::collections::VecDeque<ClientEvent> = read.into();
-    // The generation whose preview is followed, the text of its first block so far, and
-    // whether a later block has started (then all further text waits for the commit).
-    let mut generation: Option<Generation> = None;
-    let mut first_block = String::new();
-    let mut frozen = false;
+    let mut frames = answer.open(ready);
     loop {
-        let event = match pending.pop_front() {
-            Some(event) => event,
-            None => match follower.next().await {
-                Some(event) => event,
-                None => {
-                    if !opened {
-                        let _ = send(encoder.start()).await;
-                    }
-                    let _ =
-                        send(encoder.error("no_commit", "the dispatch ended without a committed turn")).await;
-                    return;
-                }
-            },
+        if !send(frames.bytes).await || frames.done {
+            return;
+        }
+        frames = match follower.next().await {
+            Some(event) => answer.push(&event),
+            None => answer.end(),
         };
-        if !opened {
-            if let DriveEvent::Usage { usage, .. } = &*event {
-                encoder.start_usage(usage);
-            }
-            if matches!(*event, DriveEvent::State { .. }) && outcome_of(&event).is_none() {
-                continue;
-            }
-            opened = true;
-            if !send(encoder.start()).await {
-                return;
-            }
-        }
-        match &*event {
-            DriveEvent::Preview {
-                generation: this,
-                block_index,
-                delta,
-            } => {
-                if generation.is_none() {
-                    generation = Some(*this);
-                    first_block.clear();
-                    frozen = false;
-                }
-                if frozen || Some(*this) != generation {
-                    continue;
-                }
-                if *block_index != 0 {
-                    frozen = true;
-                    continue;
-                }
-                first_block.push_str(delta);
-                // Text already forwarded (by an earlier, retracted generation) is sent
-                // once: a new generation continues the stream only while it agrees with it.
-                let forwarded = encoder.forwarded();
-                let agrees = if first_block.len() <= forwarded.len() {
-                    forwarded.starts_with(first_block.as_str())
-                } else {
-                    first_block.starts_with(forwarded)
-                };
-                if !agrees {
-                    let _ = send(encoder.error(
-                        "preview_diverged",
-                        "a new attempt produced different text than was already sent; the dispatch continues",
-                    ))
-                    .await;
-                    return;
-                }
-                if first_block.len() > forwarded.len() {
-                    let rest = first_block[forwarded.len()..].to_owned();
-                    if !send(encoder.text(&rest)).await {
-                        return;
-                    }
-                }
-            }
-            DriveEvent::Retract {
-                generation: retracted,
-                ..
-            } => {
-                if Some(*retracted) == generation {
-                    generation = None;
-                }
-            }
-            _ => match outcome_of(&event) {
-                Some(Outcome::Committed(event)) => {
-                    let (parts, facts) = answer_of(&event, prompt_tokens);
-                    let frames = match encoder.finish(&parts, &facts) {
-                        Ok(frames) => frames,
-                        Err(_) => encoder.error(
-                            "preview_mismatch",
-                            "the committed turn differs from the text already sent",
-                        ),
-                    };
-                    let _ = send(frames).await;
-                    return;
-                }
-                Some(Outcome::Failed { code, message }) => {
-                    let _ = send(encoder.error(&code, &message)).await;
-                    return;
-                }
-                None => {}
-            },
-        }
     }
 }

@@ -1,0 +1,355 @@
+//! How a proxied request is answered from its dispatch's events, without I/O: the policy of
+//! the answer (what text may be forwarded, when the status line is decided, which event ends
+//! it) as two machines the gateway's tokio tasks pump (`proxy::follow`) and the deterministic
+//! simulation pumps over its own events (`turnstile-testkit`'s world). The wire shapes are
+//! [`super::respond`]'s.
+//!
+//! [`WholeAnswer`]: reads to the commit (the answer is the committed turn) or to the end (the
+//! first failure names the cause).
+//!
+//! [`StreamAnswer`]: the status line waits for the first sign of an answer, so a dispatch that
+//! fails before any output (the provider's 429, say) is that HTTP error and the SDK raises its
+//! own typed exception and backs off, instead of a 200 with an error inside. After that it
+//! forwards preview text of the first block while it is the followed generation's, then
+//! everything else from the committed turn. Provider wire formats cannot take text back, so
+//! after a retract the next generation's text is forwarded only past what was already sent and
+//! only while it agrees with it; if it diverges (or the committed turn does), the stream ends
+//! with the provider's error event. The dispatch itself goes on and commits at most once; a
+//! client retrying with the same `Idempotency-Key` gets that commit.
+
+use super::respond::{Addressee, Facts, Part, StreamEncoder, parts_of};
+use crate::serve::hub::ClientEvent;
+use axum::http::StatusCode;
+use serde_json::Value;
+use turnstile_core::Generation;
+use turnstile_core::dispatch::DispatchState;
+use turnstile_drive::DriveEvent;
+
+/// A failed answer: the client's HTTP status and the provider-style error's code and message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub status: StatusCode,
+    pub code: String,
+    pub message: String,
+}
+
+impl Failure {
+    /// A failed dispatch as the client's HTTP error: the provider's own refusal keeps its status
+    /// (a 429 stays a 429, so SDKs back off and retry); everything else is a gateway-side 502.
+    pub fn of_dispatch(code: &str, message: &str) -> Failure {
+        let status = if code == "max_tokens_in_tool_arguments" {
+            // The request itself cannot succeed as sent: its output cap is too small.
+            StatusCode::BAD_REQUEST
+        } else {
+            code.strip_prefix("provider_status_")
+                .and_then(|status| status.parse::<u16>().ok())
+                .and_then(|status| StatusCode::from_u16(status).ok())
+                .filter(|status| status.is_client_error() || status.is_server_error())
+                .unwrap_or(StatusCode::BAD_GATEWAY)
+        };
+        Failure {
+            status,
+            code: code.to_owned(),
+            message: message.to_owned(),
+        }
+    }
+
+    fn no_commit() -> Failure {
+        Failure {
+            status: StatusCode::BAD_GATEWAY,
+            code: "no_commit".into(),
+            message: "the dispatch ended without a committed turn".into(),
+        }
+    }
+}
+
+/// How a dispatch ended, from its events.
+enum Outcome {
+    /// The `Committed` event.
+    Committed(ClientEvent),
+    Failed {
+        code: String,
+        message: String,
+    },
+}
+
+fn outcome_of(event: &ClientEvent) -> Option<Outcome> {
+    match &**event {
+        DriveEvent::Committed { .. } => Some(Outcome::Committed(event.clone())),
+        DriveEvent::Error { code, message } => Some(Outcome::Failed {
+            code: code.clone(),
+            message: (*message).to_owned(),
+        }),
+        DriveEvent::State { state, .. }
+            if matches!(state, DispatchState::Failed | DispatchState::Abandoned) =>
+        {
+            Some(Outcome::Failed {
+                code: "dispatch_failed".into(),
+                message: format!("the dispatch ended {}", state.as_str()),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The committed turn's parts and facts, from its `Committed` event.
+fn answer_of(committed: &DriveEvent, prompt_tokens: u64) -> (Vec<Part>, Facts) {
+    let (turn, facts) = match committed {
+        DriveEvent::Committed { turn, facts, .. } => (turn, facts.as_ref()),
+        _ => (&Value::Null, None),
+    };
+    let parts = parts_of(turn);
+    let facts = Facts::from_commit(facts.unwrap_or(&Value::Null), prompt_tokens, &parts);
+    (parts, facts)
+}
+
+/// The non-streaming answer.
+pub struct WholeAnswer {
+    to: Addressee,
+    prompt_tokens: u64,
+    failure: Option<Failure>,
+}
+
+impl WholeAnswer {
+    pub fn new(to: Addressee, prompt_tokens: u64) -> WholeAnswer {
+        WholeAnswer {
+            to,
+            prompt_tokens,
+            failure: None,
+        }
+    }
+
+    /// Read one event: `Some` with the response body once the commit is read.
+    pub fn push(&mut self, event: &ClientEvent) -> Option<Value> {
+        match outcome_of(event)? {
+            Outcome::Committed(event) => {
+                let (parts, facts) = answer_of(&event, self.prompt_tokens);
+                Some(super::respond::whole(&self.to, &parts, &facts))
+            }
+            // The first failure names the cause (a later FAILED state only repeats it).
+            Outcome::Failed { code, message } => {
+                if self.failure.is_none() {
+                    self.failure = Some(Failure::of_dispatch(&code, &message));
+                }
+                None
+            }
+        }
+    }
+
+    /// The events ended without a commit.
+    pub fn end(self) -> Failure {
+        self.failure.unwrap_or_else(Failure::no_commit)
+    }
+}
+
+/// What [`StreamAnswer::before_head`] decided.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Head {
+    /// Not yet: read on.
+    Wait,
+    /// Answer with this HTTP error instead of a stream.
+    Fail(Failure),
+    /// Open the stream (status 200), then [`StreamAnswer::open`].
+    Open,
+}
+
+/// Frames for the client, and whether the stream is over.
+#[derive(Debug, Default)]
+pub struct Frames {
+    pub bytes: Vec<u8>,
+    pub done: bool,
+}
+
+impl Frames {
+    fn add(&mut self, bytes: Vec<u8>) {
+        self.bytes.extend(bytes);
+    }
+}
+
+/// The streaming answer.
+pub struct StreamAnswer {
+    encoder: StreamEncoder,
+    prompt_tokens: u64,
+    /// Read before the stream opened.
+    read: Vec<ClientEvent>,
+    /// The opening frame was produced (Anthropic's waits for the provider's start usage).
+    opened: bool,
+    /// The generation whose preview is followed.
+    generation: Option<Generation>,
+    /// The text of its first block so far.
+    first_block: String,
+    /// A later block started: all further text waits for the commit.
+    frozen: bool,
+    done: bool,
+}
+
+impl StreamAnswer {
+    pub fn new(to: Addressee, prompt_tokens: u64) -> StreamAnswer {
+        StreamAnswer {
+            encoder: StreamEncoder::new(to, prompt_tokens),
+            prompt_tokens,
+            read: Vec::new(),
+            opened: false,
+            generation: None,
+            first_block: String::new(),
+            frozen: false,
+            done: false,
+        }
+    }
+
+    /// Before the status line: read one event. A failure before any preview or commit is the
+    /// answer; output (or a commit) opens the stream. Events that ended before either open it
+    /// too (it then ends with `no_commit`).
+    pub fn before_head(&mut self, event: ClientEvent) -> Head {
+        let decided = if matches!(*event, DriveEvent::Preview { .. }) {
+            Head::Open
+        } else {
+            match outcome_of(&event) {
+                Some(Outcome::Committed(_)) => Head::Open,
+                Some(Outcome::Failed { code, message }) => Head::Fail(Failure::of_dispatch(&code, &message)),
+                None => Head::Wait,
+            }
+        };
+        self.read.push(event);
+        decided
+    }
+
+    /// The stream opened: `ready` is what the hub already has besides what was read (a commit
+    /// among it is known up front and gives the provider's own usage for the opening frame).
+    pub fn open(&mut self, ready: Vec<ClientEvent>) -> Frames {
+        self.read.extend(ready);
+        let read = std::mem::take(&mut self.read);
+        if let Some(committed) = read
+            .iter()
+            .find(|event| matches!(***event, DriveEvent::Committed { .. }))
+        {
+            self.encoder
+                .known_usage(answer_of(committed, self.prompt_tokens).1);
+        }
+        let mut frames = Frames::default();
+        // Anthropic's opening frame carries the provider's own start usage: it waits for the
+        // hub's first report of it (or for anything else that is not a state change, then it
+        // opens with the admission count).
+        self.opened = !self.encoder.opens_with_usage();
+        if self.opened {
+            frames.add(self.encoder.start());
+        }
+        for event in read {
+            if frames.done {
+                break;
+            }
+            let more = self.push(&event);
+            frames.add(more.bytes);
+            frames.done = more.done;
+        }
+        frames
+    }
+
+    /// One event after the stream opened.
+    pub fn push(&mut self, event: &ClientEvent) -> Frames {
+        let mut frames = Frames::default();
+        if self.done {
+            frames.done = true;
+            return frames;
+        }
+        if !self.opened {
+            if let DriveEvent::Usage { usage, .. } = &**event {
+                self.encoder.start_usage(usage);
+            }
+            if matches!(**event, DriveEvent::State { .. }) && outcome_of(event).is_none() {
+                return frames;
+            }
+            self.opened = true;
+            frames.add(self.encoder.start());
+        }
+        match &**event {
+            DriveEvent::Preview {
+                generation: this,
+                block_index,
+                delta,
+            } => {
+                if self.generation.is_none() {
+                    self.generation = Some(*this);
+                    self.first_block.clear();
+                    self.frozen = false;
+                }
+                if self.frozen || Some(*this) != self.generation {
+                    return frames;
+                }
+                if *block_index != 0 {
+                    self.frozen = true;
+                    return frames;
+                }
+                self.first_block.push_str(delta);
+                // Text already forwarded (by an earlier, retracted generation) is sent once: a
+                // new generation continues the stream only while it agrees with it.
+                let forwarded = self.encoder.forwarded();
+                let agrees = if self.first_block.len() <= forwarded.len() {
+                    forwarded.starts_with(self.first_block.as_str())
+                } else {
+                    self.first_block.starts_with(forwarded)
+                };
+                if !agrees {
+                    frames.add(self.encoder.error(
+                        "preview_diverged",
+                        "a new attempt produced different text than was already sent; the dispatch continues",
+                    ));
+                    return self.finished(frames);
+                }
+                if self.first_block.len() > forwarded.len() {
+                    let rest = self.first_block[forwarded.len()..].to_owned();
+                    frames.add(self.encoder.text(&rest));
+                }
+            }
+            DriveEvent::Retract {
+                generation: retracted,
+                ..
+            } => {
+                if Some(*retracted) == self.generation {
+                    self.generation = None;
+                }
+            }
+            _ => match outcome_of(event) {
+                Some(Outcome::Committed(event)) => {
+                    let (parts, facts) = answer_of(&event, self.prompt_tokens);
+                    match self.encoder.finish(&parts, &facts) {
+                        Ok(bytes) => frames.add(bytes),
+                        Err(_) => frames.add(self.encoder.error(
+                            "preview_mismatch",
+                            "the committed turn differs from the text already sent",
+                        )),
+                    }
+                    return self.finished(frames);
+                }
+                Some(Outcome::Failed { code, message }) => {
+                    frames.add(self.encoder.error(&code, &message));
+                    return self.finished(frames);
+                }
+                None => {}
+            },
+        }
+        frames
+    }
+
+    /// The events ended before a commit.
+    pub fn end(&mut self) -> Frames {
+        let mut frames = Frames::default();
+        if self.done {
+            frames.done = true;
+            return frames;
+        }
+        if !self.opened {
+            self.opened = true;
+            frames.add(self.encoder.start());
+        }
+        let failure = Failure::no_commit();
+        frames.add(self.encoder.error(&failure.code, &failure.message));
+        self.finished(frames)
+    }
+
+    fn finished(&mut self, mut frames: Frames) -> Frames {
+        self.done = true;
+        frames.done = true;
+        frames
+    }
+}
