@@ -65,11 +65,14 @@ impl World {
             let adapter = manifest["adapter"]
                 .as_str()
                 .and_then(|text| text.parse::<AdapterId>().ok());
-            let digest = match adapter {
-                Some(adapter) => self
+            let conversation_id = manifest["conversation_id"].as_str().unwrap_or("").to_owned();
+            let proxied = self.rerender_proxied(op, &conversation_id, revision, target);
+            let digest = match (proxied, adapter) {
+                (Some(digest), _) => digest,
+                (None, Some(adapter)) => self
                     .render_for(revision, adapter, op, max_output, &model)
                     .map(|(manifest, _)| manifest.body.request_digest.as_str().to_owned()),
-                None => Err("manifest names no known adapter".into()),
+                (None, None) => Err("manifest names no known adapter".into()),
             };
             self.history.rerendered.insert(key.clone(), digest);
         }
@@ -179,11 +182,36 @@ impl World {
         }
         self.dirty = false;
         let step = self.step;
+        let mut committed_calls: HashMap<String, Value> = HashMap::new();
+        // The seed's conversation, and any a proxied request forked into (its first `base`
+        // turns are the client's imported history, not answers of this gateway).
+        let mut conversations = vec![(CONVERSATION_ID.to_owned(), 0)];
+        conversations.extend(self.forks.iter().cloned());
+        for (conversation_id, base) in conversations {
+            if !self.check_conversation(step, &conversation_id, base as usize, &mut committed_calls) {
+                return;
+            }
+        }
+        self.check_tool_ledger(step, &committed_calls);
+    }
+
+    /// One conversation's committed history: valid, one canonical answer per question and per
+    /// dispatch, every assistant turn from a committed generation. False when unreadable.
+    fn check_conversation(
+        &mut self,
+        step: u64,
+        conversation_id: &str,
+        base: usize,
+        committed_calls: &mut HashMap<String, Value>,
+    ) -> bool {
         self.report.checks += 1;
-        let Ok(Some(document)) = store!(self, conversation(CONVERSATION_ID)) else {
-            self.report
-                .violate(step, Invariant::HistoryInvalid, "conversation unreadable".into());
-            return;
+        let Ok(Some(document)) = store!(self, conversation(conversation_id)) else {
+            self.report.violate(
+                step,
+                Invariant::HistoryInvalid,
+                format!("conversation {conversation_id} unreadable"),
+            );
+            return false;
         };
         match Conversation::from_value(document.clone()) {
             Ok(conversation) => {
@@ -206,8 +234,7 @@ impl World {
         // Canonical turns: one per dispatch, from its committed generation only.
         self.report.checks += 1;
         let mut per_op: HashMap<String, Vec<u64>> = HashMap::new();
-        let mut committed_calls: HashMap<String, Value> = HashMap::new();
-        for turn in document["turns"].as_array().into_iter().flatten() {
+        for turn in document["turns"].as_array().into_iter().flatten().skip(base) {
             if turn["role"] != "assistant" {
                 continue;
             }
@@ -238,6 +265,9 @@ impl World {
         let mut question: Option<usize> = None;
         for (index, turn) in document["turns"].as_array().into_iter().flatten().enumerate() {
             if turn["role"] == "assistant" {
+                if index < base {
+                    continue;
+                }
                 if let Some(question) = question {
                     *answers.entry(question).or_default() += 1;
                 }
@@ -288,8 +318,12 @@ impl World {
             }
         }
 
-        // Tool-call ledger = tool calls of committed turns, complete and schema-valid; executors
-        // saw only those.
+        true
+    }
+
+    /// Tool-call ledger = tool calls of committed turns, complete and schema-valid; executors
+    /// saw only those.
+    fn check_tool_ledger(&mut self, step: u64, committed_calls: &HashMap<String, Value>) {
         self.report.checks += 1;
         let ledger = store!(self, tool_calls(None)).unwrap_or_default();
         let ledger_ids: HashSet<String> = ledger.iter().map(|call| call.call_id.clone()).collect();

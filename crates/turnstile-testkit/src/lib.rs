@@ -10,6 +10,9 @@
 //! are calm and some are storms. The [`checker`] evaluates the history invariants after every
 //! step; [`run`] runs seeds and sums their [`report::SeedReport`]s.
 //!
+//! Proxy seeds send their follow-up requests through the gateway's own drop-in proxy code
+//! ([`proxy`]), so the testkit depends on the gateway library.
+//!
 //! Dev-only (`publish = false`): nothing in the gateway depends on it.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -17,6 +20,7 @@
 pub mod checker;
 pub mod plan;
 pub mod provider;
+pub mod proxy;
 pub mod report;
 pub mod rng;
 pub mod run;

@@ -245,4 +245,6 @@ pub struct Bugs {
     /// A failover attempt sends the first target's bytes (the pump looks up the wrong
     /// target): a body that is not its attempt's manifest.
     pub failover_sends_first_target: bool,
+    /// A proxy client's answer is built from the commit with its last tool call left out.
+    pub proxy_answer_drops_call: bool,
 }

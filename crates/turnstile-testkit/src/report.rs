@@ -38,6 +38,11 @@ pub enum Invariant {
     /// reclaimable, its key not stable across claims, a taken-over claim's result accepted, or
     /// the current claim's result refused.
     ToolLedger,
+    /// A proxied request rendered from a legal history was not admitted or did not render; a
+    /// proxy client's answer differs from its operation's committed turn (or it was answered
+    /// and nothing committed); or the client's history with its answer did not continue the
+    /// stored conversation.
+    ProxyAnswer,
     /// A real component panicked (an `assert!` of the core, for one).
     Panic,
 }
@@ -59,6 +64,7 @@ impl Invariant {
             Invariant::AttemptBudget => "attempt_budget",
             Invariant::OperationNotTerminal => "operation_not_terminal",
             Invariant::ToolLedger => "tool_ledger",
+            Invariant::ProxyAnswer => "proxy_answer",
             Invariant::Panic => "panic",
         }
     }
@@ -110,6 +116,12 @@ pub struct SeedReport {
     pub disconnects: u64,
     /// Dispatches that moved to their failover target (the driver's `Count::Failover`).
     pub failovers: u64,
+    /// Requests through the drop-in proxy.
+    pub proxy_requests: u64,
+    /// Proxied requests that were stored as a fresh conversation instead of continuing.
+    pub proxy_forks: u64,
+    /// Proxy clients' answers decoded and compared with their committed turn.
+    pub proxy_answers: u64,
     /// Liveness violations (UNKNOWN left, operation not terminal).
     pub liveness_violations: u64,
     /// The trace, when asked for.
@@ -186,6 +198,12 @@ pub struct Summary {
     pub disconnects: u64,
     /// Failovers to a dispatch's next target.
     pub failovers: u64,
+    /// Requests through the drop-in proxy.
+    pub proxy_requests: u64,
+    /// Proxied requests stored as a fresh conversation instead of continuing.
+    pub proxy_forks: u64,
+    /// Proxy clients' answers decoded and compared with their committed turn.
+    pub proxy_answers: u64,
     /// Liveness violations.
     pub liveness_violations: u64,
 }
@@ -220,6 +238,9 @@ impl Summary {
         self.clock_skew_ms_max = self.clock_skew_ms_max.max(report.clock_skew_ms_max);
         self.disconnects += report.disconnects;
         self.failovers += report.failovers;
+        self.proxy_requests += report.proxy_requests;
+        self.proxy_forks += report.proxy_forks;
+        self.proxy_answers += report.proxy_answers;
         self.liveness_violations += report.liveness_violations;
     }
 
@@ -253,6 +274,10 @@ impl Summary {
         out.push_str(&format!(
             "replicas {}  clock skew up to {} ms  client disconnects {}  failovers {}  liveness violations {}\n",
             self.replicas, self.clock_skew_ms_max, self.disconnects, self.failovers, self.liveness_violations
+        ));
+        out.push_str(&format!(
+            "proxy requests {}  proxy forks {}  proxy answers checked {}\n",
+            self.proxy_requests, self.proxy_forks, self.proxy_answers
         ));
         for violation in &self.violations {
             out.push_str(&format!(
@@ -289,6 +314,9 @@ impl Summary {
             "clock_skew_ms_max": self.clock_skew_ms_max,
             "disconnects": self.disconnects,
             "failovers": self.failovers,
+            "proxy_requests": self.proxy_requests,
+            "proxy_forks": self.proxy_forks,
+            "proxy_answers": self.proxy_answers,
             "liveness_violations": self.liveness_violations,
         })
     }

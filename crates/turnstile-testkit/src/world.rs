@@ -50,7 +50,8 @@ pub const EPSILON_MS: u64 = 1_000;
 /// (every [`SWEEP_PERIOD_MS`]) finds it.
 pub const LIVENESS_BOUND_MS: u64 = TIMEOUTS.attempt_ms + LEASE_MS + SWEEP_PERIOD_MS + EPSILON_MS;
 /// The conversation every seed works on.
-pub const CONVERSATION_ID: &str = "dst-conversation";
+/// In the proxy's id space (`proxy-`), so a proxied follow-up request can continue it.
+pub const CONVERSATION_ID: &str = "proxy-dst-conversation";
 /// The model of every dispatch's own target, and of its failover target when it has one.
 pub const PRIMARY_MODEL: &str = "dst-model";
 /// The failover target's model.
@@ -69,6 +70,10 @@ pub const TIMEOUTS: Timeouts = Timeouts {
     idle_ms: 2_000,
     attempt_ms: 4_000,
 };
+/// Share of seeds whose follow-up requests go through the drop-in proxy.
+pub const PROXY_SEEDS: f64 = 0.35;
+/// Salt of the proxy draw's own random stream.
+const PROXY_SEED_SALT: u64 = 0x7072_6f78_795f_7365;
 /// Virtual time one delivery may take.
 const DELIVERY_MS_MAX: u64 = 40;
 
@@ -195,12 +200,12 @@ pub struct World {
     pub(crate) step: u64,
     pub(crate) phase: Phase,
     provider: Provider,
-    api: StreamApi,
-    adapter: AdapterId,
+    pub(crate) api: StreamApi,
+    pub(crate) adapter: AdapterId,
     upgraded: bool,
-    catalog: Catalog,
-    render_cache: RenderCache,
-    toolset: Arc<Toolset>,
+    pub(crate) catalog: Catalog,
+    pub(crate) render_cache: RenderCache,
+    pub(crate) toolset: Arc<Toolset>,
     conns: BTreeMap<u64, Conn>,
     conn_next: u64,
     replicas: Vec<Replica>,
@@ -209,7 +214,7 @@ pub struct World {
     limbo: Vec<Conn>,
     pub(crate) drivers: Vec<SimDriver>,
     pub(crate) ops: Vec<String>,
-    ops_in_round: u64,
+    pub(crate) ops_in_round: u64,
     rounds_done: u64,
     rounds: u64,
     crashed: bool,
@@ -217,6 +222,18 @@ pub struct World {
     pub(crate) dirty: bool,
     pub(crate) history: History,
     pub(crate) report: SeedReport,
+    /// A proxy seed: follow-up requests go through the drop-in proxy (`proxy.rs`).
+    pub(crate) proxy: bool,
+    /// Proxied requests and their clients.
+    pub(crate) proxy_clients: Vec<crate::proxy::ProxyClient>,
+    /// The proxy client's own history (what it sent last, with the answer it decoded).
+    pub(crate) client_history: Option<Value>,
+    /// Conversations a proxied request forked into, with the turns it imported.
+    pub(crate) forks: Vec<(String, u64)>,
+    /// Fresh proxy conversation ids handed out.
+    pub(crate) fresh_next: u64,
+    /// What each proxied dispatch was rendered with besides its history.
+    pub(crate) proxy_renders: HashMap<String, crate::proxy::ProxyRender>,
 }
 
 /// Call a ledger method on the current store, synchronously.
@@ -267,7 +284,13 @@ impl World {
         let ledger = SqliteLedger::open_with_clock(&path, Synchronous::Full, clock)
             .map_err(|error| error.to_string())?;
         let toolset = Arc::new(Toolset::from_json(&tools()).map_err(|error| error.to_string())?);
-        let rounds = 1 + rng.below(ROUNDS_MAX);
+        let mut rounds = 1 + rng.below(ROUNDS_MAX);
+        // From its own stream, so the other draws of a seed stay as they were.
+        let proxy = Rng::new(seed ^ PROXY_SEED_SALT).chance(PROXY_SEEDS);
+        if proxy {
+            // The first round is a /dispatch; the proxy continues it.
+            rounds = rounds.max(2);
+        }
         let mut world = World {
             seed,
             rng,
@@ -310,6 +333,12 @@ impl World {
             crashed: false,
             dirty: true,
             history: History::default(),
+            proxy,
+            proxy_clients: Vec::new(),
+            client_history: None,
+            forks: Vec::new(),
+            fresh_next: 0,
+            proxy_renders: HashMap::new(),
             report: SeedReport {
                 seed,
                 replicas: REPLICAS as u64,
@@ -366,7 +395,7 @@ impl World {
     }
 
     /// Replica `replica`'s own clock.
-    fn local_now(&self, replica: usize) -> Timestamp {
+    pub(crate) fn local_now(&self, replica: usize) -> Timestamp {
         let skew = self.replicas[replica].skew_ms;
         Timestamp(self.now.saturating_add_signed(skew))
     }
@@ -421,16 +450,49 @@ impl World {
         max_output_tokens: Option<u64>,
         model: &str,
     ) -> Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>), String> {
-        let mut document = store!(self, conversation(CONVERSATION_ID))
+        let document = self.history_at(CONVERSATION_ID, revision)?;
+        self.render_document(document, adapter, operation_id, max_output_tokens, model)
+    }
+
+    /// The stored history of `conversation_id` up to `revision`.
+    pub(crate) fn history_at(&mut self, conversation_id: &str, revision: u64) -> Result<Value, String> {
+        let mut document = store!(self, conversation(conversation_id))
             .map_err(|e| e.to_string())?
             .ok_or("no conversation")?;
         if let Some(turns) = document["turns"].as_array_mut() {
             turns.retain(|turn| turn["revision"].as_u64().is_some_and(|r| r <= revision));
         }
         document["revision"] = json!(revision);
+        Ok(document)
+    }
+
+    /// Render a history document with `adapter` for `model`: (manifest, body).
+    pub(crate) fn render_document(
+        &mut self,
+        document: Value,
+        adapter: AdapterId,
+        operation_id: &str,
+        max_output_tokens: Option<u64>,
+        model: &str,
+    ) -> Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>), String> {
+        let revision = document["revision"].as_u64().unwrap_or(0);
         let conversation = Conversation::from_value(document).map_err(|e| format!("{e:?}"))?;
         match validate(&conversation) {
             Verdict::Ready => {}
+            Verdict::Rejected(violations) => {
+                let codes: Vec<String> = violations
+                    .iter()
+                    .map(|violation| {
+                        format!(
+                            "{} at {:?}: {}",
+                            violation.code.as_str(),
+                            violation.turn,
+                            violation.message
+                        )
+                    })
+                    .collect();
+                return Err(format!("history at {revision} is rejected: {}", codes.join(", ")));
+            }
             other => return Err(format!("history at {revision} is not ready: {}", other.status())),
         }
         let validated = Validated::new(&conversation).map_err(|e| format!("{e:?}"))?;
@@ -528,7 +590,7 @@ impl World {
 
     /// A driver for a PREPARED dispatch on `replica` (a client's request, a client's retry
     /// with the same operation id, or the sweep).
-    fn drive_prepared(&mut self, replica: usize, record: DispatchRecord) {
+    pub(crate) fn drive_prepared(&mut self, replica: usize, record: DispatchRecord) {
         if self
             .drivers
             .iter()
@@ -610,7 +672,7 @@ impl World {
         taken
     }
 
-    fn provider_recovery(&self) -> ProviderRecovery {
+    pub(crate) fn provider_recovery(&self) -> ProviderRecovery {
         ProviderRecovery {
             resume_by_handle: self.plan.resume_by_handle && self.api == StreamApi::OpenAiResponses,
             honours_idempotency_key: self.plan.honours_idempotency_key,
@@ -690,6 +752,7 @@ impl World {
     }
 
     fn emitted(&mut self, driver: &SimDriver, event: DriveEvent) {
+        self.proxy_event(&driver.op, driver.replica, &event);
         match event {
             DriveEvent::Preview { generation, .. } => {
                 self.history.previewed.insert((driver.op.clone(), generation.0));
@@ -1108,6 +1171,7 @@ impl World {
             }
         }
         self.drivers.retain(|driver| driver.replica != replica);
+        self.proxy_events_end(None, replica, true);
         let conns = std::mem::take(&mut self.conns);
         for (id, conn) in conns {
             if conn.replica != replica {
@@ -1210,6 +1274,16 @@ impl World {
 
     /// One scheduling step. False when nothing is left to do.
     fn schedule(&mut self) -> bool {
+        let finished: Vec<(String, usize)> = self
+            .drivers
+            .iter()
+            .filter(|driver| driver.drive.is_finished())
+            .map(|driver| (driver.op.clone(), driver.replica))
+            .collect();
+        for (op, replica) in finished {
+            // The hub finished: its followers read the end.
+            self.proxy_events_end(Some(&op), replica, false);
+        }
         self.drivers.retain(|driver| !driver.drive.is_finished());
         // Timers that are due fire first (each replica's timer, on the virtual clock).
         let due = self
@@ -1332,6 +1406,17 @@ impl World {
             .and_then(|turns| turns.last())
             .map(|turn| turn["role"].clone())
             .unwrap_or(Value::Null);
+        if last_role == "assistant" && self.proxy {
+            // A stateless agent: its follow-up request (the results, or a new question) goes
+            // through the drop-in proxy with the whole history.
+            self.rounds_done += 1;
+            self.ops_in_round = 0;
+            if self.rounds_done >= self.rounds {
+                return Ok(false);
+            }
+            self.proxy_round()?;
+            return Ok(true);
+        }
         if last_role == "assistant" {
             // Some operation's reply committed (not necessarily the last one started).
             self.tool_results()?;

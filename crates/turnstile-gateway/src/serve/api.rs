@@ -253,7 +253,7 @@ impl ApiError {
         self.status
     }
     /// The message.
-    pub(crate) fn message(&self) -> &str {
+    pub fn message(&self) -> &str {
         &self.message
     }
     /// Extra fields.

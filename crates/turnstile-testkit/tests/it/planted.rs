@@ -54,6 +54,15 @@ fn a_failover_attempt_sending_the_first_targets_bytes_is_caught_as_an_illegal_se
 }
 
 #[test]
+fn a_proxy_answer_missing_a_committed_call_is_caught() {
+    let bugs = Bugs {
+        proxy_answer_drops_call: true,
+        ..Bugs::default()
+    };
+    caught(bugs, Invariant::ProxyAnswer);
+}
+
+#[test]
 fn appending_a_late_turn_without_the_generation_condition_is_caught() {
     let bugs = Bugs {
         commit_late_turn: true,

@@ -40,6 +40,24 @@ fn two_thousand_seeded_fault_schedules_break_no_invariant() {
         "skew beyond the lease was exercised"
     );
     assert!(summary.disconnects > 0);
+    // Proxy seeds ran the proxy path: requests continued the stored conversation (not every
+    // one forked), and answers were decoded and compared with their commits.
+    assert!(
+        summary.proxy_requests > CI_SEEDS / 10,
+        "proxy requests {}",
+        summary.proxy_requests
+    );
+    assert!(
+        summary.proxy_forks < summary.proxy_requests,
+        "proxy forks {} of {}",
+        summary.proxy_forks,
+        summary.proxy_requests
+    );
+    assert!(
+        summary.proxy_answers > CI_SEEDS / 20,
+        "proxy answers {}",
+        summary.proxy_answers
+    );
     // The run exercised what it claims to: commits, and every fault kind at least once.
     assert!(summary.commits > CI_SEEDS / 2, "commits {}", summary.commits);
     for kind in [
@@ -109,6 +127,9 @@ fn the_json_report_has_exactly_the_issues_keys() {
             "illegal_sends",
             "liveness_violations",
             "partial_tool_dispatch",
+            "proxy_answers",
+            "proxy_forks",
+            "proxy_requests",
             "replicas",
             "seeds",
             "unknown_unresolved",
