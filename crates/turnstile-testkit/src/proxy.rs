@@ -181,6 +181,7 @@ impl World {
             self.render_document(history.clone(), self.adapter, "client", None, PRIMARY_MODEL)?;
         let mut body: Value = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
         if self.adapter.api() == Api::Gemini {
+            echo_gemini_ids(&mut body, history);
             return Ok((
                 body,
                 Some(GeminiCall {
@@ -256,16 +257,13 @@ impl World {
             self.forks
                 .push((conversation_id.clone(), history_len(&imported.document)));
             // The continuation's key is a call this gateway committed: a history without one
-            // is a fresh conversation by design. So is every Gemini follow-up (known, found by
-            // this simulation: Gemini's wire format carries no call ids, the importer numbers
-            // them by position, and the lookup by call id finds nothing; docs/decisions.md).
-            let has_call = api != Api::Gemini
-                && imported.document["turns"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .flat_map(|turn| turn["blocks"].as_array().into_iter().flatten())
-                    .any(|block| block["kind"] == "tool_call");
+            // is a fresh conversation by design.
+            let has_call = imported.document["turns"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|turn| turn["blocks"].as_array().into_iter().flatten())
+                .any(|block| block["kind"] == "tool_call");
             if followed && has_call {
                 let stored = store!(self, conversation(CONVERSATION_ID))
                     .ok()
@@ -719,6 +717,34 @@ impl World {
             Ok::<_, String>(manifest.body.request_digest.as_str().to_owned())
         })();
         Some(digest)
+    }
+}
+
+/// A Gemini SDK client echoes the model's content with its `functionCall.id` and answers each
+/// call with `functionResponse.id` set to it (google-genai's documented pattern); the provider
+/// request our renderer writes pairs by position and carries no ids, so the client's ids are
+/// put back on its calls and results, in order.
+fn echo_gemini_ids(body: &mut Value, history: &Value) {
+    let blocks: Vec<&Value> = history["turns"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|turn| turn["blocks"].as_array().into_iter().flatten())
+        .collect();
+    let mut calls = blocks.iter().filter(|block| block["kind"] == "tool_call");
+    let mut results = blocks.iter().filter(|block| block["kind"] == "tool_result");
+    for content in body["contents"].as_array_mut().into_iter().flatten() {
+        for part in content["parts"].as_array_mut().into_iter().flatten() {
+            if let Some(call) = part.get_mut("functionCall")
+                && let Some(block) = calls.next()
+            {
+                call["id"] = block["call_id"].clone();
+            } else if let Some(response) = part.get_mut("functionResponse")
+                && let Some(block) = results.next()
+            {
+                response["id"] = block["call_id"].clone();
+            }
+        }
     }
 }
 
