@@ -182,7 +182,7 @@ impl World {
         }
         self.dirty = false;
         let step = self.step;
-        let mut committed_calls: HashMap<String, Value> = HashMap::new();
+        let mut committed_calls: HashMap<(String, String), Value> = HashMap::new();
         // The seed's conversation, and any a proxied request forked into (its first `base`
         // turns are the client's imported history, not answers of this gateway).
         let mut conversations = vec![(CONVERSATION_ID.to_owned(), 0)];
@@ -202,7 +202,7 @@ impl World {
         step: u64,
         conversation_id: &str,
         base: usize,
-        committed_calls: &mut HashMap<String, Value>,
+        committed_calls: &mut HashMap<(String, String), Value>,
     ) -> bool {
         self.report.checks += 1;
         let Ok(Some(document)) = store!(self, conversation(conversation_id)) else {
@@ -254,7 +254,10 @@ impl World {
                 if block["kind"] == "tool_call"
                     && let Some(call_id) = block["call_id"].as_str()
                 {
-                    committed_calls.insert(call_id.to_owned(), block["arguments"].clone());
+                    committed_calls.insert(
+                        (conversation_id.to_owned(), call_id.to_owned()),
+                        block["arguments"].clone(),
+                    );
                 }
             }
         }
@@ -323,13 +326,19 @@ impl World {
 
     /// Tool-call ledger = tool calls of committed turns, complete and schema-valid; executors
     /// saw only those.
-    fn check_tool_ledger(&mut self, step: u64, committed_calls: &HashMap<String, Value>) {
+    fn check_tool_ledger(&mut self, step: u64, committed_calls: &HashMap<(String, String), Value>) {
         self.report.checks += 1;
         let ledger = store!(self, tool_calls(None)).unwrap_or_default();
         let ledger_ids: HashSet<String> = ledger.iter().map(|call| call.call_id.clone()).collect();
+        let ledger_keys: HashSet<(String, String)> = ledger
+            .iter()
+            .map(|call| (call.conversation_id.clone(), call.call_id.clone()))
+            .collect();
         let mut partial = Vec::new();
+        // Per conversation: a forked conversation's imported calls are not its own commits.
         for call in &ledger {
-            match committed_calls.get(&call.call_id) {
+            let key = (call.conversation_id.clone(), call.call_id.clone());
+            match committed_calls.get(&key) {
                 None => partial.push((call.call_id.clone(), "in the ledger, not in a committed turn")),
                 Some(arguments) if !arguments_valid(arguments) || !arguments_valid(&call.arguments) => {
                     partial.push((call.call_id.clone(), "arguments incomplete or not schema-valid"))
@@ -337,8 +346,8 @@ impl World {
                 Some(_) => {}
             }
         }
-        for call_id in committed_calls.keys() {
-            if !ledger_ids.contains(call_id) {
+        for (conversation_id, call_id) in committed_calls.keys() {
+            if !ledger_keys.contains(&(conversation_id.clone(), call_id.clone())) {
                 partial.push((call_id.clone(), "committed but missing from the ledger"));
             }
         }

@@ -81,6 +81,11 @@ pub(crate) struct ProxyClient {
     followed: bool,
     /// The commit was read (its calls handed to the client).
     handed: bool,
+    /// The request's follower reads the dispatch's events (none when the client left before a
+    /// driver started; over when its hub finished or its process died).
+    follower: bool,
+    /// The answer machine was given the commit.
+    saw_commit: bool,
 }
 
 /// A committed turn's text and calls, the way a client reads them (reasoning left out).
@@ -304,18 +309,26 @@ impl World {
             fallbacks,
         };
         let targets = proxy::targets_of(&route, &imported.model);
-        let settings = turnstile_adapters::prepare::Settings {
-            sampling: imported.sampling.clone(),
-            tool_choice: imported.tool_choice.clone(),
-            output_format: imported.output_format.clone(),
-            passthrough: imported.passthrough.clone(),
-        };
+        let settings = proxy::settings_of(&imported);
         let resume = self.provider_recovery().resume_by_handle;
+        let validated = match turnstile_core::Validated::new(&conversation) {
+            Ok(validated) => validated,
+            Err(violations) => {
+                self.report.violate(
+                    step,
+                    Invariant::ProxyAnswer,
+                    format!("{operation_id}: the placed history is rejected: {violations:?}"),
+                );
+                return Ok(());
+            }
+        };
+        let sequence = turnstile_core::MessageSequence::build(validated);
+        let graph = turnstile_adapters::Graph::new(validated, &sequence);
         let rendered = render_targets(
             &self.catalog,
             &mut self.render_cache,
             &|_| Some(resume),
-            &conversation,
+            &graph,
             &operation_id,
             &targets,
             imported.max_output_tokens,
@@ -401,6 +414,8 @@ impl World {
             sent: history.clone(),
             followed,
             handed: false,
+            follower: !leaves,
+            saw_commit: false,
         });
         if leaves {
             // The client went away while its dispatch was being prepared.
@@ -415,81 +430,113 @@ impl World {
         Ok(())
     }
 
-    /// A driver of `op` on `replica` emitted `event`: every client reading it gets it (the
-    /// gateway's one follower per request, over the replica's hub).
-    pub(crate) fn proxy_event(&mut self, op: &str, replica: usize, event: &DriveEvent) {
-        let indices: Vec<usize> = (0..self.proxy_clients.len())
-            .filter(|index| {
-                let client = &self.proxy_clients[*index];
-                client.op == op && client.replica == replica && client.reading.is_some()
-            })
-            .collect();
-        for index in indices {
-            let mut event = Arc::new(event.clone());
-            if let DriveEvent::Committed { turn, .. } = &*event {
-                if !self.proxy_clients[index].handed {
-                    self.proxy_clients[index].handed = true;
-                    let conversation_id = self.proxy_clients[index].conversation_id.clone();
-                    let turn = turn.clone();
-                    self.sync_store_clock();
-                    self.rt
-                        .block_on(proxy::hand_to_client(self.ledger(), &conversation_id, &turn));
-                    self.dirty = true;
-                }
-                if self.bugs.proxy_answer_drops_call {
-                    // Planted defect: the answer is built from a commit with its last call left out.
-                    let mut tampered = (*event).clone();
-                    if let DriveEvent::Committed { turn, .. } = &mut tampered
-                        && let Some(blocks) = turn["blocks"].as_array_mut()
-                        && let Some(position) = blocks.iter().rposition(|block| block["kind"] == "tool_call")
-                    {
-                        blocks.remove(position);
-                    }
-                    event = Arc::new(tampered);
-                }
-            }
-            let client = &mut self.proxy_clients[index];
-            let Some(reading) = client.reading.as_mut() else {
+    /// What one pump of `replica`'s drivers emitted, in order: each request's follower (the
+    /// gateway's one reader per request, over the replica's hub) reads its operation's events.
+    /// A follower reads on after its client's answer is done, to the commit, and hands the
+    /// committed calls over (`Follower::finish`); before the status line it takes what the hub
+    /// already has as `ready` (`next_ready`), here the rest of the batch.
+    pub(crate) fn proxy_events(&mut self, replica: usize, batch: Vec<(String, DriveEvent)>) {
+        for index in 0..self.proxy_clients.len() {
+            let client = &self.proxy_clients[index];
+            if client.replica != replica || !client.follower || client.handed && client.reading.is_none() {
                 continue;
-            };
-            match reading {
-                Reading::Whole(answer) => {
-                    if let Some(body) = answer.push(&event) {
-                        client.got = Got::Whole(body);
-                        client.reading = None;
-                    }
-                }
-                Reading::Stream { answer, opened } => {
-                    let frames = if *opened {
-                        answer.push(&event)
-                    } else {
-                        match answer.before_head(event) {
-                            Head::Wait => continue,
-                            Head::Fail(failure) => {
-                                client.got = Got::Failed(failure.status.as_u16(), failure.code);
-                                client.reading = None;
-                                self.proxy_answered(index);
-                                continue;
-                            }
-                            Head::Open => {
-                                *opened = true;
-                                client.got = Got::Stream(Vec::new());
-                                answer.open(Vec::new())
-                            }
-                        }
-                    };
-                    if let Got::Stream(bytes) = &mut client.got {
-                        bytes.extend(frames.bytes);
-                    }
-                    if frames.done {
-                        client.reading = None;
-                    }
-                }
             }
-            if self.proxy_clients[index].reading.is_none() {
-                self.proxy_answered(index);
+            let op = client.op.clone();
+            let events: Vec<Arc<DriveEvent>> = batch
+                .iter()
+                .filter(|(from, _)| *from == op)
+                .map(|(_, event)| Arc::new(self.as_followed(event)))
+                .collect();
+            let mut position = 0;
+            while position < events.len() {
+                let event = events[position].clone();
+                position += 1;
+                self.follower_read(index, &event);
+                let client = &mut self.proxy_clients[index];
+                let Some(reading) = client.reading.as_mut() else {
+                    continue;
+                };
+                match reading {
+                    Reading::Whole(answer) => {
+                        if let Some(body) = answer.push(&event) {
+                            client.got = Got::Whole(body);
+                            client.reading = None;
+                        }
+                    }
+                    Reading::Stream { answer, opened } => {
+                        let frames = if *opened {
+                            answer.push(&event)
+                        } else {
+                            match answer.before_head(event) {
+                                Head::Wait => continue,
+                                Head::Fail(failure) => {
+                                    client.got = Got::Failed(failure.status.as_u16(), failure.code);
+                                    client.reading = None;
+                                    self.proxy_answered(index);
+                                    continue;
+                                }
+                                Head::Open => {
+                                    *opened = true;
+                                    let ready = events[position..].to_vec();
+                                    position = events.len();
+                                    let frames = answer.open(ready.clone());
+                                    for event in &ready {
+                                        self.follower_read(index, event);
+                                    }
+                                    let client = &mut self.proxy_clients[index];
+                                    client.got = Got::Stream(Vec::new());
+                                    frames
+                                }
+                            }
+                        };
+                        let client = &mut self.proxy_clients[index];
+                        if let Got::Stream(bytes) = &mut client.got {
+                            bytes.extend(frames.bytes);
+                        }
+                        if frames.done {
+                            client.reading = None;
+                        }
+                    }
+                }
+                if self.proxy_clients[index].reading.is_none() {
+                    self.proxy_answered(index);
+                }
             }
         }
+    }
+
+    /// An event as the follower reads it (the planted defect tampers with the commit here).
+    fn as_followed(&self, event: &DriveEvent) -> DriveEvent {
+        let mut event = event.clone();
+        if self.bugs.proxy_answer_drops_call
+            && let DriveEvent::Committed { turn, .. } = &mut event
+            && let Some(blocks) = turn["blocks"].as_array_mut()
+            && let Some(position) = blocks.iter().rposition(|block| block["kind"] == "tool_call")
+        {
+            // Planted defect: the answer is built from a commit with its last call left out.
+            blocks.remove(position);
+        }
+        event
+    }
+
+    /// The follower read `event`: the first commit hands its calls to the client
+    /// (`proxy::hand_to_client`, the gateway's), before the answer that shows them.
+    fn follower_read(&mut self, index: usize, event: &DriveEvent) {
+        let DriveEvent::Committed { turn, .. } = event else {
+            return;
+        };
+        let client = &mut self.proxy_clients[index];
+        client.saw_commit = true;
+        if client.handed {
+            return;
+        }
+        client.handed = true;
+        let conversation_id = client.conversation_id.clone();
+        let turn = turn.clone();
+        self.sync_store_clock();
+        self.rt
+            .block_on(proxy::hand_to_client(self.ledger(), &conversation_id, &turn));
+        self.dirty = true;
     }
 
     /// The events of `op`'s driver on `replica` ended (`cut`: its process died): clients still
@@ -500,6 +547,8 @@ impl World {
             if client.replica != replica || op.is_some_and(|op| op != client.op) {
                 continue;
             }
+            // The hub finished or the process died: the follower is done too.
+            client.follower = false;
             let Some(reading) = client.reading.take() else {
                 continue;
             };
@@ -550,10 +599,12 @@ impl World {
         let conversation_id = client.conversation_id.clone();
         let followed = client.followed && conversation_id == CONVERSATION_ID;
         let sent = client.sent.clone();
+        let (whole_body, streamed, saw_commit) = (
+            matches!(client.got, Got::Whole(_)),
+            matches!(client.got, Got::Stream(_)),
+            client.saw_commit,
+        );
         self.trace(format!("{op}: proxy client got {got}"));
-        let Some(turn) = decoded else {
-            return;
-        };
         let committed = store!(self, conversation(&conversation_id))
             .ok()
             .flatten()
@@ -569,6 +620,32 @@ impl World {
                         .cloned()
                 })
             });
+        let Some(turn) = decoded else {
+            if whole_body {
+                self.report.violate(
+                    step,
+                    Invariant::ProxyAnswer,
+                    format!("{op}: a 200 answer the client cannot read back"),
+                );
+            }
+            // A stream that read the commit ends with it, unless text already forwarded from an
+            // earlier, retracted generation disagrees with it (`preview_mismatch`).
+            let committed_generation = committed
+                .as_ref()
+                .and_then(|turn| turn["id"].as_str()?.rsplit_once(".g")?.1.parse::<u64>().ok());
+            let other_previewed =
+                self.history.previewed.iter().any(|(previewed, generation)| {
+                    *previewed == op && Some(*generation) != committed_generation
+                });
+            if streamed && saw_commit && !other_previewed {
+                self.report.violate(
+                    step,
+                    Invariant::ProxyAnswer,
+                    format!("{op}: the stream read the commit and did not end with it"),
+                );
+            }
+            return;
+        };
         let Some(committed) = committed else {
             self.report.violate(
                 step,
@@ -578,6 +655,9 @@ impl World {
             return;
         };
         self.report.proxy_answers += 1;
+        if streamed {
+            self.report.proxy_streamed_answers += 1;
+        }
         let (got, want) = (answer_shape(&turn), answer_shape(&committed));
         if got != want {
             self.report.violate(
@@ -692,11 +772,15 @@ impl World {
             let document = self.history_at(conversation_id, revision)?;
             let conversation =
                 turnstile_core::Conversation::from_value(document).map_err(|e| format!("{e:?}"))?;
+            let validated = turnstile_core::Validated::new(&conversation)
+                .map_err(|violations| format!("history does not re-validate: {violations:?}"))?;
+            let sequence = turnstile_core::MessageSequence::build(validated);
+            let graph = turnstile_adapters::Graph::new(validated, &sequence);
             let rendered = render_targets(
                 &self.catalog,
                 &mut self.render_cache,
                 &|_| Some(resume),
-                &conversation,
+                &graph,
                 op,
                 &targets,
                 max_output_tokens,

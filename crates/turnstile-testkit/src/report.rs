@@ -122,6 +122,8 @@ pub struct SeedReport {
     pub proxy_forks: u64,
     /// Proxy clients' answers decoded and compared with their committed turn.
     pub proxy_answers: u64,
+    /// Of those, streamed answers.
+    pub proxy_streamed_answers: u64,
     /// Liveness violations (UNKNOWN left, operation not terminal).
     pub liveness_violations: u64,
     /// The trace, when asked for.
@@ -204,6 +206,8 @@ pub struct Summary {
     pub proxy_forks: u64,
     /// Proxy clients' answers decoded and compared with their committed turn.
     pub proxy_answers: u64,
+    /// Of those, streamed answers.
+    pub proxy_streamed_answers: u64,
     /// Liveness violations.
     pub liveness_violations: u64,
 }
@@ -241,6 +245,7 @@ impl Summary {
         self.proxy_requests += report.proxy_requests;
         self.proxy_forks += report.proxy_forks;
         self.proxy_answers += report.proxy_answers;
+        self.proxy_streamed_answers += report.proxy_streamed_answers;
         self.liveness_violations += report.liveness_violations;
     }
 
@@ -276,8 +281,8 @@ impl Summary {
             self.replicas, self.clock_skew_ms_max, self.disconnects, self.failovers, self.liveness_violations
         ));
         out.push_str(&format!(
-            "proxy requests {}  proxy forks {}  proxy answers checked {}\n",
-            self.proxy_requests, self.proxy_forks, self.proxy_answers
+            "proxy requests {}  proxy forks {}  proxy answers checked {} ({} streamed)\n",
+            self.proxy_requests, self.proxy_forks, self.proxy_answers, self.proxy_streamed_answers
         ));
         for violation in &self.violations {
             out.push_str(&format!(
@@ -317,6 +322,7 @@ impl Summary {
             "proxy_requests": self.proxy_requests,
             "proxy_forks": self.proxy_forks,
             "proxy_answers": self.proxy_answers,
+            "proxy_streamed_answers": self.proxy_streamed_answers,
             "liveness_violations": self.liveness_violations,
         })
     }

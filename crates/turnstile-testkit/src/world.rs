@@ -234,6 +234,8 @@ pub struct World {
     pub(crate) fresh_next: u64,
     /// What each proxied dispatch was rendered with besides its history.
     pub(crate) proxy_renders: HashMap<String, crate::proxy::ProxyRender>,
+    /// The events of the driver being pumped, for the proxy followers.
+    event_batch: Vec<(String, DriveEvent)>,
 }
 
 /// Call a ledger method on the current store, synchronously.
@@ -339,6 +341,7 @@ impl World {
             forks: Vec::new(),
             fresh_next: 0,
             proxy_renders: HashMap::new(),
+            event_batch: Vec::new(),
             report: SeedReport {
                 seed,
                 replicas: REPLICAS as u64,
@@ -706,6 +709,16 @@ impl World {
     /// Perform every action the driver has, in order, as `serve/driver.rs` does; a crash may
     /// follow any of them.
     fn pump(&mut self, driver: &mut SimDriver) {
+        self.pump_actions(driver);
+        // What the driver emitted reaches the replica's proxy followers together (they read
+        // the hub concurrently); a process that died lost them with its hub.
+        let batch = std::mem::take(&mut self.event_batch);
+        if !self.dead(driver.replica) && !batch.is_empty() {
+            self.proxy_events(driver.replica, batch);
+        }
+    }
+
+    fn pump_actions(&mut self, driver: &mut SimDriver) {
         while !self.dead(driver.replica) {
             let Some(action) = driver.drive.poll_action() else {
                 return;
@@ -752,7 +765,7 @@ impl World {
     }
 
     fn emitted(&mut self, driver: &SimDriver, event: DriveEvent) {
-        self.proxy_event(&driver.op, driver.replica, &event);
+        self.event_batch.push((driver.op.clone(), event.clone()));
         match event {
             DriveEvent::Preview { generation, .. } => {
                 self.history.previewed.insert((driver.op.clone(), generation.0));

@@ -27,7 +27,7 @@ use turnstile_adapters::prepare::{
     PrepareOutcome, PrepareRequest, SettingError, Settings, prepare_with_settings,
 };
 use turnstile_adapters::registry::AdapterId;
-use turnstile_adapters::render::Graph;
+use turnstile_adapters::render::{Graph, NotRenderable};
 use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_adapters::{Catalog, RenderCache};
@@ -746,20 +746,28 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         )
         .with(json!({"current_revision": conversation.revision.0})));
     }
-    match validate(&conversation) {
-        Verdict::Ready => {}
-        Verdict::Waiting { pending } => {
+    // Validated once: the proof goes on into the render.
+    let validated = match Validated::with_verdict(&conversation) {
+        (Verdict::Ready, Some(validated)) => validated,
+        (Verdict::Waiting { pending }, _) => {
             let pending = pending.into_iter().map(|call| call.0).collect();
             return Ok(early_response(Early::Waiting(pending), request.stream));
         }
-        Verdict::Rejected(violations) => {
+        (Verdict::Rejected(violations), _) => {
             metrics::rejected(&violations);
             return Ok(early_response(Early::Rejected(violations), request.stream));
         }
-    }
+        (Verdict::Ready, None) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::Internal,
+                "a ready verdict without its proof",
+            ));
+        }
+    };
     match prepare_dispatch(
         &shared,
-        &conversation,
+        validated,
         operation_id,
         &targets,
         request.max_output_tokens,
@@ -819,7 +827,7 @@ fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
 /// whole dispatch, naming it (`target` in the error), before anything is stored or sent.
 pub(crate) async fn prepare_dispatch(
     shared: &Arc<Shared>,
-    conversation: &Conversation,
+    validated: Validated<'_>,
     operation_id: String,
     targets: &[Target],
     max_output_tokens: Option<u64>,
@@ -831,13 +839,16 @@ pub(crate) async fn prepare_dispatch(
             .get(provider)
             .map(|endpoint| endpoint.resume_by_handle)
     };
+    // The sequence and graph are built before the shared render cache is locked.
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence);
     let rendered = {
         let mut cache = shared.render_cache.lock().await;
         render_targets(
             &shared.catalog,
             &mut cache,
             &resume_by_handle,
-            conversation,
+            &graph,
             &operation_id,
             targets,
             max_output_tokens,
@@ -862,14 +873,16 @@ pub struct Rendered {
 }
 
 /// Render → admission → manifest for every target, without I/O (the gateway's
-/// [`prepare_dispatch`] and the deterministic simulation's proxy clients call it).
+/// [`prepare_dispatch`] and the deterministic simulation's proxy clients call it). `graph` is
+/// the one graph of the validated history every target renders (its validation proof came
+/// in with it: nothing here validates again).
 /// `resume_by_handle(provider)`: None when the provider is not configured.
 #[allow(clippy::too_many_arguments)]
 pub fn render_targets(
     catalog: &Catalog,
     cache: &mut RenderCache,
     resume_by_handle: &dyn Fn(&str) -> Option<bool>,
-    conversation: &Conversation,
+    graph: &Result<Graph<'_>, NotRenderable>,
     operation_id: &str,
     targets: &[Target],
     max_output_tokens: Option<u64>,
@@ -892,7 +905,7 @@ pub fn render_targets(
             catalog,
             cache,
             resume_by_handle,
-            conversation,
+            graph,
             operation_id,
             target,
             max_output_tokens,
@@ -988,7 +1001,7 @@ fn prepare_target(
     catalog: &Catalog,
     cache: &mut RenderCache,
     resume_by_handle: &dyn Fn(&str) -> Option<bool>,
-    conversation: &Conversation,
+    graph: &Result<Graph<'_>, NotRenderable>,
     operation_id: &str,
     target: &Target,
     max_output_tokens: Option<u64>,
@@ -1012,16 +1025,7 @@ fn prepare_target(
             format!("no provider {:?} is configured", target.provider),
         ));
     };
-    // Invariant: `validate` said ready just above.
-    let validated = Validated::new(conversation).map_err(|_| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::Internal,
-            "validation changed",
-        )
-    })?;
-    let sequence = MessageSequence::build(validated);
-    let graph = Graph::new(validated, &sequence).map_err(|error| {
+    let graph = graph.clone().map_err(|error| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::NotRenderable,

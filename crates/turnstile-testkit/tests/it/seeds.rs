@@ -130,6 +130,7 @@ fn the_json_report_has_exactly_the_issues_keys() {
             "proxy_answers",
             "proxy_forks",
             "proxy_requests",
+            "proxy_streamed_answers",
             "replicas",
             "seeds",
             "unknown_unresolved",

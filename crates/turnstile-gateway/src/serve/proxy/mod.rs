@@ -794,6 +794,16 @@ pub fn targets_of(route: &RouteSpec, model: &str) -> Vec<Target> {
     targets
 }
 
+/// The request's settings besides its history, as the render takes them.
+pub fn settings_of(imported: &Imported) -> turnstile_adapters::prepare::Settings {
+    turnstile_adapters::prepare::Settings {
+        sampling: imported.sampling.clone(),
+        tool_choice: imported.tool_choice.clone(),
+        output_format: imported.output_format.clone(),
+        passthrough: imported.passthrough.clone(),
+    }
+}
+
 /// Mode `on`: import → validate → store → prepare → dispatch → answer.
 #[allow(clippy::too_many_arguments)]
 async fn serve_ours(
@@ -825,18 +835,26 @@ async fn serve_ours(
     .await?;
     let client_model = imported.model.clone();
     let targets = targets_of(route, &imported.model);
+    // Once per dispatch, whatever the number of targets: `admit` checked the request, but a
+    // continuation renders the stored history with the request's turns appended.
+    // (`admit` said ready and the store checked every append: a failure here is ours.)
+    let validated = turnstile_core::Validated::new(&conversation).map_err(|_| {
+        from_api_error(
+            api,
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                api::ErrorCode::Internal,
+                "validation changed",
+            ),
+        )
+    })?;
     let started = api::prepare_dispatch(
         shared,
-        &conversation,
+        validated,
         operation_id.clone(),
         &targets,
         imported.max_output_tokens,
-        turnstile_adapters::prepare::Settings {
-            sampling: imported.sampling.clone(),
-            tool_choice: imported.tool_choice.clone(),
-            output_format: imported.output_format.clone(),
-            passthrough: imported.passthrough.clone(),
-        },
+        settings_of(&imported),
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
