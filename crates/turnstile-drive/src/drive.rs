@@ -289,6 +289,8 @@ pub struct Drive {
     /// The state as the store knows it (for transition counts).
     state: DispatchState,
     retracted: HashSet<Generation>,
+    /// Generations that showed preview text.
+    previewed: HashSet<Generation>,
     provider_ended: HashSet<Generation>,
     resume_refused: HashSet<Generation>,
     resumes: HashMap<Generation, u32>,
@@ -421,6 +423,7 @@ impl Drive {
             idempotency_keys: HashMap::new(),
             state,
             retracted: HashSet::new(),
+            previewed: HashSet::new(),
             provider_ended: HashSet::new(),
             resume_refused: HashSet::new(),
             resumes: HashMap::new(),
@@ -741,7 +744,11 @@ impl Drive {
     /// One retract per generation, whoever noticed first (assembler or machine).
     fn retract(&mut self, generation: Generation, reason: &str) {
         if self.retracted.insert(generation) {
-            self.actions.push_back(Action::Count(Count::PreviewRetraction));
+            // The metric counts previews taken back: a generation that showed nothing (a
+            // refusal before any event, a failover) is retracted to the client all the same.
+            if self.previewed.contains(&generation) {
+                self.actions.push_back(Action::Count(Count::PreviewRetraction));
+            }
             self.emit(DriveEvent::Retract {
                 generation,
                 reason: reason.to_owned(),
@@ -1788,11 +1795,14 @@ impl Drive {
                 generation,
                 block_index,
                 delta,
-            } => self.emit(DriveEvent::Preview {
-                generation,
-                block_index: block_index.0,
-                delta,
-            }),
+            } => {
+                self.previewed.insert(generation);
+                self.emit(DriveEvent::Preview {
+                    generation,
+                    block_index: block_index.0,
+                    delta,
+                })
+            }
             Output::Retract { generation, reason } => {
                 // The machine hears of it as an interruption when the connection ends; the
                 // client hears now, with the assembler's more precise reason.

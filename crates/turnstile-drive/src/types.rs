@@ -371,7 +371,7 @@ pub enum Count {
     },
     /// A recovery outcome (`resumed`, `replayed`, `waiting`, `new_generation`).
     Recovery(&'static str),
-    /// A preview retraction.
+    /// A generation that showed preview was retracted (once per generation).
     PreviewRetraction,
     /// A lost canonical compare-and-set.
     CasConflict,

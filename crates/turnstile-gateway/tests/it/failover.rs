@@ -192,6 +192,8 @@ fn a_refusal_429_or_503_moves_a_streamed_dispatch_to_the_fallback_and_commits_on
             )),
             1.0
         );
+        // The refused attempt showed nothing: no preview was taken back.
+        assert_eq!(gateway.metric("turnstile_preview_retractions_total"), 0.0);
     }
 }
 
