@@ -353,3 +353,153 @@ impl StreamAnswer {
         frames
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::sync::Arc;
+    use turnstile_adapters::Api;
+    use turnstile_core::Revision;
+
+    fn to(api: Api) -> Addressee {
+        Addressee {
+            api,
+            id: "chatcmpl-t".into(),
+            model: "m".into(),
+            created: 0,
+            include_usage: false,
+        }
+    }
+
+    fn preview(generation: u64, text: &str) -> ClientEvent {
+        Arc::new(DriveEvent::Preview {
+            generation: Generation(generation),
+            block_index: 0,
+            delta: text.into(),
+        })
+    }
+
+    fn committed(text: &str) -> ClientEvent {
+        Arc::new(DriveEvent::Committed {
+            revision: Revision(3),
+            turn: json!({"id": "op.g1", "role": "assistant", "revision": 3,
+                         "blocks": [{"id": "b", "kind": "text", "text": text}]}),
+            facts: None,
+        })
+    }
+
+    fn state(state: DispatchState) -> ClientEvent {
+        Arc::new(DriveEvent::State {
+            state,
+            generation: Some(Generation(1)),
+        })
+    }
+
+    fn text_of(frames: &[u8]) -> String {
+        String::from_utf8_lossy(frames).into_owned()
+    }
+
+    #[test]
+    fn a_failure_before_any_output_is_the_http_error_with_the_providers_status() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(state(DispatchState::Dispatching)), Head::Wait);
+        let error = Arc::new(DriveEvent::Error {
+            code: "provider_status_429".into(),
+            message: "slow down",
+        });
+        match answer.before_head(error) {
+            Head::Fail(failure) => {
+                assert_eq!(failure.status, StatusCode::TOO_MANY_REQUESTS);
+                assert_eq!(failure.code, "provider_status_429");
+            }
+            other => panic!("expected the 429 itself, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn preview_then_commit_streams_the_text_once_and_ends_with_the_commit() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(preview(1, "Hel")), Head::Open);
+        let opened = answer.open(vec![preview(1, "lo")]);
+        assert!(!opened.done);
+        let sent = text_of(&opened.bytes);
+        assert!(sent.contains("\"Hel\"") && sent.contains("\"lo\""), "{sent}");
+        let end = answer.push(&committed("Hello"));
+        assert!(end.done);
+        let tail = text_of(&end.bytes);
+        assert!(tail.contains("\"finish_reason\":\"stop\""), "{tail}");
+        assert!(
+            !tail.contains("Hello"),
+            "text already sent is not sent again: {tail}"
+        );
+        // Nothing after the end.
+        assert!(answer.push(&preview(1, "x")).bytes.is_empty());
+    }
+
+    #[test]
+    fn a_new_generation_that_disagrees_with_forwarded_text_ends_the_stream_with_an_error() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(preview(1, "Sunny")), Head::Open);
+        answer.open(Vec::new());
+        let retract = Arc::new(DriveEvent::Retract {
+            generation: Generation(1),
+            reason: "cut_stream".into(),
+        });
+        assert!(!answer.push(&retract).done);
+        // Agreeing text of generation 2 is not repeated.
+        let same = answer.push(&preview(2, "Sun"));
+        assert!(same.bytes.is_empty() && !same.done);
+        let diverged = answer.push(&preview(2, "Rain"));
+        assert!(diverged.done);
+        assert!(text_of(&diverged.bytes).contains("preview_diverged"));
+    }
+
+    #[test]
+    fn a_commit_that_contradicts_forwarded_text_is_a_preview_mismatch_not_a_wrong_answer() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(preview(1, "Sunny")), Head::Open);
+        answer.open(Vec::new());
+        let end = answer.push(&committed("Rainy"));
+        assert!(end.done);
+        assert!(text_of(&end.bytes).contains("preview_mismatch"));
+    }
+
+    #[test]
+    fn events_that_end_before_any_sign_of_an_answer_open_and_end_with_no_commit() {
+        let mut answer = StreamAnswer::new(to(Api::AnthropicMessages), 5);
+        assert_eq!(answer.before_head(state(DispatchState::Dispatching)), Head::Wait);
+        let opened = answer.open(Vec::new());
+        assert!(!opened.done);
+        let end = answer.end();
+        assert!(end.done);
+        let all = text_of(&[opened.bytes, end.bytes].concat());
+        assert!(
+            all.contains("message_start"),
+            "Anthropic opens before its error: {all}"
+        );
+        assert!(all.contains("no_commit"), "{all}");
+    }
+
+    #[test]
+    fn a_whole_answer_is_the_commit_even_after_a_failed_attempt_and_else_the_first_failure() {
+        let mut answer = WholeAnswer::new(to(Api::OpenaiChat), 5);
+        let failed = Arc::new(DriveEvent::Error {
+            code: "provider_status_503".into(),
+            message: "down",
+        });
+        assert!(answer.push(&failed).is_none());
+        let body = answer.push(&committed("Hello")).expect("the commit answers");
+        assert_eq!(body["choices"][0]["message"]["content"], "Hello");
+
+        let mut answer = WholeAnswer::new(to(Api::OpenaiChat), 5);
+        assert!(answer.push(&failed).is_none());
+        assert!(answer.push(&state(DispatchState::Failed)).is_none());
+        let failure = answer.end();
+        assert_eq!(failure.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            failure.code, "provider_status_503",
+            "the first failure names the cause"
+        );
+    }
+}
