@@ -853,6 +853,28 @@ pub(crate) async fn end_attempt<T: Tx>(
     Ok(TransitionOutcome::Applied)
 }
 
+/// The dispatch back to PREPARED from `from` at `generation` (fail-over and rearm); the rows
+/// moved (0: it was not there any more).
+async fn dispatch_back_to_prepared<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    now: Timestamp,
+) -> Result<u64, StoreError> {
+    tx.execute(
+        "UPDATE dispatches SET state = 'PREPARED', updated_at = $4 \
+         WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
+        &[
+            operation_id.into(),
+            generation.0.into(),
+            from.as_str().into(),
+            ts(now),
+        ],
+    )
+    .await
+}
+
 /// See [`crate::Ledger::fail_over`].
 pub(crate) async fn fail_over<T: Tx>(
     tx: &mut T,
@@ -868,18 +890,7 @@ pub(crate) async fn fail_over<T: Tx>(
             to: DispatchState::Failed,
         });
     }
-    let moved = tx
-        .execute(
-            "UPDATE dispatches SET state = 'PREPARED', updated_at = $4 \
-             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
-            &[
-                operation_id.into(),
-                generation.0.into(),
-                from.as_str().into(),
-                ts(now),
-            ],
-        )
-        .await?;
+    let moved = dispatch_back_to_prepared(tx, operation_id, generation, from, now).await?;
     if moved == 0 {
         return refused(tx, operation_id).await;
     }
@@ -1091,18 +1102,7 @@ pub(crate) async fn abandon_and_rearm_on<T: Tx>(
         .await?;
         DispatchState::Unknown
     };
-    let rearmed = tx
-        .execute(
-            "UPDATE dispatches SET state = 'PREPARED', updated_at = $4 \
-             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
-            &[
-                operation_id.into(),
-                generation.0.into(),
-                from.as_str().into(),
-                ts(now),
-            ],
-        )
-        .await?;
+    let rearmed = dispatch_back_to_prepared(tx, operation_id, generation, from, now).await?;
     if rearmed == 0 {
         if from == DispatchState::Unknown {
             return Err(StoreError::Corrupt(format!(

@@ -40,6 +40,7 @@ pub const PROXY_PREFIX: &str = "proxy-";
 const FALLBACK_PROVIDER: &str = "sim-fallback";
 
 /// What a proxied dispatch was rendered with besides its history.
+#[derive(Clone)]
 pub(crate) struct ProxyRender {
     targets: Vec<Target>,
     max_output_tokens: Option<u64>,
@@ -310,38 +311,17 @@ impl World {
         };
         let targets = proxy::targets_of(&route, &imported.model);
         let settings = proxy::settings_of(&imported);
-        let resume = self.provider_recovery().resume_by_handle;
-        let validated = match turnstile_core::Validated::new(&conversation) {
-            Ok(validated) => validated,
-            Err(violations) => {
-                self.report.violate(
-                    step,
-                    Invariant::ProxyAnswer,
-                    format!("{operation_id}: the placed history is rejected: {violations:?}"),
-                );
-                return Ok(());
-            }
+        // The checker re-renders a proxied dispatch from the stored history with what the
+        // request asked for besides it (`check_send`), through the same `render_proxied`.
+        let render = ProxyRender {
+            targets,
+            max_output_tokens: imported.max_output_tokens,
+            settings,
+            resume: self.provider_recovery().resume_by_handle,
         };
-        let sequence = turnstile_core::MessageSequence::build(validated);
-        let graph = turnstile_adapters::Graph::new(validated, &sequence);
-        let rendered = render_targets(
-            &self.catalog,
-            &mut self.render_cache,
-            &|_| Some(resume),
-            &graph,
-            &operation_id,
-            &targets,
-            imported.max_output_tokens,
-            &settings,
-        );
-        let rendered = match rendered {
-            Ok(Ok(rendered)) => rendered,
-            Ok(Err(early)) => {
-                let why = match early {
-                    Early::Waiting(pending) => format!("waiting for {pending:?}"),
-                    Early::Rejected(violations) => format!("rejected: {violations:?}"),
-                    Early::Paused(reason) => format!("paused: {reason}"),
-                };
+        let rendered = match self.render_proxied(&conversation, &operation_id, &render) {
+            Ok(rendered) => rendered,
+            Err(why) => {
                 self.report.violate(
                     step,
                     Invariant::ProxyAnswer,
@@ -349,29 +329,8 @@ impl World {
                 );
                 return Ok(());
             }
-            Err(error) => {
-                self.report.violate(
-                    step,
-                    Invariant::ProxyAnswer,
-                    format!(
-                        "{operation_id}: an admitted request did not render: {}",
-                        error.message()
-                    ),
-                );
-                return Ok(());
-            }
         };
-        // The checker re-renders a proxied dispatch from the stored history with what the
-        // request asked for besides it (`check_send`).
-        self.proxy_renders.insert(
-            operation_id.clone(),
-            ProxyRender {
-                targets: targets.clone(),
-                max_output_tokens: imported.max_output_tokens,
-                settings: settings.clone(),
-                resume,
-            },
-        );
+        self.proxy_renders.insert(operation_id.clone(), render);
         let prompt_tokens = rendered.manifest.body.prompt_tokens;
         let now = self.local_now(replica);
         self.sync_store_clock();
@@ -761,33 +720,12 @@ impl World {
         revision: u64,
         target: u32,
     ) -> Option<Result<String, String>> {
-        let render = self.proxy_renders.get(op)?;
-        let (targets, max_output_tokens, settings, resume) = (
-            render.targets.clone(),
-            render.max_output_tokens,
-            render.settings.clone(),
-            render.resume,
-        );
+        let render = self.proxy_renders.get(op)?.clone();
         let digest = (|| {
             let document = self.history_at(conversation_id, revision)?;
             let conversation =
                 turnstile_core::Conversation::from_value(document).map_err(|e| format!("{e:?}"))?;
-            let validated = turnstile_core::Validated::new(&conversation)
-                .map_err(|violations| format!("history does not re-validate: {violations:?}"))?;
-            let sequence = turnstile_core::MessageSequence::build(validated);
-            let graph = turnstile_adapters::Graph::new(validated, &sequence);
-            let rendered = render_targets(
-                &self.catalog,
-                &mut self.render_cache,
-                &|_| Some(resume),
-                &graph,
-                op,
-                &targets,
-                max_output_tokens,
-                &settings,
-            )
-            .map_err(|error| error.message().to_owned())?
-            .map_err(|_| "paused or not ready".to_owned())?;
+            let rendered = self.render_proxied(&conversation, op, &render)?;
             let manifest = if target == 0 {
                 rendered.manifest
             } else {
@@ -801,6 +739,37 @@ impl World {
             Ok::<_, String>(manifest.body.request_digest.as_str().to_owned())
         })();
         Some(digest)
+    }
+
+    /// Validate `conversation` and render every target of a proxied dispatch with the gateway's
+    /// `render_targets`; why not, as text.
+    fn render_proxied(
+        &mut self,
+        conversation: &turnstile_core::Conversation,
+        op: &str,
+        render: &ProxyRender,
+    ) -> Result<turnstile_gateway::serve::api::Rendered, String> {
+        let validated = turnstile_core::Validated::new(conversation)
+            .map_err(|violations| format!("the history is rejected: {violations:?}"))?;
+        let sequence = turnstile_core::MessageSequence::build(validated);
+        let graph = turnstile_adapters::Graph::new(validated, &sequence);
+        let resume = render.resume;
+        match render_targets(
+            &self.catalog,
+            &mut self.render_cache,
+            &|_| Some(resume),
+            &graph,
+            op,
+            &render.targets,
+            render.max_output_tokens,
+            &render.settings,
+        ) {
+            Ok(Ok(rendered)) => Ok(rendered),
+            Ok(Err(Early::Waiting(pending))) => Err(format!("waiting for {pending:?}")),
+            Ok(Err(Early::Rejected(violations))) => Err(format!("rejected: {violations:?}")),
+            Ok(Err(Early::Paused(reason))) => Err(format!("paused: {reason}")),
+            Err(error) => Err(error.message().to_owned()),
+        }
     }
 }
 
