@@ -337,6 +337,9 @@ pub enum StoreAnswer {
     },
     /// The canonical CAS lost; the store quarantined the turn's blocks.
     CommitRefused,
+    /// The commit carried a provider handle that is bound to another manifest: nothing was
+    /// committed and the attempt is still STREAMING (the driver treats it as interrupted).
+    CommitUnbound,
 }
 
 /// What the provider side reported for one attempt.
@@ -759,6 +762,11 @@ impl DispatchMachine {
                 self.emit_state();
                 self.push(Effect::Emit(ClientEvent::Committed { revision }));
                 self.push(Effect::ExposeToolCalls { revision });
+                Handled::Accepted
+            }
+            (Some(Awaiting::Commit), StoreAnswer::CommitUnbound) => {
+                // Still STREAMING; the interruption that follows decides what happens next.
+                self.awaiting = None;
                 Handled::Accepted
             }
             (Some(Awaiting::Commit), StoreAnswer::CommitRefused) => {

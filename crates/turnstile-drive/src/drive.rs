@@ -321,6 +321,16 @@ pub struct Drive {
     work: VecDeque<Work>,
     pending: Option<Pending>,
     actions: VecDeque<Action>,
+    /// Writes held back (SENT, STREAMING, a handle bind) until a write that needs them in the
+    /// store first, or the commit that carries them (`docs/decisions.md`: two durable writes
+    /// per dispatch).
+    behind: Vec<(StoreOp, Pending)>,
+    /// Store operations to perform, in order, one at a time.
+    outbox: VecDeque<(StoreOp, Pending)>,
+    /// What the outstanding commit carries of `behind`.
+    carried: Vec<(StoreOp, Pending)>,
+    /// The first attempt the prepare already began in its own transaction.
+    prebegun: Option<(Generation, String)>,
 }
 
 impl std::fmt::Debug for Drive {
@@ -357,6 +367,24 @@ impl Drive {
         let started = machine.start(now);
         let mut drive = Drive::with_machine(spec, machine, DispatchState::Prepared, now);
         drive.counted(started);
+        drive
+    }
+
+    /// A driver for a dispatch whose first attempt the prepare already began, in the same
+    /// transaction (`Ledger::prepare_and_begin`): generation `generation` with
+    /// `idempotency_key`, on `target`. Its first action sends.
+    pub fn begun(
+        spec: DriveSpec,
+        now: Timestamp,
+        target: u32,
+        generation: Generation,
+        idempotency_key: String,
+    ) -> Drive {
+        let mut drive = Drive::new(spec, now);
+        drive.target = (target as usize).min(drive.spec.targets.len() - 1);
+        drive.prebegun = Some((generation, idempotency_key));
+        // The store's count of attempts, read after that write, already holds this one.
+        drive.attempts_started = generation.0.saturating_sub(1);
         drive
     }
 
@@ -443,6 +471,10 @@ impl Drive {
             work: VecDeque::new(),
             pending: None,
             actions: VecDeque::new(),
+            behind: Vec::new(),
+            outbox: VecDeque::new(),
+            carried: Vec::new(),
+            prebegun: None,
         };
         // A dispatch rearmed after an attempt goes on from the target after that attempt's;
         // a fresh one starts at its own manifest (target 0), cooling targets skipped.
@@ -517,7 +549,11 @@ impl Drive {
 
     /// Nothing more will happen here (the pump may drop the driver once its actions ran).
     pub fn is_finished(&self) -> bool {
-        if self.pending.is_some() || !self.work.is_empty() || !self.actions.is_empty() {
+        if self.pending.is_some()
+            || !self.work.is_empty()
+            || !self.actions.is_empty()
+            || !self.outbox.is_empty()
+        {
             return false;
         }
         let state = self.machine.state();
@@ -642,6 +678,10 @@ impl Drive {
 
     fn advance(&mut self) {
         while self.actions.is_empty() && self.pending.is_none() {
+            if let Some((op, pending)) = self.outbox.pop_front() {
+                self.issue(op, pending);
+                continue;
+            }
             if let Some(effect) = self.machine.poll_effect() {
                 self.effect(effect);
                 continue;
@@ -653,10 +693,101 @@ impl Drive {
         }
     }
 
+    /// A store operation, in order after those queued: held back, carried by the commit, or
+    /// performed (after the held-back writes it must follow).
     fn store(&mut self, op: StoreOp, pending: Pending) {
+        let held = match &op {
+            StoreOp::Transition {
+                from: DispatchState::Dispatching,
+                to: DispatchState::Sent,
+                ..
+            }
+            | StoreOp::Transition {
+                from: DispatchState::Sent,
+                to: DispatchState::Streaming,
+                ..
+            } => true,
+            StoreOp::BindHandle { generation, .. } => self.may_hold_handle(*generation),
+            _ => false,
+        };
+        if held {
+            self.behind.push((op, pending));
+            return;
+        }
+        let op = match op {
+            StoreOp::Commit {
+                generation,
+                expected_revision,
+                turn,
+                outcome,
+                ..
+            } => {
+                let (from, handle) = self.carry();
+                StoreOp::Commit {
+                    generation,
+                    expected_revision,
+                    turn,
+                    outcome,
+                    from,
+                    handle,
+                }
+            }
+            // None of them moves the attempt: they need nothing in the store first (a bind is
+            // checked against the manifest, whatever the attempt's state).
+            op @ (StoreOp::Quarantine { .. } | StoreOp::ReadAttempts | StoreOp::BindHandle { .. }) => op,
+            op => {
+                self.outbox.extend(self.behind.drain(..));
+                op
+            }
+        };
+        if self.pending.is_none() && self.outbox.is_empty() {
+            self.issue(op, pending);
+        } else {
+            self.outbox.push_back((op, pending));
+        }
+    }
+
+    fn issue(&mut self, op: StoreOp, pending: Pending) {
         assert!(self.pending.is_none(), "two store operations outstanding");
         self.pending = Some(pending);
         self.actions.push_back(Action::Store(op));
+    }
+
+    /// What the commit carries of the held-back writes: the attempt's stored state and the
+    /// handle to bind. A shape the commit cannot carry (two binds) is performed first.
+    fn carry(&mut self) -> (DispatchState, Option<String>) {
+        let binds = self
+            .behind
+            .iter()
+            .filter(|(op, _)| matches!(op, StoreOp::BindHandle { .. }))
+            .count();
+        if binds > 1 {
+            self.outbox.extend(self.behind.drain(..));
+            return (DispatchState::Streaming, None);
+        }
+        self.carried = std::mem::take(&mut self.behind);
+        let mut from = DispatchState::Streaming;
+        let mut handle = None;
+        for (op, _) in self.carried.iter().rev() {
+            match op {
+                StoreOp::Transition { from: held, .. } => from = *held,
+                StoreOp::BindHandle { handle: held, .. } => handle = Some(held.clone()),
+                _ => {}
+            }
+        }
+        (from, handle)
+    }
+
+    /// Whether `generation`'s handle may wait for the commit: only on a first send to a
+    /// target that cannot resume by handle, where a durable handle would only serve the
+    /// commit's check (this process keeps it in memory for a status or cancel question; after
+    /// a crash the expired lease confirms the attempt over instead). A resumable target binds
+    /// at once (recovery resumes by it), and so does a replayed or recovered generation (its
+    /// handle may be someone else's, and the sooner that is known the sooner its output stops).
+    fn may_hold_handle(&self, generation: Generation) -> bool {
+        !self.target_spec(generation).recovery.resume_by_handle
+            && !self.recovered_generations.contains(&generation)
+            && !self.replays.contains_key(&generation)
     }
 
     fn emit(&mut self, event: DriveEvent) {
@@ -862,7 +993,13 @@ impl Drive {
     /// The provider handle of `generation` if it is this dispatch's own (bound, read back, or
     /// seen on its stream and not refused as another manifest's) and safe in a URL path.
     fn own_handle(&self, generation: Generation) -> Option<String> {
-        if self.foreign.contains(&generation) {
+        let unchecked =
+            self.behind.iter().chain(&self.carried).any(
+                |(op, _)| matches!(op, StoreOp::BindHandle { generation: held, .. } if *held == generation),
+            );
+        if self.foreign.contains(&generation) || unchecked {
+            // Never ask about (or cancel) a response by a handle the store has not yet matched
+            // to this manifest.
             return None;
         }
         let handle = self.handles.get(&generation).cloned().or_else(|| {
@@ -968,6 +1105,17 @@ impl Drive {
                 // The attempt sends the chosen target's bytes (failover moved it, or not).
                 let digest = self.spec.targets[self.target].request_digest.clone();
                 self.machine.retarget(digest);
+                if let Some((generation, idempotency_key)) = self.prebegun.take() {
+                    // The prepare began this attempt in its own transaction.
+                    self.write_answered(
+                        WriteKind::Begin,
+                        StoreResult::Began {
+                            generation,
+                            idempotency_key,
+                        },
+                    );
+                    return;
+                }
                 (
                     StoreOp::Begin {
                         target: self.target as u32,
@@ -1062,6 +1210,8 @@ impl Drive {
                         expected_revision,
                         turn,
                         outcome,
+                        from: DispatchState::Streaming,
+                        handle: None,
                     },
                     WriteKind::Commit { generation },
                 )
@@ -1081,6 +1231,7 @@ impl Drive {
     fn write_answered(&mut self, kind: WriteKind, result: StoreResult) {
         let answer = match (kind, result) {
             (_, StoreResult::Failed(_)) => {
+                self.carried.clear();
                 self.store_failed(kind);
                 return;
             }
@@ -1198,6 +1349,12 @@ impl Drive {
                     self.spec.basis.operation_id,
                     self.spec.basis.revision.0
                 );
+                // The transitions it carried landed with it.
+                for (op, _) in std::mem::take(&mut self.carried) {
+                    if let StoreOp::Transition { from, to, .. } = op {
+                        self.transitioned(from, to);
+                    }
+                }
                 let from = self.state;
                 self.transitioned(from, DispatchState::Committed);
                 // The store appends the turn as offered, stamped with its revision: the client
@@ -1207,13 +1364,32 @@ impl Drive {
                 }
                 StoreAnswer::Committed { revision }
             }
+            (WriteKind::Commit { generation }, StoreResult::BindRefused) => {
+                // The handle it carried is another manifest's: nothing landed, the carried
+                // transitions are held back again, and the attempt ends as a refused bind
+                // would have ended it.
+                self.committed_turn = None;
+                let mut handle = String::new();
+                for (op, pending) in std::mem::take(&mut self.carried) {
+                    match op {
+                        StoreOp::BindHandle { handle: held, .. } => handle = held,
+                        op => self.behind.push((op, pending)),
+                    }
+                }
+                let handled = self.machine.handle_store(self.now, StoreAnswer::CommitUnbound);
+                self.counted(handled);
+                self.bind_answered(generation, &handle, StoreResult::BindRefused);
+                return;
+            }
             (WriteKind::Commit { .. }, StoreResult::CommitRejected(codes)) => {
+                self.carried.clear();
                 self.committed_turn = None;
                 self.actions.push_back(Action::Count(Count::Rejected(codes)));
                 self.actions.push_back(Action::Count(Count::LateBlock));
                 StoreAnswer::CommitRefused
             }
             (WriteKind::Commit { .. }, _) => {
+                self.carried.clear();
                 self.committed_turn = None;
                 self.actions.push_back(Action::Count(Count::CasConflict));
                 self.actions.push_back(Action::Count(Count::LateBlock));

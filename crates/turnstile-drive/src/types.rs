@@ -157,6 +157,11 @@ pub enum StoreOp {
         turn: Value,
         /// Stop reason and usage, if the provider reported them.
         outcome: Option<Value>,
+        /// The attempt's state as the store holds it (DISPATCHING, SENT or STREAMING): the
+        /// commit writes the transitions held back since then, in its own transaction.
+        from: DispatchState,
+        /// A provider handle held back for the commit to bind (and check).
+        handle: Option<String>,
     },
     /// Cancel the dispatch.
     Cancel {

@@ -3,8 +3,8 @@
 //! written the same way everywhere.
 
 use crate::{
-    BeginExpect, BeginOutcome, BindOutcome, CommitOutcome, DispatchRecord, Lease, Ledger, QuarantineEntry,
-    TransitionOutcome,
+    BeginExpect, BeginOutcome, BindOutcome, Carried, CommitOutcome, CommitRefusal, DispatchRecord, Lease,
+    Ledger, QuarantineEntry, TransitionOutcome,
 };
 use std::sync::Arc;
 use turnstile_core::dispatch::Timestamp;
@@ -175,18 +175,25 @@ pub async fn perform(
             expected_revision,
             turn,
             outcome,
+            from,
+            handle,
         } => match ledger
-            .commit_with_outcome(
+            .commit_carrying(
                 operation_id,
                 *generation,
                 *expected_revision,
                 turn,
                 outcome.as_ref(),
+                &Carried {
+                    from: *from,
+                    handle: handle.clone(),
+                },
                 now,
             )
             .await
         {
             Ok(CommitOutcome::Committed { revision, .. }) => StoreResult::Committed { revision },
+            Ok(CommitOutcome::Refused(CommitRefusal::ForeignHandle)) => StoreResult::BindRefused,
             Ok(CommitOutcome::Refused(_)) => StoreResult::CommitRefused,
             Ok(CommitOutcome::Rejected(violations)) => {
                 StoreResult::CommitRejected(violations.into_iter().map(|violation| violation.code).collect())

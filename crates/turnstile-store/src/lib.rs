@@ -54,6 +54,10 @@ use turnstile_core::{Generation, Revision};
 /// on its own writer thread (see [`sqlite`] for why not `spawn_blocking`).
 #[async_trait::async_trait]
 pub trait Ledger: Send + Sync {
+    /// Operations of this process that changed at least one stored row and were committed
+    /// (a count in memory, from zero at open): the durable writes a workload costs.
+    fn write_ops(&self) -> u64;
+
     /// Create a conversation at revision 0 with its declared tools (a v1 `tools` array).
     async fn create_conversation(
         &self,
@@ -127,6 +131,20 @@ pub trait Ledger: Send + Sync {
         fallbacks: &[PreparedTarget],
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError>;
+
+    /// [`Ledger::prepare_targets`] that also begins the first attempt of a dispatch it created,
+    /// in the same transaction (PREPARED → DISPATCHING at once, on target `begin.target`, the
+    /// lease from the store's now): the prepare and the acceptance point are one durable write.
+    /// `None` beside an outcome other than `Created`.
+    async fn prepare_and_begin(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: &BeginAtOnce,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError>;
 
     /// The failover targets of a dispatch (positions 1.., in order; its own manifest, target
     /// 0, is the dispatch record); empty for most dispatches.
@@ -271,6 +289,22 @@ pub trait Ledger: Send + Sync {
         self.commit_with_outcome(operation_id, generation, expected_revision, turn, None, now)
             .await
     }
+
+    /// [`Ledger::commit_with_outcome`] for an attempt whose SENT, STREAMING and handle were
+    /// not written on their own: the commit writes them first, in its own transaction
+    /// ([`Carried`]). A carried handle bound to another manifest refuses the commit
+    /// (`CommitRefusal::ForeignHandle`) and nothing of it is written but that count.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_carrying(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        outcome: Option<&Value>,
+        carried: &Carried,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError>;
 
     /// [`Ledger::commit`], recording in the same transaction what the provider said about the
     /// response (`stop_reason`, `usage`: the dispatch's `outcome`), so a client attaching later

@@ -558,6 +558,41 @@ pub(crate) async fn prepare_targets<T: Tx>(
     Ok(PrepareOutcome::Created(record))
 }
 
+/// [`prepare_targets`], and for a dispatch it created, the begin of its first attempt in the
+/// same transaction (one durable write is both the prepare and the acceptance point). The
+/// lease runs from the store's now. An existing dispatch is answered as it is, without a
+/// begin: whoever created it drives it.
+pub(crate) async fn prepare_and_begin<T: Tx>(
+    tx: &mut T,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    policy: Option<&Value>,
+    fallbacks: &[PreparedTarget],
+    begin: &BeginAtOnce,
+    now: Timestamp,
+) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+    let mut prepared = prepare_targets(tx, manifest, request_bytes, policy, fallbacks, now).await?;
+    let PrepareOutcome::Created(record) = &mut prepared else {
+        return Ok((prepared, None));
+    };
+    let store_now = store_now(tx).await?;
+    let lease = Lease {
+        holder: begin.holder.clone(),
+        expires_at: store_now.plus_ms(begin.lease_ms),
+    };
+    let expect = BeginExpect {
+        revision: record.revision,
+        cancel_generation: record.cancel_generation,
+        target: begin.target,
+    };
+    let began = begin_attempt(tx, &record.operation_id, expect, &lease, store_now).await?;
+    if let BeginOutcome::Began { generation, .. } = &began {
+        record.state = DispatchState::Dispatching;
+        record.active_generation = Some(*generation);
+    }
+    Ok((prepared, Some(began)))
+}
+
 /// The manifest digests of a dispatch's failover targets, in order.
 async fn fallback_digests_of<T: Tx>(tx: &mut T, operation_id: &str) -> Result<Vec<String>, StoreError> {
     let rows = tx
@@ -1304,15 +1339,29 @@ async fn commit_refusal<T: Tx>(
     tx: &mut T,
     operation_id: &str,
     generation: Generation,
+    expected: DispatchState,
 ) -> Result<CommitRefusal, StoreError> {
     Ok(match dispatch_state(tx, operation_id).await? {
         None => CommitRefusal::NotFound,
         Some((_, active)) if active != Some(generation) => CommitRefusal::ForeignGeneration,
-        Some((state, _)) if state != DispatchState::Streaming => CommitRefusal::WrongState(state),
+        Some((state, _)) if state != expected => CommitRefusal::WrongState(state),
         Some(_) => CommitRefusal::RevisionMoved,
     })
 }
 
+/// The states a carried attempt moves through on its way to COMMITTED, from its stored state
+/// (none for STREAMING; None: not a state a commit can carry the attempt from).
+fn carried_steps(from: DispatchState) -> Option<&'static [(DispatchState, DispatchState)]> {
+    use DispatchState::*;
+    match from {
+        Dispatching => Some(&[(Dispatching, Sent), (Sent, Streaming)]),
+        Sent => Some(&[(Sent, Streaming)]),
+        Streaming => Some(&[]),
+        _ => None,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn commit<T: Tx>(
     tx: &mut T,
     operation_id: &str,
@@ -1320,8 +1369,15 @@ pub(crate) async fn commit<T: Tx>(
     expected_revision: Revision,
     turn: &Value,
     outcome: Option<&Value>,
+    carried: &Carried,
     now: Timestamp,
 ) -> Result<CommitOutcome, StoreError> {
+    let Some(steps) = carried_steps(carried.from) else {
+        return Err(StoreError::IllegalTransition {
+            from: carried.from,
+            to: DispatchState::Committed,
+        });
+    };
     let Some(record) = dispatch_head(tx, operation_id).await? else {
         return Ok(CommitOutcome::Refused(CommitRefusal::NotFound));
     };
@@ -1342,6 +1398,13 @@ pub(crate) async fn commit<T: Tx>(
         bump_counter(tx, "canonical_cas_conflicts").await?;
         return Ok(refuse(CommitRefusal::RevisionMoved));
     }
+    // The handle the attempt saw, bound and checked in this transaction: a handle bound to
+    // another manifest never commits (the same refusal a bind of its own would have met).
+    if let Some(handle) = &carried.handle
+        && let BindOutcome::Refused { .. } = bind_handle(tx, operation_id, generation, handle, now).await?
+    {
+        return Ok(refuse(CommitRefusal::ForeignHandle));
+    }
     let Some(stamped) = history::stamp_turn(turn, revision, Some(generation.0)) else {
         quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
         return Ok(CommitOutcome::Rejected(Vec::new()));
@@ -1358,8 +1421,13 @@ pub(crate) async fn commit<T: Tx>(
         }
     };
     tx.execute("SAVEPOINT canonical", &[]).await?;
-    // Lock order: conversation, then dispatch.
-    let won = claim_revision(tx, &conversation_id, expected_revision, now).await?
+    // Lock order: conversation, then dispatch. The carried transitions (SENT, STREAMING) are
+    // written here, each with its history row, only when the commit wins.
+    let mut won = claim_revision(tx, &conversation_id, expected_revision, now).await?;
+    for (from, to) in steps {
+        won = won && move_both(tx, operation_id, generation, *from, *to, now).await?;
+    }
+    won = won
         && move_both(
             tx,
             operation_id,
@@ -1372,7 +1440,7 @@ pub(crate) async fn commit<T: Tx>(
     if !won {
         tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
         tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
-        let reason = commit_refusal(tx, operation_id, generation).await?;
+        let reason = commit_refusal(tx, operation_id, generation, carried.from).await?;
         quarantine_turn(tx, operation_id, generation, "commit_refused", turn, now).await?;
         bump_counter(tx, "canonical_cas_conflicts").await?;
         if reason == CommitRefusal::RevisionMoved {
@@ -1383,7 +1451,7 @@ pub(crate) async fn commit<T: Tx>(
                 tx,
                 operation_id,
                 generation,
-                DispatchState::Streaming,
+                carried.from,
                 DispatchState::Abandoned,
                 now,
             )

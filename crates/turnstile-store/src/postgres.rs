@@ -85,6 +85,12 @@ fn row_of(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
 /// A transaction on a pooled connection.
 pub struct PgTx<'a> {
     inner: deadpool_postgres::Transaction<'a>,
+    /// A statement of this transaction changed a row (for `Ledger::write_ops`).
+    wrote: bool,
+}
+
+fn is_write(sql: &str) -> bool {
+    sql.starts_with("UPDATE") || sql.starts_with("INSERT") || sql.starts_with("DELETE")
 }
 
 fn is_control(sql: &str) -> bool {
@@ -104,7 +110,9 @@ impl Tx for PgTx<'_> {
         let statement = self.inner.prepare_cached(sql).await?;
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|param| param as &(dyn ToSql + Sync)).collect();
-        Ok(self.inner.execute(&statement, &refs).await?)
+        let changed = self.inner.execute(&statement, &refs).await?;
+        self.wrote |= changed > 0;
+        Ok(changed)
     }
 
     async fn query(&mut self, sql: &str, params: &[SqlValue]) -> Result<Vec<Row>, StoreError> {
@@ -112,6 +120,7 @@ impl Tx for PgTx<'_> {
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|param| param as &(dyn ToSql + Sync)).collect();
         let rows = self.inner.query(&statement, &refs).await?;
+        self.wrote |= !rows.is_empty() && is_write(sql);
         rows.iter().map(row_of).collect()
     }
 }
@@ -120,6 +129,7 @@ impl Tx for PgTx<'_> {
 pub struct PgLedger {
     pool: Pool,
     faults: Arc<FaultInjector>,
+    write_ops: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for PgLedger {
@@ -163,6 +173,7 @@ impl PgLedger {
         let ledger = PgLedger {
             pool,
             faults: Arc::new(FaultInjector::default()),
+            write_ops: std::sync::atomic::AtomicU64::new(0),
         };
         ledger.migrate(schema).await?;
         Ok(ledger)
@@ -232,7 +243,7 @@ macro_rules! in_tx {
         let mut client = $self.client().await?;
         let outcome = {
             let inner = client.transaction().await?;
-            let mut $tx = PgTx { inner };
+            let mut $tx = PgTx { inner, wrote: false };
             let result = $body.await;
             match result {
                 // Dropping the transaction rolls it back.
@@ -242,7 +253,11 @@ macro_rules! in_tx {
                 }
                 Ok(value) => match $self.faults.take() {
                     None => {
+                        let wrote = $tx.wrote;
                         $tx.inner.commit().await?;
+                        if wrote {
+                            $self.write_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         Ok(value)
                     }
                     Some(Fault::DropBeforeCommit) => {
@@ -266,6 +281,10 @@ macro_rules! in_tx {
 
 #[async_trait::async_trait]
 impl Ledger for PgLedger {
+    fn write_ops(&self) -> u64 {
+        self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     async fn create_conversation(
         &self,
         conversation_id: &str,
@@ -356,6 +375,26 @@ impl Ledger for PgLedger {
             request_bytes,
             policy,
             fallbacks,
+            now
+        ))
+    }
+
+    async fn prepare_and_begin(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: &BeginAtOnce,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        in_tx!(self, |tx| ops::prepare_and_begin(
+            &mut tx,
+            manifest,
+            request_bytes,
+            policy,
+            fallbacks,
+            begin,
             now
         ))
     }
@@ -566,6 +605,28 @@ impl Ledger for PgLedger {
         outcome: Option<&Value>,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError> {
+        self.commit_carrying(
+            operation_id,
+            generation,
+            expected_revision,
+            turn,
+            outcome,
+            &Carried::default(),
+            now,
+        )
+        .await
+    }
+
+    async fn commit_carrying(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        outcome: Option<&Value>,
+        carried: &Carried,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError> {
         in_tx!(self, |tx| ops::commit(
             &mut tx,
             operation_id,
@@ -573,6 +634,7 @@ impl Ledger for PgLedger {
             expected_revision,
             turn,
             outcome,
+            carried,
             now
         ))
     }

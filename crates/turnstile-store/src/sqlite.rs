@@ -127,6 +127,7 @@ pub struct SqliteLedger {
     jobs: Option<mpsc::Sender<Job>>,
     writer: Option<JoinHandle<()>>,
     faults: Arc<FaultInjector>,
+    write_ops: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -212,14 +213,17 @@ impl SqliteLedger {
         let faults = Arc::new(FaultInjector::default());
         let (jobs, queue) = mpsc::channel::<Job>();
         let thread_faults = Arc::clone(&faults);
+        let write_ops = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let thread_write_ops = Arc::clone(&write_ops);
         let writer = std::thread::Builder::new()
             .name("turnstile-sqlite-writer".into())
-            .spawn(move || writer_loop(connection, queue, thread_faults))
+            .spawn(move || writer_loop(connection, queue, thread_faults, thread_write_ops))
             .map_err(|error| StoreError::CommitFailed(format!("cannot start the writer thread: {error}")))?;
         Ok(SqliteLedger {
             jobs: Some(jobs),
             writer: Some(writer),
             faults,
+            write_ops,
         })
     }
 
@@ -270,7 +274,12 @@ impl Drop for SqliteLedger {
     }
 }
 
-fn writer_loop(connection: Connection, queue: mpsc::Receiver<Job>, faults: Arc<FaultInjector>) {
+fn writer_loop(
+    connection: Connection,
+    queue: mpsc::Receiver<Job>,
+    faults: Arc<FaultInjector>,
+    write_ops: Arc<std::sync::atomic::AtomicU64>,
+) {
     while let Ok(first) = queue.recv() {
         let mut batch = vec![first];
         while batch.len() < GROUP_COMMIT_OPS_MAX {
@@ -279,7 +288,7 @@ fn writer_loop(connection: Connection, queue: mpsc::Receiver<Job>, faults: Arc<F
                 Err(_) => break,
             }
         }
-        run_batch(&connection, batch, &faults);
+        run_batch(&connection, batch, &faults, &write_ops);
     }
 }
 
@@ -289,7 +298,17 @@ fn control(connection: &Connection, sql: &str) -> rusqlite::Result<()> {
     connection.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
-fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
+/// Run one group commit; `write_ops` counts its operations that changed a row, once
+/// committed and before anyone is answered.
+fn run_batch(
+    connection: &Connection,
+    batch: Vec<Job>,
+    faults: &FaultInjector,
+    write_ops: &std::sync::atomic::AtomicU64,
+) {
+    let count = |wrote: u64| {
+        write_ops.fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
+    };
     let finish = |replies: Vec<Reply>, end: BatchEnd| {
         for reply in replies {
             reply(end.clone());
@@ -301,7 +320,9 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
         return;
     }
     let mut replies = Vec::with_capacity(batch.len());
+    let mut wrote = 0;
     for job in batch {
+        let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
         let mut tx = SqliteTx { connection };
         // A panicking operation (a bug) must not take the writer down with the other callers'
@@ -329,6 +350,9 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
                 return;
             }
         }
+        if ok && connection.total_changes() > changes_before {
+            wrote += 1;
+        }
     }
     match faults.take() {
         Some(Fault::DropBeforeCommit) => {
@@ -338,7 +362,10 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
         }
         Some(Fault::DropAfterCommit) => {
             let end = match control(connection, "COMMIT") {
-                Ok(()) => BatchEnd::Lost("after commit"),
+                Ok(()) => {
+                    count(wrote);
+                    BatchEnd::Lost("after commit")
+                }
                 Err(error) => BatchEnd::Failed(error.to_string()),
             };
             finish(replies, end);
@@ -347,7 +374,10 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
         None => {}
     }
     match control(connection, "COMMIT") {
-        Ok(()) => finish(replies, BatchEnd::Committed),
+        Ok(()) => {
+            count(wrote);
+            finish(replies, BatchEnd::Committed);
+        }
         Err(error) => {
             let _ = control(connection, "ROLLBACK");
             finish(replies, BatchEnd::Failed(error.to_string()));
@@ -357,6 +387,10 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector) {
 
 #[async_trait::async_trait]
 impl Ledger for SqliteLedger {
+    fn write_ops(&self) -> u64 {
+        self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     async fn create_conversation(
         &self,
         conversation_id: &str,
@@ -437,6 +471,31 @@ impl Ledger for SqliteLedger {
                 &bytes,
                 policy.as_ref(),
                 &fallbacks,
+                now,
+            ))
+        })
+        .await
+    }
+
+    async fn prepare_and_begin(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: &BeginAtOnce,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        let (manifest, bytes, policy) = (manifest.clone(), request_bytes.to_vec(), policy.cloned());
+        let (fallbacks, begin) = (fallbacks.to_vec(), begin.clone());
+        self.run(move |tx| {
+            block_on_ready(ops::prepare_and_begin(
+                tx,
+                &manifest,
+                &bytes,
+                policy.as_ref(),
+                &fallbacks,
+                &begin,
                 now,
             ))
         })
@@ -635,7 +694,34 @@ impl Ledger for SqliteLedger {
         outcome: Option<&Value>,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError> {
-        let (op, turn, outcome) = (operation_id.to_owned(), turn.clone(), outcome.cloned());
+        self.commit_carrying(
+            operation_id,
+            generation,
+            expected_revision,
+            turn,
+            outcome,
+            &Carried::default(),
+            now,
+        )
+        .await
+    }
+
+    async fn commit_carrying(
+        &self,
+        operation_id: &str,
+        generation: Generation,
+        expected_revision: Revision,
+        turn: &Value,
+        outcome: Option<&Value>,
+        carried: &Carried,
+        now: Timestamp,
+    ) -> Result<CommitOutcome, StoreError> {
+        let (op, turn, outcome, carried) = (
+            operation_id.to_owned(),
+            turn.clone(),
+            outcome.cloned(),
+            carried.clone(),
+        );
         self.run(move |tx| {
             block_on_ready(ops::commit(
                 tx,
@@ -644,6 +730,7 @@ impl Ledger for SqliteLedger {
                 expected_revision,
                 &turn,
                 outcome.as_ref(),
+                &carried,
                 now,
             ))
         })

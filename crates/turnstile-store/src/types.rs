@@ -287,6 +287,43 @@ pub enum CommitRefusal {
     WrongState(DispatchState),
     /// The conversation is not at the dispatch's revision any more (another turn won).
     RevisionMoved,
+    /// The handle the commit carried is bound to another manifest: nothing was committed, the
+    /// attempt is as it was (its carried transitions were not written) and the refusal is
+    /// counted as a foreign handle.
+    ForeignHandle,
+}
+
+/// What a canonical commit carries of the attempt's progress that was not written on its own
+/// (`docs/decisions.md`, "two durable writes per dispatch"): the attempt's state as the store
+/// holds it, from which the commit moves it through SENT and STREAMING (a history row each),
+/// and the provider handle, bound and checked against the manifest in the same transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Carried {
+    /// The attempt's stored state: DISPATCHING, SENT or STREAMING.
+    pub from: DispatchState,
+    /// A provider handle not bound yet.
+    pub handle: Option<String>,
+}
+
+impl Default for Carried {
+    fn default() -> Carried {
+        Carried {
+            from: DispatchState::Streaming,
+            handle: None,
+        }
+    }
+}
+
+/// Begin the first attempt in the transaction that prepares the dispatch (the acceptance
+/// point and the prepare in one durable write): `Ledger::prepare_and_begin`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BeginAtOnce {
+    /// The lease holder (this replica).
+    pub holder: String,
+    /// The lease, from the store's now.
+    pub lease_ms: u64,
+    /// Which target the first attempt sends.
+    pub target: u32,
 }
 
 /// Answer of `commit`.

@@ -334,9 +334,17 @@ impl World {
         let prompt_tokens = rendered.manifest.body.prompt_tokens;
         let now = self.local_now(replica);
         self.sync_store_clock();
-        let stored = self.rt.block_on(store_rendered(self.ledger(), rendered, now));
-        let record = match stored {
-            Ok(record) => record,
+        // As the gateway's `prepare_dispatch`: the prepare begins the first attempt.
+        let begin = turnstile_store::BeginAtOnce {
+            holder: self.holder(replica),
+            lease_ms: crate::world::LEASE_MS,
+            target: 0,
+        };
+        let stored = self
+            .rt
+            .block_on(store_rendered(self.ledger(), rendered, Some(&begin), now));
+        let (record, began) = match stored {
+            Ok(stored) => stored,
             Err(error) => {
                 self.trace(format!("{operation_id}: prepare refused: {}", error.message()));
                 return Ok(());
@@ -385,7 +393,10 @@ impl World {
             ));
             return Ok(());
         }
-        self.drive_prepared(replica, record);
+        match began {
+            Some(began) => self.drive_begun(replica, record, began.generation, began.idempotency_key),
+            None => self.drive_prepared(replica, record),
+        }
         Ok(())
     }
 

@@ -409,7 +409,7 @@ impl World {
     }
 
     /// Replica `replica`'s lease-holder id (new with every restart, as the gateway's default).
-    fn holder(&self, replica: usize) -> String {
+    pub(crate) fn holder(&self, replica: usize) -> String {
         format!("dst-replica-{replica}.{}", self.replicas[replica].incarnation)
     }
 
@@ -554,14 +554,28 @@ impl World {
         }
         // The replica's own clock stamps what it prepares, as the gateway's does.
         let now = self.local_now(replica);
-        let prepared = if fallbacks.is_empty() {
-            store!(self, prepare(&manifest, &bytes, now))
-        } else {
-            store!(self, prepare_targets(&manifest, &bytes, None, &fallbacks, now))
+        // As the gateway's `prepare_dispatch`: the prepare begins the first attempt in the
+        // same transaction (no breaker here: target 0 never cools).
+        let begin = turnstile_store::BeginAtOnce {
+            holder: self.holder(replica),
+            lease_ms: LEASE_MS,
+            target: 0,
         };
-        let record = match prepared.map_err(|e| e.to_string())? {
+        let prepared = store!(
+            self,
+            prepare_and_begin(&manifest, &bytes, None, &fallbacks, &begin, now)
+        );
+        let (prepared, began) = prepared.map_err(|e| e.to_string())?;
+        let record = match prepared {
             StorePrepare::Created(record) | StorePrepare::Existing(record) => record,
             other => return Err(format!("prepare refused: {other:?}")),
+        };
+        let began = match began {
+            Some(turnstile_store::BeginOutcome::Began {
+                generation,
+                idempotency_key,
+            }) => Some((generation, idempotency_key)),
+            _ => None,
         };
         self.trace(format!(
             "client starts {operation_id} at revision {revision} with {} on replica {replica}",
@@ -577,7 +591,12 @@ impl World {
             self.trace(format!("{operation_id}: client left before a driver started"));
             return Ok(());
         }
-        self.drive_prepared(replica, record);
+        match began {
+            Some((generation, idempotency_key)) => {
+                self.drive_begun(replica, record, generation, idempotency_key)
+            }
+            None => self.drive_prepared(replica, record),
+        }
         if self.phase == Phase::Safety && self.rng.chance(self.plan.client_retry) {
             // The client retries with the same operation id on any replica: it attaches.
             self.report.fault(FaultKind::ClientRetry);
@@ -589,6 +608,23 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// A driver on `replica` for a dispatch whose prepare began its first attempt.
+    pub(crate) fn drive_begun(
+        &mut self,
+        replica: usize,
+        record: DispatchRecord,
+        generation: turnstile_core::Generation,
+        idempotency_key: String,
+    ) {
+        let spec = self.spec_for(&record);
+        let drive = Drive::begun(spec, self.local_now(replica), 0, generation, idempotency_key);
+        self.start_driver(SimDriver {
+            op: record.operation_id.clone(),
+            drive,
+            replica,
+        });
     }
 
     /// A driver for a PREPARED dispatch on `replica` (a client's request, a client's retry
@@ -872,14 +908,25 @@ impl World {
         };
         self.sync_store_clock();
         match (&op, &result) {
-            (StoreOp::BindHandle { generation, handle }, StoreResult::BindRefused) => {
+            (
+                StoreOp::BindHandle { generation, handle }
+                | StoreOp::Commit {
+                    generation,
+                    handle: Some(handle),
+                    ..
+                },
+                StoreResult::BindRefused,
+            ) => {
                 self.history.bind_refusals += if self.bugs.miscount_foreign_handles { 2 } else { 1 };
                 self.trace(format!(
                     "{} g{} handle {handle} refused (foreign)",
                     driver.op, generation.0
                 ));
             }
-            (StoreOp::BindHandle { .. }, StoreResult::Failed(error)) => {
+            (
+                StoreOp::BindHandle { .. } | StoreOp::Commit { handle: Some(_), .. },
+                StoreResult::Failed(error),
+            ) => {
                 self.history.bind_ambiguous += 1;
                 self.trace(format!("{} bind_handle failed: {error}", driver.op));
             }

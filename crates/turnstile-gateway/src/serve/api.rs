@@ -720,7 +720,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
                 "that operation id belongs to another conversation",
             ));
         }
-        return attach(shared, caller, record, request.stream, None).await;
+        return attach(shared, caller, record, None, request.stream, None).await;
     }
 
     let document = shared
@@ -783,15 +783,18 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     )
     .await?
     {
-        Started::Record(record) => attach(shared, caller, record, request.stream, Some(&conversation)).await,
+        Started::Record(record, began) => {
+            attach(shared, caller, record, began, request.stream, Some(&conversation)).await
+        }
         Started::Early(early) => Ok(early_response(early, request.stream)),
     }
 }
 
 /// How preparing a dispatch ended: a stored dispatch to attach to, or no dispatch at all.
 pub enum Started {
-    /// Stored (new or existing with the same manifest).
-    Record(turnstile_store::DispatchRecord),
+    /// Stored (new or existing with the same manifest), and the first attempt if the prepare
+    /// began it.
+    Record(turnstile_store::DispatchRecord, Option<Began>),
     /// Paused: the adapter cannot represent the graph.
     Early(Early),
 }
@@ -856,11 +859,36 @@ pub(crate) async fn prepare_dispatch(
         )?
     };
     match rendered {
-        Ok(rendered) => Ok(Started::Record(
-            store_rendered(shared.ledger.as_ref(), rendered, now()).await?,
-        )),
+        Ok(rendered) => {
+            // The prepare begins the first attempt in its own transaction (one durable write
+            // for both), unless the dispatch's own target is cooling down: then the driver
+            // chooses the target and begins on its own.
+            let label = format!(
+                "{}/{}",
+                rendered.manifest.body.provider, rendered.manifest.body.model
+            );
+            let begin = (!shared.breaker.cooling(&label, now())).then(|| turnstile_store::BeginAtOnce {
+                holder: shared.holder.clone(),
+                lease_ms: shared.lease_ms,
+                target: 0,
+            });
+            let (record, began) =
+                store_rendered(shared.ledger.as_ref(), rendered, begin.as_ref(), now()).await?;
+            Ok(Started::Record(record, began))
+        }
         Err(early) => Ok(Started::Early(early)),
     }
+}
+
+/// The first attempt a prepare began in its own transaction (`Ledger::prepare_and_begin`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Began {
+    /// The target it sends.
+    pub target: u32,
+    /// Its generation.
+    pub generation: turnstile_core::Generation,
+    /// Its idempotency key.
+    pub idempotency_key: String,
 }
 
 /// Every target of a dispatch rendered and sealed, before anything is stored: target 0's
@@ -953,27 +981,50 @@ pub fn render_targets(
 pub async fn store_rendered(
     ledger: &dyn turnstile_store::Ledger,
     rendered: Rendered,
+    begin: Option<&turnstile_store::BeginAtOnce>,
     now: Timestamp,
-) -> Result<turnstile_store::DispatchRecord, ApiError> {
+) -> Result<(turnstile_store::DispatchRecord, Option<Began>), ApiError> {
     let Rendered {
         manifest,
         body,
         policy,
         fallbacks,
     } = rendered;
-    let outcome = if fallbacks.is_empty() {
-        ledger
+    let (outcome, begun) = match begin {
+        Some(begin) => {
+            ledger
+                .prepare_and_begin(&manifest, &body, policy.as_ref(), &fallbacks, begin, now)
+                .await
+        }
+        None if fallbacks.is_empty() => ledger
             .prepare_with_policy(&manifest, &body, policy.as_ref(), now)
             .await
-    } else {
-        ledger
+            .map(|outcome| (outcome, None)),
+        None => ledger
             .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now)
             .await
+            .map(|outcome| (outcome, None)),
     }
     .map_err(ApiError::store)?;
+    // A refused begin (the conversation moved on in between) leaves what the store decided:
+    // the dispatch is attached to as it is.
+    let began = match (begun, begin) {
+        (
+            Some(turnstile_store::BeginOutcome::Began {
+                generation,
+                idempotency_key,
+            }),
+            Some(begin),
+        ) => Some(Began {
+            target: begin.target,
+            generation,
+            idempotency_key,
+        }),
+        _ => None,
+    };
     use turnstile_store::PrepareOutcome as Stored;
     match outcome {
-        Stored::Created(record) | Stored::Existing(record) => Ok(record),
+        Stored::Created(record) | Stored::Existing(record) => Ok((record, began)),
         Stored::Conflict { .. } => Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::OperationConflict,
@@ -1073,6 +1124,7 @@ fn prepare_target(
 pub(crate) async fn hub_for(
     shared: &Arc<Shared>,
     record: turnstile_store::DispatchRecord,
+    began: Option<Began>,
     prepared_from: Option<&Conversation>,
 ) -> Result<Arc<Hub>, ApiError> {
     let operation_id = record.operation_id.clone();
@@ -1081,7 +1133,7 @@ pub(crate) async fn hub_for(
         let mut hubs = shared.hubs.lock().await;
         match hubs.get(&operation_id) {
             Some(hub) => Some(hub.clone()),
-            None if record.state == DispatchState::Prepared => {
+            None if record.state == DispatchState::Prepared || began.is_some() => {
                 let hub = Arc::new(Hub::observed(
                     shared.feed.clone(),
                     &record.conversation_id,
@@ -1090,12 +1142,16 @@ pub(crate) async fn hub_for(
                 hubs.insert(operation_id.clone(), hub.clone());
                 match context_with(shared, record.clone(), hub.clone(), prepared_from).await {
                     Ok(ctx) => {
-                        tokio::spawn(driver::drive_new(shared.clone(), ctx));
+                        match began {
+                            Some(began) => tokio::spawn(driver::drive_begun(shared.clone(), ctx, began)),
+                            None => tokio::spawn(driver::drive_new(shared.clone(), ctx)),
+                        };
                         Some(hub)
                     }
                     Err(error) => {
                         // No hub without a driver: the dispatch stays PREPARED for the sweep
-                        // (or a later attach) instead of waiting on a hub nobody feeds.
+                        // (or a later attach) instead of waiting on a hub nobody feeds; one the
+                        // prepare began is recovered once its lease runs out.
                         hubs.remove(&operation_id);
                         hub.finish();
                         return Err(error);
@@ -1127,11 +1183,12 @@ async fn attach(
     shared: Arc<Shared>,
     caller: Caller,
     record: turnstile_store::DispatchRecord,
+    began: Option<Began>,
     stream: bool,
     prepared_from: Option<&Conversation>,
 ) -> ApiResult {
     let operation_id = record.operation_id.clone();
-    let hub = hub_for(&shared, record, prepared_from).await?;
+    let hub = hub_for(&shared, record, began, prepared_from).await?;
     let _ = caller;
     if stream {
         Ok(sse_response(hub.subscribe()))
@@ -1941,6 +1998,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     if let Ok(age_ms) = shared.ledger.stuck_age_ms().await {
         metrics::unknown_age(age_ms as f64 / 1000.0);
     }
+    metrics::store_write_ops(shared.ledger.write_ops());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

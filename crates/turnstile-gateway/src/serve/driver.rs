@@ -138,6 +138,13 @@ pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
     run(shared, ctx, drive).await;
 }
 
+/// Drive a dispatch whose first attempt its prepare began (`Ledger::prepare_and_begin`).
+pub async fn drive_begun(shared: Arc<Shared>, ctx: DriveContext, began: super::api::Began) {
+    let spec = spec_of(&shared, &ctx).await;
+    let drive = Drive::begun(spec, now(), began.target, began.generation, began.idempotency_key);
+    run(shared, ctx, drive).await;
+}
+
 /// Drive a dispatch whose active attempt is UNKNOWN (start-up recovery or a takeover).
 pub async fn drive_recovered(
     shared: Arc<Shared>,

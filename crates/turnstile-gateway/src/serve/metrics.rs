@@ -65,6 +65,10 @@ pub const TOOL_CALL_EXPIRIES: &str = "turnstile_tool_call_expiries_total";
 /// Tool results refused because their claim was not current (released or taken over).
 pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
 
+/// Store operations of this process that changed a row and were committed (durable writes;
+/// `Ledger::write_ops`, read at each scrape).
+pub const STORE_WRITE_OPS: &str = "turnstile_store_write_ops_total";
+
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
 /// Kinds of shadow difference used as the `kind` label.
@@ -166,6 +170,11 @@ pub fn ignored(reason: &'static str) {
 pub fn failover(from: &str, to: &str, reason: &str) {
     counter!(FAILOVERS, "from" => from.to_owned(), "to" => to.to_owned(), "reason" => reason.to_owned())
         .increment(1);
+}
+
+/// The ledger's count of durable writes, at a scrape.
+pub fn store_write_ops(total: u64) {
+    counter!(STORE_WRITE_OPS).absolute(total);
 }
 
 /// Count a dispatch transition.

@@ -600,6 +600,22 @@ impl Hook {
                     );
                 }
             }
+            DriveEvent::State {
+                state: state @ (DispatchState::Sent | DispatchState::Streaming),
+                generation: Some(generation),
+            } => {
+                // When it happened: the driver may write it later, with the commit.
+                if let Some(attempt) = trace.attempts.get_mut(&generation.0) {
+                    attempt.cx.span().add_event(
+                        "turnstile.transition",
+                        vec![
+                            KeyValue::new("turnstile.from", attempt.state.as_str()),
+                            KeyValue::new("turnstile.to", state.as_str()),
+                        ],
+                    );
+                    attempt.state = *state;
+                }
+            }
             DriveEvent::Error { code, .. } => trace.error = Some(code.clone()),
             DriveEvent::Committed { turn, facts, .. } if trace.capture_content => {
                 let mut message = json!({"role": "assistant", "parts": parts_of(turn)});
@@ -697,7 +713,10 @@ impl DispatchTrace {
                     reason,
                 },
                 StoreResult::Applied,
-            ) => {
+            ) if !matches!(to, DispatchState::Sent | DispatchState::Streaming)
+                || *from == DispatchState::Unknown =>
+            {
+                // SENT and STREAMING are traced when they happen (`emit`), not when written.
                 if let Some(attempt) = self.attempt(generation.0) {
                     let mut attributes = vec![
                         KeyValue::new("turnstile.from", from.as_str()),
@@ -754,11 +773,23 @@ impl DispatchTrace {
             }
             (
                 StoreOp::Commit {
-                    generation, outcome, ..
+                    generation,
+                    outcome,
+                    handle,
+                    ..
                 },
                 StoreResult::Committed { revision },
             ) => {
                 let mut attributes = outcome.as_ref().map(outcome_attributes).unwrap_or_default();
+                // A handle the commit carried was bound in its transaction.
+                if let Some(handle) = handle
+                    && let Some(attempt) = self.attempt(generation.0)
+                {
+                    attempt
+                        .cx
+                        .span()
+                        .set_attribute(KeyValue::new("gen_ai.response.id", handle.clone()));
+                }
                 if let Some(attempt) = self.attempt(generation.0) {
                     attempt.cx.span().set_attributes(attributes.clone());
                     attempt.state = DispatchState::Committed;

@@ -1291,3 +1291,84 @@ fn the_dispatch_view_shows_the_render_policy_that_hashes_to_the_manifests_policy
     );
     assert!(text.contains("required"), "{policy}");
 }
+
+/// Issue 21: a dispatch that commits costs two durable writes, the prepare that is also the
+/// acceptance point and the canonical commit (which carries SENT, STREAMING, the handle and
+/// the tool calls); the attempt's history still names every state it went through. On the
+/// embedded SQLite and on PostgreSQL.
+#[test]
+fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let pg_dir = tempfile::tempdir().unwrap();
+    let run = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    for (store, gateway) in [
+        ("sqlite", Gateway::start(&dir, &sqlite(&dir), &sim, "")),
+        ("postgres", Gateway::start(&pg_dir, &url, &sim, "")),
+    ] {
+        for adapter in [
+            "openai-chat@1",
+            "openai-responses@1",
+            "anthropic-messages@1",
+            "gemini@1",
+        ] {
+            let id = format!("c-writes-{run}-{store}-{}", adapter.replace('@', "-"));
+            let model = format!("m-{id}");
+            conversation_with_question(&gateway, &id);
+            sim.script(&model, json!([two_calls(json!({}))]));
+            let before = gateway.metric("turnstile_store_write_ops_total");
+            let events = gateway.dispatch(&id, &format!("op-{id}"), adapter, &model);
+            assert_eq!(
+                named(&events, "committed").len(),
+                1,
+                "{store} {adapter}: {events:?}"
+            );
+            let writes = gateway.metric("turnstile_store_write_ops_total") - before;
+            // The simulator's Responses endpoint resumes by handle (background mode): there the
+            // handle is bound as soon as seen, a third write, because recovery resumes by it.
+            let expected = if adapter == "openai-responses@1" { 3.0 } else { 2.0 };
+            assert_eq!(
+                writes, expected,
+                "{store} {adapter}: durable writes for one committed dispatch"
+            );
+            let dispatch = gateway.get(&format!("/v1/dispatches/op-{id}"));
+            let attempts = dispatch["attempts"].as_array().unwrap();
+            assert_eq!(attempts.len(), 1, "{dispatch}");
+            let states: Vec<&str> = attempts[0]["history"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|entry| entry["state"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                states,
+                ["DISPATCHING", "SENT", "STREAMING", "COMMITTED"],
+                "{store} {adapter}: {dispatch}"
+            );
+            if adapter != "gemini@1" {
+                assert!(
+                    attempts[0]["handle"].is_string(),
+                    "{store} {adapter}: the commit binds the handle: {dispatch}"
+                );
+            }
+            let ready = gateway.get("/v1/tool-calls?state=ready");
+            let mine = ready["tool_calls"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|call| call["conversation_id"] == id.as_str())
+                .count();
+            assert_eq!(mine, 2, "{store} {adapter}: the commit's tool-call rows");
+        }
+        assert_safety_metrics_zero(&gateway);
+    }
+}

@@ -63,6 +63,7 @@ suite!(
     conversations_are_listed_newest_first_paged_searched_and_tenant_scoped,
     conversation_listing_filters_by_last_dispatch_and_pending_calls,
     the_quarantine_pages_newest_first_within_a_prefix,
+    prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -1704,5 +1705,147 @@ pub async fn an_import_writes_a_whole_legal_history_at_once_or_nothing(backend: 
         AppendOutcome::Appended {
             revision: Revision(5)
         }
+    );
+}
+
+/// Issue 21's two durable writes: the prepare that begins the first attempt, then the commit
+/// that carries SENT, STREAMING and the handle (a history row each). A carried handle bound to
+/// another manifest refuses the commit and moves nothing; a prepare of an existing dispatch
+/// begins nothing.
+pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    conversation_at_1(&*store, "d").await;
+    let begin = BeginAtOnce {
+        holder: "replica-a".into(),
+        lease_ms: 5_000,
+        target: 0,
+    };
+    let writes = store.write_ops();
+    let (manifest_c, bytes_c) = manifest("op-c", "c", 1, "m");
+    let (prepared, began) = store
+        .prepare_and_begin(&manifest_c, &bytes_c, None, &[], &begin, at(10))
+        .await
+        .unwrap();
+    assert_eq!(store.write_ops() - writes, 1, "prepare and begin are one write");
+    let PrepareOutcome::Created(record) = prepared else {
+        panic!("not created: {prepared:?}")
+    };
+    assert_eq!(record.state, DispatchState::Dispatching);
+    let Some(BeginOutcome::Began {
+        generation,
+        idempotency_key,
+    }) = began
+    else {
+        panic!("not begun: {began:?}")
+    };
+    assert_eq!(generation, Generation(1));
+    assert!(!idempotency_key.is_empty());
+    let attempts = store.attempts("op-c").await.unwrap();
+    assert_eq!(attempts[0].state, DispatchState::Dispatching);
+    assert_eq!(attempts[0].lease_holder, "replica-a");
+    // Asked again (a client's retry), the same manifest is the existing dispatch, not begun.
+    let (again, began_again) = store
+        .prepare_and_begin(&manifest_c, &bytes_c, None, &[], &begin, at(11))
+        .await
+        .unwrap();
+    assert!(matches!(again, PrepareOutcome::Existing(_)), "{again:?}");
+    assert_eq!(began_again, None);
+    assert_eq!(store.attempts("op-c").await.unwrap().len(), 1);
+    // Another dispatch binds resp_x first; op-c's commit carrying resp_x is refused.
+    let (manifest_d, bytes_d) = manifest("op-d", "d", 1, "m");
+    let (_, began_d) = store
+        .prepare_and_begin(&manifest_d, &bytes_d, None, &[], &begin, at(12))
+        .await
+        .unwrap();
+    let Some(BeginOutcome::Began {
+        generation: gen_d, ..
+    }) = began_d
+    else {
+        panic!("op-d not begun")
+    };
+    assert_eq!(
+        store.bind_handle("op-d", gen_d, "resp_x", at(13)).await.unwrap(),
+        BindOutcome::Bound
+    );
+    let carried = |handle: &str| Carried {
+        from: DispatchState::Dispatching,
+        handle: Some(handle.to_owned()),
+    };
+    let turn = assistant_turn("a", 1);
+    assert_eq!(
+        store
+            .commit_carrying(
+                "op-c",
+                generation,
+                Revision(1),
+                &turn,
+                None,
+                &carried("resp_x"),
+                at(14)
+            )
+            .await
+            .unwrap(),
+        CommitOutcome::Refused(CommitRefusal::ForeignHandle)
+    );
+    assert_eq!(store.counters().await.unwrap().foreign_handle_refusals, 1);
+    let attempt = &store.attempts("op-c").await.unwrap()[0];
+    assert_eq!(
+        (attempt.state, attempt.handle.clone()),
+        (DispatchState::Dispatching, None)
+    );
+    assert_eq!(store.conversation("c").await.unwrap().unwrap()["revision"], 1);
+    // Its own handle commits, from DISPATCHING, in one write with every state on the way.
+    let writes = store.write_ops();
+    let outcome = store
+        .commit_carrying(
+            "op-c",
+            generation,
+            Revision(1),
+            &turn,
+            None,
+            &carried("resp_c"),
+            at(15),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(&outcome, CommitOutcome::Committed { revision, tool_calls } if *revision == Revision(2) && tool_calls.len() == 1),
+        "{outcome:?}"
+    );
+    assert_eq!(store.write_ops() - writes, 1, "the commit is one write");
+    let attempt = &store.attempts("op-c").await.unwrap()[0];
+    let states: Vec<DispatchState> = attempt.history.iter().map(|(state, _)| *state).collect();
+    assert_eq!(
+        states,
+        [
+            DispatchState::Dispatching,
+            DispatchState::Sent,
+            DispatchState::Streaming,
+            DispatchState::Committed
+        ]
+    );
+    assert_eq!(attempt.handle.as_deref(), Some("resp_c"));
+    assert_eq!(store.tool_calls(None).await.unwrap().len(), 1);
+    // A commit cannot carry an attempt from a state that is not on the way to COMMITTED.
+    assert!(
+        store
+            .commit_carrying(
+                "op-d",
+                gen_d,
+                Revision(1),
+                &turn,
+                None,
+                &Carried {
+                    from: DispatchState::Unknown,
+                    handle: None
+                },
+                at(16)
+            )
+            .await
+            .is_err()
     );
 }

@@ -858,8 +858,8 @@ async fn serve_ours(
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
-    let record = match started {
-        Started::Record(record) => record,
+    let (record, began) = match started {
+        Started::Record(record, began) => (record, began),
         Started::Early(Early::Paused(reason)) => {
             return Err(provider_error(
                 api,
@@ -883,7 +883,7 @@ async fn serve_ours(
         }
     };
     let prompt_tokens = record.manifest["prompt_tokens"].as_u64().unwrap_or(0);
-    let hub = hub_for(shared, record, Some(&conversation))
+    let hub = hub_for(shared, record, began, Some(&conversation))
         .await
         .map_err(|error| from_api_error(api, error))?;
     let to = Addressee {
