@@ -889,6 +889,8 @@ pub struct Began {
     pub generation: turnstile_core::Generation,
     /// Its idempotency key.
     pub idempotency_key: String,
+    /// How many failover targets the prepare stored (none: the driver need not read them).
+    pub fallbacks: usize,
 }
 
 /// Every target of a dispatch rendered and sealed, before anything is stored: target 0's
@@ -990,6 +992,7 @@ pub async fn store_rendered(
         policy,
         fallbacks,
     } = rendered;
+    let fallback_count = fallbacks.len();
     let (outcome, begun) = match begin {
         Some(begin) => {
             ledger
@@ -1019,6 +1022,7 @@ pub async fn store_rendered(
             target: begin.target,
             generation,
             idempotency_key,
+            fallbacks: fallback_count,
         }),
         _ => None,
     };
@@ -1140,7 +1144,9 @@ pub(crate) async fn hub_for(
                     &operation_id,
                 ));
                 hubs.insert(operation_id.clone(), hub.clone());
-                match context_with(shared, record.clone(), hub.clone(), prepared_from).await {
+                // A dispatch this request just prepared: its failover targets are known.
+                let no_fallbacks = began.as_ref().is_some_and(|began| began.fallbacks == 0);
+                match context_with(shared, record.clone(), hub.clone(), prepared_from, no_fallbacks).await {
                     Ok(ctx) => {
                         match began {
                             Some(began) => tokio::spawn(driver::drive_begun(shared.clone(), ctx, began)),
@@ -1198,12 +1204,20 @@ async fn attach(
         while let Ok(Some(event)) = receiver.recv().await {
             events.push(event);
         }
-        let record = shared
-            .ledger
-            .dispatch(&operation_id)
-            .await
-            .map_err(ApiError::store)?;
-        let state = record.as_ref().map_or("unknown", |record| record.state.as_str());
+        // A commit is final: its state needs no read. Anything else is what the ledger says.
+        let committed_here = events
+            .iter()
+            .any(|event| matches!(&**event, turnstile_drive::DriveEvent::Committed { .. }));
+        let state = if committed_here {
+            DispatchState::Committed.as_str()
+        } else {
+            let record = shared
+                .ledger
+                .dispatch(&operation_id)
+                .await
+                .map_err(ApiError::store)?;
+            record.as_ref().map_or("unknown", |record| record.state.as_str())
+        };
         // Every event, `usage` reports included (as this answer always listed them).
         let listed: Vec<Value> = events
             .iter()
@@ -1273,7 +1287,7 @@ pub async fn context_for(
     record: turnstile_store::DispatchRecord,
     hub: Arc<Hub>,
 ) -> Result<DriveContext, ApiError> {
-    context_with(shared, record, hub, None).await
+    context_with(shared, record, hub, None, false).await
 }
 
 /// [`context_for`], reusing the conversation the caller just prepared from when it is the one
@@ -1284,6 +1298,7 @@ async fn context_with(
     record: turnstile_store::DispatchRecord,
     hub: Arc<Hub>,
     known: Option<&Conversation>,
+    no_fallbacks: bool,
 ) -> Result<DriveContext, ApiError> {
     let manifest = &record.manifest;
     let adapter = manifest["adapter"].as_str().unwrap_or("");
@@ -1314,12 +1329,16 @@ async fn context_with(
         provider: record.provider.clone(),
     }];
     // Failover targets, each with its own manifest and bytes (none for most dispatches).
-    for target in shared
-        .ledger
-        .dispatch_fallbacks(&record.operation_id)
-        .await
-        .map_err(ApiError::store)?
-    {
+    let fallbacks = if no_fallbacks {
+        Vec::new()
+    } else {
+        shared
+            .ledger
+            .dispatch_fallbacks(&record.operation_id)
+            .await
+            .map_err(ApiError::store)?
+    };
+    for target in fallbacks {
         let api = StreamApi::for_adapter(&target.adapter).ok_or_else(|| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,

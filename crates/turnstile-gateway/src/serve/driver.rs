@@ -91,9 +91,14 @@ fn provider_recovery(endpoint: &Endpoint, api: StreamApi) -> ProviderRecovery {
     }
 }
 
-async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
-    let (attempts_before, last_target) =
-        turnstile_store::drive::attempts_so_far(shared.ledger.as_ref(), &ctx.record).await;
+/// `fresh`: the dispatch's prepare began its first attempt just now (nothing to read back of
+/// earlier attempts).
+async fn spec_of(shared: &Shared, ctx: &DriveContext, fresh: bool) -> DriveSpec {
+    let (attempts_before, last_target) = if fresh {
+        (0, None)
+    } else {
+        turnstile_store::drive::attempts_so_far(shared.ledger.as_ref(), &ctx.record).await
+    };
     let targets = ctx
         .targets
         .iter()
@@ -133,14 +138,14 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext) -> DriveSpec {
 
 /// Drive a fresh PREPARED dispatch to its end.
 pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
-    let spec = spec_of(&shared, &ctx).await;
+    let spec = spec_of(&shared, &ctx, false).await;
     let drive = Drive::new(spec, now());
     run(shared, ctx, drive).await;
 }
 
 /// Drive a dispatch whose first attempt its prepare began (`Ledger::prepare_and_begin`).
 pub async fn drive_begun(shared: Arc<Shared>, ctx: DriveContext, began: super::api::Began) {
-    let spec = spec_of(&shared, &ctx).await;
+    let spec = spec_of(&shared, &ctx, true).await;
     let drive = Drive::begun(spec, now(), began.target, began.generation, began.idempotency_key);
     run(shared, ctx, drive).await;
 }
@@ -153,7 +158,7 @@ pub async fn drive_recovered(
     spent: turnstile_drive::RecoverySpent,
     target: u32,
 ) {
-    let spec = spec_of(&shared, &ctx).await;
+    let spec = spec_of(&shared, &ctx, false).await;
     let drive = Drive::recovered(spec, &attempt, spent, target, now());
     run(shared, ctx, drive).await;
 }
