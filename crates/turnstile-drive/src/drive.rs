@@ -331,6 +331,11 @@ pub struct Drive {
     carried: Vec<(StoreOp, Pending)>,
     /// The first attempt the prepare already began in its own transaction.
     prebegun: Option<(Generation, String)>,
+    /// A generation whose handle is held, not yet checked against the manifest, and the
+    /// events decoded since (bounded): if the handle turns out to be another manifest's, they
+    /// go to the quarantine log with it, as the queued events of a handle refused at once do.
+    unchecked: Option<Generation>,
+    unchecked_events: Vec<Sequenced>,
 }
 
 impl std::fmt::Debug for Drive {
@@ -475,6 +480,8 @@ impl Drive {
             outbox: VecDeque::new(),
             carried: Vec::new(),
             prebegun: None,
+            unchecked: None,
+            unchecked_events: Vec::new(),
         };
         // A dispatch rearmed after an attempt goes on from the target after that attempt's;
         // a fresh one starts at its own manifest (target 0), cooling targets skipped.
@@ -621,7 +628,7 @@ impl Drive {
         };
         match pending {
             Pending::MachineWrite(kind) => self.write_answered(kind, result),
-            Pending::Bind { generation, handle } => self.bind_answered(generation, &handle, result),
+            Pending::Bind { generation, handle } => self.bind_answered(generation, &handle, result, None),
             Pending::Quarantine => {
                 if let StoreResult::Failed(_) = result {
                     self.actions.push_back(Action::Count(Count::StoreFailure));
@@ -711,6 +718,10 @@ impl Drive {
             _ => false,
         };
         if held {
+            if let StoreOp::BindHandle { generation, .. } = &op {
+                self.unchecked = Some(*generation);
+                self.unchecked_events.clear();
+            }
             self.behind.push((op, pending));
             return;
         }
@@ -1340,7 +1351,7 @@ impl Drive {
                 self.stopped = true;
                 StoreAnswer::LeaseLost
             }
-            (WriteKind::Commit { .. }, StoreResult::Committed { revision }) => {
+            (WriteKind::Commit { generation }, StoreResult::Committed { revision }) => {
                 // Pair assertion (on in release): a commit lands at the answered revision + 1.
                 assert_eq!(
                     revision.0,
@@ -1349,7 +1360,11 @@ impl Drive {
                     self.spec.basis.operation_id,
                     self.spec.basis.revision.0
                 );
-                // The transitions it carried landed with it.
+                // The transitions it carried landed with it (and its handle was this manifest's).
+                if self.unchecked == Some(generation) {
+                    self.unchecked = None;
+                    self.unchecked_events = Vec::new();
+                }
                 for (op, _) in std::mem::take(&mut self.carried) {
                     if let StoreOp::Transition { from, to, .. } = op {
                         self.transitioned(from, to);
@@ -1368,7 +1383,7 @@ impl Drive {
                 // The handle it carried is another manifest's: nothing landed, the carried
                 // transitions are held back again, and the attempt ends as a refused bind
                 // would have ended it.
-                self.committed_turn = None;
+                let turn = self.committed_turn.take();
                 let mut handle = String::new();
                 for (op, pending) in std::mem::take(&mut self.carried) {
                     match op {
@@ -1378,7 +1393,7 @@ impl Drive {
                 }
                 let handled = self.machine.handle_store(self.now, StoreAnswer::CommitUnbound);
                 self.counted(handled);
-                self.bind_answered(generation, &handle, StoreResult::BindRefused);
+                self.bind_answered(generation, &handle, StoreResult::BindRefused, turn);
                 return;
             }
             (WriteKind::Commit { .. }, StoreResult::CommitRejected(codes)) => {
@@ -1528,7 +1543,26 @@ impl Drive {
         });
     }
 
-    fn bind_answered(&mut self, generation: Generation, handle: &str, result: StoreResult) {
+    /// `turn`: the whole turn, when the refusal came with the commit that carried the handle.
+    fn bind_answered(
+        &mut self,
+        generation: Generation,
+        handle: &str,
+        result: StoreResult,
+        turn: Option<Value>,
+    ) {
+        // The events decoded while the handle was held (none when it was bound at once).
+        let mut events: Vec<Value> = Vec::new();
+        if self.unchecked == Some(generation) {
+            self.unchecked = None;
+            if matches!(result, StoreResult::BindRefused) {
+                events = std::mem::take(&mut self.unchecked_events)
+                    .iter()
+                    .map(|sequenced| serde_json::to_value(&sequenced.event).unwrap_or(Value::Null))
+                    .collect();
+            }
+            self.unchecked_events = Vec::new();
+        }
         match result {
             StoreResult::BindRefused => {
                 // The handle belongs to another manifest: nothing from it may be merged, and a
@@ -1540,11 +1574,14 @@ impl Drive {
                 self.cause(generation, "foreign_handle");
                 // What arrived under it goes to the quarantine log with its reason, never
                 // dropped unseen (and never merged).
-                let mut content = self
-                    .assembler
-                    .as_ref()
-                    .filter(|assembler| assembler.generation() == generation)
-                    .map_or_else(|| json!({"generation": generation.0}), Assembler::material);
+                let mut content = match turn {
+                    Some(turn) => json!({"generation": generation.0, "turn": turn}),
+                    None => self
+                        .assembler
+                        .as_ref()
+                        .filter(|assembler| assembler.generation() == generation)
+                        .map_or_else(|| json!({"generation": generation.0}), Assembler::material),
+                };
                 content["handle"] = json!(handle);
                 let closed: Vec<ConnectionId> = self
                     .connections
@@ -1554,7 +1591,6 @@ impl Drive {
                     .collect();
                 // The rest of what arrived on its connections (bytes still queued, events the
                 // decoder holds) is kept with it, as decoded events, up to a bound.
-                let mut events = Vec::new();
                 for connection in &closed {
                     let mut queued = Vec::new();
                     self.work.retain(|work| match work {
@@ -1808,6 +1844,10 @@ impl Drive {
                 let Some(sequenced) = open.decoder.poll_event() else {
                     return;
                 };
+                if self.unchecked == Some(generation) && self.unchecked_events.len() < FOREIGN_EVENTS_KEPT_MAX
+                {
+                    self.unchecked_events.push(sequenced.clone());
+                }
                 self.work.push_front(Work::DrainDecoder(connection));
                 self.work.push_front(Work::Event {
                     connection,

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use turnstile_adapters::decode::StreamApi;
 use turnstile_core::Digest;
-use turnstile_core::dispatch::{ProviderRecovery, Timestamp, UnknownAttempt};
+use turnstile_core::dispatch::{DispatchState, ProviderRecovery, Timestamp, UnknownAttempt};
 use turnstile_core::{Generation, Revision};
 use turnstile_drive::*;
 
@@ -507,6 +507,111 @@ fn a_refused_attempt_moves_to_the_next_target_and_a_request_fault_does_not() {
             begins_under_refusals(&[Some(status)], 2).0,
             vec![0],
             "status {status}"
+        );
+    }
+}
+
+/// Issue 21: on the happy path the commit carries SENT, STREAMING and the handle, and nothing
+/// else is written between the begin and the commit. When the carried handle is another
+/// manifest's, nothing commits, the turn goes to the quarantine log with reason
+/// `foreign_handle`, and the held transitions are written, in order, before the attempt ends.
+#[test]
+fn the_commit_carries_sent_streaming_and_the_handle_and_a_foreign_one_is_quarantined() {
+    use turnstile_adapters::simulate::script::Reply;
+    use turnstile_adapters::simulate::wire::Api;
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let reply = Reply {
+        text: "Sunny in Paris.".into(),
+        ..Reply::default()
+    };
+    let body: Vec<u8> =
+        turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, "msg_other", "m", &[], 40)
+            .into_iter()
+            .flat_map(|frame| frame.bytes)
+            .collect();
+    for foreign in [false, true] {
+        let mut spec = spec(none, 0);
+        spec.targets[0].api = StreamApi::AnthropicMessages;
+        let mut drive = Drive::begun(spec, Timestamp(1_000), 0, Generation(1), "key-1".into());
+        let mut ops = Vec::new();
+        let mut quarantined = None;
+        let mut at = 1_000;
+        let mut fed = false;
+        loop {
+            at += 1;
+            match drive.poll_action() {
+                Some(Action::Store(op)) => {
+                    let result = match &op {
+                        StoreOp::Commit { from, handle, .. } => {
+                            assert_eq!(*from, DispatchState::Dispatching, "{ops:?}");
+                            assert_eq!(handle.as_deref(), Some("msg_other"));
+                            if foreign {
+                                StoreResult::BindRefused
+                            } else {
+                                StoreResult::Committed {
+                                    revision: Revision(4),
+                                }
+                            }
+                        }
+                        StoreOp::Quarantine { reason, content, .. } => {
+                            quarantined = Some((*reason, content.clone()));
+                            StoreResult::Applied
+                        }
+                        StoreOp::ReadAttempts => StoreResult::Attempts(vec![AttemptView {
+                            generation: Generation(1),
+                            handle: None,
+                            idempotency_key: "key-1".into(),
+                            lease_expires_at: Timestamp(6_001),
+                            spent: RecoverySpent::default(),
+                            target: 0,
+                        }]),
+                        _ => StoreResult::Applied,
+                    };
+                    ops.push(op);
+                    drive.handle_store(Timestamp(at), result);
+                }
+                Some(Action::Open { connection, .. }) if !fed => {
+                    fed = true;
+                    answer(&mut drive, connection, at, &body);
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+        assert!(
+            !ops.iter().any(|op| matches!(op, StoreOp::Begin { .. })),
+            "the prepare began it: {ops:?}"
+        );
+        assert!(
+            matches!(ops[0], StoreOp::Commit { .. }),
+            "nothing is written before the commit: {ops:?}"
+        );
+        if !foreign {
+            assert_eq!(ops.len(), 1, "{ops:?}");
+            assert_eq!(drive.state(), DispatchState::Committed);
+            continue;
+        }
+        let (reason, content) = quarantined.expect("the turn under another manifest's handle is quarantined");
+        assert_eq!(reason, "foreign_handle");
+        assert!(content.to_string().contains("Sunny in Paris."), "{content}");
+        let transitions: Vec<(DispatchState, DispatchState)> = ops
+            .iter()
+            .filter_map(|op| match op {
+                StoreOp::Transition { from, to, .. } => Some((*from, *to)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            &transitions[..3],
+            [
+                (DispatchState::Dispatching, DispatchState::Sent),
+                (DispatchState::Sent, DispatchState::Streaming),
+                (DispatchState::Streaming, DispatchState::Unknown),
+            ],
+            "{ops:?}"
         );
     }
 }
