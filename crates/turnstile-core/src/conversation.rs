@@ -578,6 +578,19 @@ impl Conversation {
         Ok(pushed)
     }
 
+    /// Decode one turn on its own (a v1 turn object): the turn and its decode findings, as
+    /// [`Conversation::push_turn`] decodes it. For a caller that keeps the validator's
+    /// [`crate::validate::History`] instead of the conversation. The file's limits are the
+    /// caller's to check (`History::counts`).
+    pub fn decode_turn(turn: Value) -> Result<(Turn, Vec<Violation>), Unreadable> {
+        let mut decoder = Decoder {
+            violations: Vec::new(),
+            turn_id: None,
+        };
+        let turn = decoder.turn(turn)?;
+        Ok((turn, decoder.violations))
+    }
+
     /// Take back the turn [`Conversation::push_turn`] appended (a turn the validator refused,
     /// or a benchmark's step), restoring the revision and the decode findings as they were.
     /// `pushed` must be the value of the last push not yet popped.

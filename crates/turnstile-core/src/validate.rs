@@ -7,7 +7,7 @@
 //! the run; calls still unanswered then are `missing_result`. If the conversation ends inside
 //! the run (or right after the assistant turn), the unanswered calls are pending: `waiting`.
 
-use crate::conversation::{Arguments, BlockBody, BlockState, Conversation, Role, RoleField, Trust};
+use crate::conversation::{Arguments, BlockBody, BlockState, Conversation, Role, RoleField, Trust, Turn};
 use crate::digest::Digest;
 use crate::ids::{CallId, Generation};
 use crate::violation::{Violation, ViolationCode};
@@ -100,50 +100,155 @@ pub fn validate(conversation: &Conversation) -> Verdict {
         violations: conversation.decode_violations.clone(),
         turn_id: None,
     };
-    let mut turn_ids: HashSet<&str> = HashSet::with_capacity(conversation.turns.len());
-    let mut block_ids: HashSet<&str> = HashSet::new();
-    let mut call_ids: HashSet<&str> = HashSet::new();
-    let mut revision_last = None;
-    let mut seen_non_system = false;
-    // Calls of the assistant turn whose tool run is open, with whether each is answered.
-    let mut open: Option<OpenCalls<'_>> = None;
-
+    let mut walk: Walk<&str> = Walk::new(conversation.turns.len());
     for turn in &conversation.turns {
+        walk.turn(turn, &mut pass);
+    }
+    walk.verdict(pass.violations)
+}
+
+/// What the validator knows after a legal history, kept to check one more turn for the cost
+/// of that turn: the turn, block and call ids taken, the last revision, whether a non-system
+/// turn was seen, and the calls of an open tool run. It is the very walk [`validate`] makes
+/// (one implementation), with owned ids, so `History::of(h).push(t)` finds exactly what
+/// `validate(h + t)` finds (`tests/it/history.rs`).
+#[derive(Clone, Debug)]
+pub struct History {
+    walk: Walk<String>,
+    violations: Vec<Violation>,
+    turns: usize,
+    blocks: usize,
+}
+
+impl History {
+    /// Walk a whole decoded conversation (its decode findings included).
+    pub fn of(conversation: &Conversation) -> History {
+        let mut pass = Pass {
+            violations: conversation.decode_violations.clone(),
+            turn_id: None,
+        };
+        let mut walk: Walk<String> = Walk::new(conversation.turns.len());
+        for turn in &conversation.turns {
+            walk.turn(turn, &mut pass);
+        }
+        History {
+            walk,
+            violations: pass.violations,
+            turns: conversation.turns.len(),
+            blocks: conversation.turns.iter().map(|turn| turn.blocks.len()).sum(),
+        }
+    }
+
+    /// Walk one more turn (decoded, with its own decode findings).
+    pub fn push(&mut self, turn: &Turn, decode_violations: Vec<Violation>) {
+        let mut pass = Pass {
+            violations: std::mem::take(&mut self.violations),
+            turn_id: None,
+        };
+        pass.violations.extend(decode_violations);
+        self.walk.turn(turn, &mut pass);
+        self.violations = pass.violations;
+        self.turns += 1;
+        self.blocks += turn.blocks.len();
+    }
+
+    /// The verdict on the history walked so far.
+    pub fn verdict(&self) -> Verdict {
+        self.walk.clone().verdict(self.violations.clone())
+    }
+
+    /// Whether nothing was found wrong so far (ready or waiting).
+    pub fn is_legal(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// Turns and blocks walked (for the file's limits).
+    pub fn counts(&self) -> (usize, usize) {
+        (self.turns, self.blocks)
+    }
+}
+
+/// An id as the walk keeps it: borrowed from the conversation ([`validate`]) or owned
+/// ([`History`]).
+trait Key<'t>: Eq + std::hash::Hash + Clone + std::borrow::Borrow<str> {
+    fn of(text: &'t str) -> Self;
+}
+
+impl<'t> Key<'t> for &'t str {
+    fn of(text: &'t str) -> Self {
+        text
+    }
+}
+
+impl<'t> Key<'t> for String {
+    fn of(text: &'t str) -> Self {
+        text.to_owned()
+    }
+}
+
+/// The validator's walk over turns, in order (see the module documentation for the rules).
+#[derive(Clone, Debug)]
+struct Walk<K> {
+    turn_ids: HashSet<K>,
+    block_ids: HashSet<K>,
+    call_ids: HashSet<K>,
+    revision_last: Option<crate::ids::Revision>,
+    seen_non_system: bool,
+    /// Calls of the assistant turn whose tool run is open, with whether each is answered.
+    open: Option<OpenCalls<K>>,
+}
+
+impl<K: std::borrow::Borrow<str> + Eq + std::hash::Hash + Clone> Walk<K> {
+    fn new(turns: usize) -> Walk<K> {
+        Walk {
+            turn_ids: HashSet::with_capacity(turns),
+            block_ids: HashSet::new(),
+            call_ids: HashSet::new(),
+            revision_last: None,
+            seen_non_system: false,
+            open: None,
+        }
+    }
+
+    fn turn<'t>(&mut self, turn: &'t Turn, pass: &mut Pass<'t>)
+    where
+        K: Key<'t>,
+    {
         pass.turn_id = turn.id.as_deref();
-        if let Some(id) = turn.id.as_deref() {
-            if !turn_ids.insert(id) {
+        if let Some(id) = turn.id.as_deref()
+            && !self.turn_ids.insert(K::of(id))
+        {
+            pass.push(
+                ViolationCode::InvalidStructure,
+                None,
+                None,
+                format!("duplicate turn id {id:?}"),
+            );
+        }
+        if let Some(revision) = turn.revision {
+            if let Some(last) = self.revision_last
+                && revision <= last
+            {
                 pass.push(
                     ViolationCode::InvalidStructure,
                     None,
                     None,
-                    format!("duplicate turn id {id:?}"),
+                    format!("turn revision {revision} does not increase (previous {last})"),
                 );
             }
-        }
-        if let Some(revision) = turn.revision {
-            if let Some(last) = revision_last {
-                if revision <= last {
-                    pass.push(
-                        ViolationCode::InvalidStructure,
-                        None,
-                        None,
-                        format!("turn revision {revision} does not increase (previous {last})"),
-                    );
-                }
-            }
-            revision_last = Some(revision);
+            self.revision_last = Some(revision);
         }
         let role = match turn.role {
             RoleField::Known(role) => Some(role),
             RoleField::Invalid => None,
         };
-        if role != Some(Role::Tool) {
-            if let Some(closed) = open.take() {
-                closed.report_missing(&mut pass);
-            }
+        if role != Some(Role::Tool)
+            && let Some(closed) = self.open.take()
+        {
+            closed.report_missing(pass);
         }
         match role {
-            Some(Role::System) if seen_non_system => {
+            Some(Role::System) if self.seen_non_system => {
                 pass.push(
                     ViolationCode::RoleViolation,
                     None,
@@ -152,20 +257,20 @@ pub fn validate(conversation: &Conversation) -> Verdict {
                 );
             }
             Some(Role::System) => {}
-            _ => seen_non_system = true,
+            _ => self.seen_non_system = true,
         }
-        let mut calls_here: Vec<CallRecord<'_>> = Vec::new();
+        let mut calls_here: Vec<CallRecord<K>> = Vec::new();
         for block in &turn.blocks {
             let block_id = block.id.as_deref();
-            if let Some(id) = block_id {
-                if !block_ids.insert(id) {
-                    pass.push(
-                        ViolationCode::InvalidStructure,
-                        block_id,
-                        None,
-                        format!("duplicate block id {id:?}"),
-                    );
-                }
+            if let Some(id) = block_id
+                && !self.block_ids.insert(K::of(id))
+            {
+                pass.push(
+                    ViolationCode::InvalidStructure,
+                    block_id,
+                    None,
+                    format!("duplicate block id {id:?}"),
+                );
             }
             if let BlockState::Other(state) = &block.state {
                 pass.push(
@@ -237,7 +342,7 @@ pub fn validate(conversation: &Conversation) -> Verdict {
                             format!("arguments are not a complete JSON object ({state:?})"),
                         );
                     }
-                    if !call_ids.insert(call_id.as_str()) {
+                    if !self.call_ids.insert(K::of(call_id.as_str())) {
                         pass.push(
                             ViolationCode::DuplicateCallId,
                             block_id,
@@ -247,10 +352,10 @@ pub fn validate(conversation: &Conversation) -> Verdict {
                         continue;
                     }
                     calls_here.push(CallRecord {
-                        call_id,
-                        tool,
-                        args_digest: arguments.digest(),
-                        block_id,
+                        call_id: K::of(call_id.as_str()),
+                        tool: K::of(tool),
+                        args_digest: arguments.digest().map(|digest| K::of(digest.as_str())),
+                        block_id: block_id.map(K::of),
                         answered: false,
                     });
                 }
@@ -262,7 +367,7 @@ pub fn validate(conversation: &Conversation) -> Verdict {
                     ..
                 } => {
                     pass.result(
-                        open.as_mut(),
+                        self.open.as_mut(),
                         block_id,
                         call_id,
                         tool,
@@ -274,29 +379,32 @@ pub fn validate(conversation: &Conversation) -> Verdict {
             }
         }
         if role == Some(Role::Assistant) && !calls_here.is_empty() {
-            open = Some(OpenCalls {
-                turn_id: turn.id.as_deref(),
+            self.open = Some(OpenCalls {
+                turn_id: turn.id.as_deref().map(K::of),
                 generation: turn.generation,
                 calls: calls_here,
             });
         }
     }
 
-    let pending: Vec<CallId> = open
-        .map(|open| {
-            open.calls
-                .into_iter()
-                .filter(|call| !call.answered)
-                .map(|call| call.call_id.clone())
-                .collect()
-        })
-        .unwrap_or_default();
-    if !pass.violations.is_empty() {
-        Verdict::Rejected(pass.violations)
-    } else if !pending.is_empty() {
-        Verdict::Waiting { pending }
-    } else {
-        Verdict::Ready
+    fn verdict(self, violations: Vec<Violation>) -> Verdict {
+        let pending: Vec<CallId> = self
+            .open
+            .map(|open| {
+                open.calls
+                    .into_iter()
+                    .filter(|call| !call.answered)
+                    .map(|call| CallId(call.call_id.borrow().to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !violations.is_empty() {
+            Verdict::Rejected(violations)
+        } else if !pending.is_empty() {
+            Verdict::Waiting { pending }
+        } else {
+            Verdict::Ready
+        }
     }
 }
 
@@ -305,31 +413,33 @@ struct Pass<'a> {
     turn_id: Option<&'a str>,
 }
 
-struct CallRecord<'a> {
-    call_id: &'a CallId,
-    tool: &'a str,
-    args_digest: Option<&'a Digest>,
-    block_id: Option<&'a str>,
+#[derive(Clone, Debug)]
+struct CallRecord<K> {
+    call_id: K,
+    tool: K,
+    args_digest: Option<K>,
+    block_id: Option<K>,
     answered: bool,
 }
 
-struct OpenCalls<'a> {
-    turn_id: Option<&'a str>,
+#[derive(Clone, Debug)]
+struct OpenCalls<K> {
+    turn_id: Option<K>,
     generation: Option<Generation>,
-    calls: Vec<CallRecord<'a>>,
+    calls: Vec<CallRecord<K>>,
 }
 
-impl OpenCalls<'_> {
+impl<K: std::borrow::Borrow<str>> OpenCalls<K> {
     fn report_missing(self, pass: &mut Pass<'_>) {
         for call in self.calls.iter().filter(|call| !call.answered) {
             pass.violations.push(Violation {
                 code: ViolationCode::MissingResult,
-                turn: self.turn_id.map(str::to_owned),
-                block: call.block_id.map(str::to_owned),
-                call_id: Some(call.call_id.0.clone()),
+                turn: self.turn_id.as_ref().map(|id| id.borrow().to_owned()),
+                block: call.block_id.as_ref().map(|id| id.borrow().to_owned()),
+                call_id: Some(call.call_id.borrow().to_owned()),
                 message: format!(
                     "call {:?} has no terminal result before the next non-tool turn",
-                    call.call_id.0
+                    call.call_id.borrow()
                 ),
             });
         }
@@ -347,9 +457,9 @@ impl<'a> Pass<'a> {
         });
     }
 
-    fn result(
+    fn result<K: std::borrow::Borrow<str>>(
         &mut self,
-        open: Option<&mut OpenCalls<'_>>,
+        open: Option<&mut OpenCalls<K>>,
         block_id: Option<&str>,
         call_id: &CallId,
         tool: &str,
@@ -367,7 +477,11 @@ impl<'a> Pass<'a> {
             return;
         };
         let call_generation = open.generation;
-        let Some(call) = open.calls.iter_mut().find(|call| call.call_id == call_id) else {
+        let Some(call) = open
+            .calls
+            .iter_mut()
+            .find(|call| call.call_id.borrow() == call_id.as_str())
+        else {
             self.push(
                 ViolationCode::OrphanResult,
                 block_id,
@@ -394,12 +508,18 @@ impl<'a> Pass<'a> {
         let mut differences = Vec::new();
         if tool.is_empty() {
             differences.push("the result carries no tool".to_owned());
-        } else if call.tool != tool {
-            differences.push(format!("tool {tool:?} is not the call's {:?}", call.tool));
+        } else if call.tool.borrow() != tool {
+            differences.push(format!(
+                "tool {tool:?} is not the call's {:?}",
+                call.tool.borrow()
+            ));
         }
-        match (args_digest, call.args_digest) {
+        match (
+            args_digest,
+            call.args_digest.as_ref().map(|digest| digest.borrow()),
+        ) {
             (None, Some(_)) => differences.push("the result carries no args_digest".to_owned()),
-            (Some(given), Some(expected)) if given != expected => {
+            (Some(given), Some(expected)) if given.as_str() != expected => {
                 differences.push(format!("args_digest {given} is not the call's {expected}"));
             }
             // The call's arguments are unclosed, so it has no digest to match (or copy, for an

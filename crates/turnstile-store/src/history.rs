@@ -4,8 +4,72 @@
 //! a `rejected` verdict refuses the write, `ready` and `waiting` accept it.
 
 use serde_json::{Map, Value, json};
-use turnstile_core::conversation::{Arguments, BlockBody, Conversation, FORMAT_V1};
-use turnstile_core::{Revision, Verdict, Violation, ViolationCode, validate};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use turnstile_core::conversation::{Arguments, BlockBody, Conversation, FORMAT_V1, Turn, Unreadable};
+use turnstile_core::validate::History;
+use turnstile_core::{Revision, Verdict, Violation, ViolationCode, limits, validate};
+
+/// Most conversations whose validation state a ledger keeps in memory.
+pub(crate) const VALIDATION_CACHE_MAX: usize = 1_024;
+
+/// The validator's state after each recently written conversation's last turn, by conversation
+/// and revision, so the next append checks the new turn only (issue 21: work proportional to
+/// what changed). A revision's history never changes once committed, so a state is valid for
+/// as long as it is kept; it is put only after the transaction that wrote that revision
+/// committed, and taken (not copied) by the next check, which puts the next one back.
+#[derive(Default)]
+pub(crate) struct ValidationCache {
+    states: Mutex<HashMap<String, (Revision, History)>>,
+    /// Checks that found no state and read and walked the whole history.
+    walks: std::sync::atomic::AtomicU64,
+}
+
+impl ValidationCache {
+    /// The state after `conversation_id` at `revision`, if kept (and legal); a miss is counted
+    /// as a whole-history walk (the caller makes one).
+    pub(crate) fn take(&self, conversation_id: &str, revision: Revision) -> Option<History> {
+        let mut map = self
+            .states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match map.remove(conversation_id) {
+            Some((at, history)) if at == revision && history.is_legal() => Some(history),
+            _ => {
+                self.walks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Whole-history walks so far (`Ledger::history_walks`).
+    pub(crate) fn walks(&self) -> u64 {
+        self.walks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keep the state after a committed write.
+    pub(crate) fn put(&self, next: Checked) {
+        let mut map = self
+            .states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.len() >= VALIDATION_CACHE_MAX
+            && !map.contains_key(&next.conversation_id)
+            && let Some(evicted) = map.keys().next().cloned()
+        {
+            map.remove(&evicted);
+        }
+        map.insert(next.conversation_id, (next.revision, next.history));
+    }
+}
+
+/// The validation state a successful check leaves for the write's revision (for
+/// [`ValidationCache::put`] once that write committed).
+pub(crate) struct Checked {
+    pub conversation_id: String,
+    pub revision: Revision,
+    pub history: History,
+}
 
 /// A tool call of a turn that passed the validator, ready for the execution ledger.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,36 +100,46 @@ fn shape_violation(message: &str) -> Vec<Violation> {
     }]
 }
 
-/// Validate `history + [new_turn]`; on success the new turn's tool calls (closed arguments
-/// only: the validator already refused anything else).
-pub(crate) fn check_append(
-    conversation_id: &str,
-    tools: &Value,
-    history: Vec<Value>,
+/// [`check_append`] from the validator's state after the stored history (`state`, from the
+/// [`ValidationCache`]): only the new turn is decoded and walked. The same findings as the
+/// whole check (`tests/it/history.rs` in turnstile-core proves the walk; the store's suites
+/// run every append through both). On success the new turn's calls and the state after it.
+pub(crate) fn check_next(
+    mut state: History,
     new_turn: Value,
-    new_revision: Revision,
-) -> Result<Vec<NewToolCall>, Vec<Violation>> {
-    let mut turns = history;
-    turns.push(new_turn);
-    let document = json!({
-        "format": FORMAT_V1,
-        "conversation_id": conversation_id,
-        "revision": new_revision.0,
-        "tools": tools,
-        "turns": turns,
-    });
-    let conversation = match Conversation::from_value(document) {
-        Ok(conversation) => conversation,
+) -> Result<(Vec<NewToolCall>, History), Vec<Violation>> {
+    let (turn, decode_violations) = match Conversation::decode_turn(new_turn) {
+        Ok(decoded) => decoded,
         Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
     };
-    if let Verdict::Rejected(violations) = validate(&conversation) {
+    let (turns, blocks) = state.counts();
+    if turns + 1 > limits::TURNS_MAX {
+        let limit = Unreadable::Limit {
+            what: "TURNS_MAX",
+            actual: turns + 1,
+            max: limits::TURNS_MAX,
+        };
+        return Err(shape_violation(&limit.to_string()));
+    }
+    if blocks + turn.blocks.len() > limits::BLOCKS_MAX {
+        let limit = Unreadable::Limit {
+            what: "BLOCKS_MAX",
+            actual: blocks + turn.blocks.len(),
+            max: limits::BLOCKS_MAX,
+        };
+        return Err(shape_violation(&limit.to_string()));
+    }
+    state.push(&turn, decode_violations);
+    if let Verdict::Rejected(violations) = state.verdict() {
         return Err(violations);
     }
-    let Some(last) = conversation.turns.last() else {
-        return Err(shape_violation("no turn to append"));
-    };
+    Ok((calls_of(&turn), state))
+}
+
+/// The closed tool calls of a turn that passed the validator.
+fn calls_of(turn: &Turn) -> Vec<NewToolCall> {
     let mut calls = Vec::new();
-    for block in &last.blocks {
+    for block in &turn.blocks {
         if let BlockBody::ToolCall {
             call_id,
             tool,
@@ -80,7 +154,38 @@ pub(crate) fn check_append(
             });
         }
     }
-    Ok(calls)
+    calls
+}
+
+/// [`check_append`], also giving the validator's state after the new turn.
+pub(crate) fn check_append_state(
+    conversation_id: &str,
+    tools: &Value,
+    history: Vec<Value>,
+    new_turn: Value,
+    new_revision: Revision,
+) -> Result<(Vec<NewToolCall>, History), Vec<Violation>> {
+    let mut turns = history;
+    turns.push(new_turn);
+    let document = json!({
+        "format": FORMAT_V1,
+        "conversation_id": conversation_id,
+        "revision": new_revision.0,
+        "tools": tools,
+        "turns": turns,
+    });
+    let conversation = match Conversation::from_value(document) {
+        Ok(conversation) => conversation,
+        Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
+    };
+    let state = History::of(&conversation);
+    if let Verdict::Rejected(violations) = state.verdict() {
+        return Err(violations);
+    }
+    let Some(last) = conversation.turns.last() else {
+        return Err(shape_violation("no turn to append"));
+    };
+    Ok((calls_of(last), state))
 }
 
 /// Validate a whole stamped history at once (an import): `rejected` refuses it.

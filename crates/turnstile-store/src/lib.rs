@@ -58,6 +58,11 @@ pub trait Ledger: Send + Sync {
     /// (a count in memory, from zero at open): the durable writes a workload costs.
     fn write_ops(&self) -> u64;
 
+    /// Appends and commits of this process whose history check read and walked the whole
+    /// stored history (no validator state kept for its revision); the others checked the new
+    /// turn only.
+    fn history_walks(&self) -> u64;
+
     /// Create a conversation at revision 0 with its declared tools (a v1 `tools` array).
     async fn create_conversation(
         &self,

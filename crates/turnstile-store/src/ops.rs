@@ -8,7 +8,7 @@
 //! tool call) so PostgreSQL never deadlocks two of these transactions.
 
 use crate::error::StoreError;
-use crate::history::{self, NewToolCall};
+use crate::history::{self, Checked, NewToolCall, ValidationCache};
 use crate::sql::{Dialect, Row, SqlValue, Tx};
 use crate::types::*;
 use serde_json::Value;
@@ -259,11 +259,40 @@ async fn insert_turn<T: Tx>(
     Ok(())
 }
 
+/// The would-be history check of a turn appended at `revision` after `expected`: only the new
+/// turn when the validator's state after `expected` is kept, else the whole history read and
+/// walked once. On success the turn's calls and the state after it.
+async fn check_turn<T: Tx>(
+    tx: &mut T,
+    cache: &ValidationCache,
+    conversation_id: &str,
+    tools: &Value,
+    expected: Revision,
+    stamped: Value,
+    revision: Revision,
+) -> Result<
+    Result<(Vec<NewToolCall>, turnstile_core::validate::History), Vec<turnstile_core::Violation>>,
+    StoreError,
+> {
+    Ok(match cache.take(conversation_id, expected) {
+        Some(state) => history::check_next(state, stamped),
+        None => {
+            let history = turns_up_to(tx, conversation_id, expected).await?;
+            history::check_append_state(conversation_id, tools, history, stamped, revision)
+        }
+    })
+}
+
+/// Append a turn at `expected + 1` (see [`check_turn`] for `cache`; `next` is set to the state
+/// after it on success).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn append_turn<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
     expected: Revision,
     turn: &Value,
+    cache: &ValidationCache,
+    next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<AppendOutcome, StoreError> {
     let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
@@ -282,12 +311,20 @@ pub(crate) async fn append_turn<T: Tx>(
             message: "a turn must be an object".into(),
         }]));
     };
-    let history = turns_up_to(tx, conversation_id, expected).await?;
-    if let Err(violations) =
-        history::check_append(conversation_id, &tools, history, stamped.clone(), revision)
+    let state = match check_turn(
+        tx,
+        cache,
+        conversation_id,
+        &tools,
+        expected,
+        stamped.clone(),
+        revision,
+    )
+    .await?
     {
-        return Ok(AppendOutcome::Rejected(violations));
-    }
+        Ok((_, state)) => state,
+        Err(violations) => return Ok(AppendOutcome::Rejected(violations)),
+    };
     if !claim_revision(tx, conversation_id, expected, now).await? {
         let current = conversation_head(tx, conversation_id, false)
             .await?
@@ -315,6 +352,11 @@ pub(crate) async fn append_turn<T: Tx>(
             }
         }
     }
+    *next = Some(Checked {
+        conversation_id: conversation_id.to_owned(),
+        revision,
+        history: state,
+    });
     Ok(AppendOutcome::Appended { revision })
 }
 
@@ -1361,6 +1403,9 @@ fn carried_steps(from: DispatchState) -> Option<&'static [(DispatchState, Dispat
     }
 }
 
+/// The canonical commit. `cache`: the validator's state after the stored history, if this
+/// process kept it; on a commit, `next` is set to the state after the new turn (for the
+/// caller to keep once the transaction committed).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn commit<T: Tx>(
     tx: &mut T,
@@ -1370,6 +1415,8 @@ pub(crate) async fn commit<T: Tx>(
     turn: &Value,
     outcome: Option<&Value>,
     carried: &Carried,
+    cache: &ValidationCache,
+    next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<CommitOutcome, StoreError> {
     let Some(steps) = carried_steps(carried.from) else {
@@ -1412,9 +1459,20 @@ pub(crate) async fn commit<T: Tx>(
     let Some((_, tools)) = conversation_head(tx, &conversation_id, false).await? else {
         return Ok(refuse(CommitRefusal::NotFound));
     };
-    let history = turns_up_to(tx, &conversation_id, expected_revision).await?;
-    let calls = match history::check_append(&conversation_id, &tools, history, stamped.clone(), revision) {
-        Ok(calls) => calls,
+    // Only the new turn is checked when the validator's state after the stored history is
+    // kept; else the whole history is read and walked once.
+    let checked = check_turn(
+        tx,
+        cache,
+        &conversation_id,
+        &tools,
+        expected_revision,
+        stamped.clone(),
+        revision,
+    )
+    .await?;
+    let (calls, state) = match checked {
+        Ok(checked) => checked,
         Err(violations) => {
             quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
             return Ok(CommitOutcome::Rejected(violations));
@@ -1482,6 +1540,11 @@ pub(crate) async fn commit<T: Tx>(
     )
     .await?;
     insert_tool_calls(tx, &conversation_id, revision, generation, operation_id, &calls).await?;
+    *next = Some(Checked {
+        conversation_id,
+        revision,
+        history: state,
+    });
     Ok(CommitOutcome::Committed {
         revision,
         tool_calls: calls.into_iter().map(|call| call.call_id).collect(),
@@ -1824,6 +1887,7 @@ pub(crate) async fn hand_to_client<T: Tx>(
     Ok(handed == 1)
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn submit_tool_result<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -1831,6 +1895,8 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     claim: u64,
     status: &str,
     content: &Value,
+    cache: &ValidationCache,
+    next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<ResultOutcome, StoreError> {
     let sql = format!(
@@ -1871,10 +1937,20 @@ pub(crate) async fn submit_tool_result<T: Tx>(
             "content": content,
         }],
     });
-    let history = turns_up_to(tx, conversation_id, current).await?;
-    if let Err(violations) = history::check_append(conversation_id, &tools, history, turn.clone(), revision) {
-        return Ok(ResultOutcome::Rejected(violations));
-    }
+    let state = match check_turn(
+        tx,
+        cache,
+        conversation_id,
+        &tools,
+        current,
+        turn.clone(),
+        revision,
+    )
+    .await?
+    {
+        Ok((_, state)) => state,
+        Err(violations) => return Ok(ResultOutcome::Rejected(violations)),
+    };
     tx.execute("SAVEPOINT tool_result", &[]).await?;
     if !claim_revision(tx, conversation_id, current, now).await? {
         tx.execute("ROLLBACK TO SAVEPOINT tool_result", &[]).await?;
@@ -1900,6 +1976,11 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     }
     tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
     insert_turn(tx, conversation_id, revision, &turn, None, None, now).await?;
+    *next = Some(Checked {
+        conversation_id: conversation_id.to_owned(),
+        revision,
+        history: state,
+    });
     Ok(ResultOutcome::Appended { revision })
 }
 

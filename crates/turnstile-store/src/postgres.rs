@@ -130,6 +130,7 @@ pub struct PgLedger {
     pool: Pool,
     faults: Arc<FaultInjector>,
     write_ops: std::sync::atomic::AtomicU64,
+    validation: crate::history::ValidationCache,
 }
 
 impl std::fmt::Debug for PgLedger {
@@ -174,6 +175,7 @@ impl PgLedger {
             pool,
             faults: Arc::new(FaultInjector::default()),
             write_ops: std::sync::atomic::AtomicU64::new(0),
+            validation: Default::default(),
         };
         ledger.migrate(schema).await?;
         Ok(ledger)
@@ -281,6 +283,10 @@ macro_rules! in_tx {
 
 #[async_trait::async_trait]
 impl Ledger for PgLedger {
+    fn history_walks(&self) -> u64 {
+        self.validation.walks()
+    }
+
     fn write_ops(&self) -> u64 {
         self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -336,13 +342,20 @@ impl Ledger for PgLedger {
         turn: &Value,
         now: Timestamp,
     ) -> Result<AppendOutcome, StoreError> {
-        in_tx!(self, |tx| ops::append_turn(
+        let mut next = None;
+        let outcome = in_tx!(self, |tx| ops::append_turn(
             &mut tx,
             conversation_id,
             expected,
             turn,
+            &self.validation,
+            &mut next,
             now
-        ))
+        ))?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn prepare_with_policy(
@@ -627,7 +640,8 @@ impl Ledger for PgLedger {
         carried: &Carried,
         now: Timestamp,
     ) -> Result<CommitOutcome, StoreError> {
-        in_tx!(self, |tx| ops::commit(
+        let mut next = None;
+        let outcome = in_tx!(self, |tx| ops::commit(
             &mut tx,
             operation_id,
             generation,
@@ -635,8 +649,15 @@ impl Ledger for PgLedger {
             turn,
             outcome,
             carried,
+            &self.validation,
+            &mut next,
             now
-        ))
+        ))?;
+        // Kept only now: the transaction that wrote this revision committed.
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {
@@ -676,15 +697,22 @@ impl Ledger for PgLedger {
         content: &Value,
         now: Timestamp,
     ) -> Result<ResultOutcome, StoreError> {
-        in_tx!(self, |tx| ops::submit_tool_result(
+        let mut next = None;
+        let outcome = in_tx!(self, |tx| ops::submit_tool_result(
             &mut tx,
             conversation_id,
             call_id,
             claim,
             status,
             content,
+            &self.validation,
+            &mut next,
             now
-        ))
+        ))?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError> {

@@ -128,6 +128,7 @@ pub struct SqliteLedger {
     writer: Option<JoinHandle<()>>,
     faults: Arc<FaultInjector>,
     write_ops: Arc<std::sync::atomic::AtomicU64>,
+    validation: Arc<crate::history::ValidationCache>,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -224,6 +225,7 @@ impl SqliteLedger {
             writer: Some(writer),
             faults,
             write_ops,
+            validation: Arc::default(),
         })
     }
 
@@ -387,6 +389,10 @@ fn run_batch(
 
 #[async_trait::async_trait]
 impl Ledger for SqliteLedger {
+    fn history_walks(&self) -> u64 {
+        self.validation.walks()
+    }
+
     fn write_ops(&self) -> u64 {
         self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -438,8 +444,19 @@ impl Ledger for SqliteLedger {
         now: Timestamp,
     ) -> Result<AppendOutcome, StoreError> {
         let (id, turn) = (conversation_id.to_owned(), turn.clone());
-        self.run(move |tx| block_on_ready(ops::append_turn(tx, &id, expected, &turn, now)))
-            .await
+        let cache = Arc::clone(&self.validation);
+        let (outcome, next) = self
+            .run(move |tx| {
+                let mut next = None;
+                let outcome =
+                    block_on_ready(ops::append_turn(tx, &id, expected, &turn, &cache, &mut next, now))?;
+                Ok((outcome, next))
+            })
+            .await?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn prepare_with_policy(
@@ -722,19 +739,30 @@ impl Ledger for SqliteLedger {
             outcome.cloned(),
             carried.clone(),
         );
-        self.run(move |tx| {
-            block_on_ready(ops::commit(
-                tx,
-                &op,
-                generation,
-                expected_revision,
-                &turn,
-                outcome.as_ref(),
-                &carried,
-                now,
-            ))
-        })
-        .await
+        let cache = Arc::clone(&self.validation);
+        let (outcome, next) = self
+            .run(move |tx| {
+                let mut next = None;
+                let outcome = block_on_ready(ops::commit(
+                    tx,
+                    &op,
+                    generation,
+                    expected_revision,
+                    &turn,
+                    outcome.as_ref(),
+                    &carried,
+                    &cache,
+                    &mut next,
+                    now,
+                ))?;
+                Ok((outcome, next))
+            })
+            .await?;
+        // Kept only now: the transaction that wrote this revision committed.
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {
@@ -780,12 +808,20 @@ impl Ledger for SqliteLedger {
             status.to_owned(),
             content.clone(),
         );
-        self.run(move |tx| {
-            block_on_ready(ops::submit_tool_result(
-                tx, &id, &call, claim, &status, &content, now,
-            ))
-        })
-        .await
+        let cache = Arc::clone(&self.validation);
+        let (outcome, next) = self
+            .run(move |tx| {
+                let mut next = None;
+                let outcome = block_on_ready(ops::submit_tool_result(
+                    tx, &id, &call, claim, &status, &content, &cache, &mut next, now,
+                ))?;
+                Ok((outcome, next))
+            })
+            .await?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 
     async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError> {

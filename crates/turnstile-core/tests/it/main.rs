@@ -4,6 +4,7 @@ mod assemble;
 mod digest;
 mod dispatch;
 mod generate;
+mod history;
 mod never_panics;
 mod properties;
 mod push_turn;

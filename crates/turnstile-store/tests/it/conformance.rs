@@ -64,6 +64,7 @@ suite!(
     conversation_listing_filters_by_last_dispatch_and_pending_calls,
     the_quarantine_pages_newest_first_within_a_prefix,
     prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
+    appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -1848,4 +1849,148 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
             .await
             .is_err()
     );
+}
+
+/// Issue 21: the store keeps the validator's state after each write, so the next append or
+/// commit checks the new turn only (`Ledger::history_walks` counts the whole-history walks),
+/// and refuses exactly what the whole check refuses: a call id already used in the history, a
+/// user turn while calls are open. Another ledger on the same store (a second replica) keeps
+/// nothing of this one's and walks once.
+pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same(
+    backend: Backend,
+    name: &str,
+) {
+    let (place, store) = open_fresh(backend, name).await;
+    let walks = store.history_walks();
+    conversation_at_1(&*store, "c").await;
+    assert_eq!(
+        store.history_walks() - walks,
+        1,
+        "the first turn of a new conversation walks it"
+    );
+    let walks = store.history_walks();
+    // An agent loop: a commit with a call, its result, the next user turn, the next commit.
+    let one = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    for state in [DispatchState::Sent, DispatchState::Streaming] {
+        let from = if state == DispatchState::Sent {
+            DispatchState::Dispatching
+        } else {
+            DispatchState::Sent
+        };
+        store.transition("op-1", one, from, state, at(20)).await.unwrap();
+    }
+    let committed = store
+        .commit("op-1", one, Revision(1), &assistant_turn("a1", 1), at(21))
+        .await
+        .unwrap();
+    let CommitOutcome::Committed { tool_calls, .. } = committed else {
+        panic!("{committed:?}")
+    };
+    let calls = store.tool_calls(None).await.unwrap();
+    let call = &calls[0];
+    let claimed = store
+        .claim_call("c", &tool_calls[0], "executor", 10_000)
+        .await
+        .unwrap();
+    let CallClaimOutcome::Claimed(CallClaim { claim, .. }) = claimed else {
+        panic!("{claimed:?}")
+    };
+    let result = store
+        .submit_tool_result(
+            "c",
+            &call.call_id,
+            claim,
+            "success",
+            &json!([{"kind": "text", "text": "12C"}]),
+            at(22),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(result, ResultOutcome::Appended { revision } if revision == Revision(3)),
+        "{result:?}"
+    );
+    let appended = store
+        .append_turn("c", Revision(3), &user_turn("c-u2"), at(23))
+        .await
+        .unwrap();
+    assert_eq!(
+        appended,
+        AppendOutcome::Appended {
+            revision: Revision(4)
+        }
+    );
+    assert_eq!(
+        store.history_walks() - walks,
+        0,
+        "after the conversation's first turn, the commit, the result and the next turn checked themselves only"
+    );
+    // The same refusals as the whole check: a user turn after a user turn is legal, but a
+    // turn reusing a block id of the history is not, nor one reusing a turn id.
+    let reused_block =
+        json!({"id": "c-u3", "role": "user", "blocks": [{"id": "c-u2-b", "kind": "text", "text": "Again?"}]});
+    let refused = store
+        .append_turn("c", Revision(4), &reused_block, at(24))
+        .await
+        .unwrap();
+    let AppendOutcome::Rejected(violations) = refused else {
+        panic!("{refused:?}")
+    };
+    assert_eq!(
+        violations[0].code,
+        ViolationCode::InvalidStructure,
+        "{violations:?}"
+    );
+    assert!(
+        violations[0].message.contains("duplicate block id"),
+        "{violations:?}"
+    );
+    // A refused check leaves no state: the next one walks the history again, and still refuses
+    // a reused turn id.
+    let walks = store.history_walks();
+    let reused_turn =
+        json!({"id": "c-u2", "role": "user", "blocks": [{"id": "c-u4-b", "kind": "text", "text": "Again?"}]});
+    let refused = store
+        .append_turn("c", Revision(4), &reused_turn, at(25))
+        .await
+        .unwrap();
+    assert!(matches!(refused, AppendOutcome::Rejected(_)), "{refused:?}");
+    assert_eq!(store.history_walks() - walks, 1);
+    let fine =
+        json!({"id": "c-u5", "role": "user", "blocks": [{"id": "c-u5-b", "kind": "text", "text": "Now?"}]});
+    assert_eq!(
+        store.append_turn("c", Revision(4), &fine, at(26)).await.unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(5)
+        }
+    );
+    // A second ledger on the same store knows nothing of the first one's states.
+    let other = open_at(&place, 2).await;
+    let walks = other.history_walks();
+    let next =
+        json!({"id": "c-u6", "role": "user", "blocks": [{"id": "c-u6-b", "kind": "text", "text": "Later?"}]});
+    assert_eq!(
+        other.append_turn("c", Revision(5), &next, at(27)).await.unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(6)
+        }
+    );
+    assert_eq!(other.history_walks() - walks, 1);
+    // The first ledger's state is for revision 5: the conversation moved on, so it walks too,
+    // and refuses a call id the other ledger's history holds.
+    let walks = store.history_walks();
+    let two = prepared_and_begun(&*store, "op-2", "c", 6).await;
+    for (from, to) in [
+        (DispatchState::Dispatching, DispatchState::Sent),
+        (DispatchState::Sent, DispatchState::Streaming),
+    ] {
+        store.transition("op-2", two, from, to, at(28)).await.unwrap();
+    }
+    let reused_call = assistant_turn("a1", 1);
+    let refused = store
+        .commit("op-2", two, Revision(6), &reused_call, at(29))
+        .await
+        .unwrap();
+    assert!(matches!(refused, CommitOutcome::Rejected(_)), "{refused:?}");
+    assert_eq!(store.history_walks() - walks, 1);
 }

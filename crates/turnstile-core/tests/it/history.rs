@@ -1,0 +1,106 @@
+//! `validate::History` against `validate`: the validator's state after a history, given one
+//! more decoded turn at a time, finds exactly what validating the whole file finds (the same
+//! violations in the same order, the same pending calls), at every split point of every
+//! generated history (legal and mutated) and of every file in `tests/data`.
+
+use crate::generate::{Mutation, Rng, legal, mutate};
+use crate::validator_data::data_dir;
+use proptest::prelude::*;
+use serde_json::Value;
+use turnstile_core::validate::History;
+use turnstile_core::{Conversation, Verdict, parse, validate};
+
+/// A verdict with its violations in a fixed order (a walk that starts from a history with
+/// findings reports the later turns' decode findings after the earlier turns' walk findings).
+fn sorted(verdict: Verdict) -> Verdict {
+    match verdict {
+        Verdict::Rejected(mut violations) => {
+            violations.sort_by_key(|violation| format!("{violation:?}"));
+            Verdict::Rejected(violations)
+        }
+        other => other,
+    }
+}
+
+/// For every split of `document`'s turns: the prefix walked whole, the rest pushed one turn
+/// at a time, against `validate` of the whole: exactly, in order, for one turn after a legal
+/// prefix (as the store uses it); as a multiset otherwise (the whole file reports every turn's
+/// decode findings before the walk's). Returns how many splits were compared.
+fn check(document: &Value) -> usize {
+    let Ok(whole) = Conversation::from_value(document.clone()) else {
+        return 0;
+    };
+    let expected = validate(&whole);
+    assert_eq!(History::of(&whole).verdict(), expected, "History::of is validate");
+    // A file whose revision is below its last turn's has a finding of the file, not of a
+    // turn: a history given turns one at a time never holds that file.
+    let revision = document["revision"].as_u64().unwrap_or(0);
+    let turns = document["turns"].as_array().cloned().unwrap_or_default();
+    if turns
+        .iter()
+        .filter_map(|turn| turn["revision"].as_u64())
+        .any(|last| last > revision)
+    {
+        return 0;
+    }
+    let mut compared = 0;
+    for split in 0..turns.len() {
+        let mut prefix = document.clone();
+        prefix["turns"] = Value::Array(turns[..split].to_vec());
+        let Ok(prefix) = Conversation::from_value(prefix) else {
+            continue;
+        };
+        let mut history = History::of(&prefix);
+        let legal_prefix = history.is_legal();
+        for turn in &turns[split..] {
+            let (turn, findings) = Conversation::decode_turn(turn.clone()).expect("within limits");
+            history.push(&turn, findings);
+        }
+        compared += 1;
+        if legal_prefix && split + 1 == turns.len() {
+            // As the store uses it: one turn after a legal history.
+            assert_eq!(history.verdict(), expected, "split at {split} of {}", turns.len());
+        } else {
+            assert_eq!(
+                sorted(history.verdict()),
+                sorted(expected.clone()),
+                "split at {split} of {}",
+                turns.len()
+            );
+        }
+    }
+    compared
+}
+
+#[test]
+fn every_data_file_gives_the_same_verdict_turn_by_turn() {
+    let mut compared = 0;
+    for entry in std::fs::read_dir(data_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.ends_with(".json") || name.ends_with(".expect.json") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let Ok(conversation) = parse::conversation_from_slice(&bytes) else {
+            continue;
+        };
+        let _ = conversation;
+        let document: Value = serde_json::from_slice(&bytes).unwrap();
+        compared += check(&document);
+    }
+    assert!(compared >= 24, "only {compared} splits compared");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn a_history_walked_turn_by_turn_is_the_file_validated_whole(seed in any::<u64>(), mutation in 0..=Mutation::ALL.len()) {
+        let (mut document, _) = legal(seed, 4);
+        if let Some(mutation) = Mutation::ALL.get(mutation) {
+            mutate(&mut document, *mutation, &mut Rng::new(seed ^ 0x5eed));
+        }
+        check(&document);
+    }
+}
