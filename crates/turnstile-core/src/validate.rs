@@ -152,9 +152,18 @@ impl History {
         self.blocks += turn.blocks.len();
     }
 
-    /// The verdict on the history walked so far.
+    /// The verdict on the history walked so far (for the cost of its findings and open calls,
+    /// not of the history).
     pub fn verdict(&self) -> Verdict {
-        self.walk.clone().verdict(self.violations.clone())
+        if !self.violations.is_empty() {
+            return Verdict::Rejected(self.violations.clone());
+        }
+        let pending = self.walk.pending();
+        if pending.is_empty() {
+            Verdict::Ready
+        } else {
+            Verdict::Waiting { pending }
+        }
     }
 
     /// Whether nothing was found wrong so far (ready or waiting).
@@ -387,17 +396,22 @@ impl<K: std::borrow::Borrow<str> + Eq + std::hash::Hash + Clone> Walk<K> {
         }
     }
 
-    fn verdict(self, violations: Vec<Violation>) -> Verdict {
-        let pending: Vec<CallId> = self
-            .open
+    /// The calls of the open tool run still without a result, in call order.
+    fn pending(&self) -> Vec<CallId> {
+        self.open
+            .as_ref()
             .map(|open| {
                 open.calls
-                    .into_iter()
+                    .iter()
                     .filter(|call| !call.answered)
                     .map(|call| CallId(call.call_id.borrow().to_owned()))
                     .collect()
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    fn verdict(self, violations: Vec<Violation>) -> Verdict {
+        let pending = self.pending();
         if !violations.is_empty() {
             Verdict::Rejected(violations)
         } else if !pending.is_empty() {
