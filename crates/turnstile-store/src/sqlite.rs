@@ -23,6 +23,7 @@
 use crate::clock::StoreClock;
 use crate::error::StoreError;
 use crate::faults::{Fault, FaultInjector};
+use crate::history::{Checked, ValidationCache};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
 use crate::sql::{Dialect, Row, SqlValue, Tx, block_on_ready};
 use crate::types::*;
@@ -128,7 +129,7 @@ pub struct SqliteLedger {
     writer: Option<JoinHandle<()>>,
     faults: Arc<FaultInjector>,
     write_ops: Arc<std::sync::atomic::AtomicU64>,
-    validation: Arc<crate::history::ValidationCache>,
+    validation: Arc<ValidationCache>,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -262,6 +263,32 @@ impl SqliteLedger {
         };
         jobs.send(job).map_err(|_| StoreError::WriterGone)?;
         answered.await.map_err(|_| StoreError::WriterGone)?
+    }
+}
+
+impl SqliteLedger {
+    /// [`SqliteLedger::run`] for an operation that checks a would-be history: it gets the
+    /// validator states this ledger keeps, and the state it leaves for its revision is kept
+    /// only once its group committed.
+    async fn run_checked<T, F>(&self, operation: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut SqliteTx<'_>, &ValidationCache, &mut Option<Checked>) -> Result<T, StoreError>
+            + Send
+            + 'static,
+    {
+        let cache = Arc::clone(&self.validation);
+        let (outcome, next) = self
+            .run(move |tx| {
+                let mut next = None;
+                let outcome = operation(tx, &cache, &mut next)?;
+                Ok((outcome, next))
+            })
+            .await?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
     }
 }
 
@@ -444,19 +471,10 @@ impl Ledger for SqliteLedger {
         now: Timestamp,
     ) -> Result<AppendOutcome, StoreError> {
         let (id, turn) = (conversation_id.to_owned(), turn.clone());
-        let cache = Arc::clone(&self.validation);
-        let (outcome, next) = self
-            .run(move |tx| {
-                let mut next = None;
-                let outcome =
-                    block_on_ready(ops::append_turn(tx, &id, expected, &turn, &cache, &mut next, now))?;
-                Ok((outcome, next))
-            })
-            .await?;
-        if let Some(next) = next {
-            self.validation.put(next);
-        }
-        Ok(outcome)
+        self.run_checked(move |tx, cache, next| {
+            block_on_ready(ops::append_turn(tx, &id, expected, &turn, cache, next, now))
+        })
+        .await
     }
 
     async fn prepare_with_policy(
@@ -739,30 +757,21 @@ impl Ledger for SqliteLedger {
             outcome.cloned(),
             carried.clone(),
         );
-        let cache = Arc::clone(&self.validation);
-        let (outcome, next) = self
-            .run(move |tx| {
-                let mut next = None;
-                let outcome = block_on_ready(ops::commit(
-                    tx,
-                    &op,
-                    generation,
-                    expected_revision,
-                    &turn,
-                    outcome.as_ref(),
-                    &carried,
-                    &cache,
-                    &mut next,
-                    now,
-                ))?;
-                Ok((outcome, next))
-            })
-            .await?;
-        // Kept only now: the transaction that wrote this revision committed.
-        if let Some(next) = next {
-            self.validation.put(next);
-        }
-        Ok(outcome)
+        self.run_checked(move |tx, cache, next| {
+            block_on_ready(ops::commit(
+                tx,
+                &op,
+                generation,
+                expected_revision,
+                &turn,
+                outcome.as_ref(),
+                &carried,
+                cache,
+                next,
+                now,
+            ))
+        })
+        .await
     }
 
     async fn quarantine(&self, entry: &QuarantineEntry, now: Timestamp) -> Result<bool, StoreError> {
@@ -808,20 +817,12 @@ impl Ledger for SqliteLedger {
             status.to_owned(),
             content.clone(),
         );
-        let cache = Arc::clone(&self.validation);
-        let (outcome, next) = self
-            .run(move |tx| {
-                let mut next = None;
-                let outcome = block_on_ready(ops::submit_tool_result(
-                    tx, &id, &call, claim, &status, &content, &cache, &mut next, now,
-                ))?;
-                Ok((outcome, next))
-            })
-            .await?;
-        if let Some(next) = next {
-            self.validation.put(next);
-        }
-        Ok(outcome)
+        self.run_checked(move |tx, cache, next| {
+            block_on_ready(ops::submit_tool_result(
+                tx, &id, &call, claim, &status, &content, cache, next, now,
+            ))
+        })
+        .await
     }
 
     async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError> {
