@@ -110,8 +110,9 @@ pub fn validate(conversation: &Conversation) -> Verdict {
 /// What the validator knows after a legal history, kept to check one more turn for the cost
 /// of that turn: the turn, block and call ids taken, the last revision, whether a non-system
 /// turn was seen, and the calls of an open tool run. It is the very walk [`validate`] makes
-/// (one implementation), with owned ids, so `History::of(h).push(t)` finds exactly what
-/// `validate(h + t)` finds (`tests/it/history.rs`).
+/// (one implementation), with owned ids, so `History::of(h).push(t)` finds what
+/// `validate(h + t)` finds: in the same order when `h` is legal, as a multiset otherwise (the
+/// whole file reports every turn's decode findings first; `tests/it/history.rs`).
 #[derive(Clone, Debug)]
 pub struct History {
     walk: Walk<String>,

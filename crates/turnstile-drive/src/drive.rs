@@ -1397,7 +1397,12 @@ impl Drive {
                 return;
             }
             (WriteKind::Commit { .. }, StoreResult::CommitRejected(codes)) => {
-                self.carried.clear();
+                // The store wrote the carried states before it refused the turn.
+                for (op, _) in std::mem::take(&mut self.carried) {
+                    if let StoreOp::Transition { from, to, .. } = op {
+                        self.transitioned(from, to);
+                    }
+                }
                 self.committed_turn = None;
                 self.actions.push_back(Action::Count(Count::Rejected(codes)));
                 self.actions.push_back(Action::Count(Count::LateBlock));
@@ -1623,7 +1628,14 @@ impl Drive {
                     reason: "foreign_handle",
                     content,
                 });
-                self.interrupted(generation, false, true);
+                // One interruption per generation: if its reading is already queued (it
+                // flushed this bind), that one decides, now knowing the handle is foreign.
+                let queued = self.outbox.iter().any(|(_, pending)| {
+                    matches!(pending, Pending::Interruption { generation: queued, .. } if *queued == generation)
+                });
+                if !queued {
+                    self.interrupted(generation, false, true);
+                }
             }
             StoreResult::Failed(_) => {
                 // A handle that is not durably bound only loses resume-by-handle after a crash;
@@ -1637,6 +1649,23 @@ impl Drive {
     /// Start recovery of an interrupted attempt: read what the store holds of it first.
     /// `interrupt`: the machine still has to hear of the interruption.
     fn interrupted(&mut self, generation: Generation, provider_ended: bool, interrupt: bool) {
+        // A handle held for the commit is checked first, so recovery decides knowing whether it
+        // is another manifest's (a refused one is never replayed or resumed).
+        let (binds, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.behind).into_iter().partition(
+            |(op, _)| matches!(op, StoreOp::BindHandle { generation: held, .. } if *held == generation),
+        );
+        self.behind = rest;
+        if !binds.is_empty() {
+            if self.pending.is_none() && self.outbox.is_empty() {
+                let mut binds = binds.into_iter();
+                if let Some((op, pending)) = binds.next() {
+                    self.issue(op, pending);
+                }
+                self.outbox.extend(binds);
+            } else {
+                self.outbox.extend(binds);
+            }
+        }
         self.store(
             StoreOp::ReadAttempts,
             Pending::Interruption {

@@ -101,9 +101,9 @@ fn shape_violation(message: &str) -> Vec<Violation> {
 }
 
 /// [`check_append`] from the validator's state after the stored history (`state`, from the
-/// [`ValidationCache`]): only the new turn is decoded and walked. The same findings as the
-/// whole check (`tests/it/history.rs` in turnstile-core proves the walk; the store's suites
-/// run every append through both). On success the new turn's calls and the state after it.
+/// [`ValidationCache`]): only the new turn is decoded and walked. The same findings, in the
+/// same order, as the whole check of a legal history with this turn (`tests/it/history.rs` in
+/// turnstile-core; the store's conformance suite checks the refusals on both stores). On success the new turn's calls and the state after it.
 pub(crate) fn check_next(
     mut state: History,
     new_turn: Value,

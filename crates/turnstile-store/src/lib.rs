@@ -55,7 +55,8 @@ use turnstile_core::{Generation, Revision};
 #[async_trait::async_trait]
 pub trait Ledger: Send + Sync {
     /// Operations of this process that changed at least one stored row and were committed
-    /// (a count in memory, from zero at open): the durable writes a workload costs.
+    /// (a count in memory, from zero at open): the durable writes a workload costs. A change
+    /// an operation undid to a savepoint of its own still counts it.
     fn write_ops(&self) -> u64;
 
     /// Appends and commits of this process whose history check read and walked the whole

@@ -1445,13 +1445,6 @@ pub(crate) async fn commit<T: Tx>(
         bump_counter(tx, "canonical_cas_conflicts").await?;
         return Ok(refuse(CommitRefusal::RevisionMoved));
     }
-    // The handle the attempt saw, bound and checked in this transaction: a handle bound to
-    // another manifest never commits (the same refusal a bind of its own would have met).
-    if let Some(handle) = &carried.handle
-        && let BindOutcome::Refused { .. } = bind_handle(tx, operation_id, generation, handle, now).await?
-    {
-        return Ok(refuse(CommitRefusal::ForeignHandle));
-    }
     let Some(stamped) = history::stamp_turn(turn, revision, Some(generation.0)) else {
         quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
         return Ok(CommitOutcome::Rejected(Vec::new()));
@@ -1475,6 +1468,10 @@ pub(crate) async fn commit<T: Tx>(
         Ok(checked) => checked,
         Err(violations) => {
             quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
+            // The attempt did stream: its carried states are history rows all the same.
+            for (from, to) in steps {
+                move_both(tx, operation_id, generation, *from, *to, now).await?;
+            }
             return Ok(CommitOutcome::Rejected(violations));
         }
     };
@@ -1495,6 +1492,18 @@ pub(crate) async fn commit<T: Tx>(
             now,
         )
         .await?;
+    // The handle the attempt saw, bound and checked in this transaction (after the conversation
+    // and dispatch rows, the lock order every write keeps): a handle bound to another manifest
+    // never commits, the same refusal a bind of its own would have met.
+    if won
+        && let Some(handle) = &carried.handle
+        && let BindOutcome::Refused { .. } = bind_handle(tx, operation_id, generation, handle, now).await?
+    {
+        tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
+        tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
+        bump_counter(tx, "foreign_handle_refusals").await?;
+        return Ok(refuse(CommitRefusal::ForeignHandle));
+    }
     if !won {
         tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
         tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
@@ -1505,11 +1514,14 @@ pub(crate) async fn commit<T: Tx>(
             // Another turn won the revision: this dispatch can never commit. It ends here, in
             // the refusal's own transaction, instead of staying live until its lease runs out
             // and being recovered, rearmed and refused again.
+            for (from, to) in steps {
+                move_both(tx, operation_id, generation, *from, *to, now).await?;
+            }
             move_both(
                 tx,
                 operation_id,
                 generation,
-                carried.from,
+                DispatchState::Streaming,
                 DispatchState::Abandoned,
                 now,
             )

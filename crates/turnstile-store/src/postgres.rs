@@ -267,7 +267,11 @@ macro_rules! in_tx {
                         Err(StoreError::ConnectionLost("before commit"))
                     }
                     Some(Fault::DropAfterCommit) => {
+                        let wrote = $tx.wrote;
                         $tx.inner.commit().await?;
+                        if wrote {
+                            $self.write_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         Err(StoreError::ConnectionLost("after commit"))
                     }
                 },

@@ -604,8 +604,11 @@ impl Hook {
                 state: state @ (DispatchState::Sent | DispatchState::Streaming),
                 generation: Some(generation),
             } => {
-                // When it happened: the driver may write it later, with the commit.
-                if let Some(attempt) = trace.attempts.get_mut(&generation.0) {
+                // When it happened: the driver may write it later, with the commit. (A resume's
+                // UNKNOWN → STREAMING is its own `turnstile.resume` event.)
+                if let Some(attempt) = trace.attempts.get_mut(&generation.0)
+                    && matches!(attempt.state, DispatchState::Dispatching | DispatchState::Sent)
+                {
                     attempt.cx.span().add_event(
                         "turnstile.transition",
                         vec![
@@ -713,9 +716,7 @@ impl DispatchTrace {
                     reason,
                 },
                 StoreResult::Applied,
-            ) if !matches!(to, DispatchState::Sent | DispatchState::Streaming)
-                || *from == DispatchState::Unknown =>
-            {
+            ) if !matches!(to, DispatchState::Sent | DispatchState::Streaming) => {
                 // SENT and STREAMING are traced when they happen (`emit`), not when written.
                 if let Some(attempt) = self.attempt(generation.0) {
                     let mut attributes = vec![
