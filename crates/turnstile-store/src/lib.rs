@@ -323,7 +323,18 @@ pub trait Ledger: Send + Sync {
         turn: &Value,
         outcome: Option<&Value>,
         now: Timestamp,
-    ) -> Result<CommitOutcome, StoreError>;
+    ) -> Result<CommitOutcome, StoreError> {
+        self.commit_carrying(
+            operation_id,
+            generation,
+            expected_revision,
+            turn,
+            outcome,
+            &Carried::default(),
+            now,
+        )
+        .await
+    }
 
     /// Record blocks that must never become history. `false` when over the per-dispatch
     /// limit or the dispatch is unknown (then only counted).

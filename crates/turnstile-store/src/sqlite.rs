@@ -720,27 +720,6 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn commit_with_outcome(
-        &self,
-        operation_id: &str,
-        generation: Generation,
-        expected_revision: Revision,
-        turn: &Value,
-        outcome: Option<&Value>,
-        now: Timestamp,
-    ) -> Result<CommitOutcome, StoreError> {
-        self.commit_carrying(
-            operation_id,
-            generation,
-            expected_revision,
-            turn,
-            outcome,
-            &Carried::default(),
-            now,
-        )
-        .await
-    }
-
     async fn commit_carrying(
         &self,
         operation_id: &str,

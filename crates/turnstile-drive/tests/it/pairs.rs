@@ -352,25 +352,29 @@ fn a_commit_answered_at_another_revision_trips_the_pair_assertion() {
     trips("landed elsewhere", commit_answered_at_another_revision);
 }
 
-/// The basis answers revision 3, so its commit must land at 4; the store answers 9.
-fn commit_answered_at_another_revision() {
+/// The simulator's Anthropic stream of a one-text reply ("Sunny in Paris.") under `handle`.
+fn anthropic_reply(handle: &str) -> Vec<u8> {
     use turnstile_adapters::simulate::script::Reply;
     use turnstile_adapters::simulate::wire::Api;
+    let reply = Reply {
+        text: "Sunny in Paris.".into(),
+        ..Reply::default()
+    };
+    turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, handle, "m", &[], 40)
+        .into_iter()
+        .flat_map(|frame| frame.bytes)
+        .collect()
+}
+
+/// The basis answers revision 3, so its commit must land at 4; the store answers 9.
+fn commit_answered_at_another_revision() {
     let none = ProviderRecovery {
         resume_by_handle: false,
         honours_idempotency_key: false,
     };
     let mut spec = spec(none, 0);
     spec.targets[0].api = StreamApi::AnthropicMessages;
-    let reply = Reply {
-        text: "Sunny in Paris.".into(),
-        ..Reply::default()
-    };
-    let body: Vec<u8> =
-        turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, "msg_1", "m", &[], 40)
-            .into_iter()
-            .flat_map(|frame| frame.bytes)
-            .collect();
+    let body = anthropic_reply("msg_1");
     let mut drive = Drive::new(spec, Timestamp(1_000));
     let mut at = 1_000;
     let mut fed = false;
@@ -517,21 +521,11 @@ fn a_refused_attempt_moves_to_the_next_target_and_a_request_fault_does_not() {
 /// `foreign_handle`, and the held transitions are written, in order, before the attempt ends.
 #[test]
 fn the_commit_carries_sent_streaming_and_the_handle_and_a_foreign_one_is_quarantined() {
-    use turnstile_adapters::simulate::script::Reply;
-    use turnstile_adapters::simulate::wire::Api;
     let none = ProviderRecovery {
         resume_by_handle: false,
         honours_idempotency_key: false,
     };
-    let reply = Reply {
-        text: "Sunny in Paris.".into(),
-        ..Reply::default()
-    };
-    let body: Vec<u8> =
-        turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, "msg_other", "m", &[], 40)
-            .into_iter()
-            .flat_map(|frame| frame.bytes)
-            .collect();
+    let body = anthropic_reply("msg_other");
     for foreign in [false, true] {
         let mut spec = spec(none, 0);
         spec.targets[0].api = StreamApi::AnthropicMessages;

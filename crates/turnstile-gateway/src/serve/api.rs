@@ -863,10 +863,8 @@ pub(crate) async fn prepare_dispatch(
             // The prepare begins the first attempt in its own transaction (one durable write
             // for both), unless the dispatch's own target is cooling down: then the driver
             // chooses the target and begins on its own.
-            let label = format!(
-                "{}/{}",
-                rendered.manifest.body.provider, rendered.manifest.body.model
-            );
+            let label =
+                driver::breaker_label(&rendered.manifest.body.provider, &rendered.manifest.body.model);
             let begin = (!shared.breaker.cooling(&label, now())).then(|| turnstile_store::BeginAtOnce {
                 holder: shared.holder.clone(),
                 lease_ms: shared.lease_ms,

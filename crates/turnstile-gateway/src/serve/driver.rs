@@ -76,10 +76,15 @@ pub struct TargetContext {
     pub provider: String,
 }
 
+/// How the circuit breaker names a provider's model.
+pub fn breaker_label(provider: &str, model: &str) -> String {
+    format!("{provider}/{model}")
+}
+
 impl TargetContext {
     /// How the circuit breaker names it.
     pub fn label(&self) -> String {
-        format!("{}/{}", self.provider, self.model)
+        breaker_label(&self.provider, &self.model)
     }
 }
 

@@ -303,6 +303,17 @@ pub fn silent_provider() -> u16 {
     port
 }
 
+/// A tag unique to this run, for ids in a PostgreSQL database other runs share.
+fn run_id() -> String {
+    format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
 pub fn sqlite(dir: &tempfile::TempDir) -> String {
     format!("sqlite:{}", dir.path().join("turnstile.db").display())
 }
@@ -1014,13 +1025,7 @@ fn two_gateways_on_one_postgresql_commit_at_most_one_turn_per_revision() {
     let dir_b = tempfile::tempdir().unwrap();
     let a = Gateway::start(&dir_a, &url, &sim, "replica_id = \"replica-a\"");
     let b = Gateway::start(&dir_b, &url, &sim, "replica_id = \"replica-b\"");
-    let run = format!(
-        "{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    );
+    let run = run_id();
     for round in 0..5 {
         let id = format!("c-race-{run}-{round}");
         conversation_with_question(&a, &id);
@@ -1304,13 +1309,7 @@ fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
     let pg_dir = tempfile::tempdir().unwrap();
-    let run = format!(
-        "{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    );
+    let run = run_id();
     for (store, gateway) in [
         ("sqlite", Gateway::start(&dir, &sqlite(&dir), &sim, "")),
         ("postgres", Gateway::start(&pg_dir, &url, &sim, "")),
