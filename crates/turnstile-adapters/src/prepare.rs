@@ -20,7 +20,6 @@ use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
 use crate::tool_choice::{ToolChoice, ToolChoiceError};
-use turnstile_core::Digest;
 use turnstile_core::admission::{Admission, OverBudget, admit};
 use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
 
@@ -230,7 +229,7 @@ pub fn prepare_with_settings(
         policy_digest: rendered.policy.digest(),
         max_output_tokens,
         prompt_tokens: rendered.prompt_tokens,
-        request_digest: Digest::of_bytes(&rendered.body),
+        request_digest: cache.body_digest(request.adapter, &conversation.conversation_id, &rendered.body),
     }
     .seal();
     Ok(PrepareOutcome::Prepared(Box::new(Prepared {

@@ -326,6 +326,126 @@ pub struct RenderCache {
     bytes: usize,
     hits: u64,
     misses: u64,
+    bodies: BodyMemos,
+}
+
+/// The last request bodies digested through this cache, one per (adapter, conversation), with
+/// SHA-256 midstates at every [`BodyMemo::CHUNK`] bytes, so the next body's digest hashes only
+/// from the first chunk that differs (an agent step's body is the last one with a turn added
+/// near its end). Exact: the bytes are compared, never assumed. At most [`BodyMemos::MAX`]
+/// bodies and [`BodyMemos::BYTES_MAX`] bytes are kept, the least recently used dropped first.
+#[derive(Debug, Default)]
+struct BodyMemos {
+    memos: Vec<BodyMemo>,
+    bytes: usize,
+    clock: u64,
+    /// Bytes hashed by the last digest (tests and benchmarks read it).
+    hashed: usize,
+}
+
+impl BodyMemos {
+    const MAX: usize = 64;
+    const BYTES_MAX: usize = 64 * 1024 * 1024;
+
+    fn digest(&mut self, adapter: AdapterId, conversation_id: &str, body: &[u8]) -> Digest {
+        self.clock += 1;
+        let index = match self
+            .memos
+            .iter()
+            .position(|memo| memo.adapter == adapter && memo.conversation_id == conversation_id)
+        {
+            Some(index) => index,
+            None => {
+                if self.memos.len() >= Self::MAX
+                    && let Some(oldest) = self.least_recent()
+                {
+                    self.bytes -= self.memos.swap_remove(oldest).bytes.len();
+                }
+                self.memos.push(BodyMemo {
+                    adapter,
+                    conversation_id: conversation_id.to_owned(),
+                    ..BodyMemo::default()
+                });
+                self.memos.len() - 1
+            }
+        };
+        let memo = &mut self.memos[index];
+        let before = memo.bytes.len();
+        let digest = memo.digest(body);
+        memo.used = self.clock;
+        self.hashed = memo.hashed;
+        self.bytes = self.bytes - before + memo.bytes.len();
+        while self.bytes > Self::BYTES_MAX
+            && let Some(oldest) = self.least_recent()
+        {
+            self.bytes -= self.memos.swap_remove(oldest).bytes.len();
+        }
+        digest
+    }
+
+    fn least_recent(&self) -> Option<usize> {
+        (0..self.memos.len()).min_by_key(|&index| self.memos[index].used)
+    }
+}
+
+/// One kept body and its midstates.
+#[derive(Debug)]
+struct BodyMemo {
+    adapter: AdapterId,
+    conversation_id: String,
+    bytes: Vec<u8>,
+    /// `states[i]` is the hash of `bytes[..(i + 1) * CHUNK]`.
+    states: Vec<turnstile_core::digest::HashState>,
+    hashed: usize,
+    used: u64,
+}
+
+impl Default for BodyMemo {
+    fn default() -> BodyMemo {
+        BodyMemo {
+            adapter: AdapterId::ALL[0],
+            conversation_id: String::new(),
+            bytes: Vec::new(),
+            states: Vec::new(),
+            hashed: 0,
+            used: 0,
+        }
+    }
+}
+
+impl BodyMemo {
+    const CHUNK: usize = 4096;
+    /// Largest body kept (a bigger one is hashed whole and not kept).
+    const BYTES_MAX: usize = 16 * 1024 * 1024;
+
+    fn digest(&mut self, body: &[u8]) -> Digest {
+        let same = self
+            .bytes
+            .chunks_exact(Self::CHUNK)
+            .zip(body.chunks_exact(Self::CHUNK))
+            .take_while(|(kept, new)| kept == new)
+            .count()
+            .min(self.states.len());
+        self.states.truncate(same);
+        let mut hash = self.states.last().cloned().unwrap_or_default();
+        let start = same * Self::CHUNK;
+        let keep = body.len() <= Self::BYTES_MAX;
+        for chunk in body[start..].chunks(Self::CHUNK) {
+            hash.update(chunk);
+            if keep && chunk.len() == Self::CHUNK {
+                self.states.push(hash.clone());
+            }
+        }
+        self.hashed = body.len() - start;
+        self.bytes.truncate(start);
+        if keep {
+            self.bytes.extend_from_slice(&body[start..]);
+        } else {
+            self.bytes = Vec::new();
+            self.states = Vec::new();
+        }
+        hash.finish()
+    }
 }
 
 /// Hashes a [`Digest`] key: its text is already the hex of a SHA-256, so folding its bytes with
@@ -380,6 +500,18 @@ impl RenderCache {
     /// (hits, misses) since creation: tests use it to prove incremental work.
     pub fn stats(&self) -> (u64, u64) {
         (self.hits, self.misses)
+    }
+
+    /// `sha256:` over `body`, a request body `adapter` rendered for `conversation_id`: resumes
+    /// from the midstate of the part it shares with the last such body digested here
+    /// ([`BodyMemos`]). Always equal to [`Digest::of_bytes`] of the body.
+    pub fn body_digest(&mut self, adapter: AdapterId, conversation_id: &str, body: &[u8]) -> Digest {
+        self.bodies.digest(adapter, conversation_id, body)
+    }
+
+    /// Bytes the last [`RenderCache::body_digest`] hashed (the rest came from a midstate).
+    pub fn body_bytes_hashed(&self) -> usize {
+        self.bodies.hashed
     }
 
     /// Drop every cached fragment of one block digest (a block that left the history, or a
@@ -536,6 +668,17 @@ impl<'c> Ctx<'c> {
     /// policy and pausing on a collision. Renderers call the same pure [`call_ids::map`]
     /// when they write a call or a result, so both ends of a pair always agree.
     pub fn map_call_ids(&mut self, conversation: &Conversation, rule: CallIdRule) {
+        // The common case: every id already meets the rule, so nothing is rewritten and
+        // nothing can collide (one pass, no sets).
+        let every_id_fits = conversation.turns.iter().all(|turn| {
+            turn.blocks.iter().all(|block| match &block.body {
+                BlockBody::ToolCall { call_id, .. } => rule.accepts(call_id.as_str()),
+                _ => true,
+            })
+        });
+        if every_id_fits {
+            return;
+        }
         let mut ours: HashSet<&str> = HashSet::new();
         for turn in &conversation.turns {
             for block in &turn.blocks {
@@ -753,20 +896,32 @@ pub(crate) fn segments(conversation: &Conversation) -> Vec<Segment<'_>> {
             // skipped rather than rendered anywhere else.
             Role::Tool => {}
             Role::Assistant => {
-                let mut by_call: HashMap<&str, &Block> = HashMap::new();
+                let mut answers: Vec<(&str, &Block)> = Vec::new();
                 while index < turns.len() && turns[index].role == RoleField::Known(Role::Tool) {
                     for block in &turns[index].blocks {
                         if let BlockBody::ToolResult { call_id, .. } = &block.body {
-                            by_call.insert(call_id.as_str(), block);
+                            answers.push((call_id.as_str(), block));
                         }
                     }
                     index += 1;
                 }
+                // A tool run is a few calls: a linear search beats hashing each id, and a map
+                // is built only for a long run (the last result of a call wins either way; a validated
+                // run has one per call).
+                let by_call: Option<HashMap<&str, &Block>> =
+                    (answers.len() > 16).then(|| answers.iter().copied().collect());
                 let results = turn
                     .blocks
                     .iter()
                     .filter_map(|block| match &block.body {
-                        BlockBody::ToolCall { call_id, .. } => by_call.get(call_id.as_str()).copied(),
+                        BlockBody::ToolCall { call_id, .. } => match &by_call {
+                            Some(by_call) => by_call.get(call_id.as_str()).copied(),
+                            None => answers
+                                .iter()
+                                .rev()
+                                .find(|(answered, _)| *answered == call_id.as_str())
+                                .map(|(_, block)| *block),
+                        },
                         _ => None,
                     })
                     .collect();

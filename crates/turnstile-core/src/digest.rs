@@ -58,11 +58,9 @@ impl Digest {
     /// fields declared in sorted order, only strings, integers up to 2^53, booleans and nulls.
     /// The caller promises that; a test per caller compares with [`Digest::of_canonical`].
     pub fn of_sorted_serialization<T: Serialize + ?Sized>(value: &T) -> Digest {
-        let mut writer = HashWriter(Sha256::new());
-        // Invariant: as in `to_value`, digested types serialise to JSON, and the hash writer
-        // never fails.
-        serde_json::to_writer(&mut writer, value).expect("digested types serialise to JSON");
-        Digest::from_hash(&writer.0.finalize())
+        let mut hash = HashState::new();
+        hash.serialize(value);
+        hash.finish()
     }
 
     fn from_hash(hash: &[u8]) -> Digest {
@@ -94,6 +92,48 @@ impl fmt::Display for Digest {
     }
 }
 
+/// A SHA-256 in progress: fed in pieces, cloned at a point to resume from later (a midstate),
+/// finished into a [`Digest`]. Incremental digests (`MessageSequence` kept beside a growing
+/// conversation, a request body whose prefix did not change) keep one of these at the end of
+/// the part that does not change, so the next digest hashes only what follows it.
+#[derive(Clone, Debug, Default)]
+pub struct HashState(Sha256);
+
+impl HashState {
+    /// An empty hash.
+    pub fn new() -> HashState {
+        HashState(Sha256::new())
+    }
+
+    /// Feed bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// Feed the compact serde_json serialisation of a value (canonical when the value's type
+    /// keeps the rules of [`Digest::of_sorted_serialization`]).
+    pub fn serialize<T: Serialize + ?Sized>(&mut self, value: &T) {
+        // Invariant: as in `to_value`, digested types serialise to JSON, and the writer never
+        // fails.
+        serde_json::to_writer(&mut *self, value).expect("digested types serialise to JSON");
+    }
+
+    /// The digest of everything fed.
+    pub fn finish(self) -> Digest {
+        Digest::from_hash(&self.0.finalize())
+    }
+}
+
+impl std::io::Write for HashState {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// RFC 8785 canonical bytes of a serialisable value.
 pub fn canonical_bytes<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
@@ -105,18 +145,6 @@ fn to_value<T: Serialize + ?Sized>(value: &T) -> Value {
     // Invariant: every type we digest serialises to JSON (string keys, finite numbers); a type
     // that does not is a programming error caught by the tests that pin its digest.
     serde_json::to_value(value).expect("digested types serialise to JSON")
-}
-
-struct HashWriter(Sha256);
-
-impl std::io::Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 /// Where canonical bytes go: a buffer or straight into a hasher.

@@ -1,13 +1,19 @@
-//! `MessageSequence v1`: the graph every adapter renders from.
+//! `MessageSequence`: the graph every adapter renders from.
 //!
 //! Built only from a [`Validated`] conversation, so it never holds an uncommitted, unknown or
 //! unpaired block. Blocks keep their stable ids, role, kind, content digest, trust label and
 //! order; tool edges link each call to its result. Nothing is ever concatenated into one
 //! string: the graph is the boundary information adapters need.
 //!
-//! `sequence_digest` is `sha256:` over the RFC 8785 canonical JSON of the sequence (this
-//! struct's serialisation without the digest field), so equal content gives equal digests on
-//! every run and machine (`tests/it/sequence.rs` pins a few).
+//! `sequence_digest` (format `turnstile.sequence.v2`) is `sha256:` over the RFC 8785 canonical
+//! JSON of the sequence (this struct's serialisation without the digest field) with its two
+//! arrays, `blocks` and `edges`, each replaced by the `sha256:` digest of its own canonical
+//! JSON. It covers exactly what v1 covered (the whole graph); v1 hashed the arrays inline, so a
+//! digest after one more turn re-hashed every edge. With the arrays digested apart, a sequence
+//! kept beside a growing conversation ([`GrowingSequence`]) resumes each array's SHA-256 from a
+//! midstate and pays for the new blocks and the open calls only. Equal content gives equal
+//! digests on every run and machine (`tests/it/sequence.rs` pins a few and recomputes the
+//! definition through the generic canonicaliser).
 //!
 //! Digest fast path: the structs below declare their fields in sorted order and hold only
 //! strings, small integers and `null`s, so serde_json's compact serialisation of them *is*
@@ -15,8 +21,8 @@
 //! `tests/it/sequence.rs` checks the two byte-for-byte on generated sequences; any field added
 //! out of order fails that test.
 
-use crate::conversation::{ArgState, BlockBody, ResultStatus, Role, RoleField, Trust};
-use crate::digest::Digest;
+use crate::conversation::{ArgState, BlockBody, Conversation, ResultStatus, Role, RoleField, Trust};
+use crate::digest::{Digest, HashState};
 use crate::ids::{CallId, Generation, Revision};
 use crate::validate::Validated;
 use serde::Serialize;
@@ -25,8 +31,9 @@ use std::collections::HashMap;
 /// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
 const EXACT_INTEGER_MAX: u64 = 1 << 53;
 
-/// The `format` string of a message sequence.
-pub const SEQUENCE_FORMAT_V1: &str = "turnstile.sequence.v1";
+/// The `format` string of a message sequence (v2: the digest takes each array's digest,
+/// module documentation).
+pub const SEQUENCE_FORMAT_V2: &str = "turnstile.sequence.v2";
 
 /// Who vouches for a block's content. Adapters and policies use it; the model never sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -101,7 +108,7 @@ pub struct MessageSequence {
     pub conversation_id: String,
     /// Tool edges in call order.
     pub edges: Vec<ToolEdge>,
-    /// Always [`SEQUENCE_FORMAT_V1`].
+    /// Always [`SEQUENCE_FORMAT_V2`].
     pub format: &'static str,
     /// Revision it was built at.
     pub revision: Revision,
@@ -115,102 +122,306 @@ pub struct MessageSequence {
 impl MessageSequence {
     /// Build the graph of a validated conversation.
     pub fn build(validated: Validated<'_>) -> MessageSequence {
-        let conversation = validated.conversation();
-        let block_count = conversation.turns.iter().map(|turn| turn.blocks.len()).sum();
-        let mut blocks = Vec::with_capacity(block_count);
-        let mut edges: Vec<ToolEdge> = Vec::new();
-        let mut edge_of_call: HashMap<&str, usize> = HashMap::new();
-        // The fast digest path below needs every number to print the same in serde_json and
-        // in RFC 8785, which holds for integers up to 2^53.
-        let mut numbers_exact = conversation.revision.0 <= EXACT_INTEGER_MAX;
-        for (turn_index, turn) in conversation.turns.iter().enumerate() {
-            // Invariant: validation rejects a turn with a missing id or unknown role and a
-            // block with a missing id, so these are present in a `Validated` conversation.
-            let turn_id = turn.id.as_deref().expect("validated turns have ids");
-            numbers_exact &= turn
-                .generation
-                .is_none_or(|generation| generation.0 <= EXACT_INTEGER_MAX);
-            let RoleField::Known(role) = turn.role else {
-                unreachable!("validated turns have known roles")
-            };
-            for block in &turn.blocks {
-                let block_id = block.id.clone().expect("validated blocks have ids");
-                let trust = match (&block.body, role) {
-                    (
-                        BlockBody::Context {
-                            trust: Trust::Trusted,
-                            ..
-                        },
-                        _,
-                    ) => TrustLabel::Trusted,
-                    (
-                        BlockBody::Context {
-                            trust: Trust::Untrusted,
-                            ..
-                        },
-                        _,
-                    ) => TrustLabel::Untrusted,
-                    (_, Role::System) => TrustLabel::Operator,
-                    (_, Role::User) => TrustLabel::User,
-                    (_, Role::Assistant) => TrustLabel::Model,
-                    (_, Role::Tool) => TrustLabel::Tool,
-                };
-                match &block.body {
-                    BlockBody::ToolCall {
-                        call_id,
-                        tool,
-                        arguments,
-                    } => {
-                        edge_of_call.insert(call_id.as_str(), edges.len());
-                        edges.push(ToolEdge {
-                            call_id: call_id.clone(),
-                            tool: tool.clone(),
-                            schema_digest: conversation.tool(tool).map(|def| def.schema_digest.clone()),
-                            args_state: arguments.state(),
-                            args_digest: arguments.digest().cloned(),
-                            call_block: block_id.clone(),
-                            generation: turn.generation,
-                            result: None,
-                            status: None,
-                        });
-                    }
-                    BlockBody::ToolResult { call_id, status, .. } => {
-                        // Invariant: validation rejects orphan and duplicate results.
-                        let edge = &mut edges[edge_of_call[call_id.as_str()]];
-                        edge.result = Some(block_id.clone());
-                        edge.status = Some(*status);
-                    }
-                    _ => {}
-                }
-                blocks.push(SequenceBlock {
-                    id: block_id,
-                    turn: turn_id.to_owned(),
-                    turn_index: turn_index as u32,
-                    order: blocks.len() as u32,
-                    role,
-                    kind: static_kind(&block.body),
-                    digest: block.digest.clone(),
-                    trust,
-                    generation: turn.generation,
-                });
-            }
-        }
-        let mut sequence = MessageSequence {
-            format: SEQUENCE_FORMAT_V1,
-            conversation_id: conversation.conversation_id.clone(),
-            revision: conversation.revision,
-            toolset_digest: conversation.toolset_digest.clone(),
-            blocks,
-            edges,
-            sequence_digest: Digest::of_bytes(b""),
-        };
-        sequence.sequence_digest = if numbers_exact {
-            Digest::of_sorted_serialization(&sequence)
-        } else {
-            Digest::of_canonical(&sequence)
-        };
-        sequence
+        GrowingSequence::fed(validated, false).sequence
     }
+}
+
+/// A [`MessageSequence`] kept beside a conversation that grows by a turn at a time
+/// (`crate::kept::KeptConversation`), so the next sequence and its digest cost the new turn's
+/// blocks, not the history's.
+///
+/// Committed history only grows: a block's entry never changes once built, and a tool edge
+/// changes once, when its result arrives. So it keeps a SHA-256 midstate over the serialised
+/// blocks array, and one over the edges whose results are in ("sealed", a prefix: edges are in
+/// call order and only the open tool run's can be unanswered). A digest continues the first
+/// with nothing, the second with the open edges, and hashes the small document that holds the
+/// two array digests. [`MessageSequence::build`] is this type fed every turn at once, so there
+/// is one implementation of the graph, and `tests/it/kept.rs` checks a sequence grown turn by
+/// turn against a whole build at every split.
+#[derive(Clone, Debug)]
+pub struct GrowingSequence {
+    sequence: MessageSequence,
+    edge_of_call: HashMap<String, usize>,
+    /// Whether every number so far prints the same in serde_json and RFC 8785 (integers up to
+    /// 2^53): the fast digest path below needs it, the generic one does not.
+    numbers_exact: bool,
+    /// SHA-256 over `{"blocks":[` and the blocks so far, comma-separated.
+    blocks_hash: HashState,
+    /// Edges `[..sealed]` all have their result; `edges_hash` is SHA-256 over `[` and their
+    /// serialisation, comma-separated.
+    sealed: usize,
+    edges_hash: HashState,
+    /// Turns added.
+    turns: usize,
+}
+
+/// What [`GrowingSequence::pop_turn`] needs to undo one [`GrowingSequence::push_turn`].
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct SequenceMark {
+    turns: usize,
+    blocks: usize,
+    edges: usize,
+    answered: Vec<usize>,
+    sealed: usize,
+    edges_hash: HashState,
+    blocks_hash: HashState,
+    numbers_exact: bool,
+    revision: Revision,
+    digest: Digest,
+}
+
+impl GrowingSequence {
+    /// The sequence of a validated conversation, kept to grow.
+    pub fn of(validated: Validated<'_>) -> GrowingSequence {
+        GrowingSequence::fed(validated, true)
+    }
+
+    /// Every turn of the conversation added; the answered edges sealed when it is to grow (a
+    /// one-off build leaves them to the digest).
+    fn fed(validated: Validated<'_>, sealed: bool) -> GrowingSequence {
+        let conversation = validated.conversation();
+        let mut growing = GrowingSequence::start(conversation);
+        for turn_index in 0..conversation.turns.len() {
+            growing.add_turn(conversation, turn_index);
+        }
+        if sealed {
+            growing.seal_edges();
+        }
+        growing.finish_revision(conversation);
+        growing
+    }
+
+    /// The sequence as of the last turn added.
+    pub fn sequence(&self) -> &MessageSequence {
+        &self.sequence
+    }
+
+    /// Add the last turn of `validated` (the conversation this sequence was built from, with
+    /// one turn pushed since), and set the revision and digest.
+    ///
+    /// # Panics
+    /// When `validated` does not hold exactly one more turn than the sequence: a caller bug
+    /// (`KeptConversation` pushes both together).
+    pub fn push_turn(&mut self, validated: Validated<'_>) -> SequenceMark {
+        let conversation = validated.conversation();
+        let turn_index = conversation.turns.len() - 1;
+        assert_eq!(
+            self.turns + 1,
+            conversation.turns.len(),
+            "a growing sequence takes the turn after its last one"
+        );
+        let mut mark = SequenceMark {
+            turns: self.turns,
+            blocks: self.sequence.blocks.len(),
+            edges: self.sequence.edges.len(),
+            answered: Vec::new(),
+            sealed: self.sealed,
+            edges_hash: self.edges_hash.clone(),
+            blocks_hash: self.blocks_hash.clone(),
+            numbers_exact: self.numbers_exact,
+            revision: self.sequence.revision,
+            digest: self.sequence.sequence_digest.clone(),
+        };
+        mark.answered = self.add_turn(conversation, turn_index);
+        self.seal_edges();
+        self.finish_revision(conversation);
+        mark
+    }
+
+    /// Undo the last [`GrowingSequence::push_turn`].
+    pub fn pop_turn(&mut self, mark: SequenceMark) {
+        self.turns = mark.turns;
+        self.sequence.blocks.truncate(mark.blocks);
+        for edge in self.sequence.edges.drain(mark.edges..) {
+            self.edge_of_call.remove(edge.call_id.as_str());
+        }
+        for index in mark.answered {
+            let edge = &mut self.sequence.edges[index];
+            edge.result = None;
+            edge.status = None;
+        }
+        self.sealed = mark.sealed;
+        self.edges_hash = mark.edges_hash;
+        self.blocks_hash = mark.blocks_hash;
+        self.numbers_exact = mark.numbers_exact;
+        self.sequence.revision = mark.revision;
+        self.sequence.sequence_digest = mark.digest;
+    }
+
+    fn start(conversation: &Conversation) -> GrowingSequence {
+        let mut blocks_hash = HashState::new();
+        blocks_hash.update(b"[");
+        let mut edges_hash = HashState::new();
+        edges_hash.update(b"[");
+        GrowingSequence {
+            sequence: MessageSequence {
+                format: SEQUENCE_FORMAT_V2,
+                conversation_id: conversation.conversation_id.clone(),
+                revision: conversation.revision,
+                toolset_digest: conversation.toolset_digest.clone(),
+                blocks: Vec::with_capacity(conversation.turns.iter().map(|turn| turn.blocks.len()).sum()),
+                edges: Vec::new(),
+                sequence_digest: Digest::of_bytes(b""),
+            },
+            edge_of_call: HashMap::new(),
+            numbers_exact: true,
+            blocks_hash,
+            sealed: 0,
+            edges_hash,
+            turns: 0,
+        }
+    }
+
+    /// Add one turn's blocks and edges; returns the edges its results answered.
+    fn add_turn(&mut self, conversation: &Conversation, turn_index: usize) -> Vec<usize> {
+        let turn = &conversation.turns[turn_index];
+        self.turns += 1;
+        let mut answered = Vec::new();
+        // Invariant: validation rejects a turn with a missing id or unknown role and a block
+        // with a missing id, so these are present in a `Validated` conversation.
+        let turn_id = turn.id.as_deref().expect("validated turns have ids");
+        self.numbers_exact &= turn
+            .generation
+            .is_none_or(|generation| generation.0 <= EXACT_INTEGER_MAX);
+        let RoleField::Known(role) = turn.role else {
+            unreachable!("validated turns have known roles")
+        };
+        let sequence = &mut self.sequence;
+        for block in &turn.blocks {
+            let block_id = block.id.clone().expect("validated blocks have ids");
+            let trust = match (&block.body, role) {
+                (
+                    BlockBody::Context {
+                        trust: Trust::Trusted,
+                        ..
+                    },
+                    _,
+                ) => TrustLabel::Trusted,
+                (
+                    BlockBody::Context {
+                        trust: Trust::Untrusted,
+                        ..
+                    },
+                    _,
+                ) => TrustLabel::Untrusted,
+                (_, Role::System) => TrustLabel::Operator,
+                (_, Role::User) => TrustLabel::User,
+                (_, Role::Assistant) => TrustLabel::Model,
+                (_, Role::Tool) => TrustLabel::Tool,
+            };
+            match &block.body {
+                BlockBody::ToolCall {
+                    call_id,
+                    tool,
+                    arguments,
+                } => {
+                    self.edge_of_call
+                        .insert(call_id.as_str().to_owned(), sequence.edges.len());
+                    sequence.edges.push(ToolEdge {
+                        call_id: call_id.clone(),
+                        tool: tool.clone(),
+                        schema_digest: conversation.tool(tool).map(|def| def.schema_digest.clone()),
+                        args_state: arguments.state(),
+                        args_digest: arguments.digest().cloned(),
+                        call_block: block_id.clone(),
+                        generation: turn.generation,
+                        result: None,
+                        status: None,
+                    });
+                }
+                BlockBody::ToolResult { call_id, status, .. } => {
+                    // Invariant: validation rejects orphan and duplicate results.
+                    let index = self.edge_of_call[call_id.as_str()];
+                    let edge = &mut sequence.edges[index];
+                    edge.result = Some(block_id.clone());
+                    edge.status = Some(*status);
+                    answered.push(index);
+                }
+                _ => {}
+            }
+            let entry = SequenceBlock {
+                id: block_id,
+                turn: turn_id.to_owned(),
+                turn_index: turn_index as u32,
+                order: sequence.blocks.len() as u32,
+                role,
+                kind: static_kind(&block.body),
+                digest: block.digest.clone(),
+                trust,
+                generation: turn.generation,
+            };
+            if !sequence.blocks.is_empty() {
+                self.blocks_hash.update(b",");
+            }
+            self.blocks_hash.serialize(&entry);
+            sequence.blocks.push(entry);
+        }
+        answered
+    }
+
+    /// Move every edge answered since into the sealed bytes (edges in call order: the sealed
+    /// prefix stops at the first open call).
+    fn seal_edges(&mut self) {
+        while let Some(edge) = self.sequence.edges.get(self.sealed)
+            && edge.result.is_some()
+        {
+            if self.sealed > 0 {
+                self.edges_hash.update(b",");
+            }
+            self.edges_hash.serialize(edge);
+            self.sealed += 1;
+        }
+    }
+
+    /// Set the revision and the digest (after the last turn added).
+    fn finish_revision(&mut self, conversation: &Conversation) {
+        self.sequence.revision = conversation.revision;
+        let sequence = &self.sequence;
+        let (blocks, edges) = if self.numbers_exact {
+            let mut blocks = self.blocks_hash.clone();
+            blocks.update(b"]");
+            let mut edges = self.edges_hash.clone();
+            for (index, edge) in sequence.edges.iter().enumerate().skip(self.sealed) {
+                if index > 0 {
+                    edges.update(b",");
+                }
+                edges.serialize(edge);
+            }
+            edges.update(b"]");
+            (blocks.finish(), edges.finish())
+        } else {
+            (
+                Digest::of_canonical(&sequence.blocks),
+                Digest::of_canonical(&sequence.edges),
+            )
+        };
+        let form = DigestForm {
+            blocks,
+            conversation_id: &sequence.conversation_id,
+            edges,
+            format: sequence.format,
+            revision: sequence.revision,
+            toolset_digest: &sequence.toolset_digest,
+        };
+        self.sequence.sequence_digest = if sequence.revision.0 <= EXACT_INTEGER_MAX {
+            Digest::of_sorted_serialization(&form)
+        } else {
+            Digest::of_canonical(&form)
+        };
+    }
+}
+
+/// What `sequence_digest` is taken over: the sequence with its two arrays each replaced by
+/// the digest of its canonical form (fields in sorted order, as the fast path needs).
+#[derive(Serialize)]
+struct DigestForm<'a> {
+    blocks: Digest,
+    conversation_id: &'a str,
+    edges: Digest,
+    format: &'static str,
+    revision: Revision,
+    toolset_digest: &'a Digest,
 }
 
 fn static_kind(body: &BlockBody) -> &'static str {

@@ -83,6 +83,22 @@ impl<'a> Validated<'a> {
         (verdict, validated)
     }
 
+    /// The proof for a conversation whose verdict a [`History`] walked to the end of it gave
+    /// (`crate::kept`): ready or waiting, nothing found.
+    pub(crate) fn from_history(conversation: &'a Conversation, history: &History) -> Option<Validated<'a>> {
+        if !history.is_legal() || history.counts().0 != conversation.turns.len() {
+            return None;
+        }
+        Some(Validated {
+            conversation,
+            waiting: history
+                .walk
+                .open
+                .as_ref()
+                .is_some_and(|open| open.calls.iter().any(|call| !call.answered)),
+        })
+    }
+
     /// The validated conversation.
     pub fn conversation(&self) -> &'a Conversation {
         self.conversation
@@ -153,6 +169,46 @@ impl History {
         self.blocks += turn.blocks.len();
     }
 
+    /// [`History::push`], keeping what [`History::pop`] needs to undo it.
+    pub fn push_marked(&mut self, turn: &Turn, decode_violations: Vec<Violation>) -> HistoryMark {
+        let mark = HistoryMark {
+            revision_last: self.walk.revision_last,
+            seen_non_system: self.walk.seen_non_system,
+            open: self.walk.open.clone(),
+            violations: self.violations.len(),
+            turns: self.turns,
+            blocks: self.blocks,
+        };
+        self.push(turn, decode_violations);
+        mark
+    }
+
+    /// Undo the [`History::push_marked`] of `turn`. Exact only when that push found nothing
+    /// (every id it took was new, so taking them back restores the sets); otherwise nothing is
+    /// changed and `false` says so: the caller walks the history again.
+    pub fn pop(&mut self, turn: &Turn, mark: HistoryMark) -> bool {
+        if self.violations.len() != mark.violations {
+            return false;
+        }
+        if let Some(id) = turn.id.as_deref() {
+            self.walk.turn_ids.remove(id);
+        }
+        for block in &turn.blocks {
+            if let Some(id) = block.id.as_deref() {
+                self.walk.block_ids.remove(id);
+            }
+            if let BlockBody::ToolCall { call_id, .. } = &block.body {
+                self.walk.call_ids.remove(call_id.as_str());
+            }
+        }
+        self.walk.revision_last = mark.revision_last;
+        self.walk.seen_non_system = mark.seen_non_system;
+        self.walk.open = mark.open;
+        self.turns = mark.turns;
+        self.blocks = mark.blocks;
+        true
+    }
+
     /// The verdict on the history walked so far (for the cost of its findings and open calls,
     /// not of the history).
     pub fn verdict(&self) -> Verdict {
@@ -176,6 +232,19 @@ impl History {
     pub fn counts(&self) -> (usize, usize) {
         (self.turns, self.blocks)
     }
+}
+
+/// What [`History::pop`] needs to undo one [`History::push_marked`]: the walk's small state
+/// before it (the open tool run is a few calls).
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct HistoryMark {
+    revision_last: Option<crate::ids::Revision>,
+    seen_non_system: bool,
+    open: Option<OpenCalls<String>>,
+    violations: usize,
+    turns: usize,
+    blocks: usize,
 }
 
 /// An id as the walk keeps it: borrowed from the conversation ([`validate`]) or owned

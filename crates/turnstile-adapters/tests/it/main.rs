@@ -16,6 +16,7 @@ mod render_props;
 mod render_registry;
 mod render_rules;
 mod render_sampling;
+mod render_step;
 mod render_support;
 mod render_tool_choice;
 mod render_upgrade;

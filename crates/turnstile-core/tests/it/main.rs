@@ -5,6 +5,7 @@ mod digest;
 mod dispatch;
 mod generate;
 mod history;
+mod kept;
 mod never_panics;
 mod properties;
 mod push_turn;

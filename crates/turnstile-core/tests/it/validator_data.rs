@@ -10,6 +10,22 @@ pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data")
 }
 
+/// Every conversation file in `tests/data` that is JSON (expect files left out), parsed.
+pub fn data_documents() -> Vec<Value> {
+    let mut documents = Vec::new();
+    for entry in std::fs::read_dir(data_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.ends_with(".json") || name.ends_with(".expect.json") {
+            continue;
+        }
+        if let Ok(document) = serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap()) {
+            documents.push(document);
+        }
+    }
+    documents
+}
+
 /// The validator's answer in the shape of an expect file.
 fn actual(bytes: &[u8]) -> Value {
     let conversation = parse::conversation_from_slice(bytes).expect("test data is readable");

@@ -667,11 +667,13 @@ fn prepare_from_bytes(bytes: &[u8], catalog: &Catalog, request: &PrepareRequest)
 }
 
 /// The agent step: what an agent loop pays per step when the gateway keeps the conversation
-/// in memory between dispatches (`Conversation::push_turn`) with the render cache of its last
-/// prepare. Each call pushes the same new user turn, prepares, then pops the turn and forgets
-/// its fragment, so every repetition pays for one new block against the same history.
+/// in memory between dispatches (`KeptConversation`: the decoded conversation, the
+/// validator's state and the message sequence with its digest midstate) with the render cache
+/// of its last prepare (fragments, and the last body's hash midstates). Each call pushes the
+/// same new user turn, prepares, then pops the turn and forgets its fragment, so every
+/// repetition pays for one new block against the same history.
 struct AgentStep<'a> {
-    conversation: turnstile_core::Conversation,
+    kept: turnstile_core::KeptConversation,
     cache: RenderCache,
     catalog: &'a Catalog,
     request: &'a PrepareRequest,
@@ -682,22 +684,22 @@ struct AgentStep<'a> {
 impl<'a> AgentStep<'a> {
     fn new(bytes: &[u8], catalog: &'a Catalog, request: &'a PrepareRequest) -> AgentStep<'a> {
         let conversation = parse::conversation_from_slice(bytes).expect("bench conversation parses");
+        let revision = turnstile_core::Revision(conversation.revision.0 + 1);
+        let kept = turnstile_core::KeptConversation::new(conversation);
         let mut cache = RenderCache::new();
         {
-            let validated = Validated::new(&conversation).expect("bench conversation is legal");
-            let sequence = MessageSequence::build(validated);
-            let graph = Graph::new(validated, &sequence).expect("bench conversation is ready");
+            let (validated, sequence) = kept.graph_parts().expect("bench conversation is legal");
+            let graph = Graph::new(validated, sequence).expect("bench conversation is ready");
             assert!(matches!(
                 prepare(graph, request, catalog, &mut cache),
                 PrepareOutcome::Prepared(_)
             ));
         }
-        let revision = turnstile_core::Revision(conversation.revision.0 + 1);
         let turn_bytes = serde_json::to_vec(&json!({"id": "t-step", "revision": revision.0, "role": "user",
             "blocks": [{"id": "b-step", "kind": "text", "text": format!("And the next question: {PARAGRAPH}")}]}))
         .unwrap();
         AgentStep {
-            conversation,
+            kept,
             cache,
             catalog,
             request,
@@ -709,20 +711,21 @@ impl<'a> AgentStep<'a> {
     fn step(&mut self) -> Vec<u8> {
         let turn: Value = serde_json::from_slice(&self.turn_bytes).expect("the step turn parses");
         let pushed = self
-            .conversation
+            .kept
             .push_turn(turn, self.revision)
             .expect("the step turn is within limits");
         let body = {
-            let validated =
-                Validated::new(&self.conversation).expect("the step keeps the conversation legal");
-            let sequence = MessageSequence::build(validated);
-            let graph = Graph::new(validated, &sequence).expect("the step conversation is ready");
+            let (validated, sequence) = self
+                .kept
+                .graph_parts()
+                .expect("the step keeps the conversation legal");
+            let graph = Graph::new(validated, sequence).expect("the step conversation is ready");
             match prepare(graph, self.request, self.catalog, &mut self.cache) {
                 PrepareOutcome::Prepared(prepared) => prepared.rendered.body,
                 other => panic!("the step prepares: {other:?}"),
             }
         };
-        let turn = self.conversation.pop_turn(pushed).expect("the pushed turn");
+        let turn = self.kept.pop_turn(pushed).expect("the pushed turn");
         for block in &turn.blocks {
             self.cache.forget(&block.digest);
         }
@@ -898,7 +901,7 @@ fn micro(args: &Args) {
             &workload,
             &timing,
             json!({"input_bytes": bytes.len(), "body_bytes": body_bytes,
-            "what": "conversation kept in memory + render cache warm from the previous prepare: push one user turn (parsed from its JSON bytes) + validate + MessageSequence + render anthropic-messages@1 (only the new block renders) + token count + admission + manifest"}),
+            "what": "conversation kept in memory + render cache warm from the previous prepare: push one user turn (parsed from its JSON bytes) into a KeptConversation (validator state and sequence grow by the turn) + render anthropic-messages@1 (only the new block renders) + token count + admission + manifest"}),
         );
     }
 

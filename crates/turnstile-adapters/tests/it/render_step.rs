@@ -1,0 +1,164 @@
+//! The agent step: a conversation kept in memory (`KeptConversation`) and prepared after each
+//! new turn with one shared render cache gives, at every step and for every adapter, exactly
+//! the body and manifest a cold prepare of the whole file gives; the request digest resumes
+//! from the last body's midstate (fewer bytes hashed than the body holds) and always equals
+//! SHA-256 of the body.
+
+use crate::render_support::{SCENARIOS, data_dir, model_for};
+use proptest::prelude::*;
+use serde_json::Value;
+use turnstile_adapters::render::{Graph, RenderCache};
+use turnstile_adapters::{AdapterId, Catalog, PrepareOutcome, PrepareRequest, prepare};
+use turnstile_core::conversation::Conversation;
+use turnstile_core::{Digest, KeptConversation, MessageSequence, Revision, Validated};
+
+fn request(adapter: AdapterId) -> PrepareRequest {
+    PrepareRequest {
+        operation_id: "op-step".into(),
+        adapter,
+        provider: None,
+        model: model_for(adapter).into(),
+        max_output_tokens: Some(512),
+        stream: true,
+        background: false,
+    }
+}
+
+/// A cold prepare of the whole conversation: (body, manifest digest), or None when it is not
+/// prepared (waiting, rejected, paused, over budget).
+fn cold(conversation: &Conversation, adapter: AdapterId) -> Option<(Vec<u8>, Digest)> {
+    let validated = Validated::new(conversation).ok()?;
+    let sequence = MessageSequence::build(validated);
+    let graph = Graph::new(validated, &sequence).ok()?;
+    match prepare(
+        graph,
+        &request(adapter),
+        &Catalog::builtin(),
+        &mut RenderCache::new(),
+    ) {
+        PrepareOutcome::Prepared(prepared) => {
+            Some((prepared.rendered.body, prepared.manifest.manifest_digest))
+        }
+        _ => None,
+    }
+}
+
+fn kept(kept: &KeptConversation, adapter: AdapterId, cache: &mut RenderCache) -> Option<(Vec<u8>, Digest)> {
+    let (validated, sequence) = kept.graph_parts()?;
+    let graph = Graph::new(validated, sequence).ok()?;
+    match prepare(graph, &request(adapter), &Catalog::builtin(), cache) {
+        PrepareOutcome::Prepared(prepared) => {
+            assert_eq!(
+                prepared.manifest.body.request_digest,
+                Digest::of_bytes(&prepared.rendered.body),
+                "the request digest is SHA-256 of the body"
+            );
+            Some((prepared.rendered.body, prepared.manifest.manifest_digest))
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn every_step_of_every_scenario_prepares_what_a_cold_prepare_of_the_file_does() {
+    let mut steps = 0;
+    for name in SCENARIOS {
+        let bytes = std::fs::read(data_dir().join(format!("{name}.json"))).unwrap();
+        let document: Value = serde_json::from_slice(&bytes).unwrap();
+        let turns = document["turns"].as_array().unwrap().clone();
+        let revision = Revision(document["revision"].as_u64().unwrap());
+        for adapter in AdapterId::ALL {
+            let mut first = document.clone();
+            first["turns"] = Value::Array(turns[..1].to_vec());
+            let mut state = KeptConversation::new(Conversation::from_value(first).unwrap());
+            let mut cache = RenderCache::new();
+            for (index, turn) in turns.iter().enumerate().skip(1) {
+                let _ = state.push_turn(turn.clone(), revision).unwrap();
+                let mut whole = document.clone();
+                whole["turns"] = Value::Array(turns[..=index].to_vec());
+                let expected = cold(&Conversation::from_value(whole).unwrap(), adapter);
+                let got = kept(&state, adapter, &mut cache);
+                assert_eq!(
+                    got.as_ref()
+                        .map(|(body, digest)| (String::from_utf8_lossy(body), digest)),
+                    expected
+                        .as_ref()
+                        .map(|(body, digest)| (String::from_utf8_lossy(body), digest)),
+                    "{name}, {adapter}, after turn {index}"
+                );
+                steps += usize::from(got.is_some());
+            }
+        }
+    }
+    assert!(steps >= 60, "only {steps} steps prepared");
+}
+
+#[test]
+fn a_long_agent_loop_hashes_only_the_tail_of_each_new_body() {
+    let document: Value =
+        serde_json::from_slice(&std::fs::read(data_dir().join("multi_round.json")).unwrap()).unwrap();
+    let mut state = KeptConversation::new(Conversation::from_value(document.clone()).unwrap());
+    let mut cache = RenderCache::new();
+    let adapter = AdapterId::AnthropicMessagesV1;
+    let mut revision = document["revision"].as_u64().unwrap();
+    let mut whole = document.clone();
+    let mut last_body: Vec<u8> = Vec::new();
+    for step in 0..120 {
+        revision += 1;
+        let role = if step % 2 == 0 { "user" } else { "assistant" };
+        let turn = serde_json::json!({"id": format!("t-step-{step}"), "revision": revision, "role": role,
+            "blocks": [{"id": format!("b-step-{step}"), "kind": "text",
+                        "text": format!("step {step}: {}", "words of a longer message ".repeat(8))}]});
+        let _ = state.push_turn(turn.clone(), Revision(revision)).unwrap();
+        whole["revision"] = revision.into();
+        whole["turns"].as_array_mut().unwrap().push(turn);
+        if role == "assistant" {
+            continue;
+        }
+        let (body, digest) = kept(&state, adapter, &mut cache).expect("the loop prepares");
+        let expected = cold(&Conversation::from_value(whole.clone()).unwrap(), adapter).unwrap();
+        assert_eq!((&body, &digest), (&expected.0, &expected.1), "step {step}");
+        // Hashed: from the start of the 4 KiB chunk where this body parts from the last one
+        // (the tool list after the messages, here), never the unchanged chunks before it.
+        if !last_body.is_empty() {
+            let at = last_body.iter().zip(&body).take_while(|(a, b)| a == b).count();
+            assert_eq!(
+                cache.body_bytes_hashed(),
+                body.len() - at / 4096 * 4096,
+                "step {step}: the bodies part at {at}"
+            );
+            if body.len() > 16 * 1024 {
+                assert!(cache.body_bytes_hashed() * 2 < body.len(), "step {step}");
+            }
+        }
+        last_body = body;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Any sequence of bodies (each an edit of the last: a cut, a tail appended, a byte
+    /// changed), of one or two conversations: the digest is SHA-256 of the bytes.
+    #[test]
+    fn the_body_digest_is_sha256_of_the_body_whatever_came_before(
+        edits in proptest::collection::vec((0usize..20_000, proptest::collection::vec(any::<u8>(), 0..9_000), any::<u8>(), 0u8..3), 1..12)
+    ) {
+        let mut cache = RenderCache::new();
+        let mut body: Vec<u8> = Vec::new();
+        for (cut, tail, flip, other) in edits {
+            body.truncate(cut.min(body.len()));
+            body.extend_from_slice(&tail);
+            if let Some(byte) = body.get_mut(cut / 3) {
+                *byte ^= flip;
+            }
+            // Two conversations and two adapters share the cache.
+            let (adapter, conversation) = match other {
+                0 => (AdapterId::AnthropicMessagesV1, "c-one"),
+                1 => (AdapterId::AnthropicMessagesV1, "c-other"),
+                _ => (AdapterId::OpenaiChatV1, "c-one"),
+            };
+            prop_assert_eq!(cache.body_digest(adapter, conversation, &body), Digest::of_bytes(&body));
+        }
+    }
+}
