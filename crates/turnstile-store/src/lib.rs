@@ -93,6 +93,15 @@ pub trait Ledger: Send + Sync {
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 
+    /// What a reader that holds the history up to revision `after` needs to be current: the
+    /// conversation's revision, the id of its turn at `after` (to check the held history is
+    /// this one) and the turns after it, in order. `None` when there is no such conversation.
+    async fn conversation_since(
+        &self,
+        conversation_id: &str,
+        after: Revision,
+    ) -> Result<Option<ConversationTail>, StoreError>;
+
     /// Append a committed turn at `expected + 1` if the conversation is at `expected` and the
     /// would-be history passes the validator.
     async fn append_turn(

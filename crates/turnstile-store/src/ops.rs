@@ -216,6 +216,39 @@ pub(crate) async fn conversation<T: Tx>(
     })))
 }
 
+pub(crate) async fn conversation_since<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    after: Revision,
+) -> Result<Option<ConversationTail>, StoreError> {
+    let Some((revision, _)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(None);
+    };
+    // The turn at `after` too (its id checks the reader's history), then the ones after it.
+    let rows = tx
+        .query(
+            "SELECT revision, turn FROM turns WHERE conversation_id = $1 AND revision >= $2 \
+             AND revision <= $3 ORDER BY revision",
+            &[conversation_id.into(), after.0.into(), revision.0.into()],
+        )
+        .await?;
+    let mut turn_id_at = None;
+    let mut turns = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let turn = json_of(&row.text(1)?)?;
+        if row.uint(0)? == after.0 {
+            turn_id_at = turn.get("id").and_then(Value::as_str).map(str::to_owned);
+        } else {
+            turns.push(turn);
+        }
+    }
+    Ok(Some(ConversationTail {
+        revision,
+        turn_id_at,
+        turns,
+    }))
+}
+
 /// Claim revision `expected + 1` (the conditional write), then insert the turn.
 async fn claim_revision<T: Tx>(
     tx: &mut T,

@@ -339,6 +339,18 @@ impl Ledger for PgLedger {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }
 
+    async fn conversation_since(
+        &self,
+        conversation_id: &str,
+        after: Revision,
+    ) -> Result<Option<ConversationTail>, StoreError> {
+        in_tx!(self, |tx| ops::conversation_since(
+            &mut tx,
+            conversation_id,
+            after
+        ))
+    }
+
     async fn append_turn(
         &self,
         conversation_id: &str,

@@ -463,6 +463,16 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn conversation_since(
+        &self,
+        conversation_id: &str,
+        after: Revision,
+    ) -> Result<Option<ConversationTail>, StoreError> {
+        let id = conversation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::conversation_since(tx, &id, after)))
+            .await
+    }
+
     async fn append_turn(
         &self,
         conversation_id: &str,

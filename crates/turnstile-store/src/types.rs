@@ -21,6 +21,19 @@ pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATC
 /// How long a SQLite connection waits for another process's write lock.
 pub const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
 
+/// Answer of [`crate::Ledger::conversation_since`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConversationTail {
+    /// The conversation's revision.
+    pub revision: Revision,
+    /// The id of its turn at the revision asked about (None at revision 0, or when the
+    /// conversation has no turn there: it is behind the reader).
+    pub turn_id_at: Option<String>,
+    /// Its turns after the revision asked about, in order (`turnstile.conversation.v1` turns,
+    /// each stamped with its revision).
+    pub turns: Vec<Value>,
+}
+
 /// Answer of `create_conversation`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CreateOutcome {

@@ -32,7 +32,9 @@ use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_adapters::{Catalog, RenderCache};
 use turnstile_core::dispatch::{DispatchState, Timestamp};
-use turnstile_core::{Conversation, MessageSequence, Revision, Validated, Verdict, limits, validate};
+use turnstile_core::{
+    Conversation, KeptConversation, MessageSequence, Revision, Validated, Verdict, limits, validate,
+};
 use turnstile_store::{
     AppendOutcome, CLAIM_LEASE_MS_MAX, CallClaimOutcome, CreateOutcome, ReleaseOutcome, RenewOutcome,
     ResultOutcome, ToolCallState,
@@ -723,19 +725,26 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         return attach(shared, caller, record, None, request.stream, None).await;
     }
 
-    let document = shared
-        .ledger
-        .conversation(&conversation_id)
-        .await
-        .map_err(ApiError::store)?
+    // The kept history plus the turns committed since, or the whole document (`kept.rs`).
+    let current = super::kept::current(&shared, &conversation_id)
+        .await?
         .ok_or_else(|| ApiError::not_found("conversation"))?;
-    let conversation = Conversation::from_value(document).map_err(|error| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorCode::StoredHistoryUnreadable,
-            error.to_string(),
-        )
-    })?;
+    let answer = dispatch_current(&shared, caller, &current.kept, request, operation_id, &targets).await;
+    shared.kept.put(&conversation_id, current);
+    answer
+}
+
+/// The rest of a dispatch of a stored conversation, once it is current: the revision check,
+/// the verdict (kept, so no walk of the history), the prepare and the attach.
+async fn dispatch_current(
+    shared: &Arc<Shared>,
+    caller: Caller,
+    kept: &KeptConversation,
+    request: DispatchBody,
+    operation_id: String,
+    targets: &[Target],
+) -> ApiResult {
+    let conversation = kept.conversation();
     if let Some(expected) = request.expected_revision
         && expected != conversation.revision.0
     {
@@ -746,9 +755,9 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         )
         .with(json!({"current_revision": conversation.revision.0})));
     }
-    // Validated once: the proof goes on into the render.
-    let validated = match Validated::with_verdict(&conversation) {
-        (Verdict::Ready, Some(validated)) => validated,
+    // Validated once, when each turn was kept: the proof and the sequence go on into the render.
+    let (validated, sequence) = match (kept.verdict(), kept.graph_parts()) {
+        (Verdict::Ready, Some(parts)) => parts,
         (Verdict::Waiting { pending }, _) => {
             let pending = pending.into_iter().map(|call| call.0).collect();
             return Ok(early_response(Early::Waiting(pending), request.stream));
@@ -766,10 +775,11 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
         }
     };
     match prepare_dispatch(
-        &shared,
+        shared,
         validated,
+        sequence,
         operation_id,
-        &targets,
+        targets,
         request.max_output_tokens,
         Settings {
             sampling: request.sampling,
@@ -784,7 +794,15 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     .await?
     {
         Started::Record(record, began) => {
-            attach(shared, caller, record, began, request.stream, Some(&conversation)).await
+            attach(
+                shared.clone(),
+                caller,
+                record,
+                began,
+                request.stream,
+                Some(conversation),
+            )
+            .await
         }
         Started::Early(early) => Ok(early_response(early, request.stream)),
     }
@@ -831,6 +849,7 @@ fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
 pub(crate) async fn prepare_dispatch(
     shared: &Arc<Shared>,
     validated: Validated<'_>,
+    sequence: &MessageSequence,
     operation_id: String,
     targets: &[Target],
     max_output_tokens: Option<u64>,
@@ -842,9 +861,8 @@ pub(crate) async fn prepare_dispatch(
             .get(provider)
             .map(|endpoint| endpoint.resume_by_handle)
     };
-    // The sequence and graph are built before the shared render cache is locked.
-    let sequence = MessageSequence::build(validated);
-    let graph = Graph::new(validated, &sequence);
+    // The graph is built before the shared render cache is locked.
+    let graph = Graph::new(validated, sequence);
     let rendered = {
         let mut cache = shared.render_cache.lock().await;
         render_targets(
@@ -2016,6 +2034,8 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
         metrics::unknown_age(age_ms as f64 / 1000.0);
     }
     metrics::store_write_ops(shared.ledger.write_ops());
+    let (kept, whole) = shared.kept.stats();
+    metrics::conversation_reads(kept, whole);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

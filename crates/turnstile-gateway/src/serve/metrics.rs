@@ -68,6 +68,10 @@ pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
 /// Store operations of this process that changed a row and were committed (durable writes;
 /// `Ledger::write_ops`, read at each scrape).
 pub const STORE_WRITE_OPS: &str = "turnstile_store_write_ops_total";
+/// Dispatches of a stored conversation by how its history was read (`kept.rs`): `kept` (the
+/// history kept in memory plus the turns since), `whole` (the whole document); read at each
+/// scrape.
+pub const CONVERSATION_READS: &str = "turnstile_conversation_reads_total";
 
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
@@ -175,6 +179,12 @@ pub fn failover(from: &str, to: &str, reason: &str) {
 /// The ledger's count of durable writes, at a scrape.
 pub fn store_write_ops(total: u64) {
     counter!(STORE_WRITE_OPS).absolute(total);
+}
+
+/// The kept-history counts (`KeptConversations::stats`), at a scrape.
+pub fn conversation_reads(kept: u64, whole: u64) {
+    counter!(CONVERSATION_READS, "history" => "kept").absolute(kept);
+    counter!(CONVERSATION_READS, "history" => "whole").absolute(whole);
 }
 
 /// Count a dispatch transition.

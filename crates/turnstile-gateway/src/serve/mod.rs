@@ -10,6 +10,7 @@ pub mod config;
 pub mod driver;
 pub mod feed;
 pub mod hub;
+pub mod kept;
 pub mod listener;
 pub mod metrics;
 pub mod proxy;
@@ -59,6 +60,8 @@ pub struct Shared {
     pub toolsets: Mutex<ToolsetCache>,
     /// Rendered fragments by block digest.
     pub render_cache: Mutex<RenderCache>,
+    /// Stored conversations kept decoded between dispatches (`kept.rs`).
+    pub kept: kept::KeptConversations,
     /// Model catalog.
     pub catalog: Catalog,
     /// Prometheus exposition.
@@ -267,6 +270,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         unknown_since: Mutex::new(HashMap::new()),
         toolsets: Mutex::new(ToolsetCache::new()),
         render_cache: Mutex::new(RenderCache::new()),
+        kept: kept::KeptConversations::default(),
         catalog,
         prometheus,
         routes: config.routes.clone(),

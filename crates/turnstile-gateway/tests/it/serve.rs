@@ -149,7 +149,7 @@ impl Gateway {
     }
 
     /// Like `dispatch`, with the HTTP status; an error body comes back as one `http_error` event.
-    fn dispatch_raw(
+    pub fn dispatch_raw(
         &self,
         conversation: &str,
         operation: &str,
@@ -1369,5 +1369,124 @@ fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
             assert_eq!(mine, 2, "{store} {adapter}: the commit's tool-call rows");
         }
         assert_safety_metrics_zero(&gateway);
+    }
+}
+
+/// Issue 21: a gateway keeps a stored conversation decoded between dispatches, so an agent
+/// loop's next dispatch reads and checks only the turns committed since its last one
+/// (`turnstile_conversation_reads_total`): the first dispatch reads the whole history, the
+/// next ones the kept history plus what was appended since, here by another replica too. The
+/// body a warm replica sends is the one a fresh replica sends for the same revision, and every
+/// body sent hashes to its manifest's request digest. SQLite and PostgreSQL.
+#[test]
+fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let sim = SimProcess::start();
+    let run = run_id();
+    let adapter = "anthropic-messages@1";
+    for store in ["sqlite", "postgres"] {
+        let dirs = [(); 3].map(|_| tempfile::tempdir().unwrap());
+        let store_url = if store == "sqlite" {
+            sqlite(&dirs[0])
+        } else {
+            url.clone()
+        };
+        let warm = Gateway::start(&dirs[0], &store_url, &sim, "");
+        let other = Gateway::start(&dirs[1], &store_url, &sim, "");
+        let reads = |gateway: &Gateway, history: &str| {
+            gateway.metric(&format!(
+                "turnstile_conversation_reads_total{{history=\"{history}\"}}"
+            ))
+        };
+        let id = format!("c-kept-{run}-{store}");
+        let model = format!("m-{id}");
+        let op = |round: &str| format!("op-{id}-{round}");
+        conversation_with_question(&warm, &id);
+        let (kept_before, whole_before) = (reads(&warm, "kept"), reads(&warm, "whole"));
+
+        // Round 1 (revision 1 → 2): two calls.
+        sim.script(&model, json!([two_calls(json!({}))]));
+        let events = warm.dispatch(&id, &op("1"), adapter, &model);
+        assert_eq!(named(&events, "committed").len(), 1, "{store}: {events:?}");
+        // The results, appended through the other replica (revision 3).
+        let ready = warm.get("/v1/tool-calls?state=ready")["tool_calls"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let results: Vec<Value> = ready
+            .iter()
+            .filter(|call| call["conversation_id"] == id.as_str())
+            .enumerate()
+            .map(|(i, call)| {
+                json!({"id": format!("r{i}"), "kind": "tool_result", "call_id": call["call_id"], "tool": call["tool"],
+                       "args_digest": call["args_digest"], "generation": call["generation"], "status": "success",
+                       "content": [{"kind": "text", "text": format!("{i}C")}]})
+            })
+            .collect();
+        assert_eq!(results.len(), 2, "{store}: {ready:?}");
+        let (status, body) = other.post(
+            &format!("/v1/conversations/{id}/turns"),
+            json!({"expected_revision": 2, "turn": {"id": "t-results", "role": "tool", "blocks": results}}),
+        );
+        assert_eq!(status, 200, "{store}: {body}");
+
+        // Round 2 (3 → 4) on the warm replica: the kept history plus the other's tool turn.
+        sim.script(&model, json!([{"text": "Sunny in Paris, rain in Tokyo."}]));
+        let events = warm.dispatch(&id, &op("2"), adapter, &model);
+        assert_eq!(named(&events, "committed").len(), 1, "{store}: {events:?}");
+        let (status, body) = warm.post(
+            &format!("/v1/conversations/{id}/turns"),
+            json!({"expected_revision": 4, "turn": {"id": "t3", "role": "user",
+                   "blocks": [{"id": "u3", "kind": "text", "text": "And tomorrow?"}]}}),
+        );
+        assert_eq!((status, body), (200, json!({"revision": 5})), "{store}");
+
+        // Round 3 at revision 5: the warm replica's attempt is refused by the provider (nothing
+        // commits), then a replica that never saw the conversation dispatches the same revision.
+        sim.script(&model, json!([{"text": "never", "faults": {"status": 400}}]));
+        let (status, events) = warm.dispatch_raw(&id, &op("3-warm"), adapter, &model);
+        assert_eq!(status, 200, "{store}: {events:?}");
+        let fresh = Gateway::start(&dirs[2], &store_url, &sim, "");
+        sim.script(&model, json!([{"text": "Rain everywhere."}]));
+        let events = fresh.dispatch(&id, &op("3-fresh"), adapter, &model);
+        assert_eq!(named(&events, "committed").len(), 1, "{store}: {events:?}");
+
+        assert_eq!(
+            (
+                reads(&warm, "whole") - whole_before,
+                reads(&warm, "kept") - kept_before
+            ),
+            (1.0, 2.0),
+            "{store}: the warm replica read the whole history once, then only what was new"
+        );
+        assert_eq!(
+            (reads(&fresh, "whole"), reads(&fresh, "kept")),
+            (1.0, 0.0),
+            "{store}"
+        );
+        let manifest = |gateway: &Gateway, operation: &str| {
+            let manifest = gateway.get(&format!("/v1/dispatches/{operation}"))["manifest"].clone();
+            (
+                manifest["conversation_revision"].clone(),
+                manifest["sequence_digest"].clone(),
+                manifest["request_digest"].clone(),
+                manifest["prompt_tokens"].clone(),
+            )
+        };
+        let warm_manifest = manifest(&warm, &op("3-warm"));
+        assert_eq!(warm_manifest.0, json!(5), "{store}");
+        assert_eq!(
+            warm_manifest,
+            manifest(&fresh, &op("3-fresh")),
+            "{store}: the kept history renders what the whole one does"
+        );
+        for round in ["1", "2", "3-warm"] {
+            assert!(
+                assert_sent_bodies_match_manifest(&warm, &sim, &op(round)) >= 1,
+                "{store}: the body sent in round {round} hashes to its manifest's digest"
+            );
+        }
     }
 }

@@ -65,6 +65,7 @@ suite!(
     the_quarantine_pages_newest_first_within_a_prefix,
     prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
+    a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -1993,4 +1994,52 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
         .unwrap();
     assert!(matches!(refused, CommitOutcome::Rejected(_)), "{refused:?}");
     assert_eq!(store.history_walks() - walks, 1);
+}
+
+/// Issue 21: `conversation_since` gives a reader that holds the history up to a revision what
+/// it lacks: the current revision, the turns after its own (equal to the same turns of the
+/// whole document) and the id of the turn at its revision, so a reader can tell the history it
+/// holds from another one; nothing for an unknown conversation.
+pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    assert_eq!(
+        store.conversation_since("nowhere", Revision(0)).await.unwrap(),
+        None
+    );
+    store.create_conversation("c", &tools(), at(1)).await.unwrap();
+    let empty = store.conversation_since("c", Revision(0)).await.unwrap().unwrap();
+    assert_eq!(
+        (empty.revision, empty.turn_id_at, empty.turns.len()),
+        (Revision(0), None, 0)
+    );
+    for (index, id) in ["u1", "u2", "u3"].iter().enumerate() {
+        let outcome = store
+            .append_turn("c", Revision(index as u64), &user_turn(id), at(2 + index as u64))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, AppendOutcome::Appended { .. }), "{outcome:?}");
+    }
+    let whole = store.conversation("c").await.unwrap().unwrap();
+    let turns = whole["turns"].as_array().unwrap();
+    for after in 0..=3u64 {
+        let tail = store
+            .conversation_since("c", Revision(after))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(tail.revision, Revision(3));
+        assert_eq!(tail.turns, turns[after as usize..].to_vec(), "after {after}");
+        let at_after = (after > 0).then(|| turns[after as usize - 1]["id"].as_str().unwrap().to_owned());
+        assert_eq!(tail.turn_id_at, at_after, "after {after}");
+    }
+    // A reader ahead of the store (another store's history under the same id) finds no turn at
+    // its revision.
+    let ahead = store.conversation_since("c", Revision(7)).await.unwrap().unwrap();
+    assert_eq!(
+        (ahead.revision, ahead.turn_id_at, ahead.turns.len()),
+        (Revision(3), None, 0)
+    );
 }

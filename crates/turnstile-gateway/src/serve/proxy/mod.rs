@@ -848,9 +848,11 @@ async fn serve_ours(
             ),
         )
     })?;
+    let sequence = turnstile_core::MessageSequence::build(validated);
     let started = api::prepare_dispatch(
         shared,
         validated,
+        &sequence,
         operation_id.clone(),
         &targets,
         imported.max_output_tokens,

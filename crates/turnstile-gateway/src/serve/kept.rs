@@ -1,0 +1,196 @@
+//! Stored conversations kept decoded in memory between dispatches (issue 21), so an agent
+//! loop's next dispatch reads, decodes and checks only the turns committed since the last one.
+//!
+//! A dispatch of a stored conversation takes its [`KeptConversation`] out of this cache and
+//! asks the store for what happened after the kept revision (`Ledger::conversation_since`, one
+//! read of the new turns), pushes those turns (decode, validator state, message sequence: each
+//! for the cost of the turn), and puts it back after the dispatch. The store stays the truth:
+//! the kept history is used only when the store's turn at the kept revision has the id of the
+//! kept history's last turn and the store holds exactly the turns after it; anything else (an
+//! unknown conversation, a store behind the kept revision, a gap) reads the whole document, as
+//! every dispatch did before. A kept entry is keyed by the store's conversation id (tenant
+//! prefix included) and holds exactly the committed history at its revision, which never
+//! changes once committed (the revision CAS), so another replica's appends only make it older,
+//! never wrong.
+//!
+//! Bounds: [`KeptConversations::ENTRIES_MAX`] conversations and
+//! [`KeptConversations::BYTES_MAX`] bytes of their JSON (an estimate from the stored turns),
+//! least recently used out first. A conversation bigger than the byte bound is not kept.
+
+use super::Shared;
+use super::api::{ApiError, ErrorCode};
+use axum::http::StatusCode;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use turnstile_core::{Conversation, KeptConversation};
+
+/// The cache. `take` and `put` lock only to move an entry in or out.
+#[derive(Default)]
+pub struct KeptConversations {
+    inner: Mutex<Inner>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+#[derive(Default)]
+struct Inner {
+    entries: HashMap<String, Entry>,
+    bytes: usize,
+    clock: u64,
+}
+
+struct Entry {
+    kept: KeptConversation,
+    bytes: usize,
+    used: u64,
+}
+
+/// A conversation as a dispatch uses it: kept, with the estimate of its size.
+pub struct Current {
+    pub kept: KeptConversation,
+    pub bytes: usize,
+}
+
+impl KeptConversations {
+    /// Most conversations kept.
+    pub const ENTRIES_MAX: usize = 256;
+    /// Most bytes kept (estimated from the stored JSON).
+    pub const BYTES_MAX: usize = 256 * 1024 * 1024;
+
+    /// (dispatches that used a kept history, dispatches that read the whole one).
+    pub fn stats(&self) -> (u64, u64) {
+        (
+            self.hits.load(Ordering::Relaxed),
+            self.misses.load(Ordering::Relaxed),
+        )
+    }
+
+    fn take(&self, conversation_id: &str) -> Option<Current> {
+        let mut inner = self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let entry = inner.entries.remove(conversation_id)?;
+        inner.bytes -= entry.bytes;
+        Some(Current {
+            kept: entry.kept,
+            bytes: entry.bytes,
+        })
+    }
+
+    /// Keep `current` for the next dispatch of `conversation_id` (a newer one of the same id
+    /// put meanwhile by a concurrent dispatch stays).
+    pub fn put(&self, conversation_id: &str, current: Current) {
+        if current.bytes > Self::BYTES_MAX {
+            return;
+        }
+        let mut inner = self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        inner.clock += 1;
+        let used = inner.clock;
+        if let Some(existing) = inner.entries.get(conversation_id)
+            && existing.kept.conversation().revision >= current.kept.conversation().revision
+        {
+            return;
+        }
+        if let Some(replaced) = inner.entries.insert(
+            conversation_id.to_owned(),
+            Entry {
+                kept: current.kept,
+                bytes: current.bytes,
+                used,
+            },
+        ) {
+            inner.bytes -= replaced.bytes;
+        }
+        inner.bytes += current.bytes;
+        while inner.entries.len() > Self::ENTRIES_MAX || inner.bytes > Self::BYTES_MAX {
+            let Some(oldest) = inner
+                .entries
+                .iter()
+                .min_by_key(|(_, entry)| entry.used)
+                .map(|(id, _)| id.clone())
+            else {
+                break;
+            };
+            if let Some(evicted) = inner.entries.remove(&oldest) {
+                inner.bytes -= evicted.bytes;
+            }
+        }
+    }
+}
+
+/// The stored conversation `conversation_id` as the store has it now, from the kept history
+/// plus the turns committed since when possible, else from the whole document. `None`: no
+/// such conversation.
+pub async fn current(shared: &Shared, conversation_id: &str) -> Result<Option<Current>, ApiError> {
+    if let Some(mut current) = shared.kept.take(conversation_id) {
+        let revision = current.kept.conversation().revision;
+        let tail = shared
+            .ledger
+            .conversation_since(conversation_id, revision)
+            .await
+            .map_err(ApiError::store)?;
+        let Some(tail) = tail else {
+            return Ok(None);
+        };
+        let last_id = current
+            .kept
+            .conversation()
+            .turns
+            .last()
+            .and_then(|turn| turn.id.as_deref());
+        let continues = tail.revision >= revision
+            && tail.turn_id_at.as_deref() == last_id
+            && tail.turns.len() as u64 == tail.revision.0 - revision.0;
+        if continues {
+            let mut readable = true;
+            for turn in tail.turns {
+                current.bytes += value_bytes(&turn);
+                if current.kept.push_turn(turn, tail.revision).is_err() {
+                    readable = false;
+                    break;
+                }
+            }
+            if readable {
+                shared.kept.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(current));
+            }
+        }
+    }
+    shared.kept.misses.fetch_add(1, Ordering::Relaxed);
+    let Some(document) = shared
+        .ledger
+        .conversation(conversation_id)
+        .await
+        .map_err(ApiError::store)?
+    else {
+        return Ok(None);
+    };
+    let bytes = value_bytes(&document);
+    let conversation = Conversation::from_value(document).map_err(|error| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::StoredHistoryUnreadable,
+            error.to_string(),
+        )
+    })?;
+    Ok(Some(Current {
+        kept: KeptConversation::new(conversation),
+        bytes,
+    }))
+}
+
+/// An estimate of a JSON value's size: its strings' bytes and a few per node (what the decoded
+/// conversation holds grows with it).
+fn value_bytes(value: &Value) -> usize {
+    match value {
+        Value::String(text) => text.len() + 8,
+        Value::Array(items) => 8 + items.iter().map(value_bytes).sum::<usize>(),
+        Value::Object(map) => {
+            8 + map
+                .iter()
+                .map(|(key, value)| key.len() + value_bytes(value))
+                .sum::<usize>()
+        }
+        _ => 8,
+    }
+}
