@@ -59,6 +59,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0007_dispatch_targets.sql"),
         postgres: include_str!("../migrations/postgres/0007_dispatch_targets.sql"),
     },
+    Migration {
+        version: 8,
+        name: "dispatch_bodies",
+        sqlite: include_str!("../migrations/sqlite/0008_dispatch_bodies.sql"),
+        postgres: include_str!("../migrations/postgres/0008_dispatch_bodies.sql"),
+    },
 ];
 
 /// The newest version this build knows.

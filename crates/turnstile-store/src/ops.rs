@@ -396,8 +396,10 @@ pub(crate) async fn append_turn<T: Tx>(
 // ---------------------------------------------------------------------------------------------
 // Dispatches
 
-const DISPATCH_COLUMNS: &str = "operation_id, conversation_id, revision, manifest, manifest_digest, \
-     request_digest, request_bytes, provider, state, cancel_generation, active_generation, committed_revision, outcome";
+/// A dispatch with its request bytes (kept in `dispatch_bodies`, migration 8).
+const DISPATCH_COLUMNS: &str = "d.operation_id, d.conversation_id, d.revision, d.manifest, d.manifest_digest, \
+     d.request_digest, b.request_bytes, d.provider, d.state, d.cancel_generation, d.active_generation, \
+     d.committed_revision, d.outcome";
 
 fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
     Ok(DispatchRecord {
@@ -421,7 +423,10 @@ pub(crate) async fn dispatch<T: Tx>(
     tx: &mut T,
     operation_id: &str,
 ) -> Result<Option<DispatchRecord>, StoreError> {
-    let sql = format!("SELECT {DISPATCH_COLUMNS} FROM dispatches WHERE operation_id = $1");
+    let sql = format!(
+        "SELECT {DISPATCH_COLUMNS} FROM dispatches d JOIN dispatch_bodies b ON b.operation_id = d.operation_id \
+         WHERE d.operation_id = $1"
+    );
     let rows = tx.query(&sql, &[operation_id.into()]).await?;
     rows.first().map(dispatch_from_row).transpose()
 }
@@ -571,15 +576,16 @@ pub(crate) async fn prepare_targets<T: Tx>(
     }
     let manifest_json = serde_json::to_string(manifest)
         .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
+    let manifest_value = json_of(&manifest_json)?;
     let inserted = tx
         .execute(
             // `updated_at` on the store's clock: the sweep compares it with the store's now
             // (`prepared_unattended`), never with a replica's.
             &format!(
                 "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
-                 request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
+                 request_digest, provider, state, cancel_generation, generation_last, \
                  quarantined, created_at, updated_at, policy) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'PREPARED', 0, 0, 0, $9, {}, $10) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'PREPARED', 0, 0, 0, $8, {}, $9) \
                  ON CONFLICT (operation_id) DO NOTHING",
                 tx.dialect().now_ms()
             ),
@@ -590,18 +596,17 @@ pub(crate) async fn prepare_targets<T: Tx>(
                 manifest_json.into(),
                 manifest_digest.into(),
                 manifest.body.request_digest.as_str().into(),
-                request_bytes.into(),
                 manifest.body.provider.as_str().into(),
                 ts(now),
                 policy.map(Value::to_string).into(),
             ],
         )
         .await?;
-    let record = dispatch(tx, operation_id)
-        .await?
-        .ok_or_else(|| StoreError::Corrupt("dispatch vanished inside its transaction".into()))?;
     if inserted == 0 {
         // Another replica inserted the same operation id between our read and our insert.
+        let record = dispatch(tx, operation_id)
+            .await?
+            .ok_or_else(|| StoreError::Corrupt("dispatch vanished inside its transaction".into()))?;
         let stored = fallback_digests_of(tx, operation_id).await?;
         return Ok(same_or_conflict(
             record,
@@ -610,6 +615,28 @@ pub(crate) async fn prepare_targets<T: Tx>(
             &fallback_digests,
         ));
     }
+    tx.execute(
+        "INSERT INTO dispatch_bodies (operation_id, request_bytes) VALUES ($1, $2)",
+        &[operation_id.into(), request_bytes.into()],
+    )
+    .await?;
+    // The row just inserted, as `dispatch` would read it back (without reading the request
+    // bytes back through the page cache: they are the caller's).
+    let record = DispatchRecord {
+        operation_id: operation_id.to_owned(),
+        conversation_id: conversation_id.to_owned(),
+        revision: manifest.body.conversation_revision,
+        manifest: manifest_value,
+        manifest_digest: manifest_digest.to_owned(),
+        request_digest: manifest.body.request_digest.as_str().to_owned(),
+        request_bytes: request_bytes.to_vec(),
+        provider: manifest.body.provider.clone(),
+        state: DispatchState::Prepared,
+        cancel_generation: 0,
+        active_generation: None,
+        committed_revision: None,
+        outcome: None,
+    };
     for (index, fallback) in fallbacks.iter().enumerate() {
         let manifest_json = serde_json::to_string(&fallback.manifest)
             .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;

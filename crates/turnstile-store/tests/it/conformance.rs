@@ -2043,3 +2043,63 @@ pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_
         (Revision(3), None, 0)
     );
 }
+
+/// Migration 8 moves each dispatch's request bytes into `dispatch_bodies`: a database written
+/// at version 7 (bodies in the dispatch row) opens at the latest version with every body
+/// intact and still read back byte for byte (SQLite; PostgreSQL runs the same statements).
+#[test]
+fn a_version_7_database_keeps_every_request_body_across_migration_8() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v7.db");
+    {
+        let connection = rusqlite::Connection::open(&path).unwrap();
+        connection
+            .execute_batch(
+                "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
+            )
+            .unwrap();
+        for migration in migrations::MIGRATIONS
+            .iter()
+            .filter(|migration| migration.version <= 7)
+        {
+            connection.execute_batch(migration.sqlite).unwrap();
+            connection
+                .execute(
+                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, 0)",
+                    rusqlite::params![migration.version, migration.name],
+                )
+                .unwrap();
+        }
+        connection
+            .execute(
+                "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) VALUES ('c', 0, '[]', 1, 1)",
+                [],
+            )
+            .unwrap();
+        for (index, size) in [3usize, 300_000].iter().enumerate() {
+            let bytes: Vec<u8> = (0..*size).map(|i| (i * 7 + index) as u8).collect();
+            connection
+                .execute(
+                    "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
+                     request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
+                     quarantined, created_at, updated_at) \
+                     VALUES (?1, 'c', 0, '{}', 'md', 'rd', ?2, 'p', 'FAILED', 0, 0, 0, 1, 1)",
+                    rusqlite::params![format!("op-{index}"), bytes],
+                )
+                .unwrap();
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let store = SqliteLedger::open(&path, Synchronous::Full).unwrap();
+        for (index, size) in [3usize, 300_000].iter().enumerate() {
+            let record = store.dispatch(&format!("op-{index}")).await.unwrap().unwrap();
+            let expected: Vec<u8> = (0..*size).map(|i| (i * 7 + index) as u8).collect();
+            assert_eq!(record.request_bytes, expected, "op-{index}");
+            assert_eq!(record.state, DispatchState::Failed);
+        }
+    });
+}

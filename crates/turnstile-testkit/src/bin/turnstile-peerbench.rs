@@ -37,7 +37,9 @@ fn usage() -> ! {
         "usage: turnstile-peerbench gen --out DIR\n\
          \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX] [--skip-large] [--clock wall|cpu]\n\
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
-         [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream]"
+         [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream] [--rate REQ_PER_S]\n\
+         \x20      turnstile-peerbench step --base URL --inputs DIR [--steps K] [--runs R] [--model M] [--sizes 20,200,2000]\n\
+         \x20      turnstile-peerbench fsync --dir DIR [--count N]"
     );
     std::process::exit(2)
 }
@@ -68,6 +70,8 @@ fn main() {
         "gen" => generate(Path::new(&args.value("--out").unwrap_or_else(|| usage()))),
         "micro" => micro(&args),
         "load" => load(&args),
+        "step" => http_step(&args),
+        "fsync" => fsync_probe(&args),
         _ => usage(),
     }
 }
@@ -973,6 +977,12 @@ fn load(args: &Args) {
     } else {
         target
     };
+    // `--rate R`: open loop instead, R requests per second whatever the answers (the added
+    // latency at a fixed load, `rate_load`).
+    if let Some(rate) = args.value("--rate") {
+        let rate: f64 = rate.parse().unwrap_or_else(|_| usage());
+        return rate_load(target, &base, &model, requests, runs, &label, rate);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -1073,6 +1083,221 @@ fn load(args: &Args) {
                    "client": "turnstile-peerbench load (reqwest, closed loop)"}})
         );
     });
+}
+
+/// Open-loop load: request `i` of a run is sent at `start + i / rate` on its own task, and its
+/// latency is measured from that scheduled time (a late send counts against the system, so a
+/// stall cannot hide the requests it delayed). One JSON line per label: p50 and p99 per run.
+fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64, label: &str, rate: f64) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        let warm = format!("{label}-{stamp}-warm");
+        if target == Target::Turnstile {
+            create_conversations(&client, base, &warm, 8).await;
+        }
+        for index in 0..8 {
+            one(&client, target, base, model, &warm, index).await.unwrap();
+        }
+        let (mut p50, mut p99, mut samples) = (Vec::new(), Vec::new(), Vec::new());
+        let mut errors = 0usize;
+        for run in 0..runs {
+            let phase = format!("{label}-{stamp}-{run}");
+            if target == Target::Turnstile {
+                create_conversations(&client, base, &phase, requests).await;
+            }
+            let start = tokio::time::Instant::now() + Duration::from_millis(20);
+            let mut tasks = Vec::with_capacity(requests);
+            for index in 0..requests {
+                let at = start + Duration::from_secs_f64(index as f64 / rate);
+                let (client, base, model, phase) = (client.clone(), base.to_owned(), model.to_owned(), phase.clone());
+                tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(at).await;
+                    let result = one(&client, target, &base, &model, &phase, index).await;
+                    (result, at.elapsed())
+                }));
+            }
+            let mut latencies = Vec::with_capacity(requests);
+            for task in tasks {
+                match task.await.unwrap() {
+                    (Ok(()), latency) => latencies.push(latency),
+                    (Err(error), _) => {
+                        if errors == 0 {
+                            eprintln!("{label}: request failed: {error}");
+                        }
+                        errors += 1;
+                    }
+                }
+            }
+            latencies.sort();
+            let ok = latencies.len();
+            let pick = |p: f64| latencies.get(((ok as f64 * p) as usize).min(ok.saturating_sub(1))).map_or(0.0, |d| d.as_secs_f64());
+            p50.push(pick(0.50));
+            p99.push(pick(0.99));
+            samples.push(pick(0.99));
+            eprintln!(
+                "{label} run {} at {rate} req/s: p50 {:.2} ms, p99 {:.2} ms, {} errors",
+                run + 1,
+                pick(0.5) * 1e3,
+                pick(0.99) * 1e3,
+                requests - ok
+            );
+        }
+        println!(
+            "{}",
+            json!({"system": label, "workload": format!("rate/{rate}"), "unit": "s (p99 latency)", "samples": samples,
+                   "iterations_per_run": requests, "extra": {"rate_per_s": rate, "p50_s": p50, "p99_s": p99,
+                   "errors": errors, "client": "turnstile-peerbench load --rate (reqwest, open loop, latency from the scheduled send)"}})
+        );
+    });
+}
+
+/// `fsync --dir D`: the time of one durable write on that file system (4 KiB written and
+/// `fdatasync`ed, `--count` times): the floor the added-latency target is stated against.
+fn fsync_probe(args: &Args) {
+    use std::io::Write as _;
+    let dir = PathBuf::from(args.value("--dir").unwrap_or_else(|| usage()));
+    let count = args.number("--count", 200) as usize;
+    let path = dir.join(format!("peerbench-fsync-{}.tmp", std::process::id()));
+    let mut file = std::fs::File::create(&path).unwrap();
+    let page = [0x5au8; 4096];
+    let mut times = Vec::with_capacity(count);
+    for _ in 0..count {
+        let started = Instant::now();
+        file.write_all(&page).unwrap();
+        file.sync_data().unwrap();
+        times.push(started.elapsed().as_secs_f64());
+    }
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+    times.sort_by(f64::total_cmp);
+    let pick = |p: f64| times[((count as f64 * p) as usize).min(count - 1)];
+    println!(
+        "{}",
+        json!({"system": "fsync", "workload": "fsync", "unit": "s/fdatasync", "samples": [pick(0.5)],
+               "iterations_per_run": count, "extra": {"dir": dir.display().to_string(), "p50_s": pick(0.5), "p99_s": pick(0.99)}})
+    );
+}
+
+/// `step`: the agent step over HTTP, against `turnstile serve`. Each conversation of 20 / 200 /
+/// 2,000 blocks is stored turn by turn (untimed), then each timed step appends one user turn
+/// (`POST /turns`) and dispatches (`POST /dispatch`, not streamed, the simulator answering a
+/// short text that commits). The history grows by two blocks a step. One JSON line per size:
+/// seconds per step (append + dispatch) per run, and the dispatch alone beside it.
+fn http_step(args: &Args) {
+    let base = args.value("--base").unwrap_or_else(|| usage());
+    let inputs = PathBuf::from(args.value("--inputs").unwrap_or_else(|| usage()));
+    let steps = args.number("--steps", 20) as usize;
+    let runs = args.number("--runs", 3);
+    let model = args.value("--model").unwrap_or_else(|| "bench".into());
+    // `--sizes 20,2000`: only those conversation sizes.
+    let sizes: Vec<usize> = args
+        .value("--sizes")
+        .unwrap_or_else(|| "20,200,2000".into())
+        .split(',')
+        .map(|size| size.parse().unwrap_or_else(|_| usage()))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        for blocks in sizes {
+            let document: Value =
+                serde_json::from_slice(&std::fs::read(inputs.join(format!("conv-{blocks}.v1.json"))).unwrap()).unwrap();
+            let (mut samples, mut dispatches) = (Vec::new(), Vec::new());
+            for run in 0..runs {
+                let id = format!("c-step-{stamp}-{blocks}-{run}");
+                let created = client
+                    .post(format!("{base}/v1/conversations"))
+                    .json(&json!({"conversation_id": id, "tools": document["tools"]}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert!(created.status().is_success(), "create: {}", created.status());
+                let mut revision = 0u64;
+                for turn in document["turns"].as_array().unwrap() {
+                    let mut turn = turn.clone();
+                    turn.as_object_mut().unwrap().remove("revision");
+                    append(&client, &base, &id, revision, turn).await;
+                    revision += 1;
+                }
+                // One untimed step first: the gateway reads the whole history once.
+                let mut step_times = Vec::new();
+                let mut dispatch_times = Vec::new();
+                for step in 0..=steps {
+                    let turn = json!({"id": format!("t-step-{step}"), "role": "user",
+                        "blocks": [{"id": format!("b-step-{step}"), "kind": "text", "text": format!("And the next question: {PARAGRAPH}")}]});
+                    let begun = Instant::now();
+                    append(&client, &base, &id, revision, turn).await;
+                    let dispatched = Instant::now();
+                    let body = json!({"operation_id": format!("op-{id}-{step}"), "stream": false, "max_output_tokens": 256,
+                                      "target": {"provider": "sim", "model": model, "adapter": "anthropic-messages@1"}});
+                    let answer: Value = client
+                        .post(format!("{base}/v1/conversations/{id}/dispatch"))
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    assert_eq!(answer["state"], "COMMITTED", "step {step}: {answer}");
+                    if step > 0 {
+                        step_times.push(begun.elapsed().as_secs_f64());
+                        dispatch_times.push(dispatched.elapsed().as_secs_f64());
+                    }
+                    revision += 2;
+                }
+                step_times.sort_by(f64::total_cmp);
+                dispatch_times.sort_by(f64::total_cmp);
+                samples.push(step_times[step_times.len() / 2]);
+                dispatches.push(dispatch_times[dispatch_times.len() / 2]);
+            }
+            println!(
+                "{}",
+                json!({"system": "turnstile_serve", "workload": format!("http_step/{blocks}"), "unit": "s/step",
+                       "samples": samples, "iterations_per_run": steps,
+                       "extra": {"dispatch_s": dispatches, "what": "append one user turn (POST /turns) + dispatch (POST /dispatch, not streamed, anthropic-messages@1, committed) of a stored conversation; median step of each run; the history grows by 2 blocks per step"}})
+            );
+        }
+    });
+}
+
+async fn append(client: &reqwest::Client, base: &str, id: &str, expected: u64, turn: Value) {
+    let response = client
+        .post(format!("{base}/v1/conversations/{id}/turns"))
+        .json(&json!({"expected_revision": expected, "turn": turn}))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    assert!(
+        status.is_success(),
+        "append at {expected}: {status} {}",
+        response.text().await.unwrap_or_default()
+    );
 }
 
 /// The bearer token sent to chat targets (`PEERBENCH_AUTH`, default `sk-bench`): the LiteLLM

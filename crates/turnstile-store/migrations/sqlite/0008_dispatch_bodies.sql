@@ -1,0 +1,15 @@
+-- Request bodies out of the dispatch row (issue 21). SQLite stores a row as one record and
+-- rewrites all of it on every UPDATE: with the exact request bytes (hundreds of KiB for a long
+-- conversation) in `dispatches`, every state change of a dispatch rewrote its body into the
+-- WAL, and every read of a column stored after it (state, generations, timestamps: the sweep,
+-- each transition) walked the body's overflow pages. The bytes never change after the
+-- prepare, so they get their own table, written once and read only by whoever sends them.
+CREATE TABLE dispatch_bodies (
+    operation_id  TEXT PRIMARY KEY REFERENCES dispatches (operation_id),
+    request_bytes BLOB NOT NULL
+);
+INSERT INTO dispatch_bodies (operation_id, request_bytes) SELECT operation_id, request_bytes FROM dispatches;
+ALTER TABLE dispatches DROP COLUMN request_bytes;
+-- The sweep of PREPARED dispatches nobody drives (`prepared_unattended`) reads this index,
+-- not every dispatch.
+CREATE INDEX dispatches_by_state ON dispatches (state, updated_at);
