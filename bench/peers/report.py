@@ -102,8 +102,12 @@ def load(path):
     return measurements, unavailable, probes
 
 
+FAMILIES = ("prepare", "step", "stream", "gateway")
+
+
 def workloads(measurements):
-    names = sorted({w for w, _ in measurements}, key=lambda w: (
+    # The issue-21 additions (rate/, http_step/, fsync) have their own section in `main`.
+    names = sorted({w for w, _ in measurements if w.split("/")[0] in FAMILIES}, key=lambda w: (
         {"prepare": 0, "step": 1, "stream": 2, "gateway": 3}[w.split("/")[0]],
         w.split("/")[1] if "/" in w else "",
         int(w.split("/")[-1].replace("k", "000")) if w.split("/")[-1].replace("k", "").isdigit() else 0))
@@ -343,6 +347,59 @@ def escape(text):
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def issue_21_additions(measurements, unavailable, report):
+    """The drop-in proxy beside the LiteLLM proxy, the added p99 at a fixed rate beside the
+    simulator's own and one fsync, and the agent step over HTTP: tables and target verdicts."""
+    lines = ["#### Issue 21: drop-in proxy, added latency at a fixed rate, agent step over HTTP", ""]
+    lines += ["| measurement | figure | target | verdict |", "| --- | --- | --- | --- |"]
+
+    def target(wording, figure, limit, verdict):
+        report["targets"].append({"target": wording, "figure": figure, "limit": limit, "verdict": verdict})
+        lines.append(f"| {wording} | {figure} | {limit} | {verdict} |")
+
+    proxy = measurements.get(("gateway", "turnstile_proxy"))
+    litellm = [measurements[("gateway", p)]["median"] for p in ("litellm_proxy", "litellm_proxy_2w")
+               if ("gateway", p) in measurements]
+    if proxy and litellm:
+        value = min(litellm) / proxy["median"]
+        target("drop-in proxy (`/v1/chat/completions`) ≥ 20× the LiteLLM proxy",
+               f"{1 / proxy['median']:,.0f} req/s = {fmt_ratio(value)}", "≥ 20×",
+               "**met**" if value >= 20 else "**missed**")
+    else:
+        reason = unavailable.get(("gateway", "turnstile_proxy"), "no LiteLLM figure in this run" if proxy else "not run")
+        target("drop-in proxy ≥ 20× the LiteLLM proxy", "—", "≥ 20×", f"not measured ({reason[:80]})")
+    floor = next((r for (w, s_), r in measurements.items() if w.startswith("rate/") and s_ == "direct_stream_rate"), None)
+    fsync = {label: measurements.get(("fsync", label)) for label in ("fsync_disk", "fsync_tmpfs")}
+    for system, store, fsync_label in (("turnstile_serve_rate", "disk", "fsync_disk"),
+                                       ("turnstile_serve_tmpfs_rate", "tmpfs", "fsync_tmpfs")):
+        record = next((r for (w, s_), r in measurements.items() if w.startswith("rate/") and s_ == system), None)
+        if not record or not floor:
+            target(f"added p99 at 200 req/s ({store})", "—", "", "not measured")
+            continue
+        p99 = statistics.median(record["extra"]["p99_s"])
+        base = statistics.median(floor["extra"]["p99_s"])
+        added = p99 - base
+        one_fsync = fsync[fsync_label]["median"] if fsync[fsync_label] else 0.0
+        limit = (one_fsync + 0.001) if store == "disk" else 0.001
+        wording = f"added p99 at {record['extra']['rate_per_s']:g} req/s, {store}"
+        figure = (f"{added * 1e3:.2f} ms ({p99 * 1e3:.2f} ms vs the simulator's {base * 1e3:.2f} ms; "
+                  f"p50 {statistics.median(record['extra']['p50_s']) * 1e3:.2f} ms)")
+        bound = f"≤ {limit * 1e3:.2f} ms" + (f" (one fsync {one_fsync * 1e3:.2f} ms + 1 ms)" if store == "disk" else "")
+        target(wording, figure, bound, "**met**" if added <= limit else "**missed**")
+    steps = {int(w.split("/")[1]): r for (w, s_), r in measurements.items() if w.startswith("http_step/")}
+    if steps:
+        for blocks in sorted(steps):
+            record = steps[blocks]
+            lines.append(f"| agent step over HTTP, {blocks:,} blocks (append + dispatch; dispatch alone) | "
+                         f"{fmt_time(record['median'])}; {fmt_time(statistics.median(record['extra']['dispatch_s']))} | | |")
+        if 20 in steps and 2000 in steps:
+            growth = steps[2000]["median"] / steps[20]["median"]
+            lines.append(f"| agent step over HTTP: step(2,000) / step(20) | {fmt_ratio(growth)} | "
+                         f"(the in-process target is ≤ 3×) | reported |")
+    lines.append("")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", required=True)
@@ -408,6 +465,7 @@ def main():
                                   "verdict": verdict})
         lines.append(f"| {wording} | {fmt_ratio(fastest_ratio)} vs {NAMES[fastest]} | {verdict} |")
     lines.append("")
+    lines += issue_21_additions(measurements, unavailable, report)
 
     lines += ["#### Correctness probe: the same six bad inputs", "",
               "| system | " + " | ".join(c.replace("_", " ") for c in CASES) + " |",

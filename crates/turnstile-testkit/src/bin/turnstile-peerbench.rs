@@ -39,7 +39,7 @@ fn usage() -> ! {
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
          [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream] [--rate REQ_PER_S]\n\
          \x20      turnstile-peerbench step --base URL --inputs DIR [--steps K] [--runs R] [--model M] [--sizes 20,200,2000]\n\
-         \x20      turnstile-peerbench fsync --dir DIR [--count N]"
+         \x20      turnstile-peerbench fsync --dir DIR [--count N] [--label L]"
     );
     std::process::exit(2)
 }
@@ -1186,7 +1186,7 @@ fn fsync_probe(args: &Args) {
     let pick = |p: f64| times[((count as f64 * p) as usize).min(count - 1)];
     println!(
         "{}",
-        json!({"system": "fsync", "workload": "fsync", "unit": "s/fdatasync", "samples": [pick(0.5)],
+        json!({"system": args.value("--label").unwrap_or_else(|| "fsync".into()), "workload": "fsync", "unit": "s/fdatasync", "samples": [pick(0.5)],
                "iterations_per_run": count, "extra": {"dir": dir.display().to_string(), "p50_s": pick(0.5), "p99_s": pick(0.99)}})
     );
 }
