@@ -229,7 +229,12 @@ pub fn prepare_with_settings(
         policy_digest: rendered.policy.digest(),
         max_output_tokens,
         prompt_tokens: rendered.prompt_tokens,
-        request_digest: cache.body_digest(request.adapter, &conversation.conversation_id, &rendered.body),
+        request_digest: cache.body_digest(
+            request.adapter,
+            &request.model,
+            &conversation.conversation_id,
+            &rendered.body,
+        ),
     }
     .seal();
     Ok(PrepareOutcome::Prepared(Box::new(Prepared {

@@ -329,11 +329,12 @@ pub struct RenderCache {
     bodies: BodyMemos,
 }
 
-/// The last request bodies digested through this cache, one per (adapter, conversation), with
+/// The last request bodies digested through this cache, one per (adapter, model, conversation), with
 /// SHA-256 midstates at every [`BodyMemo::CHUNK`] bytes, so the next body's digest hashes only
 /// from the first chunk that differs (an agent step's body is the last one with a turn added
 /// near its end). Exact: the bytes are compared, never assumed. At most [`BodyMemos::MAX`]
-/// bodies and [`BodyMemos::BYTES_MAX`] bytes are kept, the least recently used dropped first.
+/// bodies and [`BodyMemos::BYTES_MAX`] bytes (allocated: buffers and midstates) are kept, the
+/// least recently used dropped first.
 #[derive(Debug, Default)]
 struct BodyMemos {
     memos: Vec<BodyMemo>,
@@ -344,41 +345,43 @@ struct BodyMemos {
 }
 
 impl BodyMemos {
-    const MAX: usize = 64;
+    const MAX: usize = 256;
     const BYTES_MAX: usize = 64 * 1024 * 1024;
 
-    fn digest(&mut self, adapter: AdapterId, conversation_id: &str, body: &[u8]) -> Digest {
+    fn digest(&mut self, adapter: AdapterId, model: &str, conversation_id: &str, body: &[u8]) -> Digest {
         self.clock += 1;
-        let index = match self
-            .memos
-            .iter()
-            .position(|memo| memo.adapter == adapter && memo.conversation_id == conversation_id)
-        {
+        let index = match self.memos.iter().position(|memo| {
+            memo.adapter == adapter && memo.model == model && memo.conversation_id == conversation_id
+        }) {
             Some(index) => index,
             None => {
                 if self.memos.len() >= Self::MAX
                     && let Some(oldest) = self.least_recent()
                 {
-                    self.bytes -= self.memos.swap_remove(oldest).bytes.len();
+                    self.bytes -= self.memos.swap_remove(oldest).footprint();
                 }
-                self.memos.push(BodyMemo {
+                let memo = BodyMemo {
                     adapter,
+                    model: model.to_owned(),
                     conversation_id: conversation_id.to_owned(),
                     ..BodyMemo::default()
-                });
+                };
+                self.bytes += memo.footprint();
+                self.memos.push(memo);
                 self.memos.len() - 1
             }
         };
         let memo = &mut self.memos[index];
-        let before = memo.bytes.len();
+        let before = memo.footprint();
         let digest = memo.digest(body);
         memo.used = self.clock;
         self.hashed = memo.hashed;
-        self.bytes = self.bytes - before + memo.bytes.len();
+        // `self.bytes` holds every memo's footprint, this one's `before` included.
+        self.bytes = self.bytes + memo.footprint() - before;
         while self.bytes > Self::BYTES_MAX
             && let Some(oldest) = self.least_recent()
         {
-            self.bytes -= self.memos.swap_remove(oldest).bytes.len();
+            self.bytes -= self.memos.swap_remove(oldest).footprint();
         }
         digest
     }
@@ -392,6 +395,7 @@ impl BodyMemos {
 #[derive(Debug)]
 struct BodyMemo {
     adapter: AdapterId,
+    model: String,
     conversation_id: String,
     bytes: Vec<u8>,
     /// `states[i]` is the hash of `bytes[..(i + 1) * CHUNK]`.
@@ -404,6 +408,7 @@ impl Default for BodyMemo {
     fn default() -> BodyMemo {
         BodyMemo {
             adapter: AdapterId::ALL[0],
+            model: String::new(),
             conversation_id: String::new(),
             bytes: Vec::new(),
             states: Vec::new(),
@@ -440,11 +445,24 @@ impl BodyMemo {
         self.bytes.truncate(start);
         if keep {
             self.bytes.extend_from_slice(&body[start..]);
+            // A body much shorter than the one before gives the rest of the buffer back.
+            if self.bytes.capacity() > 2 * self.bytes.len() + Self::CHUNK {
+                self.bytes.shrink_to_fit();
+                self.states.shrink_to_fit();
+            }
         } else {
             self.bytes = Vec::new();
             self.states = Vec::new();
         }
         hash.finish()
+    }
+
+    /// Bytes allocated: the body buffer and the midstates.
+    fn footprint(&self) -> usize {
+        self.bytes.capacity()
+            + self.states.capacity() * std::mem::size_of::<turnstile_core::digest::HashState>()
+            + self.model.capacity()
+            + self.conversation_id.capacity()
     }
 }
 
@@ -502,11 +520,22 @@ impl RenderCache {
         (self.hits, self.misses)
     }
 
-    /// `sha256:` over `body`, a request body `adapter` rendered for `conversation_id`: resumes
-    /// from the midstate of the part it shares with the last such body digested here
-    /// ([`BodyMemos`]). Always equal to [`Digest::of_bytes`] of the body.
-    pub fn body_digest(&mut self, adapter: AdapterId, conversation_id: &str, body: &[u8]) -> Digest {
-        self.bodies.digest(adapter, conversation_id, body)
+    /// `sha256:` over `body`, a request body `adapter` rendered for `model` and
+    /// `conversation_id`: resumes from the midstate of the part it shares with the last such
+    /// body digested here ([`BodyMemos`]). Always equal to [`Digest::of_bytes`] of the body.
+    pub fn body_digest(
+        &mut self,
+        adapter: AdapterId,
+        model: &str,
+        conversation_id: &str,
+        body: &[u8],
+    ) -> Digest {
+        self.bodies.digest(adapter, model, conversation_id, body)
+    }
+
+    /// Bytes the body memos hold (allocated), for tests of the bound.
+    pub fn body_memo_bytes(&self) -> usize {
+        self.bodies.bytes
     }
 
     /// Bytes the last [`RenderCache::body_digest`] hashed (the rest came from a midstate).

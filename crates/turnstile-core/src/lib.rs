@@ -1,5 +1,5 @@
 //! Turnstile's core: the committed-history model, the validator, content digests and the
-//! `MessageSequence v1` graph.
+//! `MessageSequence` graph (format v2).
 //!
 //! This crate is sans-IO by rule (see `ARCHITECTURE.md`): it never reads a socket, a file or a
 //! clock and holds no randomness. Callers hand it bytes or values and get decisions back. A tidy

@@ -114,7 +114,8 @@ pub struct MessageSequence {
     pub revision: Revision,
     /// Digest of the declared tools.
     pub toolset_digest: Digest,
-    /// `sha256:` over the canonical JSON of all fields above.
+    /// `sha256:` over the canonical JSON of all fields above, `blocks` and `edges` each
+    /// replaced by the digest of its own canonical JSON (format v2, module documentation).
     #[serde(skip)]
     pub sequence_digest: Digest,
 }
@@ -145,7 +146,7 @@ pub struct GrowingSequence {
     /// Whether every number so far prints the same in serde_json and RFC 8785 (integers up to
     /// 2^53): the fast digest path below needs it, the generic one does not.
     numbers_exact: bool,
-    /// SHA-256 over `{"blocks":[` and the blocks so far, comma-separated.
+    /// SHA-256 over `[` and the blocks so far, comma-separated (the blocks array, unclosed).
     blocks_hash: HashState,
     /// Edges `[..sealed]` all have their result; `edges_hash` is SHA-256 over `[` and their
     /// serialisation, comma-separated.

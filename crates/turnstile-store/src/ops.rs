@@ -409,6 +409,7 @@ fn dispatch_from_row(row: &Row) -> Result<DispatchRecord, StoreError> {
         manifest: json_of(&row.text(3)?)?,
         manifest_digest: row.text(4)?,
         request_digest: row.text(5)?,
+        // NULL (no `dispatch_bodies` row) is `Corrupt`, as any wrong column type is.
         request_bytes: row.bytes(6)?,
         provider: row.text(7)?,
         state: state_of(&row.text(8)?)?,
@@ -423,8 +424,10 @@ pub(crate) async fn dispatch<T: Tx>(
     tx: &mut T,
     operation_id: &str,
 ) -> Result<Option<DispatchRecord>, StoreError> {
+    // A dispatch without its body is a corrupt store, never "no such dispatch" (which would
+    // let a retry of its operation id look for a dispatch that is not there).
     let sql = format!(
-        "SELECT {DISPATCH_COLUMNS} FROM dispatches d JOIN dispatch_bodies b ON b.operation_id = d.operation_id \
+        "SELECT {DISPATCH_COLUMNS} FROM dispatches d LEFT JOIN dispatch_bodies b ON b.operation_id = d.operation_id \
          WHERE d.operation_id = $1"
     );
     let rows = tx.query(&sql, &[operation_id.into()]).await?;

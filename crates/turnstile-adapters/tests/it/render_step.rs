@@ -158,7 +158,33 @@ proptest! {
                 1 => (AdapterId::AnthropicMessagesV1, "c-other"),
                 _ => (AdapterId::OpenaiChatV1, "c-one"),
             };
-            prop_assert_eq!(cache.body_digest(adapter, conversation, &body), Digest::of_bytes(&body));
+            prop_assert_eq!(cache.body_digest(adapter, "m", conversation, &body), Digest::of_bytes(&body));
         }
     }
+}
+
+/// The memos stay within their byte bound (allocated bytes, midstates included) however many
+/// conversations and however large their bodies, and a body that shrinks gives its buffer back.
+#[test]
+fn the_body_memos_keep_to_their_byte_bound() {
+    let mut cache = RenderCache::new();
+    let big = vec![b'x'; 8 * 1024 * 1024];
+    for index in 0..20 {
+        let body = &big[..big.len() - index];
+        assert_eq!(
+            cache.body_digest(AdapterId::AnthropicMessagesV1, "m", &format!("c-{index}"), body),
+            Digest::of_bytes(body)
+        );
+        assert!(
+            cache.body_memo_bytes() <= 64 * 1024 * 1024 + 1024 * 1024,
+            "{}",
+            cache.body_memo_bytes()
+        );
+    }
+    let held = cache.body_memo_bytes();
+    let _ = cache.body_digest(AdapterId::AnthropicMessagesV1, "m", "c-19", b"short");
+    assert!(
+        cache.body_memo_bytes() + 4 * 1024 * 1024 < held,
+        "a shrunk body keeps its buffer"
+    );
 }

@@ -122,10 +122,18 @@ impl KeptConversations {
 /// plus the turns committed since when possible, else from the whole document. `None`: no
 /// such conversation.
 pub async fn current(shared: &Shared, conversation_id: &str) -> Result<Option<Current>, ApiError> {
-    if let Some(mut current) = shared.kept.take(conversation_id) {
+    current_in(&shared.kept, shared.ledger.as_ref(), conversation_id).await
+}
+
+/// [`current`] against one cache and one store.
+async fn current_in(
+    cache: &KeptConversations,
+    ledger: &dyn turnstile_store::Ledger,
+    conversation_id: &str,
+) -> Result<Option<Current>, ApiError> {
+    if let Some(mut current) = cache.take(conversation_id) {
         let revision = current.kept.conversation().revision;
-        let tail = shared
-            .ledger
+        let tail = ledger
             .conversation_since(conversation_id, revision)
             .await
             .map_err(ApiError::store)?;
@@ -151,14 +159,13 @@ pub async fn current(shared: &Shared, conversation_id: &str) -> Result<Option<Cu
                 }
             }
             if readable {
-                shared.kept.hits.fetch_add(1, Ordering::Relaxed);
+                cache.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(current));
             }
         }
     }
-    shared.kept.misses.fetch_add(1, Ordering::Relaxed);
-    let Some(document) = shared
-        .ledger
+    cache.misses.fetch_add(1, Ordering::Relaxed);
+    let Some(document) = ledger
         .conversation(conversation_id)
         .await
         .map_err(ApiError::store)?
@@ -192,5 +199,129 @@ fn value_bytes(value: &Value) -> usize {
                 .sum::<usize>()
         }
         _ => 8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fallback rules of [`current_in`] against a real SQLite store: a kept history is used
+    //! only when the store continues it; a kept history the store does not hold (another
+    //! history under the same id, one ahead of the store) is replaced by the store's.
+
+    use super::*;
+    use serde_json::json;
+    use turnstile_core::Revision;
+    use turnstile_core::dispatch::Timestamp;
+    use turnstile_store::{AppendOutcome, Ledger, SqliteLedger, Synchronous};
+
+    fn user(id: &str) -> Value {
+        json!({"id": id, "role": "user", "blocks": [{"id": format!("{id}-b"), "kind": "text", "text": "hi"}]})
+    }
+
+    async fn append(store: &SqliteLedger, at: u64, id: &str) {
+        let outcome = store
+            .append_turn("c", Revision(at), &user(id), Timestamp(at + 10))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, AppendOutcome::Appended { .. }), "{outcome:?}");
+    }
+
+    /// A kept conversation "c" at `revision` with these turn ids (not the store's).
+    fn foreign(revision: u64, ids: &[&str]) -> Current {
+        let turns: Vec<Value> = ids
+            .iter()
+            .enumerate()
+            .map(|(index, id)| {
+                let mut turn = user(id);
+                turn["revision"] = json!(index as u64 + 1);
+                turn
+            })
+            .collect();
+        let document = json!({"format": turnstile_core::conversation::FORMAT_V1, "conversation_id": "c",
+                              "revision": revision, "tools": [], "turns": turns});
+        Current {
+            kept: KeptConversation::new(Conversation::from_value(document).unwrap()),
+            bytes: 100,
+        }
+    }
+
+    fn ids(current: &Current) -> Vec<String> {
+        current
+            .kept
+            .conversation()
+            .turns
+            .iter()
+            .map(|turn| turn.id.clone().unwrap())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_kept_history_is_used_only_when_the_store_continues_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteLedger::open(dir.path().join("kept.db"), Synchronous::Full).unwrap();
+        store
+            .create_conversation("c", &json!([]), Timestamp(1))
+            .await
+            .unwrap();
+        append(&store, 0, "u1").await;
+        append(&store, 1, "u2").await;
+        let cache = KeptConversations::default();
+        assert!(current_in(&cache, &store, "nowhere").await.unwrap().is_none());
+        let first = current_in(&cache, &store, "c").await.unwrap().unwrap();
+        assert_eq!(
+            (ids(&first), cache.stats()),
+            (vec!["u1".into(), "u2".into()], (0, 2))
+        );
+        cache.put("c", first);
+
+        // The store continues the kept history: only the new turn is read.
+        append(&store, 2, "u3").await;
+        let next = current_in(&cache, &store, "c").await.unwrap().unwrap();
+        assert_eq!(ids(&next), ["u1", "u2", "u3"]);
+        assert_eq!(cache.stats(), (1, 2), "read through the kept history");
+        assert_eq!(next.kept.conversation().revision, Revision(3));
+        assert_eq!(next.kept.verdict(), turnstile_core::Verdict::Ready);
+        cache.put("c", next);
+
+        // Another history under the same id at the same revision: the store's is read whole.
+        let _ = cache.take("c");
+        cache.put("c", foreign(3, &["x1", "x2", "x3"]));
+        let replaced = current_in(&cache, &store, "c").await.unwrap().unwrap();
+        assert_eq!(
+            (ids(&replaced), cache.stats()),
+            (vec!["u1".into(), "u2".into(), "u3".into()], (1, 3))
+        );
+
+        // A kept history ahead of the store (its turn at revision 5 is not in the store).
+        let _ = cache.take("c");
+        cache.put("c", foreign(5, &["u1", "u2", "u3", "u4", "u5"]));
+        let behind = current_in(&cache, &store, "c").await.unwrap().unwrap();
+        assert_eq!(
+            (ids(&behind), cache.stats()),
+            (vec!["u1".into(), "u2".into(), "u3".into()], (1, 4))
+        );
+        assert_eq!(behind.kept.conversation().revision, Revision(3));
+    }
+
+    #[test]
+    fn the_cache_keeps_to_its_bounds_and_keeps_the_newer_of_two() {
+        let cache = KeptConversations::default();
+        cache.put("c", foreign(2, &["a", "b"]));
+        cache.put("c", foreign(1, &["a"]));
+        assert_eq!(
+            ids(&cache.take("c").unwrap()),
+            ["a", "b"],
+            "an older history does not replace a newer one"
+        );
+        for index in 0..KeptConversations::ENTRIES_MAX + 10 {
+            cache.put(&format!("c-{index}"), foreign(1, &["a"]));
+        }
+        let inner = cache.inner.lock().unwrap();
+        assert_eq!(inner.entries.len(), KeptConversations::ENTRIES_MAX);
+        assert!(
+            !inner.entries.contains_key("c-0"),
+            "the least recently used went first"
+        );
+        assert_eq!(inner.bytes, 100 * KeptConversations::ENTRIES_MAX);
     }
 }

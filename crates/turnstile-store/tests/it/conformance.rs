@@ -66,6 +66,7 @@ suite!(
     prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
     a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
+    a_version_7_database_keeps_every_request_body_across_migration_8,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -2046,60 +2047,83 @@ pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_
 
 /// Migration 8 moves each dispatch's request bytes into `dispatch_bodies`: a database written
 /// at version 7 (bodies in the dispatch row) opens at the latest version with every body
-/// intact and still read back byte for byte (SQLite; PostgreSQL runs the same statements).
-#[test]
-fn a_version_7_database_keeps_every_request_body_across_migration_8() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("v7.db");
-    {
-        let connection = rusqlite::Connection::open(&path).unwrap();
-        connection
-            .execute_batch(
-                "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
-            )
-            .unwrap();
-        for migration in migrations::MIGRATIONS
-            .iter()
-            .filter(|migration| migration.version <= 7)
-        {
-            connection.execute_batch(migration.sqlite).unwrap();
+/// intact and read back byte for byte, on both databases.
+pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(backend: Backend, name: &str) {
+    let place = place(backend, name).await;
+    let bodies: Vec<Vec<u8>> = [3usize, 300_000]
+        .iter()
+        .enumerate()
+        .map(|(index, size)| (0..*size).map(|i| (i * 7 + index) as u8).collect())
+        .collect();
+    let version_7 = migrations::MIGRATIONS
+        .iter()
+        .filter(|migration| migration.version <= 7);
+    let conversation = "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
+                        VALUES ('c', 0, '[]', 1, 1)";
+    let dispatch = "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
+                    request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
+                    quarantined, created_at, updated_at) \
+                    VALUES ($1, 'c', 0, '{}', 'md', 'rd', $2, 'p', 'FAILED', 0, 0, 0, 1, 1)";
+    match backend {
+        Backend::Sqlite => {
+            let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
             connection
-                .execute(
-                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, 0)",
-                    rusqlite::params![migration.version, migration.name],
+                .execute_batch(
+                    "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
                 )
                 .unwrap();
+            for migration in version_7 {
+                connection.execute_batch(migration.sqlite).unwrap();
+                connection
+                    .execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, 0)",
+                        rusqlite::params![migration.version, migration.name],
+                    )
+                    .unwrap();
+            }
+            connection.execute(conversation, []).unwrap();
+            for (index, bytes) in bodies.iter().enumerate() {
+                connection
+                    .execute(dispatch, rusqlite::params![format!("op-{index}"), bytes])
+                    .unwrap();
+            }
         }
-        connection
-            .execute(
-                "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) VALUES ('c', 0, '[]', 1, 1)",
-                [],
-            )
-            .unwrap();
-        for (index, size) in [3usize, 300_000].iter().enumerate() {
-            let bytes: Vec<u8> = (0..*size).map(|i| (i * 7 + index) as u8).collect();
-            connection
-                .execute(
-                    "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
-                     request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
-                     quarantined, created_at, updated_at) \
-                     VALUES (?1, 'c', 0, '{}', 'md', 'rd', ?2, 'p', 'FAILED', 0, 0, 0, 1, 1)",
-                    rusqlite::params![format!("op-{index}"), bytes],
-                )
+        Backend::Postgres => {
+            let (client, connection) = tokio_postgres::connect(&pg_url(), tokio_postgres::NoTls)
+                .await
                 .unwrap();
+            tokio::spawn(connection);
+            let schema = &place.schema;
+            client
+                .batch_execute(&format!(
+                    "CREATE SCHEMA {schema}; SET search_path TO {schema}; \
+                     CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)"
+                ))
+                .await
+                .unwrap();
+            for migration in version_7 {
+                client.batch_execute(migration.postgres).await.unwrap();
+                client
+                    .execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, 0)",
+                        &[&migration.version, &migration.name],
+                    )
+                    .await
+                    .unwrap();
+            }
+            client.batch_execute(conversation).await.unwrap();
+            for (index, bytes) in bodies.iter().enumerate() {
+                client
+                    .execute(dispatch, &[&format!("op-{index}"), bytes])
+                    .await
+                    .unwrap();
+            }
         }
     }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let store = SqliteLedger::open(&path, Synchronous::Full).unwrap();
-        for (index, size) in [3usize, 300_000].iter().enumerate() {
-            let record = store.dispatch(&format!("op-{index}")).await.unwrap().unwrap();
-            let expected: Vec<u8> = (0..*size).map(|i| (i * 7 + index) as u8).collect();
-            assert_eq!(record.request_bytes, expected, "op-{index}");
-            assert_eq!(record.state, DispatchState::Failed);
-        }
-    });
+    let store = open_at(&place, 2).await;
+    for (index, expected) in bodies.iter().enumerate() {
+        let record = store.dispatch(&format!("op-{index}")).await.unwrap().unwrap();
+        assert_eq!(&record.request_bytes, expected, "op-{index}");
+        assert_eq!(record.state, DispatchState::Failed);
+    }
 }

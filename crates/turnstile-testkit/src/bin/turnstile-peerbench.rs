@@ -677,6 +677,9 @@ fn prepare_from_bytes(bytes: &[u8], catalog: &Catalog, request: &PrepareRequest)
 /// same new user turn, prepares, then pops the turn and forgets its fragment, so every
 /// repetition pays for one new block against the same history.
 struct AgentStep<'a> {
+    steps: u64,
+    /// Bytes from the end of `turn_bytes` to the first digit of the step counter.
+    counter_at: usize,
     kept: turnstile_core::KeptConversation,
     cache: RenderCache,
     catalog: &'a Catalog,
@@ -700,9 +703,18 @@ impl<'a> AgentStep<'a> {
             ));
         }
         let turn_bytes = serde_json::to_vec(&json!({"id": "t-step", "revision": revision.0, "role": "user",
-            "blocks": [{"id": "b-step", "kind": "text", "text": format!("And the next question: {PARAGRAPH}")}]}))
+            "blocks": [{"id": "b-step", "kind": "text", "text": format!("And the next question: {PARAGRAPH} #00000000")}]}))
         .unwrap();
+        // Where the eight-digit counter sits, from the end (the text is the last member).
+        let counter_at = turn_bytes.len()
+            - turn_bytes
+                .windows(9)
+                .rposition(|window| window == b"#00000000")
+                .expect("the counter is in the turn")
+            - 1;
         AgentStep {
+            steps: 0,
+            counter_at,
             kept,
             cache,
             catalog,
@@ -713,6 +725,13 @@ impl<'a> AgentStep<'a> {
     }
 
     fn step(&mut self) -> Vec<u8> {
+        // Each step's turn differs from the last one's (a counter in its text), so the body
+        // parts from the last body at the new turn, as in an agent loop, and its digest hashes
+        // from there (a repeated turn would find the whole body in the midstates).
+        self.steps += 1;
+        let counter = format!("{:08}", self.steps % 100_000_000);
+        let at = self.turn_bytes.len() - self.counter_at;
+        self.turn_bytes[at..at + 8].copy_from_slice(counter.as_bytes());
         let turn: Value = serde_json::from_slice(&self.turn_bytes).expect("the step turn parses");
         let pushed = self
             .kept
@@ -981,6 +1000,9 @@ fn load(args: &Args) {
     // latency at a fixed load, `rate_load`).
     if let Some(rate) = args.value("--rate") {
         let rate: f64 = rate.parse().unwrap_or_else(|_| usage());
+        if !(rate.is_finite() && rate > 0.0) || requests == 0 {
+            usage()
+        }
         return rate_load(target, &base, &model, requests, runs, &label, rate);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -1169,7 +1191,7 @@ fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64
 fn fsync_probe(args: &Args) {
     use std::io::Write as _;
     let dir = PathBuf::from(args.value("--dir").unwrap_or_else(|| usage()));
-    let count = args.number("--count", 200) as usize;
+    let count = (args.number("--count", 200) as usize).max(1);
     let path = dir.join(format!("peerbench-fsync-{}.tmp", std::process::id()));
     let mut file = std::fs::File::create(&path).unwrap();
     let page = [0x5au8; 4096];
@@ -1199,7 +1221,7 @@ fn fsync_probe(args: &Args) {
 fn http_step(args: &Args) {
     let base = args.value("--base").unwrap_or_else(|| usage());
     let inputs = PathBuf::from(args.value("--inputs").unwrap_or_else(|| usage()));
-    let steps = args.number("--steps", 20) as usize;
+    let steps = (args.number("--steps", 20) as usize).max(1);
     let runs = args.number("--runs", 3);
     let model = args.value("--model").unwrap_or_else(|| "bench".into());
     // `--sizes 20,2000`: only those conversation sizes.
