@@ -1152,8 +1152,18 @@ fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64
                 }));
             }
             let mut latencies = Vec::with_capacity(requests);
-            for task in tasks {
-                match task.await.unwrap() {
+            // `PEERBENCH_TRACE=FILE`: every request's (index, latency µs), to see when the slow
+            // ones happen.
+            let mut trace = std::env::var("PEERBENCH_TRACE").ok().map(|path| {
+                std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap()
+            });
+            for (index, task) in tasks.into_iter().enumerate() {
+                let outcome = task.await.unwrap();
+                if let Some(file) = trace.as_mut() {
+                    use std::io::Write as _;
+                    let _ = writeln!(file, "{run} {index} {}", outcome.1.as_micros());
+                }
+                match outcome {
                     (Ok(()), latency) => latencies.push(latency),
                     (Err(error), _) => {
                         if errors == 0 {
