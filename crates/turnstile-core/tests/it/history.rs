@@ -4,7 +4,7 @@
 //! generated history (legal and mutated) and of every file in `tests/data`.
 
 use crate::generate::{Mutation, Rng, legal, mutate};
-use crate::validator_data::data_documents;
+use crate::validator_data::{data_documents, splits};
 use proptest::prelude::*;
 use serde_json::Value;
 use turnstile_core::validate::History;
@@ -32,40 +32,24 @@ fn check(document: &Value) -> usize {
     };
     let expected = validate(&whole);
     assert_eq!(History::of(&whole).verdict(), expected, "History::of is validate");
-    // A file whose revision is below its last turn's has a finding of the file, not of a
-    // turn: a history given turns one at a time never holds that file.
-    let revision = document["revision"].as_u64().unwrap_or(0);
-    let turns = document["turns"].as_array().cloned().unwrap_or_default();
-    if turns
-        .iter()
-        .filter_map(|turn| turn["revision"].as_u64())
-        .any(|last| last > revision)
-    {
-        return 0;
-    }
+    let total = document["turns"].as_array().map_or(0, Vec::len);
     let mut compared = 0;
-    for split in 0..turns.len() {
-        let mut prefix = document.clone();
-        prefix["turns"] = Value::Array(turns[..split].to_vec());
-        let Ok(prefix) = Conversation::from_value(prefix) else {
-            continue;
-        };
+    for (split, prefix, rest, _) in splits(document) {
         let mut history = History::of(&prefix);
         let legal_prefix = history.is_legal();
-        for turn in &turns[split..] {
-            let (turn, findings) = Conversation::decode_turn(turn.clone()).expect("within limits");
+        for turn in rest {
+            let (turn, findings) = Conversation::decode_turn(turn).expect("within limits");
             history.push(&turn, findings);
         }
         compared += 1;
-        if legal_prefix && split + 1 == turns.len() {
+        if legal_prefix && split + 1 == total {
             // As the store uses it: one turn after a legal history.
-            assert_eq!(history.verdict(), expected, "split at {split} of {}", turns.len());
+            assert_eq!(history.verdict(), expected, "split at {split} of {total}");
         } else {
             assert_eq!(
                 sorted(history.verdict()),
                 sorted(expected.clone()),
-                "split at {split} of {}",
-                turns.len()
+                "split at {split} of {total}"
             );
         }
     }

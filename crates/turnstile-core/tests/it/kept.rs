@@ -5,7 +5,7 @@
 //! the turns back gives the kept state of each shorter history again.
 
 use crate::generate::{Mutation, Rng, legal, mutate};
-use crate::validator_data::data_documents;
+use crate::validator_data::{data_documents, splits};
 use proptest::prelude::*;
 use serde_json::Value;
 use turnstile_core::validate::Validated;
@@ -56,28 +56,13 @@ fn assert_same(kept: &KeptConversation, what: &str) {
 /// (comparing with a whole walk after each), then pop them back (comparing again). Returns how
 /// many pushes were compared.
 fn check(document: &Value) -> usize {
-    let revision = document["revision"].as_u64().unwrap_or(0);
-    let turns = document["turns"].as_array().cloned().unwrap_or_default();
-    // As in `history.rs`: a file whose revision is below a turn's has a finding of the file.
-    if turns
-        .iter()
-        .filter_map(|turn| turn["revision"].as_u64())
-        .any(|last| last > revision)
-    {
-        return 0;
-    }
     let mut compared = 0;
-    for split in 0..turns.len() {
-        let mut prefix = document.clone();
-        prefix["turns"] = Value::Array(turns[..split].to_vec());
-        let Ok(prefix) = Conversation::from_value(prefix) else {
-            continue;
-        };
+    for (split, prefix, rest, revision) in splits(document) {
         let mut kept = KeptConversation::new(prefix);
         assert_same(&kept, &format!("kept at {split}"));
         let mut pushes = Vec::new();
-        for (index, turn) in turns[split..].iter().enumerate() {
-            let Ok(pushed) = kept.push_turn(turn.clone(), Revision(revision)) else {
+        for (index, turn) in rest.into_iter().enumerate() {
+            let Ok(pushed) = kept.push_turn(turn, Revision(revision)) else {
                 break;
             };
             pushes.push(pushed);

@@ -10,6 +10,30 @@ pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data")
 }
 
+/// Every split of `document` into a decoded prefix and the turns after it (as JSON), with the
+/// file's revision; empty for a file whose revision is below one of its turns' (a finding of
+/// the file, not of a turn: a history given turns one at a time never holds that file).
+/// Prefixes that do not decode are left out.
+pub fn splits(document: &Value) -> Vec<(usize, turnstile_core::Conversation, Vec<Value>, u64)> {
+    let revision = document["revision"].as_u64().unwrap_or(0);
+    let turns = document["turns"].as_array().cloned().unwrap_or_default();
+    if turns
+        .iter()
+        .filter_map(|turn| turn["revision"].as_u64())
+        .any(|last| last > revision)
+    {
+        return Vec::new();
+    }
+    (0..turns.len())
+        .filter_map(|split| {
+            let mut prefix = document.clone();
+            prefix["turns"] = Value::Array(turns[..split].to_vec());
+            let prefix = turnstile_core::Conversation::from_value(prefix).ok()?;
+            Some((split, prefix, turns[split..].to_vec(), revision))
+        })
+        .collect()
+}
+
 /// Every conversation file in `tests/data` that is JSON (expect files left out), parsed.
 pub fn data_documents() -> Vec<Value> {
     let mut documents = Vec::new();
