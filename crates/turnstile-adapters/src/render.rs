@@ -373,9 +373,9 @@ impl BodyMemos {
         };
         let memo = &mut self.memos[index];
         let before = memo.footprint();
-        let digest = memo.digest(body);
+        let (digest, hashed) = memo.digest(body);
         memo.used = self.clock;
-        self.hashed = memo.hashed;
+        self.hashed = hashed;
         // `self.bytes` holds every memo's footprint, this one's `before` included.
         self.bytes = self.bytes + memo.footprint() - before;
         while self.bytes > Self::BYTES_MAX
@@ -400,7 +400,6 @@ struct BodyMemo {
     bytes: Vec<u8>,
     /// `states[i]` is the hash of `bytes[..(i + 1) * CHUNK]`.
     states: Vec<turnstile_core::digest::HashState>,
-    hashed: usize,
     used: u64,
 }
 
@@ -412,7 +411,6 @@ impl Default for BodyMemo {
             conversation_id: String::new(),
             bytes: Vec::new(),
             states: Vec::new(),
-            hashed: 0,
             used: 0,
         }
     }
@@ -423,7 +421,9 @@ impl BodyMemo {
     /// Largest body kept (a bigger one is hashed whole and not kept).
     const BYTES_MAX: usize = 16 * 1024 * 1024;
 
-    fn digest(&mut self, body: &[u8]) -> Digest {
+    /// The digest of `body`, and how many of its bytes were hashed (from the first chunk that
+    /// differs from the kept body).
+    fn digest(&mut self, body: &[u8]) -> (Digest, usize) {
         let same = self
             .bytes
             .chunks_exact(Self::CHUNK)
@@ -441,7 +441,6 @@ impl BodyMemo {
                 self.states.push(hash.clone());
             }
         }
-        self.hashed = body.len() - start;
         self.bytes.truncate(start);
         if keep {
             self.bytes.extend_from_slice(&body[start..]);
@@ -454,7 +453,7 @@ impl BodyMemo {
             self.bytes = Vec::new();
             self.states = Vec::new();
         }
-        hash.finish()
+        (hash.finish(), body.len() - start)
     }
 
     /// Bytes allocated: the body buffer and the midstates.
@@ -533,9 +532,9 @@ impl RenderCache {
         self.bodies.digest(adapter, model, conversation_id, body)
     }
 
-    /// Bytes the body memos hold (allocated), for tests of the bound.
-    pub fn body_memo_bytes(&self) -> usize {
-        self.bodies.bytes
+    /// (bodies kept, bytes they hold, allocated), for tests of the bound.
+    pub fn body_memos(&self) -> (usize, usize) {
+        (self.bodies.memos.len(), self.bodies.bytes)
     }
 
     /// Bytes the last [`RenderCache::body_digest`] hashed (the rest came from a midstate).
