@@ -1005,32 +1005,14 @@ fn load(args: &Args) {
         }
         return rate_load(target, &base, &model, requests, runs, &label, rate);
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = client_runtime();
     runtime.block_on(async move {
         // `--fresh-connections`: no keep-alive (a new TCP connection per request), to tell a
         // delayed-ACK stall on a reused connection from work.
         let idle = if fresh { 0 } else { concurrency * 2 };
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(idle)
-            .timeout(Duration::from_secs(120))
-            .build()
-            .unwrap();
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis();
-        // Warm-up: a few requests through the whole path (connections, lazy imports).
-        let warm = format!("{label}-{stamp}-warm");
-        if target == Target::Turnstile {
-            create_conversations(&client, &base, &warm, 8).await;
-        }
-        for index in 0..8 {
-            one(&client, target, &base, &model, &warm, index).await.unwrap();
-        }
+        let client = http_client(idle);
+        let stamp = unix_ms();
+        warm_up(&client, target, &base, &model, &format!("{label}-{stamp}-warm")).await;
         let mut samples = Vec::new();
         let mut p50 = Vec::new();
         let mut p99 = Vec::new();
@@ -1085,7 +1067,7 @@ fn load(args: &Args) {
             // Seconds per request at this concurrency (the inverse of throughput), so every
             // workload in the report compares times.
             samples.push(elapsed / ok.max(1) as f64);
-            let pick = |p: f64| latencies.get(((ok as f64 * p) as usize).min(ok.saturating_sub(1))).map_or(0.0, |d| d.as_secs_f64());
+            let pick = |p: f64| percentile(&latencies, p).map_or(0.0, |d| d.as_secs_f64());
             p50.push(pick(0.50));
             p99.push(pick(0.99));
             eprintln!(
@@ -1111,28 +1093,11 @@ fn load(args: &Args) {
 /// latency is measured from that scheduled time (a late send counts against the system, so a
 /// stall cannot hide the requests it delayed). One JSON line per label: p50 and p99 per run.
 fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64, label: &str, rate: f64) {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = client_runtime();
     runtime.block_on(async move {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .timeout(Duration::from_secs(120))
-            .build()
-            .unwrap();
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis();
-        let warm = format!("{label}-{stamp}-warm");
-        if target == Target::Turnstile {
-            create_conversations(&client, base, &warm, 8).await;
-        }
-        for index in 0..8 {
-            one(&client, target, base, model, &warm, index).await.unwrap();
-        }
+        let client = http_client(256);
+        let stamp = unix_ms();
+        warm_up(&client, target, base, model, &format!("{label}-{stamp}-warm")).await;
         let (mut p50, mut p99, mut samples) = (Vec::new(), Vec::new(), Vec::new());
         let mut errors = 0usize;
         for run in 0..runs {
@@ -1175,7 +1140,7 @@ fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64
             }
             latencies.sort();
             let ok = latencies.len();
-            let pick = |p: f64| latencies.get(((ok as f64 * p) as usize).min(ok.saturating_sub(1))).map_or(0.0, |d| d.as_secs_f64());
+            let pick = |p: f64| percentile(&latencies, p).map_or(0.0, |d| d.as_secs_f64());
             p50.push(pick(0.50));
             p99.push(pick(0.99));
             samples.push(pick(0.99));
@@ -1215,7 +1180,7 @@ fn fsync_probe(args: &Args) {
     drop(file);
     let _ = std::fs::remove_file(&path);
     times.sort_by(f64::total_cmp);
-    let pick = |p: f64| times[((count as f64 * p) as usize).min(count - 1)];
+    let pick = |p: f64| percentile(&times, p).unwrap_or(0.0);
     println!(
         "{}",
         json!({"system": args.value("--label").unwrap_or_else(|| "fsync".into()), "workload": "fsync", "unit": "s/fdatasync", "samples": [pick(0.5)],
@@ -1241,20 +1206,10 @@ fn http_step(args: &Args) {
         .split(',')
         .map(|size| size.parse().unwrap_or_else(|_| usage()))
         .collect();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = client_runtime();
     runtime.block_on(async move {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(120))
-            .build()
-            .unwrap();
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis();
+        let client = http_client(usize::MAX);
+        let stamp = unix_ms();
         for blocks in sizes {
             let document: Value =
                 serde_json::from_slice(&std::fs::read(inputs.join(format!("conv-{blocks}.v1.json"))).unwrap()).unwrap();
@@ -1332,6 +1287,48 @@ async fn append(client: &reqwest::Client, base: &str, id: &str, expected: u64, t
     );
 }
 
+/// The load generators' runtime: two workers, as many as the machine has cores.
+fn client_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The load generators' HTTP client, keeping at most `idle` connections per host.
+fn http_client(idle: usize) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(idle)
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+/// Milliseconds since the Unix epoch: a run's ids differ from every earlier run's.
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// A few requests through the whole path before timing (connections, lazy imports).
+async fn warm_up(client: &reqwest::Client, target: Target, base: &str, model: &str, phase: &str) {
+    if target == Target::Turnstile {
+        create_conversations(client, base, phase, 8).await;
+    }
+    for index in 0..8 {
+        one(client, target, base, model, phase, index).await.unwrap();
+    }
+}
+
+/// The `p` quantile of sorted values (the last one for p = 1), None when there are none.
+fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
+    let index = ((sorted.len() as f64 * p) as usize).min(sorted.len().checked_sub(1)?);
+    sorted.get(index).copied()
+}
+
 /// The bearer token sent to chat targets (`PEERBENCH_AUTH`, default `sk-bench`): the LiteLLM
 /// proxy's master key.
 fn auth() -> String {
@@ -1353,15 +1350,9 @@ async fn create_conversations(client: &reqwest::Client, base: &str, phase: &str,
                     .await
                     .unwrap();
                 assert!(created.status().is_success(), "create: {}", created.status());
-                let turn = json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
-                                  "blocks": [{"id": "u1", "kind": "text", "text": "Hello?"}]}});
-                let appended = client
-                    .post(format!("{base}/v1/conversations/{id}/turns"))
-                    .json(&turn)
-                    .send()
-                    .await
-                    .unwrap();
-                assert!(appended.status().is_success(), "append: {}", appended.status());
+                let turn = json!({"id": "t1", "role": "user",
+                                  "blocks": [{"id": "u1", "kind": "text", "text": "Hello?"}]});
+                append(&client, &base, &id, 0, turn).await;
             }
         }));
     }
