@@ -243,6 +243,16 @@ fn is_kind(block: &Value, kind: &str) -> bool {
     block["kind"] == kind
 }
 
+/// The legal history of `seed` (4 rounds), mutated by `Mutation::ALL[mutation]` when that
+/// index names one (one past the end: left legal), for the turn-by-turn property tests.
+pub fn legal_or_mutated(seed: u64, mutation: usize) -> Value {
+    let (mut document, _) = legal(seed, 4);
+    if let Some(mutation) = Mutation::ALL.get(mutation) {
+        mutate(&mut document, *mutation, &mut Rng::new(seed ^ 0x5eed));
+    }
+    document
+}
+
 /// Apply a mutation if the conversation has a place for it; `false` if not applicable.
 pub fn mutate(conversation: &mut Value, mutation: Mutation, rng: &mut Rng) -> bool {
     let fresh_id = format!("mut-{}", rng.next());

@@ -3,7 +3,7 @@
 //! violations in the same order, the same pending calls), at every split point of every
 //! generated history (legal and mutated) and of every file in `tests/data`.
 
-use crate::generate::{Mutation, Rng, legal, mutate};
+use crate::generate::{Mutation, legal_or_mutated};
 use crate::validator_data::{data_documents, splits};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -67,10 +67,6 @@ proptest! {
 
     #[test]
     fn a_history_walked_turn_by_turn_is_the_file_validated_whole(seed in any::<u64>(), mutation in 0..=Mutation::ALL.len()) {
-        let (mut document, _) = legal(seed, 4);
-        if let Some(mutation) = Mutation::ALL.get(mutation) {
-            mutate(&mut document, *mutation, &mut Rng::new(seed ^ 0x5eed));
-        }
-        check(&document);
+        check(&legal_or_mutated(seed, mutation));
     }
 }

@@ -2,7 +2,7 @@
 //! turn in memory decodes and validates exactly as the file holding all of its turns, and
 //! `pop_turn` gives back the conversation as it was.
 
-use crate::generate::{Mutation, Rng, legal, mutate};
+use crate::generate::{Mutation, legal_or_mutated};
 use proptest::prelude::*;
 use serde_json::Value;
 use turnstile_core::{Conversation, Revision, validate};
@@ -48,10 +48,6 @@ proptest! {
 
     #[test]
     fn a_conversation_pushed_turn_by_turn_is_the_file_decoded_whole(seed in any::<u64>(), mutation in 0..=Mutation::ALL.len()) {
-        let (mut document, _) = legal(seed, 4);
-        if let Some(mutation) = Mutation::ALL.get(mutation) {
-            mutate(&mut document, *mutation, &mut Rng::new(seed ^ 0x5eed));
-        }
-        check(&document);
+        check(&legal_or_mutated(seed, mutation));
     }
 }
