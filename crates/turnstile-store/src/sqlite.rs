@@ -64,6 +64,19 @@ type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Reply, bool) + Send>;
 /// A transaction on the writer thread's connection.
 pub struct SqliteTx<'c> {
     connection: &'c Connection,
+    reprepares: &'c std::sync::atomic::AtomicU64,
+}
+
+impl SqliteTx<'_> {
+    /// Count the times SQLite parsed `statement` again since it was cached (its re-prepare
+    /// counter, reset as it is read).
+    fn count_reprepares(&self, statement: &rusqlite::Statement<'_>) {
+        let again = statement.reset_status(rusqlite::StatementStatus::RePrepare);
+        if again > 0 {
+            self.reprepares
+                .fetch_add(again as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 /// `$1 … $n` → `?1 … ?n` (explicit indexes, so repeated and out-of-order uses bind right).
@@ -95,6 +108,24 @@ fn value_of(value: ValueRef<'_>) -> Result<SqlValue, StoreError> {
     })
 }
 
+/// Every row of `statement` run with `params`.
+fn read_rows(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    columns: usize,
+    params: &[SqlValue],
+) -> Result<Vec<Row>, StoreError> {
+    let mut rows = statement.query(rusqlite::params_from_iter(params.iter()))?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let mut values = Vec::with_capacity(columns);
+        for index in 0..columns {
+            values.push(value_of(row.get_ref(index)?)?);
+        }
+        out.push(Row(values));
+    }
+    Ok(out)
+}
+
 impl Tx for SqliteTx<'_> {
     fn dialect(&self) -> Dialect {
         Dialect::Sqlite
@@ -102,23 +133,17 @@ impl Tx for SqliteTx<'_> {
 
     async fn execute(&mut self, sql: &str, params: &[SqlValue]) -> Result<u64, StoreError> {
         let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
-        let changed = statement.execute(rusqlite::params_from_iter(params.iter()))?;
-        Ok(changed as u64)
+        let changed = statement.execute(rusqlite::params_from_iter(params.iter()));
+        self.count_reprepares(&statement);
+        Ok(changed? as u64)
     }
 
     async fn query(&mut self, sql: &str, params: &[SqlValue]) -> Result<Vec<Row>, StoreError> {
         let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
         let columns = statement.column_count();
-        let mut rows = statement.query(rusqlite::params_from_iter(params.iter()))?;
-        let mut out = Vec::new();
-        while let Some(row) = rows.next()? {
-            let mut values = Vec::with_capacity(columns);
-            for index in 0..columns {
-                values.push(value_of(row.get_ref(index)?)?);
-            }
-            out.push(Row(values));
-        }
-        Ok(out)
+        let read = read_rows(&mut statement, columns, params);
+        self.count_reprepares(&statement);
+        read
     }
 }
 
@@ -128,8 +153,18 @@ pub struct SqliteLedger {
     jobs: Option<mpsc::Sender<Job>>,
     writer: Option<JoinHandle<()>>,
     faults: Arc<FaultInjector>,
-    write_ops: Arc<std::sync::atomic::AtomicU64>,
+    counters: Arc<WriterCounters>,
     validation: Arc<ValidationCache>,
+}
+
+/// What the writer thread counts.
+#[derive(Default)]
+struct WriterCounters {
+    /// Committed operations that changed a row (`Ledger::write_ops`).
+    write_ops: std::sync::atomic::AtomicU64,
+    /// Times a cached statement was parsed and planned again
+    /// ([`SqliteLedger::reprepares`]).
+    reprepares: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -211,23 +246,39 @@ impl SqliteLedger {
             Synchronous::Normal => "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
         })?;
         connection.set_prepared_statement_cache_capacity(128);
+        // Plans never depend on a bound value. Without this, the bundled SQLite (built with
+        // STAT4) marks some parameters of a statement as able to change its plan, and
+        // rusqlite's statement cache clears the bindings of every statement it takes back,
+        // which expires such a statement: each later use parsed and planned it again (the
+        // conversation's turns and the dispatch read did, 20 % of the writer's time). The
+        // store runs no ANALYZE, so there are no statistics a value could use anyway.
+        connection.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
         migrate(&mut connection)?;
         let faults = Arc::new(FaultInjector::default());
         let (jobs, queue) = mpsc::channel::<Job>();
         let thread_faults = Arc::clone(&faults);
-        let write_ops = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let thread_write_ops = Arc::clone(&write_ops);
+        let counters = Arc::new(WriterCounters::default());
+        let thread_counters = Arc::clone(&counters);
         let writer = std::thread::Builder::new()
             .name("turnstile-sqlite-writer".into())
-            .spawn(move || writer_loop(connection, queue, thread_faults, thread_write_ops))
+            .spawn(move || writer_loop(connection, queue, thread_faults, thread_counters))
             .map_err(|error| StoreError::CommitFailed(format!("cannot start the writer thread: {error}")))?;
         Ok(SqliteLedger {
             jobs: Some(jobs),
             writer: Some(writer),
             faults,
-            write_ops,
+            counters,
             validation: Arc::default(),
         })
+    }
+
+    /// Times the writer parsed and planned one of its cached statements again since this
+    /// ledger opened. A statement is parsed once per connection; a count above zero means
+    /// something expires the cache (a schema change, or a plan tied to bound values).
+    pub fn reprepares(&self) -> u64 {
+        self.counters
+            .reprepares
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The fault injector of this ledger's transaction driver (tests).
@@ -307,7 +358,7 @@ fn writer_loop(
     connection: Connection,
     queue: mpsc::Receiver<Job>,
     faults: Arc<FaultInjector>,
-    write_ops: Arc<std::sync::atomic::AtomicU64>,
+    counters: Arc<WriterCounters>,
 ) {
     while let Ok(first) = queue.recv() {
         let mut batch = vec![first];
@@ -317,7 +368,7 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        run_batch(&connection, batch, &faults, &write_ops);
+        run_batch(&connection, batch, &faults, &counters);
     }
 }
 
@@ -327,16 +378,13 @@ fn control(connection: &Connection, sql: &str) -> rusqlite::Result<()> {
     connection.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
-/// Run one group commit; `write_ops` counts its operations that changed a row, once
+/// Run one group commit; `counters.write_ops` counts its operations that changed a row, once
 /// committed and before anyone is answered.
-fn run_batch(
-    connection: &Connection,
-    batch: Vec<Job>,
-    faults: &FaultInjector,
-    write_ops: &std::sync::atomic::AtomicU64,
-) {
+fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector, counters: &WriterCounters) {
     let count = |wrote: u64| {
-        write_ops.fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
+        counters
+            .write_ops
+            .fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
     };
     let finish = |replies: Vec<Reply>, end: BatchEnd| {
         for reply in replies {
@@ -353,7 +401,10 @@ fn run_batch(
     for job in batch {
         let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
-        let mut tx = SqliteTx { connection };
+        let mut tx = SqliteTx {
+            connection,
+            reprepares: &counters.reprepares,
+        };
         // A panicking operation (a bug) must not take the writer down with the other callers'
         // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
         // writes are rolled back to the savepoint.
@@ -421,7 +472,7 @@ impl Ledger for SqliteLedger {
     }
 
     fn write_ops(&self) -> u64 {
-        self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
+        self.counters.write_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn create_conversation(

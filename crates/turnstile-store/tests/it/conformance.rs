@@ -531,6 +531,49 @@ async fn a_sqlite_store_with_a_manual_clock_reads_it_in_sql() {
     assert_eq!(store.store_now().await.expect("store clock"), Timestamp(7_500));
 }
 
+/// Issue 21: the SQLite writer parses each statement once. A dispatch's round trip (read the
+/// conversation, prepare and begin, SENT, STREAMING, commit, read the dispatch, the sweep's
+/// and the console's reads), four conversations over, never makes SQLite parse and plan a
+/// cached statement again: it did twice per dispatch, for the turns and the dispatch read,
+/// while plans could follow bound values (a fifth of the writer's time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = SqliteLedger::open(dir.path().join("ledger.db"), Synchronous::Full).expect("open sqlite");
+    for index in 0..4 {
+        let conversation_id = format!("c{index}");
+        let operation_id = format!("op-{index}");
+        conversation_at_1(&store, &conversation_id).await;
+        assert!(store.conversation(&conversation_id).await.unwrap().is_some());
+        let generation = prepared_and_begun(&store, &operation_id, &conversation_id, 1).await;
+        to_streaming(&store, &operation_id, generation).await;
+        let committed = store
+            .commit(
+                &operation_id,
+                generation,
+                Revision(1),
+                &assistant_turn(&format!("a{index}"), 1),
+                at(20),
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(committed, CommitOutcome::Committed { .. }),
+            "{committed:?}"
+        );
+        assert!(store.dispatch(&operation_id).await.unwrap().is_some());
+        assert_eq!(store.attempts(&operation_id).await.unwrap().len(), 1);
+        let tail = store
+            .conversation_since(&conversation_id, Revision(1))
+            .await
+            .unwrap();
+        assert_eq!(tail.map(|tail| tail.turns.len()), Some(1));
+        store.prepared_unattended(0, 10).await.unwrap();
+        store.counters().await.unwrap();
+    }
+    assert_eq!(store.reprepares(), 0, "a cached statement was parsed again");
+}
+
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
     backend: Backend,
     name: &str,
