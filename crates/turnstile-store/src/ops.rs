@@ -487,16 +487,6 @@ async fn dispatch_state<T: Tx>(
     }
 }
 
-pub(crate) async fn prepare<T: Tx>(
-    tx: &mut T,
-    manifest: &DispatchManifest,
-    request_bytes: &[u8],
-    policy: Option<&Value>,
-    now: Timestamp,
-) -> Result<PrepareOutcome, StoreError> {
-    prepare_targets(tx, manifest, request_bytes, policy, &[], now).await
-}
-
 /// Why one target's manifest, bytes and policy cannot be stored (None: they can).
 fn target_invalid(
     manifest: &DispatchManifest,
@@ -520,18 +510,45 @@ fn target_invalid(
     None
 }
 
-pub(crate) async fn prepare_targets<T: Tx>(
-    tx: &mut T,
+/// What a prepare stores besides the caller's bytes, worked out before its transaction: every
+/// check that needs no store (digests of the manifests, bodies and policies; the targets'
+/// agreement) and the serialised JSON. Pure, so the SQLite ledger computes it on the caller's
+/// thread and its writer runs only the SQL.
+pub(crate) struct PrepareRows {
+    manifest_json: String,
+    manifest_value: Value,
+    policy_json: Option<String>,
+    /// Each fallback's manifest and policy, serialised, in order.
+    fallbacks: Vec<(String, Option<String>)>,
+}
+
+/// A prepare's inputs checked: its rows, or why the prepare is [`PrepareOutcome::Invalid`].
+pub(crate) enum CheckedPrepare {
+    Rows(PrepareRows),
+    Invalid(&'static str),
+}
+
+impl CheckedPrepare {
+    /// The rows, or the prepare's answer when its inputs are invalid.
+    pub(crate) fn rows(self) -> Result<PrepareRows, PrepareOutcome> {
+        match self {
+            CheckedPrepare::Rows(rows) => Ok(rows),
+            CheckedPrepare::Invalid(why) => Err(PrepareOutcome::Invalid(why)),
+        }
+    }
+}
+
+/// Check a prepare's inputs and serialise what it stores (every backend calls this before its
+/// transaction; [`prepare_targets`] and [`prepare_and_begin`] take the rows).
+pub(crate) fn prepare_rows(
     manifest: &DispatchManifest,
     request_bytes: &[u8],
     policy: Option<&Value>,
     fallbacks: &[PreparedTarget],
-    now: Timestamp,
-) -> Result<PrepareOutcome, StoreError> {
+) -> Result<CheckedPrepare, StoreError> {
+    let invalid = |why| Ok(CheckedPrepare::Invalid(why));
     if fallbacks.len() + 1 > TARGETS_PER_DISPATCH_MAX {
-        return Ok(PrepareOutcome::Invalid(
-            "more targets than TARGETS_PER_DISPATCH_MAX",
-        ));
+        return invalid("more targets than TARGETS_PER_DISPATCH_MAX");
     }
     for fallback in fallbacks {
         if let Some(why) = target_invalid(
@@ -539,7 +556,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
             &fallback.request_bytes,
             fallback.policy.as_ref(),
         ) {
-            return Ok(PrepareOutcome::Invalid(why));
+            return invalid(why);
         }
         let (a, b) = (&manifest.body, &fallback.manifest.body);
         if a.operation_id != b.operation_id
@@ -547,18 +564,62 @@ pub(crate) async fn prepare_targets<T: Tx>(
             || a.conversation_revision != b.conversation_revision
             || a.sequence_digest != b.sequence_digest
         {
-            return Ok(PrepareOutcome::Invalid(
+            return invalid(
                 "a failover target's manifest is for another operation, conversation, revision or sequence",
-            ));
+            );
         }
+    }
+    if let Some(why) = target_invalid(manifest, request_bytes, policy) {
+        return invalid(why);
+    }
+    let serialised = |manifest: &DispatchManifest| {
+        serde_json::to_string(manifest)
+            .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))
+    };
+    let manifest_json = serialised(manifest)?;
+    let manifest_value = json_of(&manifest_json)?;
+    let fallbacks = fallbacks
+        .iter()
+        .map(|fallback| {
+            Ok((
+                serialised(&fallback.manifest)?,
+                fallback.policy.as_ref().map(Value::to_string),
+            ))
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok(CheckedPrepare::Rows(PrepareRows {
+        manifest_json,
+        manifest_value,
+        policy_json: policy.map(Value::to_string),
+        fallbacks,
+    }))
+}
+
+/// Store a new dispatch from its checked [`PrepareRows`] (only the SQL), or answer the one
+/// already stored under its operation id.
+pub(crate) async fn prepare_targets<T: Tx>(
+    tx: &mut T,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    fallbacks: &[PreparedTarget],
+    rows: PrepareRows,
+    now: Timestamp,
+) -> Result<PrepareOutcome, StoreError> {
+    if rows.fallbacks.len() != fallbacks.len() {
+        return Err(StoreError::Corrupt(
+            "a prepare's rows are for other targets".into(),
+        ));
     }
     let fallback_digests: Vec<&str> = fallbacks
         .iter()
         .map(|fallback| fallback.manifest.manifest_digest.as_str())
         .collect();
-    if let Some(why) = target_invalid(manifest, request_bytes, policy) {
-        return Ok(PrepareOutcome::Invalid(why));
-    }
+    let PrepareRows {
+        manifest_json,
+        manifest_value,
+        policy_json,
+        fallbacks: fallback_rows,
+    } = rows;
     let operation_id = manifest.body.operation_id.as_str();
     let manifest_digest = manifest.manifest_digest.as_str();
     if let Some(existing) = dispatch(tx, operation_id).await? {
@@ -577,9 +638,6 @@ pub(crate) async fn prepare_targets<T: Tx>(
     if current != manifest.body.conversation_revision {
         return Ok(PrepareOutcome::StaleRevision { current });
     }
-    let manifest_json = serde_json::to_string(manifest)
-        .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
-    let manifest_value = json_of(&manifest_json)?;
     let inserted = tx
         .execute(
             // `updated_at` on the store's clock: the sweep compares it with the store's now
@@ -601,7 +659,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
                 manifest.body.request_digest.as_str().into(),
                 manifest.body.provider.as_str().into(),
                 ts(now),
-                policy.map(Value::to_string).into(),
+                policy_json.into(),
             ],
         )
         .await?;
@@ -640,9 +698,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
         committed_revision: None,
         outcome: None,
     };
-    for (index, fallback) in fallbacks.iter().enumerate() {
-        let manifest_json = serde_json::to_string(&fallback.manifest)
-            .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
+    for (index, (fallback, (manifest_json, policy_json))) in fallbacks.iter().zip(fallback_rows).enumerate() {
         tx.execute(
             "INSERT INTO dispatch_targets (operation_id, position, manifest, manifest_digest, request_digest, \
              request_bytes, provider, policy) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -654,7 +710,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
                 fallback.manifest.body.request_digest.as_str().into(),
                 fallback.request_bytes.as_slice().into(),
                 fallback.manifest.body.provider.as_str().into(),
-                fallback.policy.as_ref().map(Value::to_string).into(),
+                policy_json.into(),
             ],
         )
         .await?;
@@ -671,12 +727,12 @@ pub(crate) async fn prepare_and_begin<T: Tx>(
     tx: &mut T,
     manifest: &DispatchManifest,
     request_bytes: &[u8],
-    policy: Option<&Value>,
     fallbacks: &[PreparedTarget],
+    rows: PrepareRows,
     begin: &BeginAtOnce,
     now: Timestamp,
 ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
-    let mut prepared = prepare_targets(tx, manifest, request_bytes, policy, fallbacks, now).await?;
+    let mut prepared = prepare_targets(tx, manifest, request_bytes, fallbacks, rows, now).await?;
     let PrepareOutcome::Created(record) = &mut prepared else {
         return Ok((prepared, None));
     };

@@ -381,13 +381,8 @@ impl Ledger for PgLedger {
         policy: Option<&Value>,
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        in_tx!(self, |tx| ops::prepare(
-            &mut tx,
-            manifest,
-            request_bytes,
-            policy,
-            now
-        ))
+        self.prepare_targets(manifest, request_bytes, policy, &[], now)
+            .await
     }
 
     async fn prepare_targets(
@@ -398,12 +393,17 @@ impl Ledger for PgLedger {
         fallbacks: &[PreparedTarget],
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
+        // Checked before the transaction, as on SQLite.
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
+            Ok(rows) => rows,
+            Err(invalid) => return Ok(invalid),
+        };
         in_tx!(self, |tx| ops::prepare_targets(
             &mut tx,
             manifest,
             request_bytes,
-            policy,
             fallbacks,
+            rows,
             now
         ))
     }
@@ -417,12 +417,17 @@ impl Ledger for PgLedger {
         begin: &BeginAtOnce,
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        // Checked before the transaction, as on SQLite.
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
+            Ok(rows) => rows,
+            Err(invalid) => return Ok((invalid, None)),
+        };
         in_tx!(self, |tx| ops::prepare_and_begin(
             &mut tx,
             manifest,
             request_bytes,
-            policy,
             fallbacks,
+            rows,
             begin,
             now
         ))
