@@ -515,6 +515,8 @@ fn target_invalid(
 /// agreement) and the serialised JSON. Pure, so the SQLite ledger computes it on the caller's
 /// thread and its writer runs only the SQL.
 pub(crate) struct PrepareRows {
+    /// The manifest the rows are for (checked again by [`prepare_targets`]).
+    manifest_digest: String,
     manifest_json: String,
     manifest_value: Value,
     policy_json: Option<String>,
@@ -588,6 +590,7 @@ pub(crate) fn prepare_rows(
         })
         .collect::<Result<_, StoreError>>()?;
     Ok(CheckedPrepare::Rows(PrepareRows {
+        manifest_digest: manifest.manifest_digest.as_str().to_owned(),
         manifest_json,
         manifest_value,
         policy_json: policy.map(Value::to_string),
@@ -605,7 +608,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
     rows: PrepareRows,
     now: Timestamp,
 ) -> Result<PrepareOutcome, StoreError> {
-    if rows.fallbacks.len() != fallbacks.len() {
+    if rows.manifest_digest != manifest.manifest_digest.as_str() || rows.fallbacks.len() != fallbacks.len() {
         return Err(StoreError::Corrupt(
             "a prepare's rows are for other targets".into(),
         ));
@@ -615,6 +618,7 @@ pub(crate) async fn prepare_targets<T: Tx>(
         .map(|fallback| fallback.manifest.manifest_digest.as_str())
         .collect();
     let PrepareRows {
+        manifest_digest: _,
         manifest_json,
         manifest_value,
         policy_json,

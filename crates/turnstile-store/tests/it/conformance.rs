@@ -67,6 +67,7 @@ suite!(
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
     a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
     a_version_7_database_keeps_every_request_body_across_migration_8,
+    a_large_body_is_checked_off_the_writer_and_stored_exactly,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -2190,4 +2191,63 @@ pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(ba
         assert_eq!(&record.request_bytes, expected, "op-{index}");
         assert_eq!(record.state, DispatchState::Failed);
     }
+}
+
+/// Issue 21: a prepare's checks run before its transaction, large bodies on tokio's blocking
+/// pool (over 1 MiB in all). A 3 MiB body with a failover target is stored exactly and begins
+/// its first attempt in the same write; one whose bytes do not match its digest is `Invalid`,
+/// stores nothing, and leaves the store as it was for the next prepare.
+pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let large = |operation_id: &str, model: &str, fill: u8| {
+        let (manifest, _) = manifest(operation_id, "c", 1, model);
+        let bytes = vec![fill; 3 * 1024 * 1024];
+        let mut body = manifest.body.clone();
+        body.request_digest = turnstile_core::digest::Digest::of_bytes(&bytes);
+        (body.seal(), bytes)
+    };
+    let begin = BeginAtOnce {
+        holder: "replica-a".into(),
+        lease_ms: 5_000,
+        target: 0,
+    };
+    // Bytes that are not the ones the manifest names: refused before any write.
+    let (manifest_bad, mut bytes_bad) = large("op-bad", "m", b'a');
+    bytes_bad[2 * 1024 * 1024] = b'b';
+    let (refused, began) = store
+        .prepare_and_begin(&manifest_bad, &bytes_bad, None, &[], &begin, at(10))
+        .await
+        .unwrap();
+    assert_eq!(
+        refused,
+        PrepareOutcome::Invalid("request bytes do not match request_digest")
+    );
+    assert!(began.is_none());
+    assert_eq!(store.dispatch("op-bad").await.unwrap(), None);
+    let (primary, bytes) = large("op-1", "m", b'x');
+    let (second, second_bytes) = large("op-1", "m2", b'y');
+    let fallback = PreparedTarget {
+        manifest: second,
+        request_bytes: second_bytes.clone(),
+        policy: None,
+    };
+    let (prepared, began) = store
+        .prepare_and_begin(&primary, &bytes, None, &[fallback], &begin, at(11))
+        .await
+        .unwrap();
+    let PrepareOutcome::Created(record) = prepared else {
+        panic!("{prepared:?}")
+    };
+    assert_eq!(record.request_bytes, bytes);
+    assert!(matches!(began, Some(BeginOutcome::Began { .. })), "{began:?}");
+    let stored = store.dispatch("op-1").await.unwrap().expect("stored");
+    assert_eq!(
+        stored.request_bytes, bytes,
+        "the body read back is the one prepared"
+    );
+    assert_eq!(stored.state, DispatchState::Dispatching);
+    let fallbacks = store.dispatch_fallbacks("op-1").await.unwrap();
+    assert_eq!(fallbacks.len(), 1);
+    assert_eq!(fallbacks[0].request_bytes, second_bytes);
 }
