@@ -501,19 +501,20 @@ fn target_invalid(
     {
         return Some("the policy does not match policy_digest");
     }
-    if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
-        return Some("request bytes do not match request_digest");
-    }
+    // The length first: an oversized body is refused without hashing all of it.
     if request_bytes.len() > REQUEST_BYTES_MAX {
         return Some("request bytes exceed REQUEST_BYTES_MAX");
+    }
+    if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
+        return Some("request bytes do not match request_digest");
     }
     None
 }
 
 /// What a prepare stores besides the caller's bytes, worked out before its transaction: every
 /// check that needs no store (digests of the manifests, bodies and policies; the targets'
-/// agreement) and the serialised JSON. Pure, so the SQLite ledger computes it on the caller's
-/// thread and its writer runs only the SQL.
+/// agreement) and the serialised JSON. Pure, so the SQLite ledger computes it before it queues
+/// the SQL for its writer (`sqlite.rs::PrepareInputs::checked`).
 pub(crate) struct PrepareRows {
     /// The manifest the rows are for (checked again by [`prepare_targets`]).
     manifest_digest: String,

@@ -470,14 +470,14 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector, c
 /// would cost more than it saves).
 const PREPARE_CHECK_INLINE_BYTES_MAX: usize = 1 << 20;
 
-/// A prepare's inputs, owned, to go to the writer thread.
-struct Target {
+/// A prepare's inputs (its manifest, body and fallbacks), owned, to go to the writer thread.
+struct PrepareInputs {
     manifest: DispatchManifest,
     bytes: Vec<u8>,
     fallbacks: Vec<PreparedTarget>,
 }
 
-impl Target {
+impl PrepareInputs {
     /// The inputs, owned, with their checked rows ([`ops::prepare_rows`]), or the prepare's
     /// answer when they are invalid. The checks hash every body and never run on the writer
     /// thread, where every dispatch queues; large bodies are hashed on the blocking pool.
@@ -486,8 +486,8 @@ impl Target {
         request_bytes: &[u8],
         policy: Option<&Value>,
         fallbacks: &[PreparedTarget],
-    ) -> Result<Result<(Target, ops::PrepareRows), PrepareOutcome>, StoreError> {
-        let target = Target {
+    ) -> Result<Result<(PrepareInputs, ops::PrepareRows), PrepareOutcome>, StoreError> {
+        let target = PrepareInputs {
             manifest: manifest.clone(),
             bytes: request_bytes.to_vec(),
             fallbacks: fallbacks.to_vec(),
@@ -508,9 +508,16 @@ impl Target {
                 .map(|fallback| fallback.request_bytes.len())
                 .sum::<usize>();
         let (checked, target) = if bytes > PREPARE_CHECK_INLINE_BYTES_MAX {
-            tokio::task::spawn_blocking(check).await.map_err(|error| {
-                StoreError::CommitFailed(format!("the prepare's checks did not finish: {error}"))
-            })?
+            match tokio::task::spawn_blocking(check).await {
+                Ok(checked) => checked,
+                // A panic in the checks is the same bug on either path: pass it on.
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                Err(error) => {
+                    return Err(StoreError::CommitFailed(format!(
+                        "the prepare's checks were cancelled: {error}"
+                    )));
+                }
+            }
         } else {
             check()
         };
@@ -610,7 +617,7 @@ impl Ledger for SqliteLedger {
         fallbacks: &[PreparedTarget],
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        let (target, rows) = match Target::checked(manifest, request_bytes, policy, fallbacks).await? {
+        let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
             Err(invalid) => return Ok(invalid),
         };
@@ -636,7 +643,7 @@ impl Ledger for SqliteLedger {
         begin: &BeginAtOnce,
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
-        let (target, rows) = match Target::checked(manifest, request_bytes, policy, fallbacks).await? {
+        let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
             Err(invalid) => return Ok((invalid, None)),
         };

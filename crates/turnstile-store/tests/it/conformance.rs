@@ -2213,6 +2213,7 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
         target: 0,
     };
     // Bytes that are not the ones the manifest names: refused before any write.
+    let writes = store.write_ops();
     let (manifest_bad, mut bytes_bad) = large("op-bad", "m", b'a');
     bytes_bad[2 * 1024 * 1024] = b'b';
     let (refused, began) = store
@@ -2225,6 +2226,7 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
     );
     assert!(began.is_none());
     assert_eq!(store.dispatch("op-bad").await.unwrap(), None);
+    assert_eq!(store.write_ops() - writes, 0, "a refused prepare writes nothing");
     let (primary, bytes) = large("op-1", "m", b'x');
     let (second, second_bytes) = large("op-1", "m2", b'y');
     let fallback = PreparedTarget {
@@ -2241,6 +2243,7 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
     };
     assert_eq!(record.request_bytes, bytes);
     assert!(matches!(began, Some(BeginOutcome::Began { .. })), "{began:?}");
+    assert_eq!(store.write_ops() - writes, 1, "prepared and begun in one write");
     let stored = store.dispatch("op-1").await.unwrap().expect("stored");
     assert_eq!(
         stored.request_bytes, bytes,
