@@ -532,11 +532,11 @@ pub(crate) enum CheckedPrepare {
 }
 
 impl CheckedPrepare {
-    /// The rows, or the prepare's answer when its inputs are invalid.
-    pub(crate) fn rows(self) -> Result<PrepareRows, PrepareOutcome> {
+    /// The rows, or why the prepare is [`PrepareOutcome::Invalid`].
+    pub(crate) fn rows(self) -> Result<PrepareRows, &'static str> {
         match self {
             CheckedPrepare::Rows(rows) => Ok(rows),
-            CheckedPrepare::Invalid(why) => Err(PrepareOutcome::Invalid(why)),
+            CheckedPrepare::Invalid(why) => Err(why),
         }
     }
 }

@@ -396,7 +396,7 @@ impl Ledger for PgLedger {
         // Checked before the transaction, as on SQLite.
         let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
             Ok(rows) => rows,
-            Err(invalid) => return Ok(invalid),
+            Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
         in_tx!(self, |tx| ops::prepare_targets(
             &mut tx,
@@ -420,7 +420,7 @@ impl Ledger for PgLedger {
         // Checked before the transaction, as on SQLite.
         let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
             Ok(rows) => rows,
-            Err(invalid) => return Ok((invalid, None)),
+            Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
         in_tx!(self, |tx| ops::prepare_and_begin(
             &mut tx,

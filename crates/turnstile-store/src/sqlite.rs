@@ -486,7 +486,7 @@ impl PrepareInputs {
         request_bytes: &[u8],
         policy: Option<&Value>,
         fallbacks: &[PreparedTarget],
-    ) -> Result<Result<(PrepareInputs, ops::PrepareRows), PrepareOutcome>, StoreError> {
+    ) -> Result<Result<(PrepareInputs, ops::PrepareRows), &'static str>, StoreError> {
         let target = PrepareInputs {
             manifest: manifest.clone(),
             bytes: request_bytes.to_vec(),
@@ -619,7 +619,7 @@ impl Ledger for SqliteLedger {
     ) -> Result<PrepareOutcome, StoreError> {
         let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
-            Err(invalid) => return Ok(invalid),
+            Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
         self.run(move |tx| {
             block_on_ready(ops::prepare_targets(
@@ -645,7 +645,7 @@ impl Ledger for SqliteLedger {
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
         let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
-            Err(invalid) => return Ok((invalid, None)),
+            Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
         let begin = begin.clone();
         self.run(move |tx| {
@@ -1024,6 +1024,9 @@ mod tests {
     /// What each operation of a group was told, by its value.
     type Told = Arc<Mutex<Vec<(i64, String)>>>;
 
+    /// A group's operations as (value, fails), and the values whose rows it keeps.
+    type Case = (&'static [(i64, bool)], &'static [i64]);
+
     /// An operation that inserts `value` into `t`, then fails when `fails`: a failing one has
     /// written before it fails, so only a rollback removes its row.
     fn insert(value: i64, fails: bool, told: &Told) -> Job {
@@ -1060,7 +1063,7 @@ mod tests {
             .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
             .unwrap();
         let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
-        let cases: [(&[(i64, bool)], &[i64]); 7] = [
+        let cases: [Case; 7] = [
             (&[(1, true)], &[]),
             (&[(1, false)], &[1]),
             (&[(1, false), (2, true)], &[1]),
