@@ -532,7 +532,8 @@ impl RenderCache {
         self.bodies.digest(adapter, model, conversation_id, body)
     }
 
-    /// (bodies kept, bytes they hold, allocated), for tests of the bound.
+    /// (bodies kept, bytes they take up: buffers and midstates allocated), for tests of the
+    /// bound.
     pub fn body_memos(&self) -> (usize, usize) {
         (self.bodies.memos.len(), self.bodies.bytes)
     }

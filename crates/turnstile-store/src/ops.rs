@@ -525,31 +525,16 @@ pub(crate) struct PrepareRows {
     fallbacks: Vec<(String, Option<String>)>,
 }
 
-/// A prepare's inputs checked: its rows, or why the prepare is [`PrepareOutcome::Invalid`].
-pub(crate) enum CheckedPrepare {
-    Rows(PrepareRows),
-    Invalid(&'static str),
-}
-
-impl CheckedPrepare {
-    /// The rows, or why the prepare is [`PrepareOutcome::Invalid`].
-    pub(crate) fn rows(self) -> Result<PrepareRows, &'static str> {
-        match self {
-            CheckedPrepare::Rows(rows) => Ok(rows),
-            CheckedPrepare::Invalid(why) => Err(why),
-        }
-    }
-}
-
 /// Check a prepare's inputs and serialise what it stores (every backend calls this before its
-/// transaction; [`prepare_targets`] and [`prepare_and_begin`] take the rows).
+/// transaction; [`prepare_targets`] and [`prepare_and_begin`] take the rows). The inner `Err`
+/// is why the prepare is [`PrepareOutcome::Invalid`].
 pub(crate) fn prepare_rows(
     manifest: &DispatchManifest,
     request_bytes: &[u8],
     policy: Option<&Value>,
     fallbacks: &[PreparedTarget],
-) -> Result<CheckedPrepare, StoreError> {
-    let invalid = |why| Ok(CheckedPrepare::Invalid(why));
+) -> Result<Result<PrepareRows, &'static str>, StoreError> {
+    let invalid = |why| Ok(Err(why));
     if fallbacks.len() + 1 > TARGETS_PER_DISPATCH_MAX {
         return invalid("more targets than TARGETS_PER_DISPATCH_MAX");
     }
@@ -590,7 +575,7 @@ pub(crate) fn prepare_rows(
             ))
         })
         .collect::<Result<_, StoreError>>()?;
-    Ok(CheckedPrepare::Rows(PrepareRows {
+    Ok(Ok(PrepareRows {
         manifest_digest: manifest.manifest_digest.as_str().to_owned(),
         manifest_json,
         manifest_value,

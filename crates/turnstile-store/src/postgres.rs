@@ -394,7 +394,7 @@ impl Ledger for PgLedger {
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
         // Checked before the transaction, as on SQLite.
-        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
             Ok(rows) => rows,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
@@ -418,7 +418,7 @@ impl Ledger for PgLedger {
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
         // Checked before the transaction, as on SQLite.
-        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)?.rows() {
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
             Ok(rows) => rows,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };

@@ -478,8 +478,8 @@ struct PrepareInputs {
 }
 
 impl PrepareInputs {
-    /// The inputs, owned, with their checked rows ([`ops::prepare_rows`]), or the prepare's
-    /// answer when they are invalid. The checks hash every body and never run on the writer
+    /// The inputs, owned, with their checked rows ([`ops::prepare_rows`]), or (inner `Err`)
+    /// why the prepare is `Invalid`. The checks hash every body and never run on the writer
     /// thread, where every dispatch queues; large bodies are hashed on the blocking pool.
     async fn checked(
         manifest: &DispatchManifest,
@@ -487,7 +487,7 @@ impl PrepareInputs {
         policy: Option<&Value>,
         fallbacks: &[PreparedTarget],
     ) -> Result<Result<(PrepareInputs, ops::PrepareRows), &'static str>, StoreError> {
-        let target = PrepareInputs {
+        let inputs = PrepareInputs {
             manifest: manifest.clone(),
             bytes: request_bytes.to_vec(),
             fallbacks: fallbacks.to_vec(),
@@ -495,19 +495,19 @@ impl PrepareInputs {
         let policy = policy.cloned();
         let check = move || {
             let checked = ops::prepare_rows(
-                &target.manifest,
-                &target.bytes,
+                &inputs.manifest,
+                &inputs.bytes,
                 policy.as_ref(),
-                &target.fallbacks,
+                &inputs.fallbacks,
             );
-            (checked, target)
+            (checked, inputs)
         };
         let bytes = request_bytes.len()
             + fallbacks
                 .iter()
                 .map(|fallback| fallback.request_bytes.len())
                 .sum::<usize>();
-        let (checked, target) = if bytes > PREPARE_CHECK_INLINE_BYTES_MAX {
+        let (checked, inputs) = if bytes > PREPARE_CHECK_INLINE_BYTES_MAX {
             match tokio::task::spawn_blocking(check).await {
                 Ok(checked) => checked,
                 // A panic in the checks is the same bug on either path: pass it on.
@@ -521,7 +521,7 @@ impl PrepareInputs {
         } else {
             check()
         };
-        Ok(checked?.rows().map(|rows| (target, rows)))
+        Ok(checked?.map(|rows| (inputs, rows)))
     }
 }
 
@@ -617,16 +617,16 @@ impl Ledger for SqliteLedger {
         fallbacks: &[PreparedTarget],
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
-        let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
+        let (inputs, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
         self.run(move |tx| {
             block_on_ready(ops::prepare_targets(
                 tx,
-                &target.manifest,
-                &target.bytes,
-                &target.fallbacks,
+                &inputs.manifest,
+                &inputs.bytes,
+                &inputs.fallbacks,
                 rows,
                 now,
             ))
@@ -643,7 +643,7 @@ impl Ledger for SqliteLedger {
         begin: &BeginAtOnce,
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
-        let (target, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
+        let (inputs, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
             Ok(checked) => checked,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
@@ -651,9 +651,9 @@ impl Ledger for SqliteLedger {
         self.run(move |tx| {
             block_on_ready(ops::prepare_and_begin(
                 tx,
-                &target.manifest,
-                &target.bytes,
-                &target.fallbacks,
+                &inputs.manifest,
+                &inputs.bytes,
+                &inputs.fallbacks,
                 rows,
                 &begin,
                 now,

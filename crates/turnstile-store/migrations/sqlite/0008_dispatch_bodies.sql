@@ -10,7 +10,8 @@
 -- dispatch once it ran (its INSERT names the column), so every replica is stopped before the
 -- upgrade (docs/operating.md). No body is lost to one that is still running: the copy runs
 -- under a lock that holds off every other writer of `dispatches` until the column is gone
--- (SQLite: the migration's IMMEDIATE transaction; PostgreSQL: the LOCK below).
+-- (SQLite: the migration's IMMEDIATE transaction; PostgreSQL: a LOCK TABLE in its copy of
+-- this migration).
 CREATE TABLE dispatch_bodies (
     operation_id  TEXT PRIMARY KEY REFERENCES dispatches (operation_id),
     request_bytes BLOB NOT NULL
