@@ -554,11 +554,7 @@ async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
             request_bytes: second_bytes,
             policy: None,
         };
-        let begin = BeginAtOnce {
-            holder: "replica-a".into(),
-            lease_ms: 5_000,
-            target: 0,
-        };
+        let begin = begin_at_once();
         let (prepared, began) = store
             .prepare_and_begin(&primary, &bytes, None, &[fallback], &begin, at(10))
             .await
@@ -1787,11 +1783,7 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
     let (_place, store) = open_fresh(backend, name).await;
     conversation_at_1(&*store, "c").await;
     conversation_at_1(&*store, "d").await;
-    let begin = BeginAtOnce {
-        holder: "replica-a".into(),
-        lease_ms: 5_000,
-        target: 0,
-    };
+    let begin = begin_at_once();
     let writes = store.write_ops();
     let (manifest_c, bytes_c) = manifest("op-c", "c", 1, "m");
     let (prepared, began) = store
@@ -2207,11 +2199,7 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
         body.request_digest = turnstile_core::digest::Digest::of_bytes(&bytes);
         (body.seal(), bytes)
     };
-    let begin = BeginAtOnce {
-        holder: "replica-a".into(),
-        lease_ms: 5_000,
-        target: 0,
-    };
+    let begin = begin_at_once();
     // Bytes that are not the ones the manifest names: refused before any write.
     let writes = store.write_ops();
     let (manifest_bad, mut bytes_bad) = large("op-bad", "m", b'a');

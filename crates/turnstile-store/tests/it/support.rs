@@ -168,6 +168,16 @@ pub fn manifest(
     (body.seal(), bytes)
 }
 
+/// Begin the first attempt with the prepare (`prepare_and_begin`): replica-a, a 5 s lease,
+/// the primary target.
+pub fn begin_at_once() -> BeginAtOnce {
+    BeginAtOnce {
+        holder: "replica-a".into(),
+        lease_ms: 5_000,
+        target: 0,
+    }
+}
+
 pub fn lease(holder: &str, until: u64) -> Lease {
     Lease {
         holder: holder.into(),
