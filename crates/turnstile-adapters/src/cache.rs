@@ -69,15 +69,28 @@ impl CachePolicy {
 /// Every breakpoint of a conversation: tools first (they precede the messages in every API's
 /// prefix), then blocks in order.
 pub fn breakpoints(conversation: &Conversation) -> Vec<Breakpoint> {
-    let tools = conversation.tools.iter().filter_map(|tool| {
-        tool.cache.map(|mark| Breakpoint {
-            block: None,
-            tool: Some(tool.name.clone()),
-            mark,
+    let mut breakpoints = tool_breakpoints(conversation);
+    breakpoints.extend(block_breakpoints(&conversation.turns));
+    breakpoints
+}
+
+fn tool_breakpoints(conversation: &Conversation) -> Vec<Breakpoint> {
+    conversation
+        .tools
+        .iter()
+        .filter_map(|tool| {
+            tool.cache.map(|mark| Breakpoint {
+                block: None,
+                tool: Some(tool.name.clone()),
+                mark,
+            })
         })
-    });
-    let blocks = conversation
-        .turns
+        .collect()
+}
+
+/// The breakpoints of the blocks of `turns`, in order.
+pub(crate) fn block_breakpoints(turns: &[turnstile_core::conversation::Turn]) -> Vec<Breakpoint> {
+    turns
         .iter()
         .flat_map(|turn| &turn.blocks)
         .filter_map(|block| {
@@ -86,8 +99,8 @@ pub fn breakpoints(conversation: &Conversation) -> Vec<Breakpoint> {
                 tool: None,
                 mark,
             })
-        });
-    tools.chain(blocks).collect()
+        })
+        .collect()
 }
 
 /// The `prompt_cache_key` for a marked conversation: `turnstile-` + 32 hex digits of SHA-256
@@ -115,14 +128,32 @@ pub fn prompt_cache_key(conversation: &Conversation) -> Option<String> {
     Some(format!("turnstile-{}", &hex[..32.min(hex.len())]))
 }
 
-/// The policy record for `api`, pausing `ctx` on a mark the API cannot take.
+/// The policy record for `api`, pausing `ctx` on a mark the API cannot take. A resumed render
+/// (`render.rs`, "resume") looks at the turns from its resume point only: the breakpoints
+/// before it are kept, and so is the `prompt_cache_key` once a block before it is marked (the
+/// key covers the blocks up to the first mark).
 pub(crate) fn plan(
     api: Api,
     conversation: &Conversation,
     passthrough: &Passthrough,
     ctx: &mut Ctx<'_>,
 ) -> CachePolicy {
-    let breakpoints = breakpoints(conversation);
+    let (from, kept_key) = match ctx.resume_cache() {
+        Some((from, kept, marked, key)) => {
+            let mut breakpoints = tool_breakpoints(conversation);
+            breakpoints.extend_from_slice(kept);
+            (from, Some((breakpoints, marked, key.cloned())))
+        }
+        None => (0, None),
+    };
+    let new_turns = &conversation.turns[from.min(conversation.turns.len())..];
+    let (breakpoints, kept_key) = match kept_key {
+        Some((mut breakpoints, marked, key)) => {
+            breakpoints.extend(block_breakpoints(new_turns));
+            (breakpoints, marked.then_some(key))
+        }
+        None => (breakpoints(conversation), None),
+    };
     if breakpoints.is_empty() {
         return CachePolicy::default();
     }
@@ -139,7 +170,9 @@ pub(crate) fn plan(
                     reason: PauseReason::UnrepresentablePart,
                 });
             }
-            for block in conversation.turns.iter().flat_map(|turn| &turn.blocks) {
+            // Before a resume point no marked reasoning block was found (the render that
+            // kept the state paused on nothing).
+            for block in new_turns.iter().flat_map(|turn| &turn.blocks) {
                 if block.cache.is_some() && matches!(block.body, BlockBody::Reasoning { .. }) {
                     ctx.pause(Some(block), "reasoning.cache", PauseReason::UnrepresentablePart);
                 }
@@ -161,7 +194,11 @@ pub(crate) fn plan(
                     .iter()
                     .any(|(name, _)| name == "prompt_cache_key");
             if !own_key {
-                prompt_cache_key = self::prompt_cache_key(conversation);
+                let tools_marked = conversation.tools.iter().any(|tool| tool.cache.is_some());
+                prompt_cache_key = match kept_key {
+                    Some(key) if !tools_marked => key,
+                    _ => self::prompt_cache_key(conversation),
+                };
             }
         }
         Api::Gemini => {}

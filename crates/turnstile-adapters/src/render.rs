@@ -22,7 +22,7 @@ use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use turnstile_core::conversation::{Block, BlockBody, Conversation, MediaSource, Role, RoleField, Turn};
-use turnstile_core::{CallId, Digest, MessageSequence, Validated};
+use turnstile_core::{CallId, Digest, KeptConversation, MessageSequence, Validated};
 
 /// Format string of the render policy document.
 pub const POLICY_FORMAT_V1: &str = "turnstile.render-policy.v1";
@@ -61,6 +61,9 @@ pub struct RenderOptions {
 pub struct Graph<'a> {
     conversation: &'a Conversation,
     sequence: &'a MessageSequence,
+    /// The turn stamps of a kept conversation ([`Graph::kept`]): a render resumes from the
+    /// state it kept after the same turns ([`RenderCache`], "resume").
+    stamps: Option<&'a [u64]>,
 }
 
 /// Why a validated conversation cannot be rendered.
@@ -101,7 +104,19 @@ impl<'a> Graph<'a> {
         Ok(Graph {
             conversation,
             sequence,
+            stamps: None,
         })
+    }
+
+    /// The graph of a kept conversation, `None` when it is rejected. Renders of it resume
+    /// from the render state kept after its earlier turns (their stamps say they are the same
+    /// turns, `KeptConversation::turn_stamps`), so a step renders the new turns only.
+    pub fn kept(kept: &'a KeptConversation) -> Option<Result<Graph<'a>, NotRenderable>> {
+        let (validated, sequence) = kept.graph_parts()?;
+        Some(Graph::new(validated, sequence).map(|graph| Graph {
+            stamps: Some(kept.turn_stamps()),
+            ..graph
+        }))
     }
 
     /// The conversation.
@@ -277,15 +292,25 @@ pub fn render(
     if let Err(error) = options.passthrough.check(adapter.api()) {
         return RenderOutcome::RefusedPassthrough(error);
     }
+    let conversation = graph.conversation();
+    cache.renders += 1;
     let mut ctx = Ctx::new(adapter, tokenizer, cache, options);
-    let cache_policy = crate::cache::plan(
-        adapter.api(),
-        graph.conversation(),
-        &options.passthrough,
-        &mut ctx,
-    );
+    if let Some(stamps) = graph.stamps {
+        ctx.resume = ctx
+            .cache
+            .resumes
+            .resume(adapter, tokenizer, options, conversation, stamps)
+            .filter(|resume| resumable(adapter.api(), conversation, resume.from));
+        if let Some(resume) = &mut ctx.resume {
+            ctx.tokens = resume.tokens;
+            ctx.omitted = std::mem::take(&mut resume.omitted);
+            ctx.cache.resumes.resumed += 1;
+            ctx.cache.resumes.last_from = resume.from;
+        }
+    }
+    let cache_policy = crate::cache::plan(adapter.api(), conversation, &options.passthrough, &mut ctx);
     ctx.cache_policy = cache_policy;
-    match adapter {
+    let outcome = match adapter {
         AdapterId::OpenaiChatV1 => crate::openai_chat::v1::render::render(graph, options, &mut ctx),
         AdapterId::OpenaiChatV2 => crate::openai_chat::v2::render::render(graph, options, &mut ctx),
         AdapterId::OpenaiResponsesV1 => crate::openai_responses::v1::render::render(graph, options, &mut ctx),
@@ -296,7 +321,51 @@ pub fn render(
             crate::anthropic_messages::v2::render::render(graph, options, &mut ctx)
         }
         AdapterId::GeminiV1 => crate::gemini::v1::render::render(graph, options, &mut ctx),
+    };
+    // Keep the state at the last segment start for the next render of this kept conversation:
+    // only after a render that was sent as is (no pause) and mapped no call id (a resumed
+    // render checks the new ids only, which is exact only when none before was rewritten).
+    if let (Some(stamps), RenderOutcome::Rendered(rendered), Some(checkpoint)) =
+        (graph.stamps, &outcome, ctx.checkpoint)
+        && rendered.policy.call_ids.is_empty()
+    {
+        let resume = ctx.resume.take();
+        ctx.cache.resumes.keep(
+            adapter,
+            tokenizer,
+            options,
+            conversation,
+            stamps,
+            resume,
+            checkpoint,
+            rendered,
+        );
     }
+    outcome
+}
+
+/// Whether a render may resume at `from`: the turns from there change nothing the kept part
+/// of the body depends on. Their call ids all fit the API's rule (so no id is rewritten and
+/// none can collide with one before), and for Anthropic none is a system turn (system blocks
+/// go in the head, before the messages).
+fn resumable(api: crate::registry::Api, conversation: &Conversation, from: usize) -> bool {
+    use crate::registry::Api;
+    let rule = match api {
+        Api::AnthropicMessages => Some(crate::anthropic_messages::CALL_ID_RULE),
+        Api::OpenaiChat => Some(crate::openai_chat::CALL_ID_RULE),
+        Api::OpenaiResponses => Some(crate::openai_responses::v1::render::CALL_ID_RULE),
+        // Gemini sends no ids.
+        Api::Gemini => None,
+    };
+    conversation.turns[from.min(conversation.turns.len())..]
+        .iter()
+        .all(|turn| {
+            !(api == Api::AnthropicMessages && turn.role == RoleField::Known(Role::System))
+                && turn.blocks.iter().all(|block| match (&block.body, rule) {
+                    (BlockBody::ToolCall { call_id, .. }, Some(rule)) => rule.accepts(call_id.as_str()),
+                    _ => true,
+                })
+        })
 }
 
 /// Output of a renderer function before the shared epilogue.
@@ -327,6 +396,9 @@ pub struct RenderCache {
     hits: u64,
     misses: u64,
     bodies: BodyMemos,
+    resumes: ResumeMemos,
+    /// Renders through this cache (whole and resumed).
+    renders: u64,
 }
 
 /// The last request bodies digested through this cache, one per (adapter, model, conversation), with
@@ -465,6 +537,283 @@ impl BodyMemo {
     }
 }
 
+/// A renderer's own state at the start of a segment, beside the bytes written before it: what
+/// the rest of the render needs to go on from there as if it had written those bytes itself.
+/// Roles are numbered by the renderer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Fold {
+    /// Messages (input items, contents) begun so far.
+    pub written: usize,
+    /// The role of the last message, still open (its closing bytes not written) when the
+    /// renderer merges same-role turns; `None` before the first.
+    pub open: Option<u8>,
+    /// Calls in the open message (Gemini).
+    pub open_calls: usize,
+    /// Whether the first message was a model turn with calls (Gemini's rule), once it is closed.
+    pub first_model_calls: bool,
+}
+
+/// Where a render can go on from: the state after turns `[..turn]`, at the start of a segment.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Checkpoint {
+    /// Turns consumed; `turns[turn]` (if any) starts a segment.
+    pub turn: usize,
+    /// Body bytes written for those turns (the head included).
+    pub body_len: usize,
+    /// Tokens counted for them.
+    pub tokens: u64,
+    /// Omissions recorded for them.
+    pub omitted: usize,
+    pub fold: Fold,
+}
+
+/// What a render resumes from (set up by [`render`], taken by the renderer).
+pub(crate) struct Resume {
+    /// The first turn to render.
+    pub from: usize,
+    /// The body for turns `[..from]`.
+    pub prefix: Vec<u8>,
+    pub fold: Fold,
+    /// Indices of the system turns among `[..from]`.
+    pub system_turns: Vec<usize>,
+    /// Block breakpoints among `[..from]`, in order.
+    breakpoints: Vec<crate::cache::Breakpoint>,
+    /// Whether a block among `[..from]` is marked: the `prompt_cache_key` is then final.
+    marked: bool,
+    /// The key of the last render (meaningful when `marked`).
+    cache_key: Option<String>,
+    /// The memo's version and prefix length when this was copied from it.
+    version: u64,
+    prefix_len: usize,
+    /// Tokens counted and omissions recorded for turns `[..from]` (moved into the render).
+    tokens: u64,
+    omitted: Vec<Omission>,
+}
+
+/// The render state kept after one render of a kept conversation ([`Graph::kept`]) with one
+/// adapter: the checkpoint at the start of its last segment (the last segment can still
+/// change: more results for its calls, a turn merged into its message), the body up to there
+/// and what the policy had collected by then. The next render of the same conversation with
+/// the same options resumes from it when the turn before the checkpoint still has the same
+/// stamp, so it renders the new turns and the last old segment only.
+#[derive(Debug)]
+struct ResumeMemo {
+    adapter: AdapterId,
+    tokenizer: Tokenizer,
+    conversation_id: String,
+    toolset_digest: Digest,
+    options: RenderOptions,
+    /// The stamp of `turns[checkpoint.turn - 1]`.
+    stamp: u64,
+    checkpoint: Checkpoint,
+    prefix: Vec<u8>,
+    omitted: Vec<Omission>,
+    system_turns: Vec<usize>,
+    breakpoints: Vec<crate::cache::Breakpoint>,
+    marked: bool,
+    cache_key: Option<String>,
+    used: u64,
+    /// Changes with every keep (a [`Resume`] names the version it copied).
+    version: u64,
+}
+
+impl ResumeMemo {
+    /// Bytes allocated, roughly: the body prefix and the lists.
+    fn footprint(&self) -> usize {
+        self.prefix.capacity()
+            + self.omitted.capacity() * (std::mem::size_of::<Omission>() + 64)
+            + self.system_turns.capacity() * std::mem::size_of::<usize>()
+            + self.breakpoints.capacity() * (std::mem::size_of::<crate::cache::Breakpoint>() + 64)
+            + self.conversation_id.capacity()
+            + self.options.model.capacity()
+            + 256
+    }
+}
+
+/// The kept render states, one per (adapter, conversation), at most [`ResumeMemos::MAX`] and
+/// [`ResumeMemos::BYTES_MAX`] bytes, the least recently used dropped first. Dropping one costs
+/// a whole render of that conversation's next step, never a wrong one.
+#[derive(Debug, Default)]
+struct ResumeMemos {
+    memos: Vec<ResumeMemo>,
+    bytes: usize,
+    clock: u64,
+    /// Renders that resumed, and the turns they rendered (tests and benchmarks read them).
+    resumed: u64,
+    last_from: usize,
+}
+
+impl ResumeMemos {
+    const MAX: usize = 256;
+    const BYTES_MAX: usize = 64 * 1024 * 1024;
+
+    fn find(&self, adapter: AdapterId, conversation_id: &str) -> Option<usize> {
+        self.memos
+            .iter()
+            .position(|memo| memo.adapter == adapter && memo.conversation_id == conversation_id)
+    }
+
+    /// The resume point for this render, when a kept state matches it exactly.
+    fn resume(
+        &mut self,
+        adapter: AdapterId,
+        tokenizer: Tokenizer,
+        options: &RenderOptions,
+        conversation: &Conversation,
+        stamps: &[u64],
+    ) -> Option<Resume> {
+        let index = self.find(adapter, &conversation.conversation_id)?;
+        self.clock += 1;
+        let memo = &mut self.memos[index];
+        let turn = memo.checkpoint.turn;
+        let same = turn >= 1
+            && turn <= conversation.turns.len()
+            && stamps.len() == conversation.turns.len()
+            && stamps[turn - 1] == memo.stamp
+            && memo.tokenizer == tokenizer
+            && memo.toolset_digest == conversation.toolset_digest
+            && memo.options == *options;
+        if !same {
+            return None;
+        }
+        memo.used = self.clock;
+        // Room for the rest: the last old segment and the new turns, usually small.
+        let mut prefix = Vec::with_capacity(memo.prefix.len() + memo.prefix.len() / 8 + 8192);
+        prefix.extend_from_slice(&memo.prefix);
+        Some(Resume {
+            from: turn,
+            prefix,
+            fold: memo.checkpoint.fold,
+            system_turns: memo.system_turns.clone(),
+            breakpoints: memo.breakpoints.clone(),
+            marked: memo.marked,
+            cache_key: memo.cache_key.clone(),
+            version: memo.version,
+            prefix_len: memo.prefix.len(),
+            tokens: memo.checkpoint.tokens,
+            omitted: memo.omitted.clone(),
+        })
+    }
+
+    /// Keep the state at `checkpoint` after a render (resumed from `resume`, or whole) that
+    /// wrote `rendered`.
+    // The key of the state (adapter, tokenizer, options, conversation and its stamps) and what
+    // the render gave: bundling them in a struct would only name them twice.
+    #[allow(clippy::too_many_arguments)]
+    fn keep(
+        &mut self,
+        adapter: AdapterId,
+        tokenizer: Tokenizer,
+        options: &RenderOptions,
+        conversation: &Conversation,
+        stamps: &[u64],
+        resume: Option<Resume>,
+        checkpoint: Checkpoint,
+        rendered: &Rendered,
+    ) {
+        if checkpoint.turn == 0 || checkpoint.turn > stamps.len() || checkpoint.body_len > rendered.body.len()
+        {
+            return;
+        }
+        // What the turns between the resume point and the new checkpoint add to the lists.
+        let from = resume.as_ref().map_or(0, |resume| resume.from);
+        let between = &conversation.turns[from.min(checkpoint.turn)..checkpoint.turn];
+        let (mut system_turns, mut breakpoints, mut marked, resumed) = match resume {
+            Some(resume) => (
+                resume.system_turns,
+                resume.breakpoints,
+                resume.marked,
+                Some((resume.version, resume.prefix_len)),
+            ),
+            None => (Vec::new(), Vec::new(), false, None),
+        };
+        for (offset, turn) in between.iter().enumerate() {
+            if turn.role == RoleField::Known(Role::System) {
+                system_turns.push(from + offset);
+            }
+        }
+        breakpoints.extend(crate::cache::block_breakpoints(between));
+        marked |= between
+            .iter()
+            .flat_map(|turn| &turn.blocks)
+            .any(|block| block.cache.is_some());
+        self.clock += 1;
+        let index = match self.find(adapter, &conversation.conversation_id) {
+            Some(index) => index,
+            None => {
+                if self.memos.len() >= Self::MAX
+                    && let Some(oldest) = self.least_recent()
+                {
+                    self.bytes -= self.memos.swap_remove(oldest).footprint();
+                }
+                self.memos.push(ResumeMemo {
+                    adapter,
+                    tokenizer,
+                    conversation_id: conversation.conversation_id.clone(),
+                    toolset_digest: conversation.toolset_digest.clone(),
+                    options: options.clone(),
+                    stamp: 0,
+                    checkpoint,
+                    prefix: Vec::new(),
+                    omitted: Vec::new(),
+                    system_turns: Vec::new(),
+                    breakpoints: Vec::new(),
+                    marked: false,
+                    cache_key: None,
+                    used: 0,
+                    version: 0,
+                });
+                self.bytes += self.memos.last().map_or(0, ResumeMemo::footprint);
+                self.memos.len() - 1
+            }
+        };
+        let memo = &mut self.memos[index];
+        let before = memo.footprint();
+        // When this render resumed from this very memo (same version: nothing kept since), its
+        // body began with a copy of the memo's prefix (renderers only append), so only the
+        // bytes after it are copied.
+        let resumed_from_this = resumed
+            .is_some_and(|(version, prefix_len)| version == memo.version && prefix_len == memo.prefix.len());
+        if resumed_from_this {
+            let prefix_len = memo.prefix.len();
+            debug_assert!(memo.prefix[..] == rendered.body[..prefix_len]);
+            memo.prefix
+                .extend_from_slice(&rendered.body[prefix_len..checkpoint.body_len]);
+        } else {
+            memo.prefix.clear();
+            memo.prefix
+                .extend_from_slice(&rendered.body[..checkpoint.body_len]);
+        }
+        memo.tokenizer = tokenizer;
+        memo.toolset_digest.clone_from(&conversation.toolset_digest);
+        if memo.options != *options {
+            memo.options = options.clone();
+        }
+        memo.stamp = stamps[checkpoint.turn - 1];
+        memo.checkpoint = checkpoint;
+        memo.omitted.clear();
+        memo.omitted.extend_from_slice(
+            &rendered.policy.omitted[..checkpoint.omitted.min(rendered.policy.omitted.len())],
+        );
+        memo.system_turns = system_turns;
+        memo.breakpoints = breakpoints;
+        memo.marked = marked;
+        memo.cache_key.clone_from(&rendered.policy.cache.prompt_cache_key);
+        memo.used = self.clock;
+        memo.version = self.clock;
+        self.bytes = self.bytes + memo.footprint() - before;
+        while self.bytes > Self::BYTES_MAX
+            && let Some(oldest) = self.least_recent()
+        {
+            self.bytes -= self.memos.swap_remove(oldest).footprint();
+        }
+    }
+
+    fn least_recent(&self) -> Option<usize> {
+        (0..self.memos.len()).min_by_key(|&index| self.memos[index].used)
+    }
+}
+
 /// Hashes a [`Digest`] key: its text is already the hex of a SHA-256, so folding its bytes with
 /// a multiply-rotate spreads keys well at a fraction of SipHash's cost (every render looks up
 /// one fragment per block; SipHash was 3.7 % of a warm 200-block prepare's profile, 3.0 % with
@@ -538,6 +887,22 @@ impl RenderCache {
         (self.bodies.memos.len(), self.bodies.bytes)
     }
 
+    /// (renders that resumed from a kept state, the first turn the last of them rendered):
+    /// tests use it to prove a step renders its new turns only.
+    pub fn resumed(&self) -> (u64, usize) {
+        (self.resumes.resumed, self.resumes.last_from)
+    }
+
+    /// Renders through this cache since creation, whole and resumed (a gateway's metric).
+    pub fn renders(&self) -> u64 {
+        self.renders
+    }
+
+    /// (render states kept, bytes they take up), for tests of the bound.
+    pub fn resume_memos(&self) -> (usize, usize) {
+        (self.resumes.memos.len(), self.resumes.bytes)
+    }
+
     /// Bytes the last [`RenderCache::body_digest`] hashed (the rest came from a midstate).
     pub fn body_bytes_hashed(&self) -> usize {
         self.bodies.hashed
@@ -586,6 +951,10 @@ pub(crate) struct Ctx<'c> {
     cache_policy: CachePolicy,
     /// The buffer fragments are built in (see [`Ctx::fragment`]).
     scratch: Vec<u8>,
+    /// Where this render resumes from ([`render`] sets it up; the renderer takes the body).
+    resume: Option<Resume>,
+    /// The last segment start the renderer passed ([`Ctx::segment_start`]).
+    checkpoint: Option<Checkpoint>,
 }
 
 impl<'c> Ctx<'c> {
@@ -610,7 +979,61 @@ impl<'c> Ctx<'c> {
             passthrough: options.passthrough.clone(),
             cache_policy: CachePolicy::default(),
             scratch: Vec::with_capacity(1024),
+            resume: None,
+            checkpoint: None,
         }
+    }
+
+    /// The first turn to render, the body written before it and the renderer's state there:
+    /// `(0, empty, start)` for a whole render, else where the kept state resumes. A renderer
+    /// writes its head only when this is a whole render, and only appends to the body.
+    pub fn begin(&mut self) -> (usize, Vec<u8>, Fold) {
+        match &mut self.resume {
+            Some(resume) => (resume.from, std::mem::take(&mut resume.prefix), resume.fold),
+            None => (0, Vec::with_capacity(4096), Fold::default()),
+        }
+    }
+
+    /// The system turns to place at the top, in order: those among the turns before the resume
+    /// point (kept), then those of `conversation.turns[from..]`.
+    pub fn system_turns<'t>(&self, conversation: &'t Conversation, from: usize) -> Vec<&'t Turn> {
+        let kept = self
+            .resume
+            .as_ref()
+            .map_or(&[][..], |resume| &resume.system_turns[..]);
+        kept.iter()
+            .filter_map(|&index| conversation.turns.get(index))
+            .chain(
+                conversation.turns[from.min(conversation.turns.len())..]
+                    .iter()
+                    .filter(|turn| turn.role == RoleField::Known(Role::System)),
+            )
+            .collect()
+    }
+
+    /// On a resumed render: the resume point, the block breakpoints before it, whether one of
+    /// those blocks is marked and the last render's `prompt_cache_key` (`cache::plan`).
+    pub fn resume_cache(&self) -> Option<(usize, &[crate::cache::Breakpoint], bool, Option<&String>)> {
+        self.resume.as_ref().map(|resume| {
+            (
+                resume.from,
+                &resume.breakpoints[..],
+                resume.marked,
+                resume.cache_key.as_ref(),
+            )
+        })
+    }
+
+    /// A segment starts at `turn` with `out` written before it and the renderer in `fold`:
+    /// the last one passed is where the next render of the same kept conversation resumes.
+    pub fn segment_start(&mut self, turn: usize, out: &[u8], fold: Fold) {
+        self.checkpoint = Some(Checkpoint {
+            turn,
+            body_len: out.len(),
+            tokens: self.tokens,
+            omitted: self.omitted.len(),
+            fold,
+        });
     }
 
     /// Append the fragment for `digest`/`tag` to `out`, building it on a miss. Counts its
@@ -678,11 +1101,12 @@ impl<'c> Ctx<'c> {
         });
     }
 
-    /// Pause every block whose kind this adapter version does not declare. Returns whether
-    /// anything paused.
-    pub fn pause_unrepresentable_kinds(&mut self, conversation: &Conversation) -> bool {
+    /// Pause every block of `turns[from..]` whose kind this adapter version does not declare
+    /// (the turns before a resume point had none: only a render that paused nothing is kept).
+    /// Returns whether anything paused.
+    pub fn pause_unrepresentable_kinds(&mut self, conversation: &Conversation, from: usize) -> bool {
         let adapter = self.adapter;
-        for turn in &conversation.turns {
+        for turn in &conversation.turns[from.min(conversation.turns.len())..] {
             for block in &turn.blocks {
                 let kind = block.body.kind();
                 if !adapter.represents(kind) {
@@ -695,8 +1119,12 @@ impl<'c> Ctx<'c> {
 
     /// Map every call id of the conversation under `rule`, recording rewritten ones in the
     /// policy and pausing on a collision. Renderers call the same pure [`call_ids::map`]
-    /// when they write a call or a result, so both ends of a pair always agree.
+    /// when they write a call or a result, so both ends of a pair always agree. Nothing to do
+    /// on a resumed render: it resumes only when every id fits the rule ([`render`]).
     pub fn map_call_ids(&mut self, conversation: &Conversation, rule: CallIdRule) {
+        if self.resume.is_some() {
+            return;
+        }
         // The common case: every id already meets the rule, so nothing is rewritten and
         // nothing can collide (one pass, no sets).
         let every_id_fits = conversation.turns.iter().all(|turn| {
@@ -906,21 +1334,24 @@ pub(crate) enum Segment<'a> {
     Assistant { turn: &'a Turn, results: Vec<&'a Block> },
 }
 
-/// Fold the conversation into segments. Results spread over several consecutive tool turns,
-/// in any order, are gathered and put in the order of the calls they answer.
-pub(crate) fn segments(conversation: &Conversation) -> Vec<Segment<'_>> {
+/// Fold `conversation.turns[from..]` (`from` starts a segment: 0, or a resume point) into
+/// segments, each with the index of the turn it starts at. Results spread over several
+/// consecutive tool turns, in any order, are gathered and put in the order of the calls they
+/// answer.
+pub(crate) fn segments_from(conversation: &Conversation, from: usize) -> Vec<(usize, Segment<'_>)> {
     let turns = &conversation.turns;
-    let mut segments = Vec::with_capacity(turns.len());
-    let mut index = 0;
+    let mut segments = Vec::with_capacity(turns.len().saturating_sub(from));
+    let mut index = from;
     while index < turns.len() {
+        let start = index;
         let turn = &turns[index];
         index += 1;
         let RoleField::Known(role) = turn.role else {
             continue;
         };
         match role {
-            Role::System => segments.push(Segment::System(turn)),
-            Role::User => segments.push(Segment::User(turn)),
+            Role::System => segments.push((start, Segment::System(turn))),
+            Role::User => segments.push((start, Segment::User(turn))),
             // Unreachable in a validated graph (tool turns always follow an assistant turn);
             // skipped rather than rendered anywhere else.
             Role::Tool => {}
@@ -954,7 +1385,7 @@ pub(crate) fn segments(conversation: &Conversation) -> Vec<Segment<'_>> {
                         _ => None,
                     })
                     .collect();
-                segments.push(Segment::Assistant { turn, results });
+                segments.push((start, Segment::Assistant { turn, results }));
             }
         }
     }

@@ -20,6 +20,16 @@ use crate::sequence::{GrowingSequence, SequenceMark};
 use crate::validate::{History, HistoryMark, Validated, Verdict};
 use crate::{Conversation, MessageSequence};
 use serde_json::Value;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The next turn stamp (see [`KeptConversation::turn_stamps`]); unique in the process.
+static NEXT_STAMP: AtomicU64 = AtomicU64::new(1);
+
+/// `count` fresh stamps.
+fn stamps(count: usize) -> impl Iterator<Item = u64> {
+    let first = NEXT_STAMP.fetch_add(count as u64, Ordering::Relaxed);
+    first..first + count as u64
+}
 
 /// A decoded conversation with its validator state and, while it is legal, its sequence.
 #[derive(Clone, Debug)]
@@ -27,6 +37,8 @@ pub struct KeptConversation {
     conversation: Conversation,
     history: History,
     sequence: Option<GrowingSequence>,
+    /// One stamp per turn, given when the turn was added (see [`Self::turn_stamps`]).
+    stamps: Vec<u64>,
 }
 
 /// What [`KeptConversation::pop_turn`] needs to undo one [`KeptConversation::push_turn`].
@@ -43,11 +55,23 @@ impl KeptConversation {
     pub fn new(conversation: Conversation) -> KeptConversation {
         let history = History::of(&conversation);
         let sequence = Validated::from_history(&conversation, &history).map(GrowingSequence::of);
+        let stamps = stamps(conversation.turns.len()).collect();
         KeptConversation {
             conversation,
             history,
             sequence,
+            stamps,
         }
+    }
+
+    /// One stamp per turn, in turn order: a number unique in the process, given to a turn when
+    /// it was added here (by [`Self::new`] or [`Self::push_turn`]) and never again to another.
+    /// The turns are only ever pushed and popped at the end, so equal stamps at index `i` mean
+    /// the same turns `[..=i]`: a renderer that kept its state after those turns
+    /// (`turnstile_adapters::render`) resumes from it without comparing them. A clone keeps the
+    /// stamps with the same turns; what either adds after gets fresh ones.
+    pub fn turn_stamps(&self) -> &[u64] {
+        &self.stamps
     }
 
     /// The conversation.
@@ -98,6 +122,7 @@ impl KeptConversation {
                 None
             }
         };
+        self.stamps.extend(stamps(1));
         Ok(KeptPush {
             turn: pushed,
             history,
@@ -108,6 +133,7 @@ impl KeptConversation {
     /// Take back the last [`Self::push_turn`]; returns the turn.
     pub fn pop_turn(&mut self, pushed: KeptPush) -> Option<Turn> {
         let turn = self.conversation.pop_turn(pushed.turn)?;
+        self.stamps.pop();
         let exact = self.history.pop(&turn, pushed.history);
         match (exact, pushed.sequence, self.sequence.as_mut()) {
             (true, Some(mark), Some(sequence)) => sequence.pop_turn(mark),

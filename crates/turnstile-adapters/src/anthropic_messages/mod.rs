@@ -24,8 +24,8 @@ pub mod v2;
 use crate::cache;
 use crate::call_ids::CallIdRule;
 use crate::render::{
-    Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment, Writer, inline_len,
-    reasoning_for, segments, status_note, wrap_context,
+    Body, Ctx, Fold, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment, Writer,
+    inline_len, reasoning_for, segments_from, status_note, wrap_context,
 };
 use crate::tokens;
 use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ResultStatus};
@@ -51,8 +51,8 @@ const TOOLS_WRAPPER_TEXT: &str = ",\"tools\":[]";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum MessageRole {
-    User,
-    Assistant,
+    User = 0,
+    Assistant = 1,
 }
 
 enum Item<'a> {
@@ -60,18 +60,44 @@ enum Item<'a> {
     Result(&'a Block),
 }
 
-struct Message<'a> {
-    role: MessageRole,
-    items: Vec<Item<'a>>,
-}
-
-fn push<'a>(messages: &mut Vec<Message<'a>>, role: MessageRole, item: Item<'a>) {
-    match messages.last_mut() {
-        Some(last) if last.role == role => last.items.push(item),
-        _ => messages.push(Message {
-            role,
-            items: vec![item],
-        }),
+/// Write one item into the messages array: into the open message when it has the same role
+/// (consecutive same-role turns merged), else closing it and opening a new one. `fold` is the
+/// array's state (`Fold::open` the open message's role), kept at each segment start so a
+/// render can resume there.
+fn push(out: &mut Vec<u8>, fold: &mut Fold, ctx: &mut Ctx<'_>, role: MessageRole, item: Item<'_>) {
+    if fold.open == Some(role as u8) {
+        out.push(b',');
+    } else {
+        if fold.open.is_some() {
+            out.extend_from_slice(b"]}");
+        }
+        if fold.written > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(match role {
+            MessageRole::User => b"{\"role\":\"user\",\"content\":[",
+            MessageRole::Assistant => b"{\"role\":\"assistant\",\"content\":[",
+        });
+        ctx.tokens += ctx.tokenizer.message_overhead();
+        fold.written += 1;
+        fold.open = Some(role as u8);
+    }
+    // A cache breakpoint is written in place on the block it marks (`cache.rs`).
+    match item {
+        Item::Content(block) => {
+            let mark = block.cache.as_ref();
+            ctx.fragment(out, cache::tag(TAG_CONTENT, mark), &block.digest, |w| {
+                content_block(block, w);
+                cache::mark_object(&mut w.out, mark);
+            })
+        }
+        Item::Result(block) => {
+            let mark = block.cache.as_ref();
+            ctx.fragment(out, cache::tag(TAG_RESULT, mark), &block.digest, |w| {
+                result_block(block, w);
+                cache::mark_object(&mut w.out, mark);
+            })
+        }
     }
 }
 
@@ -79,6 +105,11 @@ fn is_blank(block: &Block) -> bool {
     matches!(&block.body, BlockBody::Text { text } if text.trim().is_empty())
 }
 
+/// Render as a fold over the segments: the head (model, settings, the system array), then each
+/// segment's items written as they come, then the tail (tools, choice, client fields). A
+/// resumed render ([`Ctx::begin`]) starts with the body and state kept at a segment start and
+/// folds the segments from there; the system array is in the head, so a render resumes only
+/// when no system turn follows the resume point (`render::resumable`).
 pub(crate) fn render(
     version: &AnthropicVersion,
     graph: Graph<'_>,
@@ -86,22 +117,54 @@ pub(crate) fn render(
     ctx: &mut Ctx<'_>,
 ) -> RenderOutcome {
     let conversation = graph.conversation();
-    ctx.pause_unrepresentable_kinds(conversation);
+    let (from, mut out, mut fold) = ctx.begin();
+    ctx.pause_unrepresentable_kinds(conversation, from);
     ctx.map_call_ids(conversation, CALL_ID_RULE);
     let tokenizer = ctx.tokenizer;
-
-    // Plan: messages with consecutive same-role turns merged.
-    let mut system: Vec<&Block> = Vec::new();
-    let mut messages: Vec<Message<'_>> = Vec::new();
     debug_assert_eq!(version.documents, ctx.adapter.represents("document"));
-    for segment in segments(conversation) {
+
+    if from == 0 {
+        out.extend_from_slice(b"{\"model\":");
+        crate::render::push_json_string(&mut out, &options.model);
+        out.extend_from_slice(b",\"max_tokens\":");
+        out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
+        // Top-level `temperature`, `top_p`, `top_k`, `stop_sequences` (table in `sampling.rs`).
+        options
+            .sampling
+            .write_fields(crate::registry::Api::AnthropicMessages, &mut out);
+        // Every system turn's blocks, in order (blank ones are left out, and the walk below
+        // records them in the policy in turn order).
+        let system: Vec<&Block> = ctx
+            .system_turns(conversation, 0)
+            .into_iter()
+            .flat_map(|turn| &turn.blocks)
+            .filter(|block| !is_blank(block))
+            .collect();
+        if !system.is_empty() {
+            out.extend_from_slice(b",\"system\":[");
+            for (index, block) in system.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                let mark = block.cache.as_ref();
+                ctx.fragment(&mut out, cache::tag(TAG_SYSTEM, mark), &block.digest, |w| {
+                    content_block(block, w);
+                    cache::mark_object(&mut w.out, mark);
+                });
+            }
+            out.push(b']');
+            ctx.tokens += tokenizer.message_overhead();
+        }
+        out.extend_from_slice(b",\"messages\":[");
+    }
+
+    for (start, segment) in segments_from(conversation, from) {
+        ctx.segment_start(start, &out, fold);
         match segment {
             Segment::System(turn) => {
                 for block in &turn.blocks {
                     if is_blank(block) {
                         ctx.omit(block, "", "empty_text_rejected_by_api");
-                    } else {
-                        system.push(block);
                     }
                 }
             }
@@ -124,7 +187,7 @@ pub(crate) fn render(
                         );
                         continue;
                     }
-                    push(&mut messages, MessageRole::User, Item::Content(block));
+                    push(&mut out, &mut fold, ctx, MessageRole::User, Item::Content(block));
                 }
             }
             Segment::Assistant { turn, results } => {
@@ -139,76 +202,26 @@ pub(crate) fn render(
                         ctx.omit(block, "", "empty_text_rejected_by_api");
                         continue;
                     }
-                    push(&mut messages, MessageRole::Assistant, Item::Content(block));
+                    push(
+                        &mut out,
+                        &mut fold,
+                        ctx,
+                        MessageRole::Assistant,
+                        Item::Content(block),
+                    );
                 }
                 for result in results {
                     // A results message always starts a new user message: the previous
                     // message is the assistant one holding the calls.
-                    push(&mut messages, MessageRole::User, Item::Result(result));
+                    push(&mut out, &mut fold, ctx, MessageRole::User, Item::Result(result));
                 }
             }
         }
     }
-    if messages.is_empty() {
+    if fold.written == 0 {
         ctx.pause(None, "messages", PauseReason::UnrepresentableSequence);
     }
-
-    let mut out = Vec::with_capacity(4096);
-    out.extend_from_slice(b"{\"model\":");
-    crate::render::push_json_string(&mut out, &options.model);
-    out.extend_from_slice(b",\"max_tokens\":");
-    out.extend_from_slice(options.max_output_tokens.to_string().as_bytes());
-    // Top-level `temperature`, `top_p`, `top_k`, `stop_sequences` (table in `sampling.rs`).
-    options
-        .sampling
-        .write_fields(crate::registry::Api::AnthropicMessages, &mut out);
-    if !system.is_empty() {
-        out.extend_from_slice(b",\"system\":[");
-        for (index, block) in system.iter().enumerate() {
-            if index > 0 {
-                out.push(b',');
-            }
-            let mark = block.cache.as_ref();
-            ctx.fragment(&mut out, cache::tag(TAG_SYSTEM, mark), &block.digest, |w| {
-                content_block(block, w);
-                cache::mark_object(&mut w.out, mark);
-            });
-        }
-        out.push(b']');
-        ctx.tokens += tokenizer.message_overhead();
-    }
-    out.extend_from_slice(b",\"messages\":[");
-    for (index, message) in messages.iter().enumerate() {
-        if index > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(match message.role {
-            MessageRole::User => b"{\"role\":\"user\",\"content\":[",
-            MessageRole::Assistant => b"{\"role\":\"assistant\",\"content\":[",
-        });
-        ctx.tokens += tokenizer.message_overhead();
-        for (item_index, item) in message.items.iter().enumerate() {
-            if item_index > 0 {
-                out.push(b',');
-            }
-            // A cache breakpoint is written in place on the block it marks (`cache.rs`).
-            match item {
-                Item::Content(block) => {
-                    let mark = block.cache.as_ref();
-                    ctx.fragment(&mut out, cache::tag(TAG_CONTENT, mark), &block.digest, |w| {
-                        content_block(block, w);
-                        cache::mark_object(&mut w.out, mark);
-                    })
-                }
-                Item::Result(block) => {
-                    let mark = block.cache.as_ref();
-                    ctx.fragment(&mut out, cache::tag(TAG_RESULT, mark), &block.digest, |w| {
-                        result_block(block, w);
-                        cache::mark_object(&mut w.out, mark);
-                    })
-                }
-            }
-        }
+    if fold.open.is_some() {
         out.extend_from_slice(b"]}");
     }
     out.push(b']');

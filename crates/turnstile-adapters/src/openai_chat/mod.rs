@@ -22,8 +22,8 @@ use crate::call_ids::CallIdRule;
 use crate::passthrough::ElementKind;
 use crate::registry::AdapterId;
 use crate::render::{
-    Body, Ctx, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
-    reasoning_for, segments, status_note, wrap_context,
+    Body, Ctx, Fold, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
+    reasoning_for, segments_from, status_note, wrap_context,
 };
 use crate::tokens::{self, Tokenizer};
 use serde_json::Value;
@@ -60,17 +60,26 @@ pub(crate) fn render(
 ) -> crate::render::RenderOutcome {
     debug_assert_eq!(version.adapter, ctx.adapter);
     let conversation = graph.conversation();
-    ctx.pause_unrepresentable_kinds(conversation);
+    // A fold over the segments, each written as it comes: a resumed render starts with the
+    // body and state kept at a segment start (`Ctx::begin`).
+    let (from, mut out, fold) = ctx.begin();
+    ctx.pause_unrepresentable_kinds(conversation, from);
     ctx.map_call_ids(conversation, CALL_ID_RULE);
     let tokenizer = ctx.tokenizer;
     let role_tokens = RoleTokens::new(tokenizer, version.system_role);
 
-    let mut out = Vec::with_capacity(4096);
-    let mut w = Writer::new(tokenizer);
-    w.raw("{\"model\":").string(&options.model).raw(",\"messages\":[");
-    out.append(&mut w.out);
-    let mut first_message = true;
-    for segment in segments(conversation) {
+    if from == 0 {
+        let mut w = Writer::new(tokenizer);
+        w.raw("{\"model\":").string(&options.model).raw(",\"messages\":[");
+        out.append(&mut w.out);
+    }
+    let mut first_message = fold.written == 0;
+    for (start, segment) in segments_from(conversation, from) {
+        let fold = Fold {
+            written: usize::from(!first_message),
+            ..Fold::default()
+        };
+        ctx.segment_start(start, &out, fold);
         match segment {
             Segment::System(turn) => {
                 open_message(&mut out, &mut first_message, version.system_role);

@@ -14,6 +14,7 @@ mod render_passthrough;
 mod render_prepare;
 mod render_props;
 mod render_registry;
+mod render_resume;
 mod render_rules;
 mod render_sampling;
 mod render_step;

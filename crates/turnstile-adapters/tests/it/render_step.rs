@@ -1,8 +1,9 @@
 //! The agent step: a conversation kept in memory (`KeptConversation`) and prepared after each
 //! new turn with one shared render cache gives, at every step and for every adapter, exactly
-//! the body and manifest a cold prepare of the whole file gives; the request digest resumes
-//! from the last body's midstate (fewer bytes hashed than the body holds) and always equals
-//! SHA-256 of the body.
+//! the body and manifest a cold prepare of the whole file gives; the render resumes from the
+//! state kept at the last segment start of the render before (so a step renders its new
+//! turns, not the history); the request digest resumes from the last body's midstate (fewer
+//! bytes hashed than the body holds) and always equals SHA-256 of the body.
 
 use crate::render_support::{SCENARIOS, data_dir, model_for};
 use proptest::prelude::*;
@@ -44,8 +45,7 @@ fn cold(conversation: &Conversation, adapter: AdapterId) -> Option<(Vec<u8>, Dig
 }
 
 fn kept(kept: &KeptConversation, adapter: AdapterId, cache: &mut RenderCache) -> Option<(Vec<u8>, Digest)> {
-    let (validated, sequence) = kept.graph_parts()?;
-    let graph = Graph::new(validated, sequence).ok()?;
+    let graph = Graph::kept(kept)?.ok()?;
     match prepare(graph, &request(adapter), &Catalog::builtin(), cache) {
         PrepareOutcome::Prepared(prepared) => {
             assert_eq!(
@@ -62,6 +62,7 @@ fn kept(kept: &KeptConversation, adapter: AdapterId, cache: &mut RenderCache) ->
 #[test]
 fn every_step_of_every_scenario_prepares_what_a_cold_prepare_of_the_file_does() {
     let mut steps = 0;
+    let mut resumed = 0;
     for name in SCENARIOS {
         let bytes = std::fs::read(data_dir().join(format!("{name}.json"))).unwrap();
         let document: Value = serde_json::from_slice(&bytes).unwrap();
@@ -88,9 +89,11 @@ fn every_step_of_every_scenario_prepares_what_a_cold_prepare_of_the_file_does() 
                 );
                 steps += usize::from(got.is_some());
             }
+            resumed += cache.resumed().0;
         }
     }
     assert!(steps >= 60, "only {steps} steps prepared");
+    assert!(resumed >= 40, "only {resumed} of {steps} renders resumed");
 }
 
 #[test]

@@ -94,3 +94,65 @@ proptest! {
         check(&legal_or_mutated(seed, mutation));
     }
 }
+
+/// Turn stamps (what a kept render state is checked against): one per turn, unique, kept by the
+/// turns that stay, never given again. A pop and a push of the same turn gives it a new stamp;
+/// a clone has the same stamps, and what each adds after gets its own; a conversation kept
+/// anew from the same file gets new ones.
+#[test]
+fn turn_stamps_name_the_turns_they_were_given_to() {
+    let document = serde_json::json!({
+        "format": "turnstile.conversation.v1", "conversation_id": "c-stamps", "revision": 1, "tools": [],
+        "turns": [{"id": "t-1", "revision": 1, "role": "user", "blocks": [{"id": "b-1", "kind": "text", "text": "hi"}]}]});
+    let turn = |index: u64| {
+        serde_json::json!({"id": format!("t-{index}"), "revision": index, "role": if index % 2 == 0 { "assistant" } else { "user" },
+                           "generation": index, "blocks": [{"id": format!("b-{index}"), "kind": "text", "text": "more"}]})
+    };
+    let mut kept = KeptConversation::new(Conversation::from_value(document.clone()).unwrap());
+    assert_eq!(kept.turn_stamps().len(), 1);
+    let first = kept.turn_stamps().to_vec();
+    let pushed = kept.push_turn(turn(2), Revision(2)).unwrap();
+    assert_eq!(kept.turn_stamps().len(), 2);
+    assert_eq!(
+        kept.turn_stamps()[..1],
+        first[..],
+        "a push keeps the stamps before it"
+    );
+    let second = kept.turn_stamps()[1];
+    assert_ne!(second, first[0]);
+    kept.pop_turn(pushed).unwrap();
+    assert_eq!(kept.turn_stamps(), &first[..], "a pop takes its stamp back");
+    let _ = kept.push_turn(turn(2), Revision(2)).unwrap();
+    let again = kept.turn_stamps()[1];
+    assert_ne!(
+        again, second,
+        "the same turn pushed again is not the turn that was popped"
+    );
+    let mut clone = kept.clone();
+    assert_eq!(
+        clone.turn_stamps(),
+        kept.turn_stamps(),
+        "a clone has the same turns"
+    );
+    let _ = clone.push_turn(turn(3), Revision(3)).unwrap();
+    let _ = kept.push_turn(turn(3), Revision(3)).unwrap();
+    assert_ne!(
+        clone.turn_stamps()[2],
+        kept.turn_stamps()[2],
+        "what each adds after is its own"
+    );
+    let anew = KeptConversation::new(Conversation::from_value(document).unwrap());
+    assert_ne!(
+        anew.turn_stamps()[0],
+        first[0],
+        "a conversation kept anew has new stamps"
+    );
+    let mut all: Vec<u64> = [kept.turn_stamps(), clone.turn_stamps(), anew.turn_stamps()].concat();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(
+        all.len(),
+        3 + 1 + 1,
+        "stamps are shared only by the turns a clone shares"
+    );
+}

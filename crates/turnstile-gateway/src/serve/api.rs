@@ -32,9 +32,7 @@ use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_adapters::{Catalog, RenderCache};
 use turnstile_core::dispatch::{DispatchState, Timestamp};
-use turnstile_core::{
-    Conversation, KeptConversation, MessageSequence, Revision, Validated, Verdict, limits, validate,
-};
+use turnstile_core::{Conversation, KeptConversation, Revision, Verdict, limits, validate};
 use turnstile_store::{
     AppendOutcome, CLAIM_LEASE_MS_MAX, CallClaimOutcome, CreateOutcome, ReleaseOutcome, RenewOutcome,
     ResultOutcome, ToolCallState,
@@ -756,8 +754,10 @@ async fn dispatch_current(
         .with(json!({"current_revision": conversation.revision.0})));
     }
     // Validated once, when each turn was kept: the proof and the sequence go on into the render.
-    let (validated, sequence) = match (kept.verdict(), kept.graph_parts()) {
-        (Verdict::Ready, Some(parts)) => parts,
+    // The kept conversation's graph carries its turn stamps, so the render resumes from the
+    // state kept after the last dispatch's render (`turnstile_adapters::render`, "resume").
+    let graph = match (kept.verdict(), Graph::kept(kept)) {
+        (Verdict::Ready, Some(graph)) => graph,
         (Verdict::Waiting { pending }, _) => {
             let pending = pending.into_iter().map(|call| call.0).collect();
             return Ok(early_response(Early::Waiting(pending), request.stream));
@@ -776,8 +776,7 @@ async fn dispatch_current(
     };
     match prepare_dispatch(
         shared,
-        validated,
-        sequence,
+        graph,
         operation_id,
         targets,
         request.max_output_tokens,
@@ -848,8 +847,7 @@ fn setting_error(error: SettingError, adapter: AdapterId) -> ApiError {
 /// whole dispatch, naming it (`target` in the error), before anything is stored or sent.
 pub(crate) async fn prepare_dispatch(
     shared: &Arc<Shared>,
-    validated: Validated<'_>,
-    sequence: &MessageSequence,
+    graph: Result<Graph<'_>, NotRenderable>,
     operation_id: String,
     targets: &[Target],
     max_output_tokens: Option<u64>,
@@ -861,8 +859,7 @@ pub(crate) async fn prepare_dispatch(
             .get(provider)
             .map(|endpoint| endpoint.resume_by_handle)
     };
-    // The graph is built before the shared render cache is locked.
-    let graph = Graph::new(validated, sequence);
+    // The graph is built (by the caller) before the shared render cache is locked.
     let rendered = {
         let mut cache = shared.render_cache.lock().await;
         render_targets(
@@ -2036,6 +2033,11 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     metrics::store_write_ops(shared.ledger.write_ops());
     let (kept, whole) = shared.kept.stats();
     metrics::conversation_reads(kept, whole);
+    let (renders, (resumed, _)) = {
+        let cache = shared.render_cache.lock().await;
+        (cache.renders(), cache.resumed())
+    };
+    metrics::renders(renders, resumed);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

@@ -72,6 +72,10 @@ pub const STORE_WRITE_OPS: &str = "turnstile_store_write_ops_total";
 /// history kept in memory plus the turns since), `whole` (the whole document); read at each
 /// scrape.
 pub const CONVERSATION_READS: &str = "turnstile_conversation_reads_total";
+/// Renders by where they started (`turnstile_adapters::render`, "resume"): `resumed` (from
+/// the state kept after a kept conversation's earlier turns: the new turns rendered only),
+/// `whole` (every turn); read at each scrape.
+pub const RENDERS: &str = "turnstile_renders_total";
 
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
@@ -185,6 +189,12 @@ pub fn store_write_ops(total: u64) {
 pub fn conversation_reads(kept: u64, whole: u64) {
     counter!(CONVERSATION_READS, "history" => "kept").absolute(kept);
     counter!(CONVERSATION_READS, "history" => "whole").absolute(whole);
+}
+
+/// The render counts of the shared render cache, at a scrape.
+pub fn renders(total: u64, resumed: u64) {
+    counter!(RENDERS, "from" => "resumed").absolute(resumed);
+    counter!(RENDERS, "from" => "whole").absolute(total.saturating_sub(resumed));
 }
 
 /// Count a dispatch transition.

@@ -1375,9 +1375,11 @@ fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
 /// Issue 21: a gateway keeps a stored conversation decoded between dispatches, so an agent
 /// loop's next dispatch reads and checks only the turns committed since its last one
 /// (`turnstile_conversation_reads_total`): the first dispatch reads the whole history, the
-/// next ones the kept history plus what was appended since, here by another replica too. The
-/// body a warm replica sends is the one a fresh replica sends for the same revision, and every
-/// body sent hashes to its manifest's request digest. SQLite and PostgreSQL.
+/// next ones the kept history plus what was appended since, here by another replica too, and
+/// their renders go on from the render state kept after the last one
+/// (`turnstile_renders_total`). The body a warm replica sends is the one a fresh replica
+/// (whole history, whole render) sends for the same revision, and every body sent hashes to
+/// its manifest's request digest. SQLite and PostgreSQL.
 #[test]
 fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends() {
     let url = std::env::var("TURNSTILE_PG_URL").expect(
@@ -1403,8 +1405,12 @@ fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends()
         let id = format!("c-kept-{run}-{store}");
         let model = format!("m-{id}");
         let op = |round: &str| format!("op-{id}-{round}");
+        let renders = |gateway: &Gateway, from: &str| {
+            gateway.metric(&format!("turnstile_renders_total{{from=\"{from}\"}}"))
+        };
         conversation_with_question(&warm, &id);
         let (kept_before, whole_before) = (reads(&warm, "kept"), reads(&warm, "whole"));
+        let (resumed_before, rendered_whole_before) = (renders(&warm, "resumed"), renders(&warm, "whole"));
 
         // Round 1 (revision 1 → 2): two calls.
         sim.script(&model, json!([two_calls(json!({}))]));
@@ -1463,6 +1469,23 @@ fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends()
         );
         assert_eq!(
             (reads(&fresh, "whole"), reads(&fresh, "kept")),
+            (1.0, 0.0),
+            "{store}"
+        );
+        assert_eq!(
+            (
+                renders(&warm, "whole") - rendered_whole_before,
+                renders(&warm, "resumed") - resumed_before
+            ),
+            // Round 1's conversation is one segment (the question): a render keeps its state
+            // at the start of its last segment, and there is nothing before this one to keep.
+            // Round 2 renders whole and keeps the state at the start of its last segment (the
+            // calls and their results); round 3 goes on from there.
+            (2.0, 1.0),
+            "{store}: the warm replica rendered whole until it had a state to go on from, then went on from it"
+        );
+        assert_eq!(
+            (renders(&fresh, "whole"), renders(&fresh, "resumed")),
             (1.0, 0.0),
             "{store}"
         );

@@ -673,9 +673,11 @@ fn prepare_from_bytes(bytes: &[u8], catalog: &Catalog, request: &PrepareRequest)
 /// The agent step: what an agent loop pays per step when the gateway keeps the conversation
 /// in memory between dispatches (`KeptConversation`: the decoded conversation, the
 /// validator's state and the message sequence with its digest midstate) with the render cache
-/// of its last prepare (fragments, and the last body's hash midstates). Each call pushes the
-/// same new user turn, prepares, then pops the turn and forgets its fragment, so every
-/// repetition pays for one new block against the same history.
+/// of its last prepare (fragments, the render state kept at the last segment start, and the
+/// last body's hash midstates). Each call pushes the same new user turn, prepares, then pops
+/// the turn and forgets its fragment, so every repetition pays for one new block against the
+/// same history (the kept render state is at the start of the pushed turn's segment, and the
+/// pop leaves the turns before it, so the next step resumes there too).
 struct AgentStep<'a> {
     steps: u64,
     /// Bytes from the end of `turn_bytes` to the first digit of the step counter.
@@ -695,8 +697,9 @@ impl<'a> AgentStep<'a> {
         let kept = turnstile_core::KeptConversation::new(conversation);
         let mut cache = RenderCache::new();
         {
-            let (validated, sequence) = kept.graph_parts().expect("bench conversation is legal");
-            let graph = Graph::new(validated, sequence).expect("bench conversation is ready");
+            let graph = Graph::kept(&kept)
+                .expect("bench conversation is legal")
+                .expect("bench conversation is ready");
             assert!(matches!(
                 prepare(graph, request, catalog, &mut cache),
                 PrepareOutcome::Prepared(_)
@@ -738,11 +741,9 @@ impl<'a> AgentStep<'a> {
             .push_turn(turn, self.revision)
             .expect("the step turn is within limits");
         let body = {
-            let (validated, sequence) = self
-                .kept
-                .graph_parts()
-                .expect("the step keeps the conversation legal");
-            let graph = Graph::new(validated, sequence).expect("the step conversation is ready");
+            let graph = Graph::kept(&self.kept)
+                .expect("the step keeps the conversation legal")
+                .expect("the step conversation is ready");
             match prepare(graph, self.request, self.catalog, &mut self.cache) {
                 PrepareOutcome::Prepared(prepared) => prepared.rendered.body,
                 other => panic!("the step prepares: {other:?}"),

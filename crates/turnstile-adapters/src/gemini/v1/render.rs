@@ -25,8 +25,8 @@
 
 use crate::registry::RulesDescriptor;
 use crate::render::{
-    Body, CONTEXT_WRAPPING, Ctx, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment,
-    Writer, inline_len, reasoning_for, segments, status_note, wrap_context,
+    Body, CONTEXT_WRAPPING, Ctx, Fold, Graph, PauseReason, Reasoning, RenderOptions, RenderOutcome, Segment,
+    Writer, inline_len, reasoning_for, segments_from, status_note, wrap_context,
 };
 use crate::tokens;
 use turnstile_core::conversation::{Arguments, Block, BlockBody, MediaSource, ResultPart, ResultStatus};
@@ -66,8 +66,8 @@ pub static RULES: RulesDescriptor = RulesDescriptor {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum ContentRole {
-    User,
-    Model,
+    User = 0,
+    Model = 1,
 }
 
 enum Item<'a> {
@@ -79,38 +79,85 @@ enum Item<'a> {
     Response(&'a Block),
 }
 
-struct Content<'a> {
-    role: ContentRole,
-    items: Vec<Item<'a>>,
-    calls: usize,
-}
-
-fn push<'a>(contents: &mut Vec<Content<'a>>, role: ContentRole, item: Item<'a>) {
-    match contents.last_mut() {
-        Some(last) if last.role == role => last.items.push(item),
-        _ => contents.push(Content {
-            role,
-            items: vec![item],
-            calls: 0,
-        }),
+/// Close the open content (if any), noting whether it was the first and a model turn with
+/// calls (the rule `contents.first_function_call_turn` checks).
+fn close(out: &mut Vec<u8>, fold: &mut Fold) {
+    if fold.open.is_some() {
+        if fold.written == 1 {
+            fold.first_model_calls = fold.open == Some(ContentRole::Model as u8) && fold.open_calls > 0;
+        }
+        out.extend_from_slice(b"]}");
+        fold.open = None;
     }
 }
 
+/// Write one part into the contents array: into the open content when it has the same role
+/// (strict alternation by merging), else closing it and opening a new one. `fold` is the
+/// array's state, kept at each segment start so a render can resume there.
+fn push(out: &mut Vec<u8>, fold: &mut Fold, ctx: &mut Ctx<'_>, role: ContentRole, item: Item<'_>) {
+    if fold.open == Some(role as u8) {
+        out.push(b',');
+    } else {
+        close(out, fold);
+        if fold.written > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(match role {
+            ContentRole::User => b"{\"role\":\"user\",\"parts\":[",
+            ContentRole::Model => b"{\"role\":\"model\",\"parts\":[",
+        });
+        ctx.tokens += ctx.tokenizer.message_overhead();
+        fold.written += 1;
+        fold.open = Some(role as u8);
+        fold.open_calls = 0;
+    }
+    out.push(b'{');
+    match item {
+        Item::Part { block, signature } => {
+            ctx.fragment(out, TAG_PART, &block.digest, |w| part_fields(block, w));
+            if let Some(signature) = signature {
+                out.extend_from_slice(b",\"thoughtSignature\":");
+                crate::render::push_json_string(out, signature);
+            }
+            if matches!(block.body, BlockBody::ToolCall { .. }) {
+                fold.open_calls += 1;
+            }
+        }
+        Item::SignatureOnly(signature) => {
+            out.extend_from_slice(b"\"text\":\"\",\"thoughtSignature\":");
+            crate::render::push_json_string(out, signature);
+        }
+        Item::Response(block) => {
+            ctx.fragment(out, TAG_RESPONSE, &block.digest, |w| response_fields(block, w));
+        }
+    }
+    out.push(b'}');
+}
+
+/// Render as a fold over the segments: each part written as it comes into `contents`, then
+/// the tail (the system instruction, tools, settings). A resumed render ([`Ctx::begin`])
+/// starts with the body and state kept at a segment start; the system turns before it are
+/// kept by index.
 pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_>) -> RenderOutcome {
     let conversation = graph.conversation();
-    ctx.pause_unrepresentable_kinds(conversation);
+    let (from, mut out, mut fold) = ctx.begin();
+    ctx.pause_unrepresentable_kinds(conversation, from);
     let tokenizer = ctx.tokenizer;
 
-    let mut system: Vec<&Block> = Vec::new();
-    let mut contents: Vec<Content<'_>> = Vec::new();
-    for segment in segments(conversation) {
+    if from == 0 {
+        out.extend_from_slice(b"{\"contents\":[");
+    }
+    for (start, segment) in segments_from(conversation, from) {
+        ctx.segment_start(start, &out, fold);
         match segment {
-            Segment::System(turn) => system.extend(turn.blocks.iter()),
+            Segment::System(_) => {}
             Segment::User(turn) => {
                 for block in &turn.blocks {
                     if ctx.adapter.represents(block.body.kind()) {
                         push(
-                            &mut contents,
+                            &mut out,
+                            &mut fold,
+                            ctx,
                             ContentRole::User,
                             Item::Part {
                                 block,
@@ -130,7 +177,13 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                             ..
                         }) => {
                             if let Some(previous) = signature.replace(next) {
-                                push(&mut contents, ContentRole::Model, Item::SignatureOnly(previous));
+                                push(
+                                    &mut out,
+                                    &mut fold,
+                                    ctx,
+                                    ContentRole::Model,
+                                    Item::SignatureOnly(previous),
+                                );
                             }
                         }
                         Some(Reasoning::Keep { .. }) => {
@@ -138,17 +191,24 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                         }
                         None => {
                             let signature = signature.take();
-                            push(&mut contents, ContentRole::Model, Item::Part { block, signature });
-                            if matches!(block.body, BlockBody::ToolCall { .. })
-                                && let Some(last) = contents.last_mut()
-                            {
-                                last.calls += 1;
-                            }
+                            push(
+                                &mut out,
+                                &mut fold,
+                                ctx,
+                                ContentRole::Model,
+                                Item::Part { block, signature },
+                            );
                         }
                     }
                 }
                 if let Some(signature) = signature {
-                    push(&mut contents, ContentRole::Model, Item::SignatureOnly(signature));
+                    push(
+                        &mut out,
+                        &mut fold,
+                        ctx,
+                        ContentRole::Model,
+                        Item::SignatureOnly(signature),
+                    );
                 }
                 for result in results {
                     if let BlockBody::ToolResult { content, .. } = &result.body
@@ -160,70 +220,41 @@ pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_
                             PauseReason::UnrepresentablePart,
                         );
                     }
-                    push(&mut contents, ContentRole::User, Item::Response(result));
+                    push(
+                        &mut out,
+                        &mut fold,
+                        ctx,
+                        ContentRole::User,
+                        Item::Response(result),
+                    );
                 }
             }
         }
     }
-    match contents.last() {
+    let last = fold.open;
+    close(&mut out, &mut fold);
+    match last {
         None => ctx.pause(None, "contents", PauseReason::UnrepresentableSequence),
-        Some(last) if last.role == ContentRole::Model => ctx.pause(
+        Some(role) if role == ContentRole::Model as u8 => ctx.pause(
             None,
             "contents.last_model_turn",
             PauseReason::UnrepresentableSequence,
         ),
         Some(_) => {}
     }
-    if let Some(first) = contents.first()
-        && first.role == ContentRole::Model
-        && first.calls > 0
-    {
+    if fold.first_model_calls {
         ctx.pause(
             None,
             "contents.first_function_call_turn",
             PauseReason::UnrepresentableSequence,
         );
     }
-
-    let mut out = Vec::with_capacity(4096);
-    out.extend_from_slice(b"{\"contents\":[");
-    for (index, content) in contents.iter().enumerate() {
-        if index > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(match content.role {
-            ContentRole::User => b"{\"role\":\"user\",\"parts\":[",
-            ContentRole::Model => b"{\"role\":\"model\",\"parts\":[",
-        });
-        ctx.tokens += tokenizer.message_overhead();
-        for (item_index, item) in content.items.iter().enumerate() {
-            if item_index > 0 {
-                out.push(b',');
-            }
-            out.push(b'{');
-            match item {
-                Item::Part { block, signature } => {
-                    ctx.fragment(&mut out, TAG_PART, &block.digest, |w| part_fields(block, w));
-                    if let Some(signature) = signature {
-                        out.extend_from_slice(b",\"thoughtSignature\":");
-                        crate::render::push_json_string(&mut out, signature);
-                    }
-                }
-                Item::SignatureOnly(signature) => {
-                    out.extend_from_slice(b"\"text\":\"\",\"thoughtSignature\":");
-                    crate::render::push_json_string(&mut out, signature);
-                }
-                Item::Response(block) => {
-                    ctx.fragment(&mut out, TAG_RESPONSE, &block.digest, |w| {
-                        response_fields(block, w)
-                    });
-                }
-            }
-            out.push(b'}');
-        }
-        out.extend_from_slice(b"]}");
-    }
     out.push(b']');
+    let system: Vec<&Block> = ctx
+        .system_turns(conversation, from)
+        .into_iter()
+        .flat_map(|turn| &turn.blocks)
+        .collect();
     if !system.is_empty() {
         out.extend_from_slice(b",\"systemInstruction\":{\"parts\":[");
         for (index, block) in system.iter().enumerate() {

@@ -20,14 +20,14 @@ use crate::call_ids::CallIdRule;
 use crate::openai_chat::{arguments_text, openai_tool_tokens};
 use crate::registry::RulesDescriptor;
 use crate::render::{
-    Body, CONTEXT_WRAPPING, Ctx, Graph, Reasoning, RenderOptions, RenderOutcome, Segment, Writer, data_url,
-    inline_len, reasoning_for, segments, status_note, wrap_context,
+    Body, CONTEXT_WRAPPING, Ctx, Fold, Graph, Reasoning, RenderOptions, RenderOutcome, Segment, Writer,
+    data_url, inline_len, reasoning_for, segments_from, status_note, wrap_context,
 };
 use crate::tokens;
 use turnstile_core::conversation::{Block, BlockBody, MediaSource, ResultPart, Turn};
 
 const HEADERS: &[(&str, &str)] = crate::registry::JSON_HEADERS;
-const CALL_ID_RULE: CallIdRule = CallIdRule::LengthMax(64);
+pub(crate) const CALL_ID_RULE: CallIdRule = CallIdRule::LengthMax(64);
 
 const TAG_INPUT_PART: u8 = 1;
 const TAG_ASSISTANT_ITEM: u8 = 2;
@@ -60,17 +60,26 @@ pub static RULES: RulesDescriptor = RulesDescriptor {
 
 pub(crate) fn render(graph: Graph<'_>, options: &RenderOptions, ctx: &mut Ctx<'_>) -> RenderOutcome {
     let conversation = graph.conversation();
-    ctx.pause_unrepresentable_kinds(conversation);
+    // A fold over the segments, each written as it comes: a resumed render starts with the
+    // body and state kept at a segment start (`Ctx::begin`).
+    let (from, mut out, fold) = ctx.begin();
+    ctx.pause_unrepresentable_kinds(conversation, from);
     ctx.map_call_ids(conversation, CALL_ID_RULE);
     let tokenizer = ctx.tokenizer;
     let item_tokens = tokenizer.message_overhead();
 
-    let mut out = Vec::with_capacity(4096);
-    out.extend_from_slice(b"{\"model\":");
-    crate::render::push_json_string(&mut out, &options.model);
-    out.extend_from_slice(b",\"input\":[");
-    let mut first_item = true;
-    for segment in segments(conversation) {
+    if from == 0 {
+        out.extend_from_slice(b"{\"model\":");
+        crate::render::push_json_string(&mut out, &options.model);
+        out.extend_from_slice(b",\"input\":[");
+    }
+    let mut first_item = fold.written == 0;
+    for (start, segment) in segments_from(conversation, from) {
+        let fold = Fold {
+            written: usize::from(!first_item),
+            ..Fold::default()
+        };
+        ctx.segment_start(start, &out, fold);
         match segment {
             Segment::System(turn) => {
                 message_item(turn, "developer", &mut out, &mut first_item, ctx);

@@ -851,8 +851,7 @@ async fn serve_ours(
     let sequence = turnstile_core::MessageSequence::build(validated);
     let started = api::prepare_dispatch(
         shared,
-        validated,
-        &sequence,
+        turnstile_adapters::Graph::new(validated, &sequence),
         operation_id.clone(),
         &targets,
         imported.max_output_tokens,
