@@ -201,7 +201,8 @@ pub fn run_seed(name: &str) -> u64 {
     seed
 }
 
-fn runner(seed: u64, cases: u32) -> TestRunner {
+/// A proptest runner seeded from `seed` (the run seed), so a run replays from it.
+pub fn runner(seed: u64, cases: u32) -> TestRunner {
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&seed.to_le_bytes());
     TestRunner::new_with_rng(

@@ -11,9 +11,8 @@
 //!   new turn (fragment lookups counted), for every adapter; red when the render does not
 //!   resume.
 
-use crate::render_props::{Gen, conversation, run_seed};
+use crate::render_props::{Gen, conversation, run_seed, runner};
 use crate::render_support::model_for;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde_json::{Value, json};
 use turnstile_adapters::render::{Graph, RenderCache};
 use turnstile_adapters::{AdapterId, Catalog, PrepareOutcome, PrepareRequest, prepare};
@@ -108,19 +107,6 @@ fn varied(case: u64, documents: bool) -> Value {
     }
     document["revision"] = json!(count);
     document
-}
-
-fn runner(seed: u64, cases: u32) -> TestRunner {
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    )
 }
 
 #[test]
