@@ -299,8 +299,9 @@ pub fn render(
         ctx.resume = ctx
             .cache
             .resumes
-            .resume(adapter, tokenizer, options, conversation, stamps)
-            .filter(|resume| resumable(adapter.api(), conversation, resume.from));
+            .resume(adapter, tokenizer, options, conversation, stamps, |from| {
+                resumable(adapter.api(), conversation, from)
+            });
         if let Some(resume) = &mut ctx.resume {
             ctx.tokens = resume.tokens;
             ctx.omitted = std::mem::take(&mut resume.omitted);
@@ -630,7 +631,7 @@ impl ResumeMemo {
     }
 }
 
-/// The kept render states, one per (adapter, conversation), at most [`ResumeMemos::MAX`] and
+/// The kept render states, one per (adapter, model, conversation), at most [`ResumeMemos::MAX`] and
 /// [`ResumeMemos::BYTES_MAX`] bytes, the least recently used dropped first. Dropping one costs
 /// a whole render of that conversation's next step, never a wrong one.
 #[derive(Debug, Default)]
@@ -647,13 +648,16 @@ impl ResumeMemos {
     const MAX: usize = 256;
     const BYTES_MAX: usize = 64 * 1024 * 1024;
 
-    fn find(&self, adapter: AdapterId, conversation_id: &str) -> Option<usize> {
-        self.memos
-            .iter()
-            .position(|memo| memo.adapter == adapter && memo.conversation_id == conversation_id)
+    /// One state per (adapter, model, conversation): failover targets of two models on one
+    /// adapter each keep their own.
+    fn find(&self, adapter: AdapterId, model: &str, conversation_id: &str) -> Option<usize> {
+        self.memos.iter().position(|memo| {
+            memo.adapter == adapter && memo.options.model == model && memo.conversation_id == conversation_id
+        })
     }
 
-    /// The resume point for this render, when a kept state matches it exactly.
+    /// The resume point for this render, when a kept state matches it exactly and `accept`
+    /// takes its first turn (checked before the prefix is copied).
     fn resume(
         &mut self,
         adapter: AdapterId,
@@ -661,8 +665,9 @@ impl ResumeMemos {
         options: &RenderOptions,
         conversation: &Conversation,
         stamps: &[u64],
+        accept: impl FnOnce(usize) -> bool,
     ) -> Option<Resume> {
-        let index = self.find(adapter, &conversation.conversation_id)?;
+        let index = self.find(adapter, &options.model, &conversation.conversation_id)?;
         self.clock += 1;
         let memo = &mut self.memos[index];
         let turn = memo.checkpoint.turn;
@@ -673,7 +678,7 @@ impl ResumeMemos {
             && memo.tokenizer == tokenizer
             && memo.toolset_digest == conversation.toolset_digest
             && memo.options == *options;
-        if !same {
+        if !same || !accept(turn) {
             return None;
         }
         memo.used = self.clock;
@@ -738,7 +743,7 @@ impl ResumeMemos {
             .flat_map(|turn| &turn.blocks)
             .any(|block| block.cache.is_some());
         self.clock += 1;
-        let index = match self.find(adapter, &conversation.conversation_id) {
+        let index = match self.find(adapter, &options.model, &conversation.conversation_id) {
             Some(index) => index,
             None => {
                 if self.memos.len() >= Self::MAX

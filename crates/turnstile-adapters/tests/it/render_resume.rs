@@ -264,3 +264,52 @@ fn each_step_of_a_long_agent_loop_renders_only_its_new_turns() {
         }
     }
 }
+
+/// Two models on one adapter (a failover pair, or a client switching models) each keep their
+/// own state: the renders of both resume at every step, and each body equals a cold prepare of
+/// the same turns. Red when the kept states are keyed by (adapter, conversation) alone: each
+/// model's render then replaces the other's state, and none resumes.
+#[test]
+fn two_models_on_one_adapter_each_resume_their_own_render() {
+    let start = json!({
+        "format": "turnstile.conversation.v1",
+        "conversation_id": "c-resume-two-models",
+        "revision": 1,
+        "tools": [{"name": "search", "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}],
+        "turns": [{"id": "t-1", "revision": 1, "role": "user", "blocks": [{"id": "u-first", "kind": "text", "text": "Begin."}]}],
+    });
+    for adapter in AdapterId::ALL {
+        let first = request(adapter, 512);
+        let mut second = request(adapter, 512);
+        second.model = format!("{}-20260101", first.model);
+        let mut state = KeptConversation::new(Conversation::from_value(start.clone()).unwrap());
+        let mut document = start.clone();
+        let mut cache = RenderCache::new();
+        let mut revision = 1;
+        for step in 0..12 {
+            for turn in agent_turns(step) {
+                revision += 1;
+                let mut turn = turn;
+                turn["id"] = json!(format!("t-{revision}"));
+                turn["revision"] = json!(revision);
+                let _ = state.push_turn(turn.clone(), Revision(revision)).unwrap();
+                document["turns"].as_array_mut().unwrap().push(turn);
+            }
+            document["revision"] = json!(revision);
+            let whole = Conversation::from_value(document.clone()).unwrap();
+            for request in [&first, &second] {
+                let got = kept(&state, request, &mut cache);
+                assert!(got.starts_with("prepared"), "{adapter} {}: {got}", request.model);
+                assert_eq!(
+                    got,
+                    cold(&whole, request),
+                    "{adapter} {}, step {step}",
+                    request.model
+                );
+            }
+            // The first step renders both whole; every later one resumes both.
+            assert_eq!(cache.resumed().0, 2 * step as u64, "{adapter}, step {step}");
+        }
+        assert_eq!(cache.resume_memos().0, 2, "{adapter}: one state per model");
+    }
+}
