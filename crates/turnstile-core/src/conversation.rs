@@ -15,6 +15,8 @@ use crate::violation::{Violation, ViolationCode};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+mod typed;
+
 /// The `format` string of a conversation file.
 pub const FORMAT_V1: &str = "turnstile.conversation.v1";
 
@@ -605,6 +607,11 @@ impl Conversation {
     pub fn tool(&self, name: &str) -> Option<&ToolDef> {
         self.tools.iter().find(|tool| tool.name == name)
     }
+}
+
+/// The typed decode of a v1 file, or `None` where it does not take the file (`typed.rs`).
+pub(crate) fn typed_decode(bytes: &[u8]) -> Option<Conversation> {
+    typed::decode(bytes)
 }
 
 /// What [`Conversation::pop_turn`] needs to undo one [`Conversation::push_turn`].

@@ -8,11 +8,25 @@ use serde_json::Value;
 
 /// Parse and decode a conversation file.
 pub fn conversation_from_slice(bytes: &[u8]) -> Result<Conversation, Unreadable> {
-    Conversation::from_value(json_from_slice(bytes)?)
+    check_limits(bytes)?;
+    if let Some(conversation) = crate::conversation::typed_decode(bytes) {
+        return Ok(conversation);
+    }
+    Conversation::from_value(
+        serde_json::from_slice(bytes).map_err(|error| Unreadable::NotJson(error.to_string()))?,
+    )
 }
 
-/// Parse bounded JSON: at most `FILE_BYTES_MAX` bytes and `JSON_DEPTH_MAX` levels.
-pub fn json_from_slice(bytes: &[u8]) -> Result<Value, Unreadable> {
+/// The typed decode alone (`conversation/typed.rs`): the conversation where the file is one
+/// it takes (the common block kinds, nothing `from_value` would report), else `None`. For
+/// tests and benchmarks; [`conversation_from_slice`] is the decode to use.
+#[doc(hidden)]
+pub fn conversation_typed(bytes: &[u8]) -> Option<Conversation> {
+    check_limits(bytes).ok()?;
+    crate::conversation::typed_decode(bytes)
+}
+
+fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
     if bytes.len() > limits::FILE_BYTES_MAX {
         return Err(Unreadable::Limit {
             what: "FILE_BYTES_MAX",
@@ -27,6 +41,12 @@ pub fn json_from_slice(bytes: &[u8]) -> Result<Value, Unreadable> {
             max: limits::JSON_DEPTH_MAX,
         });
     }
+    Ok(())
+}
+
+/// Parse bounded JSON: at most `FILE_BYTES_MAX` bytes and `JSON_DEPTH_MAX` levels.
+pub fn json_from_slice(bytes: &[u8]) -> Result<Value, Unreadable> {
+    check_limits(bytes)?;
     serde_json::from_slice(bytes).map_err(|error| Unreadable::NotJson(error.to_string()))
 }
 

@@ -11,4 +11,5 @@ mod properties;
 mod push_turn;
 mod sequence;
 mod tidy;
+mod typed_decode;
 mod validator_data;

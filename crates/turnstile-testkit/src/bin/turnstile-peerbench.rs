@@ -21,6 +21,13 @@
 //! its elapsed time / repetitions. Medians and min–max are over runs.
 
 use serde_json::{Value, json};
+
+/// The allocator the gateway binary uses (`turnstile-gateway/src/main.rs`), so the in-process
+/// rows (prepare, step, stream decode, and their floors) measure Turnstile's code as it runs
+/// in the gateway. Before 2026-12-02 (run 8 and earlier) this harness used the system
+/// allocator.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

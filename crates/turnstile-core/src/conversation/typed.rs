@@ -1,0 +1,365 @@
+//! The typed decode of a v1 file: the file's bytes read straight into turns and blocks, with
+//! each block's content digest written from its fields, no `serde_json::Value` tree in between
+//! (building and dropping that tree was most of a cold prepare, `docs/benchmarks.md`).
+//!
+//! It takes the v1 block kinds (`tool_result` with text parts only), and only where
+//! [`Conversation::from_value`] would find nothing to report: blocks whose members are all
+//! ones the v1 format names, with the types it gives them. On
+//! anything else (another kind, an unknown or repeated member, a `null` where the digest
+//! would have to cover it, a field the decoder would report, a limit) it gives `None`, and the
+//! caller decodes the file through `from_value`, which stays the definition. So the two agree
+//! wherever this one answers (`tests/it/typed_decode.rs` compares them on every data file,
+//! on generated conversations and on mutations of them).
+
+use super::{
+    ArgState, Arguments, Block, BlockBody, BlockState, Conversation, Decoder, MediaSource, ResultPart,
+    ResultStatus, RoleField, Trust, Turn, cache_mark, without_cache_marks,
+};
+use crate::conversation::{FORMAT_V1, Role};
+use crate::digest::{CanonicalObject, Digest};
+use crate::ids::{CallId, Generation, Revision};
+use crate::limits;
+use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::Value;
+
+/// Decode `bytes` (already checked against the size and depth limits), or `None` where the
+/// file is not one this decode takes.
+pub(crate) fn decode(bytes: &[u8]) -> Option<Conversation> {
+    let Object(top) = serde_json::from_slice::<Object<Top>>(bytes).ok()?;
+    if top.format != FORMAT_V1 || top.conversation_id.is_empty() || top.turns.len() > limits::TURNS_MAX {
+        return None;
+    }
+    let mut decoder = Decoder {
+        violations: Vec::new(),
+        turn_id: None,
+    };
+    let tools_value = top.tools.unwrap_or(Value::Array(Vec::new()));
+    let toolset_digest = Digest::of_value(&without_cache_marks(&tools_value));
+    let tools = decoder.tools(tools_value).ok()?;
+    let revision = Revision(top.revision);
+    let mut blocks_total = 0usize;
+    let mut turns = Vec::with_capacity(top.turns.len());
+    for Object(turn) in top.turns {
+        if turn.blocks.is_empty() || turn.blocks.len() > limits::BLOCKS_PER_TURN_MAX || turn.id.is_empty() {
+            return None;
+        }
+        blocks_total += turn.blocks.len();
+        if blocks_total > limits::BLOCKS_MAX {
+            return None;
+        }
+        let role = match turn.role.as_str() {
+            "system" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" => Role::Tool,
+            _ => return None,
+        };
+        let blocks = turn
+            .blocks
+            .into_iter()
+            .map(|Object(block)| block.decode())
+            .collect::<Option<Vec<Block>>>()?;
+        turns.push(Turn {
+            id: Some(turn.id),
+            revision: turn.revision.map(Revision),
+            role: RoleField::Known(role),
+            generation: turn.generation.map(Generation),
+            blocks,
+        });
+    }
+    if turns
+        .iter()
+        .rev()
+        .find_map(|turn| turn.revision)
+        .is_some_and(|last| last > revision)
+    {
+        return None;
+    }
+    Some(Conversation {
+        conversation_id: top.conversation_id,
+        revision,
+        tools,
+        toolset_digest,
+        turns,
+        decode_violations: decoder.violations,
+    })
+}
+
+/// A JSON object read into `T`, refusing the array form serde's derived structs also take.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Object<T>, D::Error> {
+        struct ObjectVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectVisitor<T> {
+            type Value = Object<T>;
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Object<T>, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(Object)
+            }
+        }
+        deserializer.deserialize_map(ObjectVisitor(std::marker::PhantomData))
+    }
+}
+
+/// A member that must have its type when present: `null` is refused (it would be a finding,
+/// or a member the digest covers), where serde's `Option` would read it as absent.
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(deserializer).map(Some)
+}
+
+/// The top level. Unknown members are ignored, as `from_value` ignores them.
+#[derive(serde::Deserialize)]
+struct Top {
+    format: String,
+    conversation_id: String,
+    revision: u64,
+    /// `null` is kept (a finding of `tools()`, and part of the toolset digest).
+    #[serde(default, deserialize_with = "present")]
+    tools: Option<Value>,
+    turns: Vec<Object<RawTurn>>,
+}
+
+/// A turn. Unknown members are ignored, as `from_value` ignores them.
+#[derive(serde::Deserialize)]
+struct RawTurn {
+    id: String,
+    #[serde(default, deserialize_with = "present")]
+    revision: Option<u64>,
+    role: String,
+    /// `null` is no generation, as in `from_value`.
+    #[serde(default)]
+    generation: Option<u64>,
+    blocks: Vec<Object<RawBlock>>,
+}
+
+/// A block: every member the v1 block kinds name, and no other (an unknown member is part of
+/// the digest, so such a block takes the `Value` path).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBlock {
+    id: String,
+    #[serde(default, deserialize_with = "present")]
+    state: Option<String>,
+    /// Not part of the digest; `null` is no mark, as in `from_value`.
+    #[serde(default)]
+    cache: Option<Value>,
+    kind: String,
+    #[serde(default, deserialize_with = "present")]
+    text: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    call_id: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    tool: Option<String>,
+    /// Any JSON (the digest covers it as given; `null` included).
+    #[serde(default, deserialize_with = "present")]
+    arguments: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    args_digest: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    generation: Option<u64>,
+    #[serde(default, deserialize_with = "present")]
+    status: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    content: Option<Vec<Object<RawPart>>>,
+    #[serde(default, deserialize_with = "present")]
+    source: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    trust: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    media_type: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    data: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    url: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    title: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    provider: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    signature: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    encrypted: Option<String>,
+}
+
+/// A text part of a tool result.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPart {
+    kind: String,
+    text: String,
+}
+
+impl RawBlock {
+    /// The block `from_value` would decode from the same object, or `None` where it would
+    /// report something or where this decode does not take the kind.
+    fn decode(mut self) -> Option<Block> {
+        if self.id.is_empty() {
+            return None;
+        }
+        let state = match self.state.take() {
+            None => BlockState::Committed,
+            Some(state) if state == "committed" => BlockState::Committed,
+            Some(state) => BlockState::Other(state),
+        };
+        let cache = cache_mark(self.cache.take()).ok()?;
+        if self
+            .content
+            .as_ref()
+            .is_some_and(|parts| parts.iter().any(|Object(part)| part.kind != "text"))
+        {
+            return None;
+        }
+        let digest = self.digest();
+        let body = match self.kind.as_str() {
+            "text" => BlockBody::Text { text: self.text? },
+            "tool_call" => {
+                let call_id = non_empty(self.call_id?)?;
+                let tool = self.tool?;
+                let arguments = match self.arguments? {
+                    Value::Object(value) => Arguments::from_object(value),
+                    Value::String(text) => Arguments::from_text(text),
+                    other => Arguments::Unclosed {
+                        state: ArgState::Invalid,
+                        raw: other.to_string(),
+                    },
+                };
+                BlockBody::ToolCall {
+                    call_id,
+                    tool,
+                    arguments,
+                }
+            }
+            "tool_result" => {
+                let call_id = non_empty(self.call_id?)?;
+                let args_digest = match self.args_digest {
+                    None => None,
+                    Some(text) => Some(Digest::parse(&text)?),
+                };
+                let status = match self.status?.as_str() {
+                    "success" => ResultStatus::Success,
+                    "error" => ResultStatus::Error,
+                    "cancel" => ResultStatus::Cancel,
+                    _ => return None,
+                };
+                BlockBody::ToolResult {
+                    call_id,
+                    tool: self.tool.unwrap_or_default(),
+                    args_digest,
+                    generation: self.generation.map(Generation),
+                    status,
+                    content: self
+                        .content
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|Object(part)| ResultPart::Text(part.text))
+                        .collect(),
+                }
+            }
+            "context" => {
+                let trust = match self.trust.as_deref() {
+                    None | Some("untrusted") => Trust::Untrusted,
+                    Some("trusted") => Trust::Trusted,
+                    Some(_) => return None,
+                };
+                BlockBody::Context {
+                    source: self.source,
+                    trust,
+                    text: self.text?,
+                }
+            }
+            "image" => BlockBody::Image {
+                source: self.media_source()?,
+            },
+            "document" => BlockBody::Document {
+                source: self.media_source()?,
+                title: self.title,
+            },
+            "reasoning" => {
+                if self.signature.is_none() && self.encrypted.is_none() {
+                    return None;
+                }
+                BlockBody::Reasoning {
+                    provider: self.provider?,
+                    signature: self.signature,
+                    encrypted: self.encrypted,
+                    text: self.text,
+                }
+            }
+            _ => return None,
+        };
+        Some(Block {
+            id: Some(self.id),
+            state,
+            digest,
+            body,
+            cache,
+        })
+    }
+
+    /// The source of an image or document, as `media_source` reads it.
+    fn media_source(&mut self) -> Option<MediaSource> {
+        let media_type = self.media_type.take();
+        if let Some(url) = self.url.take() {
+            return Some(MediaSource::Url { url, media_type });
+        }
+        Some(MediaSource::Base64 {
+            data: self.data.take()?,
+            media_type: media_type?,
+        })
+    }
+
+    /// `Digest::of_map` of the block's object without `id`, `state` and `cache`: its members
+    /// written in RFC 8785 order (the keys are ASCII, so byte order is UTF-16 order).
+    fn digest(&self) -> Digest {
+        let mut object = CanonicalObject::new();
+        if let Some(text) = &self.args_digest {
+            object.string("args_digest", text);
+        }
+        if let Some(value) = &self.arguments {
+            object.value("arguments", value);
+        }
+        if let Some(text) = &self.call_id {
+            object.string("call_id", text);
+        }
+        if let Some(parts) = &self.content {
+            let members: Vec<[(&str, &str); 2]> = parts
+                .iter()
+                .map(|Object(part)| [("kind", part.kind.as_str()), ("text", part.text.as_str())])
+                .collect();
+            object.string_objects("content", members.iter().map(|part| &part[..]));
+        }
+        for (key, text) in [("data", &self.data), ("encrypted", &self.encrypted)] {
+            if let Some(text) = text {
+                object.string(key, text);
+            }
+        }
+        if let Some(number) = self.generation {
+            object.unsigned("generation", number);
+        }
+        object.string("kind", &self.kind);
+        for (key, text) in [
+            ("media_type", &self.media_type),
+            ("provider", &self.provider),
+            ("signature", &self.signature),
+            ("source", &self.source),
+            ("status", &self.status),
+            ("text", &self.text),
+            ("title", &self.title),
+            ("tool", &self.tool),
+            ("trust", &self.trust),
+            ("url", &self.url),
+        ] {
+            if let Some(text) = text {
+                object.string(key, text);
+            }
+        }
+        object.finish()
+    }
+}
+
+fn non_empty(id: String) -> Option<CallId> {
+    (!id.is_empty()).then_some(CallId(id))
+}

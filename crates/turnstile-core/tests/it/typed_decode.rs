@@ -1,0 +1,201 @@
+//! The typed decode of a v1 file (`conversation/typed.rs`) against the `Value` decode
+//! (`Conversation::from_value`, the definition): wherever the typed decode answers, it gives
+//! the same conversation (every digest, body and finding), and `parse::conversation_from_slice`
+//! (typed first, `Value` where it declines) always gives what `from_value` gives. Checked on
+//! every data file, on generated conversations in two layouts, and on mutations that each
+//! break one thing the typed decode must notice: a `null` member, an unknown member, a
+//! repeated member, a member of another type, an array where an object goes, an empty id.
+
+use crate::generate::{Mutation, Rng, legal_or_mutated};
+use crate::validator_data::data_dir;
+use proptest::prelude::*;
+use serde_json::{Value, json};
+use turnstile_core::{Conversation, parse};
+
+/// Both decodes of `bytes` agree; returns whether the typed decode answered.
+fn agree(bytes: &[u8]) -> bool {
+    let reference = parse::json_from_slice(bytes).and_then(Conversation::from_value);
+    let typed = parse::conversation_typed(bytes);
+    if let Some(typed) = &typed {
+        assert_eq!(
+            Ok(typed),
+            reference.as_ref(),
+            "typed decode of {}",
+            String::from_utf8_lossy(bytes)
+        );
+    }
+    assert_eq!(
+        parse::conversation_from_slice(bytes),
+        reference,
+        "{}",
+        String::from_utf8_lossy(bytes)
+    );
+    typed.is_some()
+}
+
+#[test]
+fn every_data_file_decodes_typed_as_it_does_through_a_value() {
+    let mut files = 0;
+    let mut typed = 0;
+    for entry in std::fs::read_dir(data_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.ends_with(".json") || name.ends_with(".expect.json") {
+            continue;
+        }
+        files += 1;
+        typed += usize::from(agree(&std::fs::read(&path).unwrap()));
+    }
+    assert!(files >= 20, "{files} data files");
+    // Most data files break a rule the validator reports, not the decode's; the typed decode
+    // takes every file with no decode finding.
+    assert!(
+        typed * 2 >= files,
+        "only {typed} of {files} data files decoded typed"
+    );
+}
+
+/// One mutation of the document's JSON that the typed decode must decline or get right.
+fn perturb(document: &mut Value, rng: &mut Rng) -> &'static str {
+    let turns = document["turns"].as_array_mut().unwrap();
+    if turns.is_empty() {
+        return "none";
+    }
+    let turn = rng.below(turns.len());
+    let blocks = turns[turn]["blocks"].as_array_mut().unwrap();
+    let block = rng.below(blocks.len());
+    let target = &mut blocks[block];
+    let keys: Vec<String> = target.as_object().unwrap().keys().cloned().collect();
+    let key = keys[rng.below(keys.len())].clone();
+    match rng.below(12) {
+        0 => {
+            target[&key] = Value::Null;
+            "a member set to null"
+        }
+        1 => {
+            target["x-unknown"] = json!({"a": [1, 2]});
+            "an unknown block member"
+        }
+        2 => {
+            target[&key] = json!(7);
+            "a member of another type"
+        }
+        3 => {
+            target[&key] = json!({"nested": "object"});
+            "an object where a string goes"
+        }
+        4 => {
+            turns[turn]["x-turn"] = Value::Null;
+            "an unknown turn member"
+        }
+        5 => {
+            turns[turn]["generation"] = Value::Null;
+            "a null generation"
+        }
+        6 => {
+            turns[turn]["revision"] = Value::Null;
+            "a null revision"
+        }
+        7 => {
+            target["id"] = json!("");
+            "an empty id"
+        }
+        8 => {
+            target["cache"] = if rng.chance(50) {
+                json!({"ttl": "1h"})
+            } else {
+                json!({"ttl": 5})
+            };
+            "a cache mark"
+        }
+        9 => {
+            target["generation"] = json!(u64::MAX);
+            "a large generation"
+        }
+        _ => {
+            // A member another kind takes: part of the digest, ignored by this kind's body.
+            const NAMED: &[&str] = &[
+                "args_digest",
+                "call_id",
+                "data",
+                "encrypted",
+                "kind",
+                "media_type",
+                "provider",
+                "signature",
+                "source",
+                "status",
+                "text",
+                "title",
+                "tool",
+                "trust",
+                "url",
+            ];
+            target[NAMED[rng.below(NAMED.len())]] = json!("x");
+            "a member of another kind"
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn a_generated_conversation_decodes_typed_as_it_does_through_a_value(
+        seed in any::<u64>(),
+        mutation in 0..=Mutation::ALL.len(),
+        perturbations in 0usize..3,
+    ) {
+        let mut document = legal_or_mutated(seed, mutation);
+        let legal = mutation == Mutation::ALL.len() && perturbations == 0;
+        let mut rng = Rng::new(seed ^ 0x7e57);
+        for _ in 0..perturbations {
+            perturb(&mut document, &mut rng);
+        }
+        let compact = serde_json::to_vec(&document).unwrap();
+        let typed = agree(&compact);
+        // The legal generator's files have nothing for the decode to report: all decode typed.
+        prop_assert!(!legal || typed, "a legal file took the Value path");
+        agree(&serde_json::to_vec_pretty(&document).unwrap());
+        // Textual changes a `Value` cannot hold: a repeated member (the last one wins in the
+        // `Value` decode), a turn and a block written as arrays.
+        let text = String::from_utf8(compact).unwrap();
+        for (from, to) in [
+            ("\"kind\":\"text\"", "\"kind\":\"tool_call\",\"kind\":\"text\""),
+            ("\"role\":\"user\"", "\"role\":\"tool\",\"role\":\"user\""),
+            (
+                "\"turns\":[{",
+                "\"turns\":[[\"t-array\",1,\"user\",null,[{\"id\":\"b-array\",\"kind\":\"text\",\"text\":\"hi\"}]],{",
+            ),
+            ("\"blocks\":[{", "\"blocks\":[[\"b-array\",\"committed\",null,\"text\",\"hi\"],{"),
+        ] {
+            if let Some(at) = text.find(from) {
+                let changed = format!("{}{}{}", &text[..at], to, &text[at + from.len()..]);
+                agree(changed.as_bytes());
+            }
+        }
+    }
+}
+
+#[test]
+fn a_block_digest_is_the_digest_of_its_object_for_every_kind_and_member() {
+    // One block of each kind with every member it takes, and text that needs escaping.
+    let blocks = [
+        json!({"id": "b1", "kind": "text", "text": "a\"b\\c\n\u{1}é東京"}),
+        json!({"id": "b2", "kind": "tool_call", "call_id": "c1", "tool": "t", "arguments": {"z": 1, "a": [true, null, 2.5]}}),
+        json!({"id": "b3", "kind": "tool_call", "call_id": "c2", "tool": "t", "arguments": "{\"q\": 1"}),
+        json!({"id": "b4", "kind": "tool_result", "call_id": "c1", "tool": "t", "status": "success", "generation": 3,
+               "args_digest": turnstile_core::Digest::of_canonical(&json!({"z": 1, "a": [true, null, 2.5]})),
+               "content": [{"kind": "text", "text": "ok"}, {"kind": "text", "text": ""}]}),
+        json!({"id": "b5", "kind": "context", "source": "retrieval", "trust": "trusted", "text": "ctx", "state": "committed"}),
+        json!({"id": "b6", "kind": "image", "media_type": "image/png", "data": "iVBORw0KGgo="}),
+        json!({"id": "b7", "kind": "document", "url": "https://example.com/a.pdf", "title": "A", "cache": {"ttl": "1h"}}),
+        json!({"id": "b8", "kind": "reasoning", "provider": "anthropic", "signature": "sig", "encrypted": "e", "text": "t"}),
+    ];
+    for block in blocks {
+        let document = json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": 1,
+            "turns": [{"id": "t1", "revision": 1, "role": "user", "blocks": [block.clone()]}]});
+        let bytes = serde_json::to_vec(&document).unwrap();
+        assert!(agree(&bytes), "{block} took the Value path");
+    }
+}
