@@ -326,9 +326,14 @@ pub fn render(
     // Keep the state at the last segment start for the next render of this kept conversation:
     // only after a render that was sent as is (no pause) and mapped no call id (a resumed
     // render checks the new ids only, which is exact only when none before was rewritten).
+    // And only where a render of these same turns could resume from it: a kept Anthropic
+    // head holds the system array, so a system turn at or after the checkpoint (which a pop
+    // could take away without changing the stamp before it) must not be in a kept prefix.
+    // Validated conversations have system turns only at their opening, so this is a guard.
     if let (Some(stamps), RenderOutcome::Rendered(rendered), Some(checkpoint)) =
         (graph.stamps, &outcome, ctx.checkpoint)
         && rendered.policy.call_ids.is_empty()
+        && resumable(adapter.api(), conversation, checkpoint.turn)
     {
         let resume = ctx.resume.take();
         ctx.cache.resumes.keep(
