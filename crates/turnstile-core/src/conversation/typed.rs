@@ -5,7 +5,7 @@
 //! It takes the v1 block kinds (`tool_result` with text parts only), and only where
 //! [`Conversation::from_value`] would find nothing to report: blocks whose members are all
 //! ones the v1 format names, with the types it gives them. On
-//! anything else (another kind, an unknown or repeated member, a `null` where the digest
+//! anything else (another kind, an unknown or repeated member at any level, a `null` where the digest
 //! would have to cover it, a field the decoder would report, a limit) it gives `None`, and the
 //! caller decodes the file through `from_value`, which stays the definition. So the two agree
 //! wherever this one answers (`tests/it/typed_decode.rs` compares them on every data file,
@@ -110,8 +110,12 @@ fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> R
     T::deserialize(deserializer).map(Some)
 }
 
-/// The top level. Unknown members are ignored, as `from_value` ignores them.
+/// The top level. `from_value` ignores unknown members, but only after serde_json has parsed
+/// them whole, refusing a lone surrogate, bytes that are not UTF-8 or a number out of range
+/// inside them; serde skipping a member checks none of that. So a file with a member this
+/// struct does not name takes the `Value` path.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Top {
     format: String,
     conversation_id: String,
@@ -122,8 +126,10 @@ struct Top {
     turns: Vec<Object<RawTurn>>,
 }
 
-/// A turn. Unknown members are ignored, as `from_value` ignores them.
+/// A turn. A turn with a member this struct does not name takes the `Value` path, for the
+/// reason given at [`Top`].
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawTurn {
     id: String,
     #[serde(default, deserialize_with = "present")]
