@@ -15,7 +15,7 @@ use crate::violation::{Violation, ViolationCode};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-mod typed;
+pub(crate) mod typed;
 
 /// The `format` string of a conversation file.
 pub const FORMAT_V1: &str = "turnstile.conversation.v1";
@@ -609,11 +609,6 @@ impl Conversation {
     }
 }
 
-/// The typed decode of a v1 file, or `None` where it does not take the file (`typed.rs`).
-pub(crate) fn typed_decode(bytes: &[u8]) -> Option<Conversation> {
-    typed::decode(bytes)
-}
-
 /// What [`Conversation::pop_turn`] needs to undo one [`Conversation::push_turn`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[must_use]
@@ -737,12 +732,9 @@ impl Decoder {
             },
         };
         let role = match map.remove("role") {
-            Some(Value::String(role)) => match role.as_str() {
-                "system" => RoleField::Known(Role::System),
-                "user" => RoleField::Known(Role::User),
-                "assistant" => RoleField::Known(Role::Assistant),
-                "tool" => RoleField::Known(Role::Tool),
-                _ => {
+            Some(Value::String(role)) => match role_named(&role) {
+                Some(role) => RoleField::Known(role),
+                None => {
                     self.structure(None, &format!("unknown role {role:?}"));
                     RoleField::Invalid
                 }
@@ -912,12 +904,9 @@ fn block_body(kind: &str, mut map: Map<String, Value>) -> FieldResult<BlockBody>
                         .ok_or("generation must be a non-negative integer")?,
                 )),
             };
-            let status = match required_string(&mut map, "status")?.as_str() {
-                "success" => ResultStatus::Success,
-                "error" => ResultStatus::Error,
-                "cancel" => ResultStatus::Cancel,
-                other => return Err(format!("status {other:?} is not success, error or cancel")),
-            };
+            let status = required_string(&mut map, "status")?;
+            let status = status_named(&status)
+                .ok_or_else(|| format!("status {status:?} is not success, error or cancel"))?;
             let content = match map.remove("content") {
                 None | Some(Value::Null) => Vec::new(),
                 Some(Value::Array(parts)) => {
@@ -937,11 +926,13 @@ fn block_body(kind: &str, mut map: Map<String, Value>) -> FieldResult<BlockBody>
         "context" => {
             let text = required_string(&mut map, "text")?;
             let source = optional_string(&mut map, "source")?;
-            let trust = match optional_string(&mut map, "trust")?.as_deref() {
-                None | Some("untrusted") => Trust::Untrusted,
-                Some("trusted") => Trust::Trusted,
-                Some(other) => return Err(format!("trust {other:?} is not trusted or untrusted")),
-            };
+            let trust = optional_string(&mut map, "trust")?;
+            let trust = trust_named(trust.as_deref()).ok_or_else(|| {
+                format!(
+                    "trust {:?} is not trusted or untrusted",
+                    trust.unwrap_or_default()
+                )
+            })?;
             BlockBody::Context { source, trust, text }
         }
         "document" => {
@@ -968,6 +959,36 @@ fn block_body(kind: &str, mut map: Map<String, Value>) -> FieldResult<BlockBody>
             kind: other.to_owned(),
         },
     })
+}
+
+/// A v1 role by its name.
+fn role_named(name: &str) -> Option<Role> {
+    match name {
+        "system" => Some(Role::System),
+        "user" => Some(Role::User),
+        "assistant" => Some(Role::Assistant),
+        "tool" => Some(Role::Tool),
+        _ => None,
+    }
+}
+
+/// A tool result's status by its name.
+fn status_named(name: &str) -> Option<ResultStatus> {
+    match name {
+        "success" => Some(ResultStatus::Success),
+        "error" => Some(ResultStatus::Error),
+        "cancel" => Some(ResultStatus::Cancel),
+        _ => None,
+    }
+}
+
+/// A context block's trust by its name (untrusted when absent).
+fn trust_named(name: Option<&str>) -> Option<Trust> {
+    match name {
+        None | Some("untrusted") => Some(Trust::Untrusted),
+        Some("trusted") => Some(Trust::Trusted),
+        Some(_) => None,
+    }
 }
 
 fn result_part(value: Value) -> FieldResult<ResultPart> {

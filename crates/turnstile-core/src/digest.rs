@@ -196,10 +196,10 @@ impl CanonicalObject {
     }
 
     /// An array of objects of string members, each given in canonical order.
-    pub(crate) fn string_objects<'a>(
+    pub(crate) fn string_objects<'a, Members: IntoIterator<Item = (&'a str, &'a str)>>(
         &mut self,
         key: &str,
-        items: impl Iterator<Item = &'a [(&'a str, &'a str)]>,
+        items: impl Iterator<Item = Members>,
     ) {
         self.key(key);
         self.hasher.update(b"[");
@@ -208,7 +208,7 @@ impl CanonicalObject {
                 self.hasher.update(b",");
             }
             self.hasher.update(b"{");
-            for (member, (key, text)) in members.iter().enumerate() {
+            for (member, (key, text)) in members.into_iter().enumerate() {
                 if member > 0 {
                     self.hasher.update(b",");
                 }

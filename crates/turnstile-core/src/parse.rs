@@ -9,21 +9,19 @@ use serde_json::Value;
 /// Parse and decode a conversation file.
 pub fn conversation_from_slice(bytes: &[u8]) -> Result<Conversation, Unreadable> {
     check_limits(bytes)?;
-    if let Some(conversation) = crate::conversation::typed_decode(bytes) {
+    if let Some(conversation) = crate::conversation::typed::decode(bytes) {
         return Ok(conversation);
     }
-    Conversation::from_value(
-        serde_json::from_slice(bytes).map_err(|error| Unreadable::NotJson(error.to_string()))?,
-    )
+    Conversation::from_value(json_within_limits(bytes)?)
 }
 
 /// The typed decode alone (`conversation/typed.rs`): the conversation where the file is one
-/// it takes (the common block kinds, nothing `from_value` would report), else `None`. For
+/// it takes (nothing `from_value` would report, no member it does not name), else `None`. For
 /// tests and benchmarks; [`conversation_from_slice`] is the decode to use.
 #[doc(hidden)]
 pub fn conversation_typed(bytes: &[u8]) -> Option<Conversation> {
     check_limits(bytes).ok()?;
-    crate::conversation::typed_decode(bytes)
+    crate::conversation::typed::decode(bytes)
 }
 
 fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
@@ -47,6 +45,11 @@ fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
 /// Parse bounded JSON: at most `FILE_BYTES_MAX` bytes and `JSON_DEPTH_MAX` levels.
 pub fn json_from_slice(bytes: &[u8]) -> Result<Value, Unreadable> {
     check_limits(bytes)?;
+    json_within_limits(bytes)
+}
+
+/// Parse JSON already checked against the limits.
+fn json_within_limits(bytes: &[u8]) -> Result<Value, Unreadable> {
     serde_json::from_slice(bytes).map_err(|error| Unreadable::NotJson(error.to_string()))
 }
 

@@ -205,6 +205,21 @@ fn agent_turns(step: usize) -> Vec<Value> {
     ]
 }
 
+/// Push the turns of agent step `step` into `state`, each under the next revision after
+/// `revision` (which it advances); returns them as pushed.
+fn push_agent_step(state: &mut KeptConversation, step: usize, revision: &mut u64) -> Vec<Value> {
+    agent_turns(step)
+        .into_iter()
+        .map(|mut turn| {
+            *revision += 1;
+            turn["id"] = json!(format!("t-{revision}"));
+            turn["revision"] = json!(*revision);
+            let _ = state.push_turn(turn.clone(), Revision(*revision)).unwrap();
+            turn
+        })
+        .collect()
+}
+
 #[test]
 fn each_step_of_a_long_agent_loop_renders_only_its_new_turns() {
     let start = json!({
@@ -224,13 +239,7 @@ fn each_step_of_a_long_agent_loop_renders_only_its_new_turns() {
         let mut revision = 2;
         let mut first_lookups = None;
         for step in 0..60 {
-            for turn in agent_turns(step) {
-                revision += 1;
-                let mut turn = turn;
-                turn["id"] = json!(format!("t-{revision}"));
-                turn["revision"] = json!(revision);
-                let _ = state.push_turn(turn, Revision(revision)).unwrap();
-            }
+            push_agent_step(&mut state, step, &mut revision);
             let (hits, misses) = cache.stats();
             let text = kept(&state, &request(adapter, 512), &mut cache);
             assert!(text.starts_with("prepared"), "{adapter}, step {step}: {text}");
@@ -287,14 +296,8 @@ fn two_models_on_one_adapter_each_resume_their_own_render() {
         let mut cache = RenderCache::new();
         let mut revision = 1;
         for step in 0..12 {
-            for turn in agent_turns(step) {
-                revision += 1;
-                let mut turn = turn;
-                turn["id"] = json!(format!("t-{revision}"));
-                turn["revision"] = json!(revision);
-                let _ = state.push_turn(turn.clone(), Revision(revision)).unwrap();
-                document["turns"].as_array_mut().unwrap().push(turn);
-            }
+            let pushed = push_agent_step(&mut state, step, &mut revision);
+            document["turns"].as_array_mut().unwrap().extend(pushed);
             document["revision"] = json!(revision);
             let whole = Conversation::from_value(document.clone()).unwrap();
             for request in [&first, &second] {

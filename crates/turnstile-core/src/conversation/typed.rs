@@ -3,19 +3,17 @@
 //! (building and dropping that tree was most of a cold prepare, `docs/benchmarks.md`).
 //!
 //! It takes the v1 block kinds (`tool_result` with text parts only), and only where
-//! [`Conversation::from_value`] would find nothing to report: blocks whose members are all
-//! ones the v1 format names, with the types it gives them. On
-//! anything else (another kind, an unknown or repeated member at any level, a `null` where the digest
-//! would have to cover it, a field the decoder would report, a limit) it gives `None`, and the
-//! caller decodes the file through `from_value`, which stays the definition. So the two agree
-//! wherever this one answers (`tests/it/typed_decode.rs` compares them on every data file,
+//! [`Conversation::from_value`] would find nothing to report: members that the v1 format
+//! names, with the types it gives them. On anything else (another kind, an unknown or repeated
+//! member at any level, a `null` where the digest would have to cover it, a field the decoder
+//! would report, a limit) it gives `None`, and the caller decodes the file through
+//! `from_value`, which stays the definition. So the two agree wherever this one answers (`tests/it/typed_decode.rs` compares them on every data file,
 //! on generated conversations and on mutations of them).
 
 use super::{
-    ArgState, Arguments, Block, BlockBody, BlockState, Conversation, Decoder, MediaSource, ResultPart,
-    ResultStatus, RoleField, Trust, Turn, cache_mark, without_cache_marks,
+    ArgState, Arguments, Block, BlockBody, BlockState, Conversation, Decoder, FORMAT_V1, MediaSource,
+    ResultPart, RoleField, Turn, cache_mark, role_named, status_named, trust_named, without_cache_marks,
 };
-use crate::conversation::{FORMAT_V1, Role};
 use crate::digest::{CanonicalObject, Digest};
 use crate::ids::{CallId, Generation, Revision};
 use crate::limits;
@@ -47,13 +45,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Conversation> {
         if blocks_total > limits::BLOCKS_MAX {
             return None;
         }
-        let role = match turn.role.as_str() {
-            "system" => Role::System,
-            "user" => Role::User,
-            "assistant" => Role::Assistant,
-            "tool" => Role::Tool,
-            _ => return None,
-        };
+        let role = role_named(&turn.role)?;
         let blocks = turn
             .blocks
             .into_iter()
@@ -244,12 +236,7 @@ impl RawBlock {
                     None => None,
                     Some(text) => Some(Digest::parse(&text)?),
                 };
-                let status = match self.status?.as_str() {
-                    "success" => ResultStatus::Success,
-                    "error" => ResultStatus::Error,
-                    "cancel" => ResultStatus::Cancel,
-                    _ => return None,
-                };
+                let status = status_named(&self.status?)?;
                 BlockBody::ToolResult {
                     call_id,
                     tool: self.tool.unwrap_or_default(),
@@ -264,18 +251,11 @@ impl RawBlock {
                         .collect(),
                 }
             }
-            "context" => {
-                let trust = match self.trust.as_deref() {
-                    None | Some("untrusted") => Trust::Untrusted,
-                    Some("trusted") => Trust::Trusted,
-                    Some(_) => return None,
-                };
-                BlockBody::Context {
-                    source: self.source,
-                    trust,
-                    text: self.text?,
-                }
-            }
+            "context" => BlockBody::Context {
+                source: self.source,
+                trust: trust_named(self.trust.as_deref())?,
+                text: self.text?,
+            },
             "image" => BlockBody::Image {
                 source: self.media_source()?,
             },
@@ -331,11 +311,12 @@ impl RawBlock {
             object.string("call_id", text);
         }
         if let Some(parts) = &self.content {
-            let members: Vec<[(&str, &str); 2]> = parts
-                .iter()
-                .map(|Object(part)| [("kind", part.kind.as_str()), ("text", part.text.as_str())])
-                .collect();
-            object.string_objects("content", members.iter().map(|part| &part[..]));
+            object.string_objects(
+                "content",
+                parts
+                    .iter()
+                    .map(|Object(part)| [("kind", part.kind.as_str()), ("text", part.text.as_str())]),
+            );
         }
         for (key, text) in [("data", &self.data), ("encrypted", &self.encrypted)] {
             if let Some(text) = text {
