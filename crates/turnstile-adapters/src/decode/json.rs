@@ -45,6 +45,60 @@ impl<'de> Deserialize<'de> for Str<'de> {
     }
 }
 
+/// A JSON string with the raw text of its token (quotes and escapes as received), so a reader
+/// can tell where in the event data it sat. The raw text is only known when read from JSON
+/// text; a string taken from a `Value` has none.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RawStr<'a> {
+    pub(crate) raw: Option<&'a str>,
+    pub(crate) value: Str<'a>,
+}
+
+impl<'a> RawStr<'a> {
+    /// A string read from a `Value` (no token).
+    pub(crate) fn from_value(text: &'a str) -> RawStr<'a> {
+        RawStr {
+            raw: None,
+            value: Str(Cow::Borrowed(text)),
+        }
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        self.value.as_str()
+    }
+}
+
+impl<'de> Deserialize<'de> for RawStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // The token first (any value), then the string read from it exactly as `Str` reads
+        // one: anything else than a string is refused, as `Str` refuses it.
+        let raw = <&'de serde_json::value::RawValue>::deserialize(deserializer)?;
+        let value = serde_json::from_str::<Str<'de>>(raw.get()).map_err(de::Error::custom)?;
+        Ok(RawStr {
+            raw: Some(raw.get()),
+            value,
+        })
+    }
+}
+
+/// The length of the JSON string token at the start of `text` (from its opening quote to its
+/// closing one, both included), or `None` when `text` does not start with one that ends. Only
+/// finds the end: whether the token is a valid string is for a parser to say.
+pub(crate) fn string_token_len(text: &str) -> Option<usize> {
+    let bytes = text.as_bytes();
+    if bytes.first() != Some(&b'"') {
+        return None;
+    }
+    let mut at = 1;
+    loop {
+        let next = at + memchr::memchr2(b'"', b'\\', bytes.get(at..)?)?;
+        if bytes[next] == b'"' {
+            return Some(next + 1);
+        }
+        at = next + 2;
+    }
+}
+
 /// Any JSON value, read and dropped, refused exactly where building a `serde_json::Value` of
 /// it would fail (strings are unescaped and checked, numbers are parsed).
 pub(crate) struct Strict;

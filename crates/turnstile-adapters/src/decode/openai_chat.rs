@@ -35,7 +35,7 @@
 //! fields from it with the `Value` rules (a field of the wrong type is absent); both go through
 //! one [`Chat::chunk`], so the two paths cannot disagree on what a field means.
 
-use super::json::{Str, json_object};
+use super::json::{RawStr, Str, json_object, string_token_len};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -64,6 +64,10 @@ pub(crate) struct Chat {
     /// Visible output of choice 0 per block key, as received, for the usage cross-check.
     output: std::collections::BTreeMap<BlockIndex, String>,
     output_bytes: usize,
+    /// The hot chunks' shapes seen last, most recent first (see [`Template`]).
+    templates: Vec<Template>,
+    /// Chunks read through a template (tests and benchmarks look at it).
+    pub(crate) template_reads: u64,
 }
 
 /// One `chat.completion.chunk`: the fields the decoder reads. `error` is only looked at for
@@ -75,8 +79,12 @@ struct Chunk<'a> {
     model: Option<Str<'a>>,
     choices: Option<Vec<Choice<'a>>>,
     usage: Option<Usage>,
+    /// Padding (`stream_options.include_obfuscation`): never used, read as a string token
+    /// only so that a [`Template`] can let it vary.
+    obfuscation: Option<RawStr<'a>>,
 }
-json_object!(Chunk<'a> { "error" => error, "id" => id, "model" => model, "choices" => choices, "usage" => usage });
+json_object!(Chunk<'a> { "error" => error, "id" => id, "model" => model, "choices" => choices, "usage" => usage,
+    "obfuscation" => obfuscation });
 
 #[derive(Default)]
 struct Choice<'a> {
@@ -88,7 +96,7 @@ json_object!(Choice<'a> { "index" => index, "delta" => delta, "finish_reason" =>
 
 #[derive(Default)]
 struct Delta<'a> {
-    content: Option<Str<'a>>,
+    content: Option<RawStr<'a>>,
     refusal: Option<Str<'a>>,
     tool_calls: Option<Vec<ToolCall<'a>>>,
 }
@@ -105,7 +113,7 @@ json_object!(ToolCall<'a> { "index" => index, "id" => id, "function" => function
 #[derive(Default)]
 struct Function<'a> {
     name: Option<Str<'a>>,
-    arguments: Option<Str<'a>>,
+    arguments: Option<RawStr<'a>>,
 }
 json_object!(Function<'a> { "name" => name, "arguments" => arguments });
 
@@ -161,6 +169,7 @@ impl<'a> Chunk<'a> {
             model: str_of(chunk, "model"),
             choices,
             usage,
+            obfuscation: None,
         }
     }
 }
@@ -177,27 +186,190 @@ impl<'a> Delta<'a> {
                         id: str_of(call, "id"),
                         function: Some(Function {
                             name: function.and_then(|function| str_of(function, "name")),
-                            arguments: function.and_then(|function| str_of(function, "arguments")),
+                            arguments: function
+                                .and_then(|function| str_at(function, "arguments"))
+                                .map(RawStr::from_value),
                         }),
                     }
                 })
                 .collect()
         });
         Delta {
-            content: str_of(delta, "content"),
+            content: str_at(delta, "content").map(RawStr::from_value),
             refusal: str_of(delta, "refusal"),
             tool_calls,
         }
     }
 }
 
+/// Most chunk shapes a decoder remembers.
+const TEMPLATES_MAX: usize = 8;
+/// Largest chunk kept as a template (hot chunks are a few hundred bytes).
+const TEMPLATE_BYTES_MAX: usize = 4096;
+
+/// The shape of a hot chunk: one text or argument fragment for choice 0, no finish reason, no
+/// usage. A stream's chunks of one kind differ only in that fragment and in the `obfuscation`
+/// padding, so the decoder keeps the last few chunks' bytes around those string tokens (the
+/// holes) and what the rest of the chunk meant. A chunk whose bytes are a template's pieces
+/// with one valid JSON string token in each hole is that chunk with the new strings: the rest of
+/// its text is the same, byte for byte, as text the full parse read, and a string token in a
+/// string's place leaves every other token where it was. So it means what the full parse would
+/// make of it (the property test in this module holds the two paths to one output), without
+/// the parse: a prefix and a suffix compare and the strings' own reads.
+#[derive(Clone)]
+struct Template {
+    /// The chunk's text around its holes, in order: one piece more than holes.
+    pieces: Vec<Box<str>>,
+    /// Which hole is the fragment (the other is the padding, read and dropped).
+    fragment: usize,
+    id: Option<Box<str>>,
+    model: Option<Box<str>>,
+    choice_index: Option<u64>,
+    /// `None`: the fragment is the delta's `content`; `Some(i)`: tool call `index` i's arguments.
+    call: Option<u64>,
+}
+
+impl Template {
+    /// The template of `chunk`, read from `data`, when it is a hot chunk whose fragment and
+    /// padding were read from `data`'s own tokens.
+    fn of(chunk: &Chunk<'_>, data: &str) -> Option<Template> {
+        if chunk.usage.is_some() || data.len() > TEMPLATE_BYTES_MAX {
+            return None;
+        }
+        let [choice] = chunk.choices.as_deref()? else {
+            return None;
+        };
+        if choice.finish_reason.is_some() || choice.index.is_some_and(|index| index != 0) {
+            return None;
+        }
+        let delta = choice.delta.as_ref()?;
+        if delta.refusal.is_some() {
+            return None;
+        }
+        let (fragment, call) = match (&delta.content, &delta.tool_calls) {
+            (Some(content), None) => (content, None),
+            (None, Some(calls)) => {
+                let [call] = calls.as_slice() else {
+                    return None;
+                };
+                let function = call.function.as_ref()?;
+                if call.id.is_some() || function.name.is_some() {
+                    return None;
+                }
+                (function.arguments.as_ref()?, Some(call.index?))
+            }
+            _ => return None,
+        };
+        let span = |token: &RawStr<'_>| -> Option<(usize, usize)> {
+            let raw = token.raw?;
+            let start = (raw.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
+            let end = start.checked_add(raw.len())?;
+            (end <= data.len() && data.get(start..end) == Some(raw)).then_some((start, end))
+        };
+        let mut holes = vec![span(fragment)?];
+        if let Some(padding) = &chunk.obfuscation {
+            holes.push(span(padding)?);
+        }
+        let order = holes[0];
+        holes.sort_unstable();
+        let mut pieces = Vec::with_capacity(holes.len() + 1);
+        let mut from = 0;
+        for &(start, end) in &holes {
+            pieces.push(data.get(from..start)?.into());
+            from = end;
+        }
+        pieces.push(data.get(from..)?.into());
+        Some(Template {
+            pieces,
+            fragment: holes.iter().position(|hole| *hole == order)?,
+            id: chunk.id.as_ref().map(|id| id.as_str().into()),
+            model: chunk.model.as_ref().map(|model| model.as_str().into()),
+            choice_index: choice.index,
+            call,
+        })
+    }
+
+    /// The fragment of `data` if `data` is this template with a valid string in every hole.
+    fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
+        let (last, holes) = self.pieces.split_last()?;
+        let mut rest = data;
+        let mut fragment = None;
+        for (hole, piece) in holes.iter().enumerate() {
+            rest = rest.strip_prefix(&**piece)?;
+            let token = &rest[..string_token_len(rest)?];
+            let value = serde_json::from_str::<Str<'d>>(token).ok()?;
+            if hole == self.fragment {
+                fragment = Some(value);
+            }
+            rest = &rest[token.len()..];
+        }
+        (rest == &**last).then_some(())?;
+        fragment
+    }
+
+    /// The chunk the full parse makes of this template with `fragment` in its hole.
+    fn chunk<'t>(&'t self, fragment: Str<'t>) -> Chunk<'t> {
+        let borrowed = |text: &'t str| Str(Cow::Borrowed(text));
+        let fragment = Some(RawStr {
+            raw: None,
+            value: fragment,
+        });
+        let delta = match self.call {
+            None => Delta {
+                content: fragment,
+                ..Delta::default()
+            },
+            Some(index) => Delta {
+                tool_calls: Some(vec![ToolCall {
+                    index: Some(index),
+                    id: None,
+                    function: Some(Function {
+                        name: None,
+                        arguments: fragment,
+                    }),
+                }]),
+                ..Delta::default()
+            },
+        };
+        Chunk {
+            error: None,
+            id: self.id.as_deref().map(borrowed),
+            model: self.model.as_deref().map(borrowed),
+            choices: Some(vec![Choice {
+                index: self.choice_index,
+                delta: Some(delta),
+                finish_reason: None,
+            }]),
+            usage: None,
+            obfuscation: None,
+        }
+    }
+}
+
 impl EventDecoder for Chat {
     fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
-        let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(&event.data) else {
+        let data = event.data.as_str();
+        if let Some((at, read)) = self
+            .templates
+            .iter()
+            .enumerate()
+            .find_map(|(at, template)| Some((at, template.read(data)?)))
+        {
+            let template = self.templates.remove(at);
+            self.chunk(template.chunk(read), out);
+            self.templates.insert(0, template);
+            self.template_reads += 1;
+            return true;
+        }
+        let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(data) else {
             return false;
         };
         if chunk.error.is_some() {
             return false;
+        }
+        if let Some(template) = Template::of(&chunk, data) {
+            self.templates.truncate(TEMPLATES_MAX - 1);
+            self.templates.insert(0, template);
         }
         self.chunk(chunk, out);
         true
@@ -302,7 +474,10 @@ impl Chat {
     }
 
     fn delta(&mut self, delta: Delta<'_>, out: &mut Emitter) {
-        for text in [delta.content, delta.refusal].into_iter().flatten() {
+        for text in [delta.content.map(|content| content.value), delta.refusal]
+            .into_iter()
+            .flatten()
+        {
             if self.started.insert(TEXT_BLOCK) {
                 out.push(StreamEvent::BlockStart {
                     index: TEXT_BLOCK,
@@ -349,7 +524,7 @@ impl Chat {
                 self.keep(index, fragment.as_str());
                 out.push(StreamEvent::ToolArgsDelta {
                     index,
-                    fragment: fragment.0.into_owned(),
+                    fragment: fragment.value.0.into_owned(),
                 });
             }
         }
@@ -595,6 +770,70 @@ mod tests {
         out.out.into_iter().collect()
     }
 
+    /// What goes in a template's hole: valid strings, and tokens that are not one string.
+    const HOLES: &[&str] = &[
+        "\"\"",
+        "\"Hi\"",
+        "\"a\\nb\\u00e9\"",
+        "\"\\ud800\"",
+        "\"\\ud83d\\ude00\"",
+        "\"{\\\"city\\\":\"",
+        "\"a\\\\\"",
+        "\"\\\"\"",
+        "\"\\x\"",
+        "\"\u{1}\"",
+        "\"é\"",
+        "null",
+        "5",
+        "{}",
+        "\"a\",\"content\":\"b\"",
+        "\"a\",\"arguments\":\"b\"",
+        "\"x\" ",
+        " \"x\"",
+        "\"unterminated",
+        "\"a\"}",
+    ];
+
+    /// A hot chunk: a text fragment, or tool call `call`'s arguments fragment, with `id`,
+    /// and `obfuscation` padding before or after the choices (or none).
+    fn hot(call: Option<&str>, id: &str, fragment: &str, padding: Option<(&str, bool)>) -> String {
+        let delta = match call {
+            None => format!("{{\"content\":{fragment}}}"),
+            Some(index) => {
+                format!(
+                    "{{\"tool_calls\":[{{\"function\":{{\"arguments\":{fragment}}},\"index\":{index}}}]}}"
+                )
+            }
+        };
+        let choices = format!(
+            "\"choices\":[{{\"delta\":{delta},\"finish_reason\":null,\"index\":0,\"logprobs\":null}}]"
+        );
+        let head =
+            format!("\"created\":1,\"id\":{id},\"model\":\"gpt-4o\",\"object\":\"chat.completion.chunk\"");
+        match padding {
+            None => format!("{{{choices},{head}}}"),
+            Some((padding, true)) => format!("{{\"obfuscation\":{padding},{choices},{head}}}"),
+            Some((padding, false)) => format!("{{{choices},{head},\"obfuscation\":{padding}}}"),
+        }
+    }
+
+    /// Streams of hot chunks that share templates (a few shapes, holes of every kind), with
+    /// the other generated chunks between them.
+    fn template_stream() -> impl Strategy<Value = Vec<String>> {
+        let hot_chunk = (
+            prop::sample::select(&[None, Some("0"), Some("0"), Some("1"), Some("-1"), Some("\"0\"")][..]),
+            prop::sample::select(&["\"chatcmpl-1\"", "\"chatcmpl-1\"", "\"chatcmpl-2\"", "null"][..]),
+            prop::sample::select(HOLES),
+            prop::option::of((prop::sample::select(HOLES), any::<bool>())),
+        )
+            .prop_map(|(call, id, fragment, padding)| hot(call, id, fragment, padding));
+        let opening = "{\"choices\":[{\"delta\":{\"tool_calls\":[{\"function\":{\"arguments\":\"\",\"name\":\"f\"},\"id\":\"call_0\",\"index\":0}]},\"index\":0}],\"id\":\"chatcmpl-1\"}".to_owned();
+        prop::collection::vec(prop_oneof![8 => hot_chunk, 1 => chunk()], 1..24).prop_map(move |mut chunks| {
+            chunks.insert(0, opening.clone());
+            chunks
+        })
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2048))]
 
@@ -602,6 +841,47 @@ mod tests {
         fn the_typed_path_emits_what_the_value_path_emits(chunks in prop::collection::vec(chunk(), 1..6)) {
             prop_assert_eq!(run(&chunks, true), run(&chunks, false), "chunks: {:?}", chunks);
         }
+
+        #[test]
+        fn a_chunk_read_through_a_template_emits_what_the_value_path_emits(chunks in template_stream()) {
+            prop_assert_eq!(run(&chunks, true), run(&chunks, false), "chunks: {:?}", chunks);
+        }
+    }
+
+    #[test]
+    fn a_streams_hot_chunks_are_read_through_templates_whatever_their_padding() {
+        // 3 text fragments and 3 fragments each of two tool calls, every chunk with its own
+        // padding, the way OpenAI sends them (`include_obfuscation` is on by default).
+        let mut chunks = vec![
+            "{\"choices\":[{\"delta\":{\"tool_calls\":[{\"function\":{\"arguments\":\"\",\"name\":\"f\"},\"id\":\"call_0\",\"index\":0},{\"function\":{\"arguments\":\"\",\"name\":\"g\"},\"id\":\"call_1\",\"index\":1}]},\"index\":0}],\"id\":\"chatcmpl-1\"}".to_owned(),
+        ];
+        let paddings = ["\"nWru1sTmaAzi9O\"", "\"SdSOt\"", "\"a\""];
+        for (call, fragments) in [
+            (None, ["\"The\"", "\" weather\"", "\" is \\\"mild\\\"\""]),
+            (Some("0"), ["\"{\\\"city\\\":\"", "\"\\\"Paris\\\"\"", "\"}\""]),
+            (Some("1"), ["\"{\\\"city\\\":\"", "\"\\\"Rome\\\"\"", "\"}\""]),
+        ] {
+            for (fragment, padding) in fragments.iter().zip(paddings) {
+                chunks.push(hot(call, "\"chatcmpl-1\"", fragment, Some((padding, false))));
+            }
+        }
+        let mut chat = Chat::default();
+        let mut out = Emitter::default();
+        for data in &chunks {
+            let event = SseEvent {
+                event: "message".into(),
+                data: data.clone(),
+                id: String::new(),
+            };
+            out.begin(None);
+            assert!(chat.fast(&event, &mut out), "{data}");
+        }
+        // The first chunk of each kind is parsed; the two after it are read through its template.
+        assert_eq!(chat.template_reads, 6);
+        assert_eq!(chat.output[&TEXT_BLOCK], "The weather is \"mild\"");
+        assert_eq!(chat.output[&BlockIndex(1)], "{\"city\":\"Paris\"}");
+        assert_eq!(chat.output[&BlockIndex(2)], "{\"city\":\"Rome\"}");
+        assert_eq!(run(&chunks, true), run(&chunks, false));
     }
 
     #[test]
