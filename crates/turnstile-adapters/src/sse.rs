@@ -249,14 +249,18 @@ impl SseParser {
             return;
         }
         self.data.pop(); // the LF after the last data line
+        // The next event's buffers start at this one's size: a stream's events are much alike,
+        // so one allocation each instead of a string grown from empty by doubling.
         let event = if self.event.is_empty() {
             "message".to_owned()
         } else {
-            std::mem::take(&mut self.event)
+            let capacity = self.event.len();
+            std::mem::replace(&mut self.event, String::with_capacity(capacity))
         };
+        let capacity = self.data.len() + 1;
         self.ready.push_back(SseEvent {
             event,
-            data: std::mem::take(&mut self.data),
+            data: std::mem::replace(&mut self.data, String::with_capacity(capacity)),
             id: self.last_event_id.clone(),
         });
     }

@@ -12,6 +12,7 @@
 //! Block keys are the provider's `index`. A content block kind v1 cannot hold (server tools,
 //! their results) is a malformed event: it is never dropped or turned into text.
 
+use super::json::{Pieces, RawStr};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -32,6 +33,41 @@ sse_decoder!(
 pub(crate) struct Anthropic {
     message_started: bool,
     stopped: std::collections::HashSet<u64>,
+    /// The last deltas' shapes, most recent first (see [`Template`]).
+    templates: Vec<Template>,
+    /// Deltas read through a template (tests and benchmarks look at it).
+    pub(crate) template_reads: u64,
+}
+
+/// Most delta shapes a decoder remembers (one per block being streamed, and a few more).
+const TEMPLATES_MAX: usize = 8;
+/// Largest delta kept as a template (deltas are a few hundred bytes).
+const TEMPLATE_BYTES_MAX: usize = 4096;
+
+/// A text or tool-input delta's text around its fragment ([`Pieces`]): the next delta of
+/// the same block made of the same pieces with another valid string there is that delta with
+/// that string, read without a parse.
+#[derive(Clone)]
+struct Template {
+    pieces: Pieces,
+    index: BlockIndex,
+    /// The fragment is `partial_json` (tool input), not `text`.
+    tool_input: bool,
+}
+
+/// A text or tool-input delta's events.
+fn emit(index: BlockIndex, tool_input: bool, fragment: Cow<'_, str>, out: &mut Emitter) {
+    if !tool_input {
+        out.push(StreamEvent::TextDelta {
+            index,
+            text: fragment.into_owned(),
+        });
+    } else if !fragment.is_empty() {
+        out.push(StreamEvent::ToolArgsDelta {
+            index,
+            fragment: fragment.into_owned(),
+        });
+    }
 }
 
 fn index_of(payload: &Value, out: &mut Emitter) -> Option<BlockIndex> {
@@ -60,9 +96,9 @@ struct DeltaBody<'a> {
     #[serde(rename = "type", borrow)]
     kind: Cow<'a, str>,
     #[serde(borrow)]
-    text: Option<Cow<'a, str>>,
+    text: Option<RawStr<'a>>,
     #[serde(borrow)]
-    partial_json: Option<Cow<'a, str>>,
+    partial_json: Option<RawStr<'a>>,
 }
 
 impl EventDecoder for Anthropic {
@@ -70,33 +106,51 @@ impl EventDecoder for Anthropic {
         if event.event != "content_block_delta" {
             return false;
         }
+        let data = event.data.as_str();
+        if let Some((at, fragment)) = self
+            .templates
+            .iter()
+            .enumerate()
+            .find_map(|(at, template)| Some((at, template.pieces.read(data)?)))
+        {
+            let template = self.templates.remove(at);
+            emit(template.index, template.tool_input, fragment.0, out);
+            self.templates.insert(0, template);
+            self.template_reads += 1;
+            return true;
+        }
         // Any other shape (thinking, signatures, a type that disagrees with the event name)
         // takes the general path.
-        let Ok(delta) = serde_json::from_str::<BlockDelta<'_>>(&event.data) else {
+        let Ok(delta) = serde_json::from_str::<BlockDelta<'_>>(data) else {
             return false;
         };
         if delta.kind != "content_block_delta" {
             return false;
         }
-        let index = BlockIndex(delta.index);
-        match (
+        let (fragment, tool_input) = match (
             delta.delta.kind.as_ref(),
             delta.delta.text,
             delta.delta.partial_json,
         ) {
-            ("text_delta", Some(text), _) => out.push(StreamEvent::TextDelta {
-                index,
-                text: text.into_owned(),
-            }),
-            ("input_json_delta", _, Some(fragment)) => {
-                if !fragment.is_empty() {
-                    out.push(StreamEvent::ToolArgsDelta {
-                        index,
-                        fragment: fragment.into_owned(),
-                    });
-                }
-            }
+            ("text_delta", Some(text), _) => (text, false),
+            ("input_json_delta", _, Some(fragment)) => (fragment, true),
             _ => return false,
+        };
+        let index = BlockIndex(delta.index);
+        let pieces = (data.len() <= TEMPLATE_BYTES_MAX)
+            .then(|| Pieces::of(data, &[&fragment]))
+            .flatten();
+        emit(index, tool_input, fragment.value.0, out);
+        if let Some(pieces) = pieces {
+            self.templates.truncate(TEMPLATES_MAX - 1);
+            self.templates.insert(
+                0,
+                Template {
+                    pieces,
+                    index,
+                    tool_input,
+                },
+            );
         }
         true
     }
@@ -285,5 +339,98 @@ impl EventDecoder for Anthropic {
             // `ping` and event types added after this was written carry nothing for the turn.
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Deltas read through a template against the `Value` path: whatever string or non-string
+    //! token sits where a fragment sat, a decoder that tries templates and the fast path first
+    //! emits exactly what a decoder that only parses `Value`s emits.
+    use super::super::json::HOLES;
+    use super::*;
+    use proptest::prelude::*;
+
+    fn delta(index: &str, tool_input: bool, fragment: &str, extra: bool) -> String {
+        let body = if tool_input {
+            format!("{{\"type\":\"input_json_delta\",\"partial_json\":{fragment}}}")
+        } else {
+            format!("{{\"type\":\"text_delta\",\"text\":{fragment}}}")
+        };
+        let extra = if extra { ",\"x\":[1,{\"y\":null}]" } else { "" };
+        format!("{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body}{extra}}}")
+    }
+
+    fn run(datas: &[String], fast_first: bool) -> Vec<Sequenced> {
+        let mut decoder = Anthropic::default();
+        let mut out = Emitter::default();
+        for data in datas {
+            let event = SseEvent {
+                event: "content_block_delta".into(),
+                data: data.clone(),
+                id: String::new(),
+            };
+            out.begin(None);
+            if fast_first && decoder.fast(&event, &mut out) {
+                continue;
+            }
+            match serde_json::from_str::<Value>(&event.data) {
+                Ok(payload) => decoder.event(&event, payload, &mut out),
+                Err(_) => decoder.non_json(&event, &mut out),
+            }
+        }
+        out.out.into_iter().collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        #[test]
+        fn a_delta_read_through_a_template_emits_what_the_value_path_emits(
+            deltas in prop::collection::vec(
+                (
+                    prop::sample::select(&["0", "0", "1", "-1", "\"0\"", "1e400"][..]),
+                    any::<bool>(),
+                    prop::sample::select(HOLES),
+                    prop::bool::weighted(0.1),
+                ),
+                1..24,
+            )
+        ) {
+            let datas: Vec<String> = deltas
+                .iter()
+                .map(|(index, tool_input, fragment, extra)| delta(index, *tool_input, fragment, *extra))
+                .collect();
+            prop_assert_eq!(run(&datas, true), run(&datas, false), "deltas: {:?}", datas);
+        }
+    }
+
+    #[test]
+    fn a_blocks_deltas_after_the_first_are_read_through_its_template() {
+        let datas: Vec<String> = [
+            (false, "\"The\""),
+            (false, "\" weather \\\"mild\\\"\""),
+            (true, "\"{\\\"city\\\":\""),
+            (true, "\"\\\"Paris\\\"}\""),
+            (false, "\"!\""),
+        ]
+        .iter()
+        .map(|(tool_input, fragment)| {
+            delta(if *tool_input { "1" } else { "0" }, *tool_input, fragment, false)
+        })
+        .collect();
+        let mut decoder = Anthropic::default();
+        let mut out = Emitter::default();
+        for data in &datas {
+            let event = SseEvent {
+                event: "content_block_delta".into(),
+                data: data.clone(),
+                id: String::new(),
+            };
+            out.begin(None);
+            assert!(decoder.fast(&event, &mut out), "{data}");
+        }
+        assert_eq!(decoder.template_reads, 3);
+        assert_eq!(run(&datas, true), run(&datas, false));
     }
 }

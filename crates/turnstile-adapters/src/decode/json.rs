@@ -68,12 +68,13 @@ impl<'a> RawStr<'a> {
     }
 }
 
-impl<'de> Deserialize<'de> for RawStr<'de> {
+impl<'de: 'a, 'a> Deserialize<'de> for RawStr<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         // The token first (any value), then the string read from it exactly as `Str` reads
         // one: anything else than a string is refused, as `Str` refuses it.
-        let raw = <&'de serde_json::value::RawValue>::deserialize(deserializer)?;
-        let value = serde_json::from_str::<Str<'de>>(raw.get()).map_err(de::Error::custom)?;
+        let raw: &'a serde_json::value::RawValue =
+            <&'de serde_json::value::RawValue>::deserialize(deserializer)?;
+        let value = serde_json::from_str::<Str<'a>>(raw.get()).map_err(de::Error::custom)?;
         Ok(RawStr {
             raw: Some(raw.get()),
             value,
@@ -81,10 +82,96 @@ impl<'de> Deserialize<'de> for RawStr<'de> {
     }
 }
 
+/// An event's text around some of its string tokens (the holes), for a decoder that reads the
+/// next events of the same shape without parsing them: an event made of the same pieces with a
+/// valid JSON string token in each hole is the same JSON text but for those strings, and a
+/// string token in a string's place leaves every other token where it was, so a parser reads
+/// the same members from it, with the new strings in the holes.
+#[derive(Clone, Debug)]
+pub(crate) struct Pieces {
+    /// The text before, between and after the holes: one piece more than holes.
+    pieces: Vec<Box<str>>,
+    /// Which hole holds the string the decoder uses (the others are read and dropped).
+    fragment: usize,
+}
+
+impl Pieces {
+    /// The pieces of `data` around `holes`, the string tokens of members read from `data`
+    /// itself; `holes[0]` is the fragment. `None` for a string not read from `data`'s text.
+    pub(crate) fn of(data: &str, holes: &[&RawStr<'_>]) -> Option<Pieces> {
+        let mut spans = holes
+            .iter()
+            .map(|token| {
+                let raw = token.raw?;
+                let start = (raw.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
+                let end = start.checked_add(raw.len())?;
+                (data.get(start..end) == Some(raw)).then_some((start, end))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let fragment = *spans.first()?;
+        spans.sort_unstable();
+        let mut pieces = Vec::with_capacity(spans.len() + 1);
+        let mut from = 0;
+        for &(start, end) in &spans {
+            pieces.push(data.get(from..start)?.into());
+            from = end;
+        }
+        pieces.push(data.get(from..)?.into());
+        Some(Pieces {
+            pieces,
+            fragment: spans.iter().position(|span| *span == fragment)?,
+        })
+    }
+
+    /// The fragment of `data` if `data` is these pieces with a valid string token in every
+    /// hole (each checked by serde_json, so it is refused exactly where a parse would refuse it).
+    pub(crate) fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
+        let (last, pieces) = self.pieces.split_last()?;
+        let mut rest = data;
+        let mut fragment = None;
+        for (hole, piece) in pieces.iter().enumerate() {
+            rest = rest.strip_prefix(&**piece)?;
+            let token = &rest[..string_token_len(rest)?];
+            let value = serde_json::from_str::<Str<'d>>(token).ok()?;
+            if hole == self.fragment {
+                fragment = Some(value);
+            }
+            rest = &rest[token.len()..];
+        }
+        (rest == &**last).then_some(())?;
+        fragment
+    }
+}
+
+/// What goes in a template's hole (tests): valid strings, and tokens that are not one string.
+#[cfg(test)]
+pub(crate) const HOLES: &[&str] = &[
+    "\"\"",
+    "\"Hi\"",
+    "\"a\\nb\\u00e9\"",
+    "\"\\ud800\"",
+    "\"\\ud83d\\ude00\"",
+    "\"{\\\"city\\\":\"",
+    "\"a\\\\\"",
+    "\"\\\"\"",
+    "\"\\x\"",
+    "\"\u{1}\"",
+    "\"é\"",
+    "null",
+    "5",
+    "{}",
+    "\"a\",\"content\":\"b\"",
+    "\"a\",\"arguments\":\"b\"",
+    "\"x\" ",
+    " \"x\"",
+    "\"unterminated",
+    "\"a\"}",
+];
+
 /// The length of the JSON string token at the start of `text` (from its opening quote to its
 /// closing one, both included), or `None` when `text` does not start with one that ends. Only
 /// finds the end: whether the token is a valid string is for a parser to say.
-pub(crate) fn string_token_len(text: &str) -> Option<usize> {
+fn string_token_len(text: &str) -> Option<usize> {
     let bytes = text.as_bytes();
     if bytes.first() != Some(&b'"') {
         return None;

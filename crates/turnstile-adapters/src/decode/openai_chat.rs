@@ -35,7 +35,7 @@
 //! fields from it with the `Value` rules (a field of the wrong type is absent); both go through
 //! one [`Chat::chunk`], so the two paths cannot disagree on what a field means.
 
-use super::json::{RawStr, Str, json_object, string_token_len};
+use super::json::{Pieces, RawStr, Str, json_object};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -218,10 +218,8 @@ const TEMPLATE_BYTES_MAX: usize = 4096;
 /// the parse: a prefix and a suffix compare and the strings' own reads.
 #[derive(Clone)]
 struct Template {
-    /// The chunk's text around its holes, in order: one piece more than holes.
-    pieces: Vec<Box<str>>,
-    /// Which hole is the fragment (the other is the padding, read and dropped).
-    fragment: usize,
+    /// The chunk's text around the fragment and the padding.
+    pieces: Pieces,
     id: Option<Box<str>>,
     model: Option<Box<str>>,
     choice_index: Option<u64>,
@@ -260,51 +258,15 @@ impl Template {
             }
             _ => return None,
         };
-        let span = |token: &RawStr<'_>| -> Option<(usize, usize)> {
-            let raw = token.raw?;
-            let start = (raw.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
-            let end = start.checked_add(raw.len())?;
-            (end <= data.len() && data.get(start..end) == Some(raw)).then_some((start, end))
-        };
-        let mut holes = vec![span(fragment)?];
-        if let Some(padding) = &chunk.obfuscation {
-            holes.push(span(padding)?);
-        }
-        let order = holes[0];
-        holes.sort_unstable();
-        let mut pieces = Vec::with_capacity(holes.len() + 1);
-        let mut from = 0;
-        for &(start, end) in &holes {
-            pieces.push(data.get(from..start)?.into());
-            from = end;
-        }
-        pieces.push(data.get(from..)?.into());
+        let mut holes = vec![fragment];
+        holes.extend(&chunk.obfuscation);
         Some(Template {
-            pieces,
-            fragment: holes.iter().position(|hole| *hole == order)?,
+            pieces: Pieces::of(data, &holes)?,
             id: chunk.id.as_ref().map(|id| id.as_str().into()),
             model: chunk.model.as_ref().map(|model| model.as_str().into()),
             choice_index: choice.index,
             call,
         })
-    }
-
-    /// The fragment of `data` if `data` is this template with a valid string in every hole.
-    fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
-        let (last, holes) = self.pieces.split_last()?;
-        let mut rest = data;
-        let mut fragment = None;
-        for (hole, piece) in holes.iter().enumerate() {
-            rest = rest.strip_prefix(&**piece)?;
-            let token = &rest[..string_token_len(rest)?];
-            let value = serde_json::from_str::<Str<'d>>(token).ok()?;
-            if hole == self.fragment {
-                fragment = Some(value);
-            }
-            rest = &rest[token.len()..];
-        }
-        (rest == &**last).then_some(())?;
-        fragment
     }
 
     /// The chunk the full parse makes of this template with `fragment` in its hole.
@@ -353,7 +315,7 @@ impl EventDecoder for Chat {
             .templates
             .iter()
             .enumerate()
-            .find_map(|(at, template)| Some((at, template.read(data)?)))
+            .find_map(|(at, template)| Some((at, template.pieces.read(data)?)))
         {
             let template = self.templates.remove(at);
             self.chunk(template.chunk(read), out);
@@ -566,6 +528,7 @@ mod tests {
     //! (repeated keys, `null`s, members of the wrong type, arrays for objects, a lone surrogate
     //! escape or an out-of-range number in an unknown member), a decoder that tries the fast
     //! path first emits exactly what a decoder that only parses `Value`s emits.
+    use super::super::json::HOLES;
     use super::*;
     use proptest::prelude::*;
 
@@ -769,30 +732,6 @@ mod tests {
         }
         out.out.into_iter().collect()
     }
-
-    /// What goes in a template's hole: valid strings, and tokens that are not one string.
-    const HOLES: &[&str] = &[
-        "\"\"",
-        "\"Hi\"",
-        "\"a\\nb\\u00e9\"",
-        "\"\\ud800\"",
-        "\"\\ud83d\\ude00\"",
-        "\"{\\\"city\\\":\"",
-        "\"a\\\\\"",
-        "\"\\\"\"",
-        "\"\\x\"",
-        "\"\u{1}\"",
-        "\"é\"",
-        "null",
-        "5",
-        "{}",
-        "\"a\",\"content\":\"b\"",
-        "\"a\",\"arguments\":\"b\"",
-        "\"x\" ",
-        " \"x\"",
-        "\"unterminated",
-        "\"a\"}",
-    ];
 
     /// A hot chunk: a text fragment, or tool call `call`'s arguments fragment, with `id`,
     /// and `obfuscation` padding before or after the choices (or none).
