@@ -66,6 +66,10 @@ pub enum SseError {
     InvalidUtf8(u64),
 }
 
+/// Most bytes a new event's buffer is allocated with before its first line (the size of the
+/// event before it, up to this).
+const SSE_PRESIZE_BYTES_MAX: usize = 64 * 1024;
+
 /// Incremental event-stream parser.
 ///
 /// Polling order: after each [`SseParser::handle_bytes`] call, drain
@@ -249,15 +253,16 @@ impl SseParser {
             return;
         }
         self.data.pop(); // the LF after the last data line
-        // The next event's buffers start at this one's size: a stream's events are much alike,
-        // so one allocation each instead of a string grown from empty by doubling.
+        // The next event's buffers start at this one's size (up to `SSE_PRESIZE_BYTES_MAX`): a
+        // stream's events are much alike, so one allocation each instead of a string grown from
+        // empty by doubling, and one large event leaves no large buffer behind.
         let event = if self.event.is_empty() {
             "message".to_owned()
         } else {
-            let capacity = self.event.len();
+            let capacity = self.event.len().min(SSE_PRESIZE_BYTES_MAX);
             std::mem::replace(&mut self.event, String::with_capacity(capacity))
         };
-        let capacity = self.data.len() + 1;
+        let capacity = (self.data.len() + 1).min(SSE_PRESIZE_BYTES_MAX);
         self.ready.push_back(SseEvent {
             event,
             data: std::mem::replace(&mut self.data, String::with_capacity(capacity)),

@@ -12,7 +12,7 @@
 //! Block keys are the provider's `index`. A content block kind v1 cannot hold (server tools,
 //! their results) is a malformed event: it is never dropped or turned into text.
 
-use super::json::{Pieces, RawStr};
+use super::json::{Pieces, RawStr, Str, json_object};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -80,26 +80,25 @@ fn index_of(payload: &Value, out: &mut Emitter) -> Option<BlockIndex> {
     index
 }
 
-/// `content_block_delta`, the hot event, parsed without building a `Value` (strings are
-/// borrowed when unescaped; unknown fields are skipped).
-#[derive(serde::Deserialize)]
+/// `content_block_delta`, the hot event, read without building a `Value` (strings borrowed
+/// when unescaped). Objects only, the last of repeated keys wins, unknown members checked as
+/// strictly as a `Value` checks them (`decode/json.rs`), so whatever this reads, the `Value`
+/// path reads the same.
+#[derive(Default)]
 struct BlockDelta<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Cow<'a, str>,
-    index: u64,
-    #[serde(borrow)]
-    delta: DeltaBody<'a>,
+    kind: Option<Str<'a>>,
+    index: Option<u64>,
+    delta: Option<DeltaBody<'a>>,
 }
+json_object!(BlockDelta<'a> { "type" => kind, "index" => index, "delta" => delta });
 
-#[derive(serde::Deserialize)]
+#[derive(Default)]
 struct DeltaBody<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Cow<'a, str>,
-    #[serde(borrow)]
+    kind: Option<Str<'a>>,
     text: Option<RawStr<'a>>,
-    #[serde(borrow)]
     partial_json: Option<RawStr<'a>>,
 }
+json_object!(DeltaBody<'a> { "type" => kind, "text" => text, "partial_json" => partial_json });
 
 impl EventDecoder for Anthropic {
     fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
@@ -124,19 +123,19 @@ impl EventDecoder for Anthropic {
         let Ok(delta) = serde_json::from_str::<BlockDelta<'_>>(data) else {
             return false;
         };
-        if delta.kind != "content_block_delta" {
+        let (Some(kind), Some(index), Some(body)) = (delta.kind, delta.index, delta.delta) else {
+            return false;
+        };
+        if kind.as_str() != "content_block_delta" {
             return false;
         }
-        let (fragment, tool_input) = match (
-            delta.delta.kind.as_ref(),
-            delta.delta.text,
-            delta.delta.partial_json,
-        ) {
-            ("text_delta", Some(text), _) => (text, false),
-            ("input_json_delta", _, Some(fragment)) => (fragment, true),
+        let (fragment, tool_input) = match (body.kind.as_ref().map(Str::as_str), body.text, body.partial_json)
+        {
+            (Some("text_delta"), Some(text), _) => (text, false),
+            (Some("input_json_delta"), _, Some(fragment)) => (fragment, true),
             _ => return false,
         };
-        let index = BlockIndex(delta.index);
+        let index = BlockIndex(index);
         let pieces = (data.len() <= TEMPLATE_BYTES_MAX)
             .then(|| Pieces::of(data, &[&fragment]))
             .flatten();
@@ -351,14 +350,34 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn delta(index: &str, tool_input: bool, fragment: &str, extra: bool) -> String {
+    /// A delta; `extra` adds a member nobody reads (some of them a `Value` refuses), a
+    /// repeated key, or the array form of the object.
+    fn delta(index: &str, tool_input: bool, fragment: &str, extra: usize) -> String {
         let body = if tool_input {
             format!("{{\"type\":\"input_json_delta\",\"partial_json\":{fragment}}}")
         } else {
             format!("{{\"type\":\"text_delta\",\"text\":{fragment}}}")
         };
-        let extra = if extra { ",\"x\":[1,{\"y\":null}]" } else { "" };
-        format!("{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body}{extra}}}")
+        match extra {
+            1 => format!(
+                "{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body},\"x\":[1,{{\"y\":null}}]}}"
+            ),
+            2 => format!(
+                "{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body},\"x\":\"\\ud800\"}}"
+            ),
+            3 => {
+                format!("{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body},\"x\":1e400}}")
+            }
+            4 => {
+                format!("{{\"type\":\"content_block_delta\",\"index\":7,\"delta\":{body},\"index\":{index}}}")
+            }
+            5 => format!(
+                "{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body},\"delta\":null}}"
+            ),
+            6 => format!("[\"content_block_delta\",{index},[\"text_delta\",{fragment},null]]"),
+            7 => format!("{{\"index\":{index},\"delta\":{body}}}"),
+            _ => format!("{{\"type\":\"content_block_delta\",\"index\":{index},\"delta\":{body}}}"),
+        }
     }
 
     fn run(datas: &[String], fast_first: bool) -> Vec<Sequenced> {
@@ -392,7 +411,7 @@ mod tests {
                     prop::sample::select(&["0", "0", "1", "-1", "\"0\"", "1e400"][..]),
                     any::<bool>(),
                     prop::sample::select(HOLES),
-                    prop::bool::weighted(0.1),
+                    prop_oneof![8 => Just(0usize), 1 => 1usize..8],
                 ),
                 1..24,
             )
@@ -415,9 +434,7 @@ mod tests {
             (false, "\"!\""),
         ]
         .iter()
-        .map(|(tool_input, fragment)| {
-            delta(if *tool_input { "1" } else { "0" }, *tool_input, fragment, false)
-        })
+        .map(|(tool_input, fragment)| delta(if *tool_input { "1" } else { "0" }, *tool_input, fragment, 0))
         .collect();
         let mut decoder = Anthropic::default();
         let mut out = Emitter::default();

@@ -127,6 +127,10 @@ impl Pieces {
     /// hole (each checked by serde_json, so it is refused exactly where a parse would refuse it).
     pub(crate) fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
         let (last, pieces) = self.pieces.split_last()?;
+        // Both ends first: an event of another shape is turned away before any token is read.
+        if !data.ends_with(&**last) || !data.starts_with(&**pieces.first()?) {
+            return None;
+        }
         let mut rest = data;
         let mut fragment = None;
         for (hole, piece) in pieces.iter().enumerate() {

@@ -735,7 +735,14 @@ mod tests {
 
     /// A hot chunk: a text fragment, or tool call `call`'s arguments fragment, with `id`,
     /// and `obfuscation` padding before or after the choices (or none).
-    fn hot(call: Option<&str>, id: &str, fragment: &str, padding: Option<(&str, bool)>) -> String {
+    /// `extra` adds a member nobody reads (some of them a `Value` refuses) or repeats one.
+    fn hot(
+        call: Option<&str>,
+        id: &str,
+        fragment: &str,
+        padding: Option<(&str, bool)>,
+        extra: usize,
+    ) -> String {
         let delta = match call {
             None => format!("{{\"content\":{fragment}}}"),
             Some(index) => {
@@ -747,8 +754,18 @@ mod tests {
         let choices = format!(
             "\"choices\":[{{\"delta\":{delta},\"finish_reason\":null,\"index\":0,\"logprobs\":null}}]"
         );
-        let head =
-            format!("\"created\":1,\"id\":{id},\"model\":\"gpt-4o\",\"object\":\"chat.completion.chunk\"");
+        let extra = [
+            "",
+            ",\"x\":\"\\ud800\"",
+            ",\"x\":1e400",
+            ",\"usage\":null",
+            ",\"obfuscation\":\"again\"",
+            ",\"choices\":[]",
+            ",\"x\":[1,{\"y\":null}]",
+        ][extra % 7];
+        let head = format!(
+            "\"created\":1,\"id\":{id},\"model\":\"gpt-4o\",\"object\":\"chat.completion.chunk\"{extra}"
+        );
         match padding {
             None => format!("{{{choices},{head}}}"),
             Some((padding, true)) => format!("{{\"obfuscation\":{padding},{choices},{head}}}"),
@@ -764,8 +781,9 @@ mod tests {
             prop::sample::select(&["\"chatcmpl-1\"", "\"chatcmpl-1\"", "\"chatcmpl-2\"", "null"][..]),
             prop::sample::select(HOLES),
             prop::option::of((prop::sample::select(HOLES), any::<bool>())),
+            prop_oneof![6 => Just(0usize), 1 => 1usize..7],
         )
-            .prop_map(|(call, id, fragment, padding)| hot(call, id, fragment, padding));
+            .prop_map(|(call, id, fragment, padding, extra)| hot(call, id, fragment, padding, extra));
         let opening = "{\"choices\":[{\"delta\":{\"tool_calls\":[{\"function\":{\"arguments\":\"\",\"name\":\"f\"},\"id\":\"call_0\",\"index\":0}]},\"index\":0}],\"id\":\"chatcmpl-1\"}".to_owned();
         prop::collection::vec(prop_oneof![8 => hot_chunk, 1 => chunk()], 1..24).prop_map(move |mut chunks| {
             chunks.insert(0, opening.clone());
@@ -801,7 +819,7 @@ mod tests {
             (Some("1"), ["\"{\\\"city\\\":\"", "\"\\\"Rome\\\"\"", "\"}\""]),
         ] {
             for (fragment, padding) in fragments.iter().zip(paddings) {
-                chunks.push(hot(call, "\"chatcmpl-1\"", fragment, Some((padding, false))));
+                chunks.push(hot(call, "\"chatcmpl-1\"", fragment, Some((padding, false)), 0));
             }
         }
         let mut chat = Chat::default();
