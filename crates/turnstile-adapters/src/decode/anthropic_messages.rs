@@ -12,7 +12,7 @@
 //! Block keys are the provider's `index`. A content block kind v1 cannot hold (server tools,
 //! their results) is a malformed event: it is never dropped or turned into text.
 
-use super::json::{Pieces, RawStr, Str, json_object};
+use super::json::{RawStr, Str, Templates, json_object};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -33,23 +33,15 @@ sse_decoder!(
 pub(crate) struct Anthropic {
     message_started: bool,
     stopped: std::collections::HashSet<u64>,
-    /// The last deltas' shapes, most recent first (see [`Template`]).
-    templates: Vec<Template>,
-    /// Deltas read through a template (tests and benchmarks look at it).
-    pub(crate) template_reads: u64,
+    /// The last deltas' shapes (see [`Template`]).
+    pub(crate) templates: Templates<Template>,
 }
 
-/// Most delta shapes a decoder remembers (one per block being streamed, and a few more).
-const TEMPLATES_MAX: usize = 8;
-/// Largest delta kept as a template (deltas are a few hundred bytes).
-const TEMPLATE_BYTES_MAX: usize = 4096;
-
-/// A text or tool-input delta's text around its fragment ([`Pieces`]): the next delta of
-/// the same block made of the same pieces with another valid string there is that delta with
-/// that string, read without a parse.
-#[derive(Clone)]
-struct Template {
-    pieces: Pieces,
+/// What a text or tool-input delta meant besides its fragment: the next delta of the same
+/// block whose text is the same but for another valid string in the fragment's place is that
+/// delta with that string, read without a parse (`decode/json.rs`, `Templates`).
+#[derive(Clone, Debug)]
+pub(crate) struct Template {
     index: BlockIndex,
     /// The fragment is `partial_json` (tool input), not `text`.
     tool_input: bool,
@@ -106,16 +98,8 @@ impl EventDecoder for Anthropic {
             return false;
         }
         let data = event.data.as_str();
-        if let Some((at, fragment)) = self
-            .templates
-            .iter()
-            .enumerate()
-            .find_map(|(at, template)| Some((at, template.pieces.read(data)?)))
-        {
-            let template = self.templates.remove(at);
+        if let Some((template, fragment)) = self.templates.read(data) {
             emit(template.index, template.tool_input, fragment.0, out);
-            self.templates.insert(0, template);
-            self.template_reads += 1;
             return true;
         }
         // Any other shape (thinking, signatures, a type that disagrees with the event name)
@@ -136,21 +120,9 @@ impl EventDecoder for Anthropic {
             _ => return false,
         };
         let index = BlockIndex(index);
-        let pieces = (data.len() <= TEMPLATE_BYTES_MAX)
-            .then(|| Pieces::of(data, &[&fragment]))
-            .flatten();
+        self.templates
+            .keep(data, &[&fragment], Template { index, tool_input });
         emit(index, tool_input, fragment.value.0, out);
-        if let Some(pieces) = pieces {
-            self.templates.truncate(TEMPLATES_MAX - 1);
-            self.templates.insert(
-                0,
-                Template {
-                    pieces,
-                    index,
-                    tool_input,
-                },
-            );
-        }
         true
     }
 
@@ -381,24 +353,12 @@ mod tests {
     }
 
     fn run(datas: &[String], fast_first: bool) -> Vec<Sequenced> {
-        let mut decoder = Anthropic::default();
-        let mut out = Emitter::default();
-        for data in datas {
-            let event = SseEvent {
-                event: "content_block_delta".into(),
-                data: data.clone(),
-                id: String::new(),
-            };
-            out.begin(None);
-            if fast_first && decoder.fast(&event, &mut out) {
-                continue;
-            }
-            match serde_json::from_str::<Value>(&event.data) {
-                Ok(payload) => decoder.event(&event, payload, &mut out),
-                Err(_) => decoder.non_json(&event, &mut out),
-            }
-        }
-        out.out.into_iter().collect()
+        super::super::decode_events(
+            &mut Anthropic::default(),
+            "content_block_delta",
+            datas,
+            fast_first,
+        )
     }
 
     proptest! {
@@ -447,7 +407,7 @@ mod tests {
             out.begin(None);
             assert!(decoder.fast(&event, &mut out), "{data}");
         }
-        assert_eq!(decoder.template_reads, 3);
+        assert_eq!(decoder.templates.reads, 3);
         assert_eq!(run(&datas, true), run(&datas, false));
     }
 }

@@ -88,7 +88,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for RawStr<'a> {
 /// string token in a string's place leaves every other token where it was, so a parser reads
 /// the same members from it, with the new strings in the holes.
 #[derive(Clone, Debug)]
-pub(crate) struct Pieces {
+struct Pieces {
     /// The text before, between and after the holes: one piece more than holes.
     pieces: Vec<Box<str>>,
     /// Which hole holds the string the decoder uses (the others are read and dropped).
@@ -98,7 +98,7 @@ pub(crate) struct Pieces {
 impl Pieces {
     /// The pieces of `data` around `holes`, the string tokens of members read from `data`
     /// itself; `holes[0]` is the fragment. `None` for a string not read from `data`'s text.
-    pub(crate) fn of(data: &str, holes: &[&RawStr<'_>]) -> Option<Pieces> {
+    fn of(data: &str, holes: &[&RawStr<'_>]) -> Option<Pieces> {
         let mut spans = holes
             .iter()
             .map(|token| {
@@ -125,7 +125,7 @@ impl Pieces {
 
     /// The fragment of `data` if `data` is these pieces with a valid string token in every
     /// hole (each checked by serde_json, so it is refused exactly where a parse would refuse it).
-    pub(crate) fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
+    fn read<'d>(&self, data: &'d str) -> Option<Str<'d>> {
         let (last, pieces) = self.pieces.split_last()?;
         // Both ends first: an event of another shape is turned away before any token is read.
         if !data.ends_with(&**last) || !data.starts_with(&**pieces.first()?) {
@@ -144,6 +144,57 @@ impl Pieces {
         }
         (rest == &**last).then_some(())?;
         fragment
+    }
+}
+
+/// Most templates a decoder keeps.
+const TEMPLATES_MAX: usize = 8;
+/// Largest event kept as a template (hot events are a few hundred bytes).
+const TEMPLATE_BYTES_MAX: usize = 4096;
+
+/// A decoder's templates: the last few hot events' [`Pieces`], each with what the rest of its
+/// event meant (`T`, the decoder's own), most recently used first.
+#[derive(Clone, Debug)]
+pub(crate) struct Templates<T> {
+    kept: Vec<(Pieces, T)>,
+    /// Events read through a template (tests and benchmarks look at it).
+    pub(crate) reads: u64,
+}
+
+impl<T> Default for Templates<T> {
+    fn default() -> Self {
+        Templates {
+            kept: Vec::new(),
+            reads: 0,
+        }
+    }
+}
+
+impl<T> Templates<T> {
+    /// The kept template `data` fits, with the fragment it holds; that template becomes the
+    /// most recently used.
+    pub(crate) fn read<'d>(&mut self, data: &'d str) -> Option<(&T, Str<'d>)> {
+        let (at, fragment) = self
+            .kept
+            .iter()
+            .enumerate()
+            .find_map(|(at, (pieces, _))| Some((at, pieces.read(data)?)))?;
+        self.kept[..=at].rotate_right(1);
+        self.reads += 1;
+        Some((&self.kept[0].1, fragment))
+    }
+
+    /// Keep `data`'s text around `holes` (the string tokens of members read from `data`
+    /// itself, the fragment first) as a template meaning `shape`, unless `data` is over
+    /// `TEMPLATE_BYTES_MAX` or a hole was not read from its text.
+    pub(crate) fn keep(&mut self, data: &str, holes: &[&RawStr<'_>], shape: T) {
+        if data.len() > TEMPLATE_BYTES_MAX {
+            return;
+        }
+        if let Some(pieces) = Pieces::of(data, holes) {
+            self.kept.truncate(TEMPLATES_MAX - 1);
+            self.kept.insert(0, (pieces, shape));
+        }
     }
 }
 

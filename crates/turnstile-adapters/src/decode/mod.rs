@@ -269,6 +269,34 @@ impl<D: EventDecoder> SseDecoder<D> {
     }
 }
 
+/// Feed `datas` as SSE events named `event` to `api`, in `SseDecoder::drain_sse`'s order, or
+/// without the fast path (`fast_first` false): the property tests hold the two to one output.
+#[cfg(test)]
+pub(crate) fn decode_events<D: EventDecoder>(
+    api: &mut D,
+    event: &str,
+    datas: &[String],
+    fast_first: bool,
+) -> Vec<Sequenced> {
+    let mut out = Emitter::default();
+    for data in datas {
+        let event = SseEvent {
+            event: event.into(),
+            data: data.clone(),
+            id: String::new(),
+        };
+        out.begin(None);
+        if fast_first && api.fast(&event, &mut out) {
+            continue;
+        }
+        match serde_json::from_str::<Value>(&event.data) {
+            Ok(payload) => api.event(&event, payload, &mut out),
+            Err(_) => api.non_json(&event, &mut out),
+        }
+    }
+    out.out.into_iter().collect()
+}
+
 /// Helpers for reading loosely typed provider JSON without panicking.
 pub(crate) fn str_at<'a>(value: &'a Value, key: &str) -> Option<&'a str> {
     value.get(key).and_then(Value::as_str)

@@ -35,7 +35,7 @@
 //! fields from it with the `Value` rules (a field of the wrong type is absent); both go through
 //! one [`Chat::chunk`], so the two paths cannot disagree on what a field means.
 
-use super::json::{Pieces, RawStr, Str, json_object};
+use super::json::{RawStr, Str, Templates, json_object};
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;
 use serde_json::Value;
@@ -64,10 +64,8 @@ pub(crate) struct Chat {
     /// Visible output of choice 0 per block key, as received, for the usage cross-check.
     output: std::collections::BTreeMap<BlockIndex, String>,
     output_bytes: usize,
-    /// The hot chunks' shapes seen last, most recent first (see [`Template`]).
-    templates: Vec<Template>,
-    /// Chunks read through a template (tests and benchmarks look at it).
-    pub(crate) template_reads: u64,
+    /// The hot chunks' shapes seen last (see [`Template`]).
+    pub(crate) templates: Templates<Template>,
 }
 
 /// One `chat.completion.chunk`: the fields the decoder reads. `error` is only looked at for
@@ -202,11 +200,6 @@ impl<'a> Delta<'a> {
     }
 }
 
-/// Most chunk shapes a decoder remembers.
-const TEMPLATES_MAX: usize = 8;
-/// Largest chunk kept as a template (hot chunks are a few hundred bytes).
-const TEMPLATE_BYTES_MAX: usize = 4096;
-
 /// The shape of a hot chunk: one text or argument fragment for choice 0, no finish reason, no
 /// usage. A stream's chunks of one kind differ only in that fragment and in the `obfuscation`
 /// padding, so the decoder keeps the last few chunks' bytes around those string tokens (the
@@ -216,10 +209,8 @@ const TEMPLATE_BYTES_MAX: usize = 4096;
 /// string's place leaves every other token where it was. So it means what the full parse would
 /// make of it (the property test in this module holds the two paths to one output), without
 /// the parse: a prefix and a suffix compare and the strings' own reads.
-#[derive(Clone)]
-struct Template {
-    /// The chunk's text around the fragment and the padding.
-    pieces: Pieces,
+#[derive(Clone, Debug)]
+pub(crate) struct Template {
     id: Option<Box<str>>,
     model: Option<Box<str>>,
     choice_index: Option<u64>,
@@ -228,10 +219,10 @@ struct Template {
 }
 
 impl Template {
-    /// The template of `chunk`, read from `data`, when it is a hot chunk whose fragment and
-    /// padding were read from `data`'s own tokens.
-    fn of(chunk: &Chunk<'_>, data: &str) -> Option<Template> {
-        if chunk.usage.is_some() || data.len() > TEMPLATE_BYTES_MAX {
+    /// The template of `chunk` when it is a hot chunk, with its holes (the fragment, then the
+    /// padding if any).
+    fn of<'c, 'a>(chunk: &'c Chunk<'a>) -> Option<(Template, Vec<&'c RawStr<'a>>)> {
+        if chunk.usage.is_some() {
             return None;
         }
         let [choice] = chunk.choices.as_deref()? else {
@@ -260,13 +251,13 @@ impl Template {
         };
         let mut holes = vec![fragment];
         holes.extend(&chunk.obfuscation);
-        Some(Template {
-            pieces: Pieces::of(data, &holes)?,
+        let template = Template {
             id: chunk.id.as_ref().map(|id| id.as_str().into()),
             model: chunk.model.as_ref().map(|model| model.as_str().into()),
             choice_index: choice.index,
             call,
-        })
+        };
+        Some((template, holes))
     }
 
     /// The chunk the full parse makes of this template with `fragment` in its hole.
@@ -311,16 +302,13 @@ impl Template {
 impl EventDecoder for Chat {
     fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
         let data = event.data.as_str();
-        if let Some((at, read)) = self
-            .templates
-            .iter()
-            .enumerate()
-            .find_map(|(at, template)| Some((at, template.pieces.read(data)?)))
-        {
-            let template = self.templates.remove(at);
-            self.chunk(template.chunk(read), out);
-            self.templates.insert(0, template);
-            self.template_reads += 1;
+        // Taken out for the call: `Chat::chunk` needs the rest of `self`.
+        let mut templates = std::mem::take(&mut self.templates);
+        let hit = templates
+            .read(data)
+            .map(|(template, fragment)| self.chunk(template.chunk(fragment), out));
+        self.templates = templates;
+        if hit.is_some() {
             return true;
         }
         let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(data) else {
@@ -329,9 +317,8 @@ impl EventDecoder for Chat {
         if chunk.error.is_some() {
             return false;
         }
-        if let Some(template) = Template::of(&chunk, data) {
-            self.templates.truncate(TEMPLATES_MAX - 1);
-            self.templates.insert(0, template);
+        if let Some((template, holes)) = Template::of(&chunk) {
+            self.templates.keep(data, &holes, template);
         }
         self.chunk(chunk, out);
         true
@@ -713,24 +700,7 @@ mod tests {
     }
 
     fn run(chunks: &[String], fast_first: bool) -> Vec<Sequenced> {
-        let mut chat = Chat::default();
-        let mut out = Emitter::default();
-        for data in chunks {
-            let event = SseEvent {
-                event: "message".into(),
-                data: data.clone(),
-                id: String::new(),
-            };
-            out.begin(None);
-            if fast_first && chat.fast(&event, &mut out) {
-                continue;
-            }
-            match serde_json::from_str::<Value>(&event.data) {
-                Ok(payload) => chat.event(&event, payload, &mut out),
-                Err(_) => chat.non_json(&event, &mut out),
-            }
-        }
-        out.out.into_iter().collect()
+        super::super::decode_events(&mut Chat::default(), "message", chunks, fast_first)
     }
 
     /// A hot chunk: a text fragment, or tool call `call`'s arguments fragment, with `id`,
@@ -834,7 +804,7 @@ mod tests {
             assert!(chat.fast(&event, &mut out), "{data}");
         }
         // The first chunk of each kind is parsed; the two after it are read through its template.
-        assert_eq!(chat.template_reads, 6);
+        assert_eq!(chat.templates.reads, 6);
         assert_eq!(chat.output[&TEXT_BLOCK], "The weather is \"mild\"");
         assert_eq!(chat.output[&BlockIndex(1)], "{\"city\":\"Paris\"}");
         assert_eq!(chat.output[&BlockIndex(2)], "{\"city\":\"Rome\"}");
