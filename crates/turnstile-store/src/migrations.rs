@@ -65,6 +65,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0008_dispatch_bodies.sql"),
         postgres: include_str!("../migrations/postgres/0008_dispatch_bodies.sql"),
     },
+    Migration {
+        version: 9,
+        name: "dispatch_manifests",
+        sqlite: include_str!("../migrations/sqlite/0009_dispatch_manifests.sql"),
+        postgres: include_str!("../migrations/postgres/0009_dispatch_manifests.sql"),
+    },
 ];
 
 /// The newest version this build knows.

@@ -396,8 +396,9 @@ pub(crate) async fn append_turn<T: Tx>(
 // ---------------------------------------------------------------------------------------------
 // Dispatches
 
-/// A dispatch with its request bytes (kept in `dispatch_bodies`, migration 8).
-const DISPATCH_COLUMNS: &str = "d.operation_id, d.conversation_id, d.revision, d.manifest, d.manifest_digest, \
+/// A dispatch with its manifest and request bytes (kept in `dispatch_bodies`, migrations 8
+/// and 9).
+const DISPATCH_COLUMNS: &str = "d.operation_id, d.conversation_id, d.revision, b.manifest, d.manifest_digest, \
      d.request_digest, b.request_bytes, d.provider, d.state, d.cancel_generation, d.active_generation, \
      d.committed_revision, d.outcome";
 
@@ -633,10 +634,10 @@ pub(crate) async fn prepare_targets<T: Tx>(
             // `updated_at` on the store's clock: the sweep compares it with the store's now
             // (`prepared_unattended`), never with a replica's.
             &format!(
-                "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
+                "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest_digest, \
                  request_digest, provider, state, cancel_generation, generation_last, \
-                 quarantined, created_at, updated_at, policy) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'PREPARED', 0, 0, 0, $8, {}, $9) \
+                 quarantined, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, 'PREPARED', 0, 0, 0, $7, {}) \
                  ON CONFLICT (operation_id) DO NOTHING",
                 tx.dialect().now_ms()
             ),
@@ -644,12 +645,10 @@ pub(crate) async fn prepare_targets<T: Tx>(
                 operation_id.into(),
                 conversation_id.into(),
                 manifest.body.conversation_revision.0.into(),
-                manifest_json.into(),
                 manifest_digest.into(),
                 manifest.body.request_digest.as_str().into(),
                 manifest.body.provider.as_str().into(),
                 ts(now),
-                policy_json.into(),
             ],
         )
         .await?;
@@ -666,9 +665,15 @@ pub(crate) async fn prepare_targets<T: Tx>(
             &fallback_digests,
         ));
     }
+    // What the dispatch was prepared with, written once: the row above is the one that changes.
     tx.execute(
-        "INSERT INTO dispatch_bodies (operation_id, request_bytes) VALUES ($1, $2)",
-        &[operation_id.into(), request_bytes.into()],
+        "INSERT INTO dispatch_bodies (operation_id, request_bytes, manifest, policy) VALUES ($1, $2, $3, $4)",
+        &[
+            operation_id.into(),
+            request_bytes.into(),
+            manifest_json.into(),
+            policy_json.into(),
+        ],
     )
     .await?;
     // The row just inserted, as `dispatch` would read it back (without reading the request
@@ -1080,19 +1085,14 @@ pub(crate) async fn fail_over<T: Tx>(
     if moved == 0 {
         return refused(tx, operation_id).await;
     }
-    let attempt = tx
-        .execute(
-            "UPDATE attempts SET state = 'FAILED', confirmed_over = 'provider_refused' \
-             WHERE operation_id = $1 AND generation = $2 AND state = $3",
-            &[operation_id.into(), generation.0.into(), from.as_str().into()],
-        )
-        .await?;
-    if attempt != 1 {
-        return Err(StoreError::Corrupt(format!(
-            "dispatch {operation_id} was {from} at generation {} but its attempt was not",
-            generation.0
-        )));
-    }
+    move_attempt(
+        tx,
+        operation_id,
+        generation,
+        from,
+        "state = 'FAILED', confirmed_over = 'provider_refused'",
+    )
+    .await?;
     set_end_reason(tx, operation_id, generation, reason).await?;
     record_transition(
         tx,
@@ -1587,17 +1587,14 @@ pub(crate) async fn commit<T: Tx>(
     tx.execute("SAVEPOINT canonical", &[]).await?;
     // Lock order: conversation, then dispatch. The carried transitions (SENT, STREAMING) are
     // written here, each with its history row, only when the commit wins.
-    let mut won = claim_revision(tx, &conversation_id, expected_revision, now).await?;
-    for (from, to) in steps {
-        won = won && move_both(tx, operation_id, generation, *from, *to, now).await?;
-    }
-    won = won
-        && move_both(
+    let won = claim_revision(tx, &conversation_id, expected_revision, now).await?
+        && carry_to_committed(
             tx,
             operation_id,
             generation,
-            DispatchState::Streaming,
-            DispatchState::Committed,
+            carried.from,
+            steps,
+            (revision, outcome),
             now,
         )
         .await?;
@@ -1640,16 +1637,6 @@ pub(crate) async fn commit<T: Tx>(
         return Ok(refuse(reason));
     }
     tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
-    set_end_reason(tx, operation_id, generation, "committed").await?;
-    tx.execute(
-        "UPDATE dispatches SET committed_revision = $2, outcome = $3 WHERE operation_id = $1",
-        &[
-            operation_id.into(),
-            revision.0.into(),
-            outcome.map(Value::to_string).into(),
-        ],
-    )
-    .await?;
     insert_turn(
         tx,
         &conversation_id,
@@ -1670,6 +1657,93 @@ pub(crate) async fn commit<T: Tx>(
         revision,
         tool_calls: calls.into_iter().map(|call| call.call_id).collect(),
     })
+}
+
+/// Set `set` (constant SQL) on the attempt of `generation`, which must be in `from`: its
+/// dispatch just moved from `from` under that generation, so an attempt elsewhere is a corrupt
+/// store.
+async fn move_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    set: &'static str,
+) -> Result<(), StoreError> {
+    let attempt = tx
+        .execute(
+            &format!("UPDATE attempts SET {set} WHERE operation_id = $1 AND generation = $2 AND state = $3"),
+            &[operation_id.into(), generation.0.into(), from.as_str().into()],
+        )
+        .await?;
+    if attempt != 1 {
+        return Err(StoreError::Corrupt(format!(
+            "dispatch {operation_id} was {from} at generation {} but its attempt was not",
+            generation.0
+        )));
+    }
+    Ok(())
+}
+
+/// The winning commit's moves of the dispatch and its attempt, from the state the attempt was
+/// carried in (`from`) to COMMITTED, in three statements whatever `steps` carried: the dispatch
+/// row (with its committed revision and outcome) and the attempt row (with its end reason) move
+/// once, each only from `from` under `generation`, and every transition on the way (SENT,
+/// STREAMING, COMMITTED) gets its history row in one insert. `false` (nothing written) when
+/// the dispatch is no longer in `from` at `generation`; what `move_both` step by step wrote,
+/// minus the intermediate row states nobody could read inside the transaction.
+async fn carry_to_committed<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    from: DispatchState,
+    steps: &[(DispatchState, DispatchState)],
+    (revision, outcome): (Revision, Option<&Value>),
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let moved = tx
+        .execute(
+            "UPDATE dispatches SET state = 'COMMITTED', updated_at = $4, committed_revision = $5, outcome = $6 \
+             WHERE operation_id = $1 AND active_generation = $2 AND state = $3",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                ts(now),
+                revision.0.into(),
+                outcome.map(Value::to_string).into(),
+            ],
+        )
+        .await?;
+    if moved == 0 {
+        return Ok(false);
+    }
+    move_attempt(
+        tx,
+        operation_id,
+        generation,
+        from,
+        "state = 'COMMITTED', end_reason = 'committed'",
+    )
+    .await?;
+    let moves: Vec<(DispatchState, DispatchState)> = steps
+        .iter()
+        .copied()
+        .chain([(DispatchState::Streaming, DispatchState::Committed)])
+        .collect();
+    let mut sql =
+        String::from("INSERT INTO transitions (operation_id, generation, from_state, to_state, at) VALUES ");
+    let mut params: Vec<SqlValue> = vec![operation_id.into(), generation.0.into(), ts(now)];
+    for (index, (step_from, step_to)) in moves.iter().enumerate() {
+        if index > 0 {
+            sql.push_str(", ");
+        }
+        let at = params.len();
+        sql.push_str(&format!("($1, $2, ${}, ${}, $3)", at + 1, at + 2));
+        params.push(step_from.as_str().into());
+        params.push(step_to.as_str().into());
+    }
+    tx.execute(&sql, &params).await?;
+    Ok(true)
 }
 
 async fn insert_tool_calls<T: Tx>(
@@ -2234,14 +2308,20 @@ pub(crate) async fn dispatch_policy<T: Tx>(
 ) -> Result<Option<Value>, StoreError> {
     let rows = tx
         .query(
-            "SELECT policy FROM dispatches WHERE operation_id = $1",
+            "SELECT b.operation_id, b.policy FROM dispatches d \
+             LEFT JOIN dispatch_bodies b ON b.operation_id = d.operation_id WHERE d.operation_id = $1",
             &[operation_id.into()],
         )
         .await?;
     let Some(row) = rows.first() else {
         return Ok(None);
     };
-    match row.text_opt(0)? {
+    if row.text_opt(0)?.is_none() {
+        return Err(StoreError::Corrupt(format!(
+            "dispatch {operation_id} has no body row"
+        )));
+    }
+    match row.text_opt(1)? {
         Some(text) => serde_json::from_str(&text)
             .map(Some)
             .map_err(|error| StoreError::Corrupt(format!("stored policy of {operation_id}: {error}"))),

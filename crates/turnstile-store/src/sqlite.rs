@@ -155,6 +155,7 @@ pub struct SqliteLedger {
     faults: Arc<FaultInjector>,
     counters: Arc<WriterCounters>,
     validation: Arc<ValidationCache>,
+    readers: Readers,
 }
 
 /// What the writer thread counts.
@@ -214,6 +215,68 @@ fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A connection to `path` with the store's clock and the settings every connection of the
+/// ledger shares (the writer's and the readers').
+fn open_connection(path: &Path, clock: &StoreClock) -> Result<Connection, StoreError> {
+    let connection = Connection::open(path)?;
+    let clock = clock.clone();
+    connection.create_scalar_function(
+        "turnstile_now_ms",
+        0,
+        rusqlite::functions::FunctionFlags::SQLITE_UTF8,
+        move |_| Ok(clock.manual_ms().map(|ms| i64::try_from(ms).unwrap_or(i64::MAX))),
+    )?;
+    connection.busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))?;
+    connection.set_prepared_statement_cache_capacity(128);
+    // Plans never depend on a bound value (the query planner stability guarantee).
+    // Without it, SQLite's planner marks some parameters of a statement as able to change
+    // its plan ("reprepare on bind"), and rusqlite's statement cache clears the bindings of
+    // every statement it takes back, which expires a marked statement: each later use
+    // parsed and planned it again. The conversation's turns and the dispatch read did, a
+    // fifth of the writer's time under load (`SqliteLedger::reprepares`).
+    connection.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+    Ok(connection)
+}
+
+/// The ledger's read connections: a read runs on the calling thread, on one of these, in its
+/// own read transaction (WAL readers never wait for the writer, and see exactly what its last
+/// commit left). Connections are opened when no idle one is left and kept up to
+/// `SQLITE_READERS_IDLE_MAX`; each is `query_only`, so a write sent here by mistake fails
+/// instead of racing the writer.
+struct Readers {
+    path: std::path::PathBuf,
+    clock: StoreClock,
+    idle: std::sync::Mutex<Vec<Connection>>,
+}
+
+impl Readers {
+    fn take(&self) -> Result<Connection, StoreError> {
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        match idle {
+            Some(connection) => Ok(connection),
+            None => {
+                let connection = open_connection(&self.path, &self.clock)?;
+                connection.execute_batch("PRAGMA query_only = ON;")?;
+                Ok(connection)
+            }
+        }
+    }
+
+    fn give_back(&self, connection: Connection) {
+        let mut idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if idle.len() < SQLITE_READERS_IDLE_MAX {
+            idle.push(connection);
+        }
+    }
+}
+
 impl SqliteLedger {
     /// Open (creating and migrating if needed) the ledger at `path`.
     pub fn open(path: impl AsRef<Path>, synchronous: Synchronous) -> Result<SqliteLedger, StoreError> {
@@ -227,14 +290,14 @@ impl SqliteLedger {
         synchronous: Synchronous,
         clock: StoreClock,
     ) -> Result<SqliteLedger, StoreError> {
-        let mut connection = Connection::open(path)?;
-        connection.create_scalar_function(
-            "turnstile_now_ms",
-            0,
-            rusqlite::functions::FunctionFlags::SQLITE_UTF8,
-            move |_| Ok(clock.manual_ms().map(|ms| i64::try_from(ms).unwrap_or(i64::MAX))),
-        )?;
-        connection.busy_timeout(std::time::Duration::from_millis(SQLITE_BUSY_TIMEOUT_MS))?;
+        let path = path.as_ref().to_path_buf();
+        let mut connection = open_connection(&path, &clock)?;
+        // A new file gets 2 KiB pages (SQLite ignores this for an existing one). A dispatch's
+        // transaction dirties one page in each of a dozen B-trees (its rows and their index
+        // entries sit apart), and each dirty page is one WAL frame: halving the page halves
+        // the bytes every commit writes and checkpoints, and no row the hot path writes needs
+        // more (docs/decisions.md, "The SQLite writer writes less").
+        connection.execute_batch(&format!("PRAGMA page_size = {SQLITE_PAGE_SIZE_BYTES};"))?;
         let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Corrupt(format!(
@@ -245,14 +308,12 @@ impl SqliteLedger {
             Synchronous::Full => "PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;",
             Synchronous::Normal => "PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
         })?;
-        connection.set_prepared_statement_cache_capacity(128);
-        // Plans never depend on a bound value (the query planner stability guarantee).
-        // Without it, SQLite's planner marks some parameters of a statement as able to change
-        // its plan ("reprepare on bind"), and rusqlite's statement cache clears the bindings of
-        // every statement it takes back, which expires a marked statement: each later use
-        // parsed and planned it again. The conversation's turns and the dispatch read did, a
-        // fifth of the writer's time under load (`SqliteLedger::reprepares`).
-        connection.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+        // Statement journals in memory. Every operation of a group commit runs in its own
+        // SAVEPOINT, and a page it changes that an earlier operation of the group already
+        // changed is first copied to the savepoint's journal; past 64 KiB SQLite spills that
+        // journal to a temporary file, opened, written and deleted per group. It never needs
+        // to outlive the transaction, and its size is bounded by the group's dirty pages.
+        connection.execute_batch("PRAGMA temp_store = MEMORY;")?;
         migrate(&mut connection)?;
         let faults = Arc::new(FaultInjector::default());
         let (jobs, queue) = mpsc::channel::<Job>();
@@ -269,6 +330,11 @@ impl SqliteLedger {
             faults,
             counters,
             validation: Arc::default(),
+            readers: Readers {
+                path,
+                clock,
+                idle: std::sync::Mutex::default(),
+            },
         })
     }
 
@@ -314,6 +380,35 @@ impl SqliteLedger {
         };
         jobs.send(job).map_err(|_| StoreError::WriterGone)?;
         answered.await.map_err(|_| StoreError::WriterGone)?
+    }
+}
+
+impl SqliteLedger {
+    /// Run a read-only `operation` now, on the calling thread, in one read transaction on a
+    /// reader connection. It never queues behind the writer's group commit (whose fsync a read
+    /// has no reason to wait for) and sees every acknowledged write: the writer answers only
+    /// after its commit.
+    fn read<T>(
+        &self,
+        operation: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let connection = self.readers.take()?;
+        control(&connection, "BEGIN DEFERRED")?;
+        let mut tx = SqliteTx {
+            connection: &connection,
+            reprepares: &self.counters.reprepares,
+        };
+        let result = operation(&mut tx);
+        // Ending a read transaction releases its snapshot; it cannot lose anything.
+        control(&connection, "COMMIT")?;
+        self.readers.give_back(connection);
+        // An armed fault is for the next transaction, a read's too (as on PostgreSQL, where a
+        // read is a transaction of the pool): its answer is lost, nothing was written.
+        match self.faults.take() {
+            Some(Fault::DropBeforeCommit) => Err(StoreError::ConnectionLost("before commit")),
+            Some(Fault::DropAfterCommit) => Err(StoreError::ConnectionLost("after commit")),
+            None => result,
+        }
     }
 }
 
@@ -564,14 +659,12 @@ impl Ledger for SqliteLedger {
         id_prefix: &str,
     ) -> Result<Vec<String>, StoreError> {
         let (call_id, id_prefix) = (call_id.to_owned(), id_prefix.to_owned());
-        self.run(move |tx| block_on_ready(ops::conversations_with_call(tx, &call_id, &id_prefix)))
-            .await
+        self.read(|tx| block_on_ready(ops::conversations_with_call(tx, &call_id, &id_prefix)))
     }
 
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError> {
         let id = conversation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::conversation(tx, &id)))
-            .await
+        self.read(|tx| block_on_ready(ops::conversation(tx, &id)))
     }
 
     async fn conversation_since(
@@ -580,8 +673,7 @@ impl Ledger for SqliteLedger {
         after: Revision,
     ) -> Result<Option<ConversationTail>, StoreError> {
         let id = conversation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::conversation_since(tx, &id, after)))
-            .await
+        self.read(|tx| block_on_ready(ops::conversation_since(tx, &id, after)))
     }
 
     async fn append_turn(
@@ -664,24 +756,22 @@ impl Ledger for SqliteLedger {
 
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {
         let op = operation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::dispatch_fallbacks(tx, &op)))
-            .await
+        self.read(|tx| block_on_ready(ops::dispatch_fallbacks(tx, &op)))
     }
 
     async fn dispatch_policy(&self, operation_id: &str) -> Result<Option<Value>, StoreError> {
         let op = operation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::dispatch_policy(tx, &op)))
-            .await
+        self.read(|tx| block_on_ready(ops::dispatch_policy(tx, &op)))
     }
 
     async fn dispatch(&self, operation_id: &str) -> Result<Option<DispatchRecord>, StoreError> {
         let op = operation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::dispatch(tx, &op))).await
+        self.read(|tx| block_on_ready(ops::dispatch(tx, &op)))
     }
 
     async fn attempts(&self, operation_id: &str) -> Result<Vec<AttemptRecord>, StoreError> {
         let op = operation_id.to_owned();
-        self.run(move |tx| block_on_ready(ops::attempts(tx, &op))).await
+        self.read(|tx| block_on_ready(ops::attempts(tx, &op)))
     }
 
     async fn begin_attempt(
@@ -885,13 +975,11 @@ impl Ledger for SqliteLedger {
     }
 
     async fn quarantined(&self, limit: u64) -> Result<Vec<QuarantineRecord>, StoreError> {
-        self.run(move |tx| block_on_ready(ops::quarantined(tx, limit)))
-            .await
+        self.read(|tx| block_on_ready(ops::quarantined(tx, limit)))
     }
 
     async fn tool_calls(&self, state: Option<ToolCallState>) -> Result<Vec<ToolCallRecord>, StoreError> {
-        self.run(move |tx| block_on_ready(ops::tool_calls(tx, state)))
-            .await
+        self.read(|tx| block_on_ready(ops::tool_calls(tx, state)))
     }
 
     async fn claim_tool_call(
@@ -936,16 +1024,15 @@ impl Ledger for SqliteLedger {
     }
 
     async fn counters(&self) -> Result<Counters, StoreError> {
-        self.run(move |tx| block_on_ready(ops::counters(tx))).await
+        self.read(|tx| block_on_ready(ops::counters(tx)))
     }
 
     async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError> {
-        self.run(move |tx| block_on_ready(ops::prepared_unattended(tx, idle_ms, limit)))
-            .await
+        self.read(|tx| block_on_ready(ops::prepared_unattended(tx, idle_ms, limit)))
     }
 
     async fn stuck_age_ms(&self) -> Result<u64, StoreError> {
-        self.run(move |tx| block_on_ready(ops::stuck_age_ms(tx))).await
+        self.read(|tx| block_on_ready(ops::stuck_age_ms(tx)))
     }
 
     async fn store_now(&self) -> Result<Timestamp, StoreError> {
@@ -1000,8 +1087,7 @@ impl Ledger for SqliteLedger {
 
     async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError> {
         let query = query.clone();
-        self.run(move |tx| block_on_ready(crate::listing::conversations(tx, &query)))
-            .await
+        self.read(|tx| block_on_ready(crate::listing::conversations(tx, &query)))
     }
 
     async fn quarantine_page(
@@ -1011,8 +1097,7 @@ impl Ledger for SqliteLedger {
         limit: u64,
     ) -> Result<crate::listing::QuarantinePage, StoreError> {
         let id_prefix = id_prefix.to_owned();
-        self.run(move |tx| block_on_ready(crate::listing::quarantine_page(tx, &id_prefix, before, limit)))
-            .await
+        self.read(|tx| block_on_ready(crate::listing::quarantine_page(tx, &id_prefix, before, limit)))
     }
 }
 

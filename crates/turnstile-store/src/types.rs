@@ -20,6 +20,11 @@ pub const TARGETS_PER_DISPATCH_MAX: usize = 8;
 pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
 /// How long a SQLite connection waits for another process's write lock.
 pub const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
+/// The page size of a new SQLite ledger file.
+pub const SQLITE_PAGE_SIZE_BYTES: usize = 2048;
+/// Most idle read connections a SQLite ledger keeps open (reads run on the calling thread, so
+/// as many run at once as threads call; the ones above this are closed after their read).
+pub const SQLITE_READERS_IDLE_MAX: usize = 8;
 
 /// Answer of [`crate::Ledger::conversation_since`].
 #[derive(Clone, Debug, PartialEq)]

@@ -66,7 +66,7 @@ suite!(
     prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
     a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
-    a_version_7_database_keeps_every_request_body_across_migration_8,
+    a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9,
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
 );
 
@@ -590,6 +590,78 @@ async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
         store.counters().await.unwrap();
     }
     assert_eq!(store.reprepares(), 0, "a cached statement was parsed again");
+}
+
+/// Issue 21: a SQLite read never queues behind the writer. While another connection holds the
+/// file's write lock, the writer's group cannot begin (it waits out `busy_timeout`), yet the
+/// ledger answers reads from what was committed, and the write still queued lands once the lock
+/// goes, seen by the next read. With reads sent through the writer, the read waited behind the
+/// stuck group and failed with it when its BEGIN timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_read_never_waits_for_the_writer() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("ledger.db");
+    let store = std::sync::Arc::new(SqliteLedger::open(&path, Synchronous::Full).expect("open sqlite"));
+    conversation_at_1(&*store, "c").await;
+    let blocker = rusqlite::Connection::open(&path).expect("second connection");
+    blocker
+        .execute_batch("BEGIN IMMEDIATE")
+        .expect("take the write lock");
+    let write = {
+        let store = std::sync::Arc::clone(&store);
+        tokio::spawn(async move { store.create_conversation("d", &tools(), at(5)).await })
+    };
+    let document = store
+        .conversation("c")
+        .await
+        .expect("read while the writer waits");
+    assert_eq!(document.expect("committed conversation")["revision"], 1);
+    let tail = store
+        .conversation_since("c", Revision(0))
+        .await
+        .expect("tail while the writer waits")
+        .expect("committed conversation");
+    assert_eq!((tail.revision, tail.turns.len()), (Revision(1), 1));
+    assert_eq!(
+        store.conversation("d").await.unwrap(),
+        None,
+        "the queued write is not in yet"
+    );
+    assert!(
+        !write.is_finished(),
+        "the write cannot land while the lock is held"
+    );
+    blocker.execute_batch("ROLLBACK").expect("release the write lock");
+    assert_eq!(write.await.unwrap().unwrap(), CreateOutcome::Created);
+    assert!(
+        store.conversation("d").await.unwrap().is_some(),
+        "an acknowledged write is read"
+    );
+}
+
+/// A new SQLite ledger file has the ledger's page size (`SQLITE_PAGE_SIZE_BYTES`); an existing
+/// file keeps the page size it was made with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_sqlite_ledger_has_small_pages_and_an_old_one_keeps_its_own() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let page_size = |path: &std::path::Path| -> i64 {
+        rusqlite::Connection::open(path)
+            .unwrap()
+            .query_row("PRAGMA page_size", [], |row| row.get(0))
+            .unwrap()
+    };
+    let new = dir.path().join("new.db");
+    drop(SqliteLedger::open(&new, Synchronous::Full).expect("open sqlite"));
+    assert_eq!(page_size(&new), turnstile_store::SQLITE_PAGE_SIZE_BYTES as i64);
+    let old = dir.path().join("old.db");
+    rusqlite::Connection::open(&old)
+        .unwrap()
+        .execute_batch("PRAGMA page_size = 4096; CREATE TABLE kept (x); PRAGMA journal_mode = WAL;")
+        .unwrap();
+    let store = SqliteLedger::open(&old, Synchronous::Full).expect("open sqlite");
+    conversation_at_1(&store, "c").await;
+    drop(store);
+    assert_eq!(page_size(&old), 4096);
 }
 
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
@@ -2102,10 +2174,14 @@ pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_
     );
 }
 
-/// Migration 8 moves each dispatch's request bytes into `dispatch_bodies`: a database written
-/// at version 7 (bodies in the dispatch row) opens at the latest version with every body
-/// intact and read back byte for byte, on both databases.
-pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(backend: Backend, name: &str) {
+/// Migrations 8 and 9 move each dispatch's request bytes, then its manifest and render policy,
+/// into `dispatch_bodies`: a database written at version 7 (all three in the dispatch row)
+/// opens at the latest version with every body read back byte for byte and every manifest and
+/// policy as stored, on both databases.
+pub async fn a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9(
+    backend: Backend,
+    name: &str,
+) {
     let place = place(backend, name).await;
     let bodies: Vec<Vec<u8>> = [3usize, 300_000]
         .iter()
@@ -2119,8 +2195,11 @@ pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(ba
                         VALUES ('c', 0, '[]', 1, 1)";
     let dispatch = "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
                     request_digest, request_bytes, provider, state, cancel_generation, generation_last, \
-                    quarantined, created_at, updated_at) \
-                    VALUES ($1, 'c', 0, '{}', 'md', 'rd', $2, 'p', 'FAILED', 0, 0, 0, 1, 1)";
+                    quarantined, created_at, updated_at, policy) \
+                    VALUES ($1, 'c', 0, $2, 'md', 'rd', $3, 'p', 'FAILED', 0, 0, 0, 1, 1, $4)";
+    let manifest_of = |index: usize| json!({"kept": index}).to_string();
+    // The first dispatch has no policy (NULL, as before migration 6 filled it).
+    let policy_of = |index: usize| (index > 0).then(|| json!({"policy": index}).to_string());
     match backend {
         Backend::Sqlite => {
             let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
@@ -2141,7 +2220,10 @@ pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(ba
             connection.execute(conversation, []).unwrap();
             for (index, bytes) in bodies.iter().enumerate() {
                 connection
-                    .execute(dispatch, rusqlite::params![format!("op-{index}"), bytes])
+                    .execute(
+                        dispatch,
+                        rusqlite::params![format!("op-{index}"), manifest_of(index), bytes, policy_of(index)],
+                    )
                     .unwrap();
             }
         }
@@ -2171,7 +2253,15 @@ pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(ba
             client.batch_execute(conversation).await.unwrap();
             for (index, bytes) in bodies.iter().enumerate() {
                 client
-                    .execute(dispatch, &[&format!("op-{index}"), bytes])
+                    .execute(
+                        dispatch,
+                        &[
+                            &format!("op-{index}"),
+                            &manifest_of(index),
+                            bytes,
+                            &policy_of(index),
+                        ],
+                    )
                     .await
                     .unwrap();
             }
@@ -2182,6 +2272,12 @@ pub async fn a_version_7_database_keeps_every_request_body_across_migration_8(ba
         let record = store.dispatch(&format!("op-{index}")).await.unwrap().unwrap();
         assert_eq!(&record.request_bytes, expected, "op-{index}");
         assert_eq!(record.state, DispatchState::Failed);
+        assert_eq!(record.manifest, json!({"kept": index}), "op-{index}");
+        assert_eq!(
+            store.dispatch_policy(&format!("op-{index}")).await.unwrap(),
+            (index > 0).then(|| json!({"policy": index})),
+            "op-{index}"
+        );
     }
 }
 
