@@ -71,6 +71,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0009_dispatch_manifests.sql"),
         postgres: include_str!("../migrations/postgres/0009_dispatch_manifests.sql"),
     },
+    Migration {
+        version: 10,
+        name: "live_indexes",
+        sqlite: include_str!("../migrations/sqlite/0010_live_indexes.sql"),
+        postgres: include_str!("../migrations/postgres/0010_live_indexes.sql"),
+    },
 ];
 
 /// The newest version this build knows.

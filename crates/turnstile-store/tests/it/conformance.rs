@@ -67,6 +67,7 @@ suite!(
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
     a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
     a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9,
+    a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only,
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
 );
 
@@ -2174,6 +2175,56 @@ pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_
     );
 }
 
+/// A database at `place` built by hand at schema `version` (every migration up to it, as an
+/// older build left it). PostgreSQL: a client whose `search_path` is the place's schema, for the
+/// caller's rows; SQLite: None (the caller opens the file).
+async fn built_by_hand_at(place: &Place, version: i64) -> Option<tokio_postgres::Client> {
+    let up_to = migrations::MIGRATIONS
+        .iter()
+        .filter(|migration| migration.version <= version);
+    let ddl = "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)";
+    match place.backend {
+        Backend::Sqlite => {
+            let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
+            connection.execute_batch(ddl).unwrap();
+            for migration in up_to {
+                connection.execute_batch(migration.sqlite).unwrap();
+                connection
+                    .execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, 0)",
+                        rusqlite::params![migration.version, migration.name],
+                    )
+                    .unwrap();
+            }
+            None
+        }
+        Backend::Postgres => {
+            let (client, connection) = tokio_postgres::connect(&pg_url(), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            let schema = &place.schema;
+            client
+                .batch_execute(&format!(
+                    "CREATE SCHEMA {schema}; SET search_path TO {schema}; {ddl}"
+                ))
+                .await
+                .unwrap();
+            for migration in up_to {
+                client.batch_execute(migration.postgres).await.unwrap();
+                client
+                    .execute(
+                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, 0)",
+                        &[&migration.version, &migration.name],
+                    )
+                    .await
+                    .unwrap();
+            }
+            Some(client)
+        }
+    }
+}
+
 /// Migrations 8 and 9 move each dispatch's request bytes, then its manifest and render policy,
 /// into `dispatch_bodies`: a database written at version 7 (all three in the dispatch row)
 /// opens at the latest version with every body read back byte for byte and every manifest and
@@ -2188,9 +2239,6 @@ pub async fn a_version_7_database_keeps_every_request_body_manifest_and_policy_a
         .enumerate()
         .map(|(index, size)| (0..*size).map(|i| (i * 7 + index) as u8).collect())
         .collect();
-    let version_7 = migrations::MIGRATIONS
-        .iter()
-        .filter(|migration| migration.version <= 7);
     let conversation = "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
                         VALUES ('c', 0, '[]', 1, 1)";
     let dispatch = "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest, manifest_digest, \
@@ -2200,23 +2248,9 @@ pub async fn a_version_7_database_keeps_every_request_body_manifest_and_policy_a
     let manifest_of = |index: usize| json!({"kept": index}).to_string();
     // The first dispatch has no policy (NULL, as before migration 6 filled it).
     let policy_of = |index: usize| (index > 0).then(|| json!({"policy": index}).to_string());
-    match backend {
-        Backend::Sqlite => {
+    match built_by_hand_at(&place, 7).await {
+        None => {
             let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
-            connection
-                .execute_batch(
-                    "CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
-                )
-                .unwrap();
-            for migration in version_7 {
-                connection.execute_batch(migration.sqlite).unwrap();
-                connection
-                    .execute(
-                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, 0)",
-                        rusqlite::params![migration.version, migration.name],
-                    )
-                    .unwrap();
-            }
             connection.execute(conversation, []).unwrap();
             for (index, bytes) in bodies.iter().enumerate() {
                 connection
@@ -2227,29 +2261,7 @@ pub async fn a_version_7_database_keeps_every_request_body_manifest_and_policy_a
                     .unwrap();
             }
         }
-        Backend::Postgres => {
-            let (client, connection) = tokio_postgres::connect(&pg_url(), tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(connection);
-            let schema = &place.schema;
-            client
-                .batch_execute(&format!(
-                    "CREATE SCHEMA {schema}; SET search_path TO {schema}; \
-                     CREATE TABLE schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)"
-                ))
-                .await
-                .unwrap();
-            for migration in version_7 {
-                client.batch_execute(migration.postgres).await.unwrap();
-                client
-                    .execute(
-                        "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, 0)",
-                        &[&migration.version, &migration.name],
-                    )
-                    .await
-                    .unwrap();
-            }
+        Some(client) => {
             client.batch_execute(conversation).await.unwrap();
             for (index, bytes) in bodies.iter().enumerate() {
                 client
@@ -2278,6 +2290,170 @@ pub async fn a_version_7_database_keeps_every_request_body_manifest_and_policy_a
             (index > 0).then(|| json!({"policy": index})),
             "op-{index}"
         );
+    }
+}
+
+/// Migration 10 rebuilds `attempts` and `handles` without rowids and `transitions` without
+/// AUTOINCREMENT (SQLite), and replaces both state indexes with partial ones holding only live
+/// attempts and PREPARED dispatches (both databases). A database written at version 9 opens at
+/// the latest version with every attempt, handle and transition as stored, in order; the
+/// sweeps still find the PREPARED dispatch and the UNKNOWN attempt, and on SQLite each sweep's
+/// plan reads its partial index, foreign keys hold, and a new transition's id follows the old.
+pub async fn a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only(
+    backend: Backend,
+    name: &str,
+) {
+    let place = place(backend, name).await;
+    let rows = "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
+                VALUES ('c', 0, '[]', 1, 1);
+         INSERT INTO dispatches (operation_id, conversation_id, revision, manifest_digest, request_digest, \
+           provider, state, cancel_generation, generation_last, active_generation, quarantined, created_at, updated_at) \
+         VALUES ('op-prep', 'c', 0, 'md', 'rd', 'sim', 'PREPARED', 0, 0, NULL, 0, 1, 1), \
+                ('op-live', 'c', 0, 'md', 'rd', 'sim', 'UNKNOWN', 0, 1, 1, 0, 1, 4), \
+                ('op-done', 'c', 0, 'md', 'rd', 'sim', 'COMMITTED', 0, 1, 1, 0, 1, 6);
+         INSERT INTO dispatch_bodies (operation_id, request_bytes, manifest, policy) \
+         VALUES ('op-prep', 'x', '{}', NULL), ('op-live', 'x', '{}', NULL), ('op-done', 'x', '{}', NULL);
+         INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
+           lease_holder, lease_expires_at, started_at, resumes, replays, end_reason, confirmed_over, target) \
+         VALUES ('op-live', 1, 'UNKNOWN', 'k-live', 'rd', 'h-1', 'gone', 5, 2, 2, 1, 'stream_cut', NULL, 0), \
+                ('op-done', 1, 'COMMITTED', 'k-done', 'rd', 'h-2', 'gone', 9, 2, 0, 0, 'committed', 'lease_expired', 1);
+         INSERT INTO handles (provider, handle, manifest_digest, operation_id, generation, bound_at) \
+         VALUES ('sim', 'h-1', 'md', 'op-live', 1, 3), ('sim', 'h-2', 'md', 'op-done', 1, 4);
+         INSERT INTO transitions (operation_id, generation, from_state, to_state, at) \
+         VALUES ('op-live', 1, NULL, 'DISPATCHING', 2), ('op-done', 1, NULL, 'DISPATCHING', 2), \
+                ('op-live', 1, 'DISPATCHING', 'SENT', 3), ('op-done', 1, 'DISPATCHING', 'STREAMING', 3), \
+                ('op-live', 1, 'SENT', 'UNKNOWN', 4), ('op-done', 1, 'STREAMING', 'COMMITTED', 6);";
+    match built_by_hand_at(&place, 9).await {
+        None => rusqlite::Connection::open(place.sqlite_path())
+            .unwrap()
+            .execute_batch(rows)
+            .unwrap(),
+        Some(client) => client.batch_execute(rows).await.unwrap(),
+    }
+    let store = open_at(&place, 2).await;
+    let live = store.attempts("op-live").await.unwrap();
+    assert_eq!(live.len(), 1);
+    let attempt = &live[0];
+    assert_eq!(
+        (
+            attempt.generation,
+            attempt.state,
+            attempt.idempotency_key.as_str(),
+            attempt.handle.as_deref()
+        ),
+        (Generation(1), DispatchState::Unknown, "k-live", Some("h-1"))
+    );
+    assert_eq!(
+        (
+            attempt.lease_holder.as_str(),
+            attempt.lease_expires_at,
+            attempt.resumes,
+            attempt.replays
+        ),
+        ("gone", at(5), 2, 1)
+    );
+    assert_eq!(
+        (
+            attempt.end_reason.as_deref(),
+            attempt.confirmed_over.as_deref(),
+            attempt.target
+        ),
+        (Some("stream_cut"), None, 0)
+    );
+    assert_eq!(
+        attempt.history,
+        vec![
+            (DispatchState::Dispatching, at(2)),
+            (DispatchState::Sent, at(3)),
+            (DispatchState::Unknown, at(4))
+        ]
+    );
+    let done = store.attempts("op-done").await.unwrap();
+    assert_eq!(
+        done.iter()
+            .map(|a| (a.state, a.handle.clone(), a.confirmed_over.clone(), a.target))
+            .collect::<Vec<_>>(),
+        vec![(
+            DispatchState::Committed,
+            Some("h-2".to_owned()),
+            Some("lease_expired".to_owned()),
+            1
+        )]
+    );
+    assert_eq!(
+        done[0].history,
+        vec![
+            (DispatchState::Dispatching, at(2)),
+            (DispatchState::Streaming, at(3)),
+            (DispatchState::Committed, at(6))
+        ]
+    );
+    // The sweeps, through their partial indexes: the PREPARED dispatch nobody drives, the
+    // UNKNOWN attempt (long past its lease), nothing of the committed one.
+    assert_eq!(
+        store.prepared_unattended(0, 10).await.unwrap(),
+        vec!["op-prep".to_owned()]
+    );
+    assert!(
+        store.stuck_age_ms().await.unwrap() > 1_000_000_000,
+        "the UNKNOWN attempt's lease ran out in 1970"
+    );
+    let report = store.recover_startup("replica-b", at(10)).await.unwrap();
+    assert_eq!(report.marked_unknown, 0);
+    assert_eq!(
+        report
+            .unknown
+            .iter()
+            .map(|a| (a.operation_id.as_str(), a.generation))
+            .collect::<Vec<_>>(),
+        vec![("op-live", Generation(1))]
+    );
+    if let Store::Sqlite(ledger) = &store {
+        for (sweep, plan, index) in ledger.sweep_plans().unwrap() {
+            assert!(plan.contains(&index), "{sweep} should read {index}: {plan}");
+        }
+        drop(store);
+        let connection = rusqlite::Connection::open(place.sqlite_path()).unwrap();
+        let broken: i64 = connection
+            .query_row("SELECT COUNT(*) FROM pragma_foreign_key_check", [], |row| {
+                row.get(0)
+            })
+            .unwrap();
+        assert_eq!(broken, 0);
+        let sql_of = |table: &str| -> String {
+            connection
+                .query_row(
+                    "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                    [table],
+                    |row| row.get(0),
+                )
+                .unwrap()
+        };
+        assert!(sql_of("attempts").contains("WITHOUT ROWID"));
+        assert!(sql_of("handles").contains("WITHOUT ROWID"));
+        assert!(!sql_of("transitions").contains("AUTOINCREMENT"));
+        let handles: Vec<(String, String, i64)> = connection
+            .prepare("SELECT handle, operation_id, bound_at FROM handles ORDER BY handle")
+            .unwrap()
+            .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            handles,
+            vec![
+                ("h-1".to_owned(), "op-live".to_owned(), 3),
+                ("h-2".to_owned(), "op-done".to_owned(), 4)
+            ]
+        );
+        connection
+            .execute(
+                "INSERT INTO transitions (operation_id, generation, from_state, to_state, at) \
+                 VALUES ('op-prep', NULL, NULL, 'ABANDONED', 11)",
+                [],
+            )
+            .unwrap();
+        assert_eq!(connection.last_insert_rowid(), 7, "ids go on from the largest");
     }
 }
 
