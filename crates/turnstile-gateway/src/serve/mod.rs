@@ -281,6 +281,11 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
     });
 
+    // The BPE tables load beside recovery, not on the first request that counts tokens.
+    std::thread::Builder::new()
+        .name("turnstile-warm-up".into())
+        .spawn(turnstile_adapters::tokens::warm_up)
+        .map_err(|error| format!("cannot start the warm-up thread: {error}"))?;
     recover(&shared, &shared.holder.clone(), 0).await?;
     tokio::spawn(sweep(shared.clone()));
 
