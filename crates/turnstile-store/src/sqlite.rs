@@ -3,10 +3,10 @@
 //! **One writer thread with group commit.** rusqlite is synchronous; rather than
 //! `spawn_blocking` per call (a pool of threads that would only queue on SQLite's single write
 //! lock), each [`SqliteLedger`] owns one connection on one dedicated thread. Callers send an
-//! operation and await its answer. The thread drains whatever operations are queued (up to
-//! `GROUP_COMMIT_OPS_MAX`), runs them in one `BEGIN IMMEDIATE` transaction, each inside its
-//! own `SAVEPOINT` (an operation that fails rolls back alone), commits once, and only then
-//! answers all of them. One fsync covers the whole group, so concurrent conversations share
+//! operation and await its answer. The thread drains whatever operations are queued, runs
+//! them in one `BEGIN IMMEDIATE` transaction, each inside its own `SAVEPOINT` (an operation
+//! that fails rolls back alone), takes in those queued meanwhile (up to
+//! `GROUP_COMMIT_OPS_MAX` in all), commits once, and only then answers all of them. One fsync covers the whole group, so concurrent conversations share
 //! the durability cost; a lone writer pays one fsync per operation. The outcome of each
 //! operation still comes only from its own conditional writes: batching changes when the
 //! fsync happens, never who wins. Two `SqliteLedger`s on one file (two "replicas") exclude
@@ -527,7 +527,7 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        run_batch(&connection, batch, &faults, &counters);
+        run_batch(&connection, batch, &queue, &faults, &counters);
     }
 }
 
@@ -538,8 +538,16 @@ fn control(connection: &Connection, sql: &str) -> rusqlite::Result<()> {
 }
 
 /// Run one group commit; `counters.write_ops` counts its operations that changed a row, once
-/// committed and before anyone is answered.
-fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector, counters: &WriterCounters) {
+/// committed and before anyone is answered. Operations queued while the group runs join it
+/// (up to `GROUP_COMMIT_OPS_MAX` in all) rather than wait for the next group's fsync: the
+/// group is whatever is queued when the writer reaches its COMMIT.
+fn run_batch(
+    connection: &Connection,
+    batch: Vec<Job>,
+    queue: &mpsc::Receiver<Job>,
+    faults: &FaultInjector,
+    counters: &WriterCounters,
+) {
     let count = |wrote: u64| {
         counters
             .write_ops
@@ -557,7 +565,16 @@ fn run_batch(connection: &Connection, batch: Vec<Job>, faults: &FaultInjector, c
     }
     let mut replies = Vec::with_capacity(batch.len());
     let mut wrote = 0;
-    for job in batch {
+    let mut taken = batch.len();
+    let late = std::iter::from_fn(|| {
+        if taken >= GROUP_COMMIT_OPS_MAX {
+            return None;
+        }
+        let job = queue.try_recv().ok()?;
+        taken += 1;
+        Some(job)
+    });
+    for job in batch.into_iter().chain(late) {
         let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
         let mut tx = SqliteTx {
@@ -1212,6 +1229,7 @@ mod tests {
             .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
             .unwrap();
         let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
+        let (_sender, nothing_queued) = mpsc::channel::<Job>();
         let cases: [Case; 7] = [
             (&[(1, true)], &[]),
             (&[(1, false)], &[1]),
@@ -1229,7 +1247,7 @@ mod tests {
                 .map(|&(value, fails)| insert(value, fails, &told))
                 .collect();
             let wrote = counters.write_ops.load(std::sync::atomic::Ordering::Relaxed);
-            run_batch(&connection, batch, &faults, &counters);
+            run_batch(&connection, batch, &nothing_queued, &faults, &counters);
             assert_eq!(rows(&connection), kept, "group {group:?}");
             assert_eq!(
                 counters.write_ops.load(std::sync::atomic::Ordering::Relaxed) - wrote,
@@ -1252,8 +1270,57 @@ mod tests {
         // A fault armed for the group reaches its operations even when none of them wrote.
         faults.arm(Fault::DropBeforeCommit);
         let told = Told::default();
-        run_batch(&connection, vec![insert(9, true, &told)], &faults, &counters);
+        run_batch(
+            &connection,
+            vec![insert(9, true, &told)],
+            &nothing_queued,
+            &faults,
+            &counters,
+        );
         assert_eq!(told.lock().unwrap()[0].1, "Lost(\"before commit\")");
+        assert!(connection.is_autocommit());
+    }
+
+    /// Operations queued while a group runs join it, before its COMMIT (one fsync for all),
+    /// up to `GROUP_COMMIT_OPS_MAX` operations in the group; the rest wait in the queue.
+    #[test]
+    fn operations_queued_while_a_group_runs_join_it_up_to_the_group_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let connection = Connection::open(dir.path().join("t.db")).unwrap();
+        connection
+            .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
+            .unwrap();
+        let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
+        let (sender, queue) = mpsc::channel::<Job>();
+        let told = Told::default();
+        // The first operation queues the next ones while it runs, as callers do meanwhile.
+        let late = GROUP_COMMIT_OPS_MAX + 3;
+        let first: Job = {
+            let (told, sender) = (Arc::clone(&told), sender.clone());
+            Box::new(move |tx| {
+                for value in 1..=late as i64 {
+                    sender.send(insert(value, false, &told)).unwrap();
+                }
+                let ran =
+                    tx.map(|tx| block_on_ready(tx.execute("INSERT INTO t (x) VALUES (0)", &[])).is_ok());
+                let reply: Reply = Box::new(move |end| told.lock().unwrap().push((0, format!("{end:?}"))));
+                (reply, ran.unwrap_or(false))
+            })
+        };
+        run_batch(&connection, vec![first], &queue, &faults, &counters);
+        let answered = told.lock().unwrap().clone();
+        let expected: Vec<i64> = (0..GROUP_COMMIT_OPS_MAX as i64).collect();
+        assert_eq!(
+            answered.iter().map(|(value, _)| *value).collect::<Vec<_>>(),
+            expected
+        );
+        assert!(answered.iter().all(|(_, end)| end == "Committed"));
+        assert_eq!(rows(&connection), expected, "one group, committed together");
+        assert_eq!(
+            queue.try_iter().count(),
+            late + 1 - GROUP_COMMIT_OPS_MAX,
+            "the rest wait"
+        );
         assert!(connection.is_autocommit());
     }
 }
