@@ -66,6 +66,9 @@ fn prepare(c: &mut Criterion) {
                 })
             },
         );
+        group.bench_with_input(BenchmarkId::new("depth_prescan", target), &bytes, |b, bytes| {
+            b.iter(|| parse::depth_exceeds(black_box(bytes), turnstile_core::limits::JSON_DEPTH_MAX))
+        });
         group.bench_with_input(
             BenchmarkId::new("turnstile_parse_validate_graph_digest", target),
             &bytes,

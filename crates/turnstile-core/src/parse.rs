@@ -57,21 +57,28 @@ fn json_within_limits(bytes: &[u8]) -> Result<Value, Unreadable> {
 /// not count. Malformed text is scanned as far as it goes; the parser reports it afterwards.
 pub fn depth_exceeds(bytes: &[u8], depth_max: usize) -> bool {
     let mut depth = 0usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for &byte in bytes {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if byte == b'\\' {
-                escaped = true;
-            } else if byte == b'"' {
-                in_string = false;
-            }
-            continue;
-        }
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
         match byte {
-            b'"' => in_string = true,
+            b'"' => {
+                // Past the string in one jump per escape: most of a conversation's bytes are
+                // text inside strings, and only a quote or a backslash can end one.
+                at += 1;
+                loop {
+                    let Some(offset) = bytes
+                        .get(at..)
+                        .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+                    else {
+                        // Unterminated: nothing after it counts.
+                        return false;
+                    };
+                    at += offset;
+                    if bytes[at] == b'"' {
+                        break;
+                    }
+                    at += 2;
+                }
+            }
             b'[' | b'{' => {
                 depth += 1;
                 if depth > depth_max {
@@ -81,6 +88,7 @@ pub fn depth_exceeds(bytes: &[u8], depth_max: usize) -> bool {
             b']' | b'}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        at += 1;
     }
     false
 }

@@ -1,6 +1,7 @@
 //! Integration tests of turnstile-core (one binary, see STYLE.md).
 
 mod assemble;
+mod depth_scan;
 mod digest;
 mod dispatch;
 mod generate;
