@@ -6,8 +6,9 @@
 //! operation and await its answer. The thread drains whatever operations are queued, runs
 //! them in one `BEGIN IMMEDIATE` transaction, each inside its own `SAVEPOINT` (an operation
 //! that fails rolls back alone), takes in those queued meanwhile (up to
-//! `GROUP_COMMIT_OPS_MAX` in all), commits once, and only then answers all of them. One fsync covers the whole group, so concurrent conversations share
-//! the durability cost; a lone writer pays one fsync per operation. The outcome of each
+//! `GROUP_COMMIT_OPS_MAX` in all), commits once, and only then answers all of them. One
+//! fsync covers the whole group, so concurrent conversations share the durability cost; a
+//! lone writer pays one fsync per operation. The outcome of each
 //! operation still comes only from its own conditional writes: batching changes when the
 //! fsync happens, never who wins. Two `SqliteLedger`s on one file (two "replicas") exclude
 //! each other through SQLite's write lock (`busy_timeout`).
@@ -184,10 +185,11 @@ impl std::fmt::Debug for SqliteLedger {
 }
 
 fn migrate(connection: &mut Connection) -> Result<(), StoreError> {
-    // Foreign keys are off while migrating: a migration that rebuilds a table other tables
-    // refer to (version 10) cannot drop the old one otherwise, and the pragma cannot change
-    // inside a transaction. Whatever was applied is checked before the commit; the caller
-    // turns them on afterwards.
+    // Foreign keys are off while migrating, as SQLite's procedure for changing a table's
+    // definition asks (a rebuilt table that others refer to could not be dropped otherwise;
+    // none of version 10's three is, but a later migration may rebuild one), and the pragma
+    // cannot change inside a transaction. Whatever was applied is checked before the commit;
+    // the caller turns them on afterwards.
     connection.execute_batch("PRAGMA foreign_keys = OFF;")?;
     let tx = connection.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     tx.execute_batch(SCHEMA_MIGRATIONS_DDL)?;
@@ -352,6 +354,10 @@ impl SqliteLedger {
         connection.execute_batch("PRAGMA temp_store = MEMORY;")?;
         migrate(&mut connection)?;
         connection.execute_batch("PRAGMA foreign_keys = ON;")?;
+        let enforced: i64 = connection.query_row("PRAGMA foreign_keys", [], |row| row.get(0))?;
+        if enforced != 1 {
+            return Err(StoreError::Corrupt("foreign keys could not be turned on".into()));
+        }
         let faults = Arc::new(FaultInjector::default());
         let (jobs, queue) = mpsc::channel::<Job>();
         let thread_faults = Arc::clone(&faults);
@@ -462,9 +468,11 @@ impl SqliteLedger {
             return result;
         }
         let ended = control(&connection, "COMMIT");
+        if ended.is_ok() {
+            self.readers.give_back(connection);
+        }
         let value = result?;
         ended?;
-        self.readers.give_back(connection);
         // An armed fault is for the next transaction that would have succeeded, a read's too
         // (as on PostgreSQL, where a read is a transaction of the pool): its answer is lost,
         // nothing was written.
@@ -566,15 +574,19 @@ fn run_batch(
     let mut replies = Vec::with_capacity(batch.len());
     let mut wrote = 0;
     let mut taken = batch.len();
-    let late = std::iter::from_fn(|| {
-        if taken >= GROUP_COMMIT_OPS_MAX {
-            return None;
-        }
-        let job = queue.try_recv().ok()?;
-        taken += 1;
-        Some(job)
-    });
-    for job in batch.into_iter().chain(late) {
+    let mut pending = batch.into_iter();
+    loop {
+        let job = match pending.next() {
+            Some(job) => job,
+            None if taken < GROUP_COMMIT_OPS_MAX => match queue.try_recv() {
+                Ok(job) => {
+                    taken += 1;
+                    job
+                }
+                Err(_) => break,
+            },
+            None => break,
+        };
         let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
         let mut tx = SqliteTx {
@@ -599,9 +611,11 @@ fn run_batch(
         match closed {
             Ok(()) => replies.push(reply),
             Err(error) => {
-                // The transaction is in an unknown state: give up the whole group.
+                // The transaction is in an unknown state: give up the whole group, and answer
+                // the operations of it that did not run yet with the same failure.
                 let _ = control(connection, "ROLLBACK");
                 replies.push(reply);
+                replies.extend(pending.map(|job| job(None).0));
                 finish(replies, BatchEnd::Failed(error.to_string()));
                 return;
             }
@@ -622,7 +636,10 @@ fn run_batch(
                     count(wrote);
                     BatchEnd::Lost("after commit")
                 }
-                Err(error) => BatchEnd::Failed(error.to_string()),
+                Err(error) => {
+                    let _ = control(connection, "ROLLBACK");
+                    BatchEnd::Failed(error.to_string())
+                }
             };
             finish(replies, end);
             return;

@@ -281,11 +281,14 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
     });
 
-    // The BPE tables load beside recovery, not on the first request that counts tokens.
-    std::thread::Builder::new()
+    // The BPE tables load beside recovery, not on the first request that counts tokens. Best
+    // effort: without the thread, the first render loads them as before.
+    if let Err(error) = std::thread::Builder::new()
         .name("turnstile-warm-up".into())
         .spawn(turnstile_adapters::tokens::warm_up)
-        .map_err(|error| format!("cannot start the warm-up thread: {error}"))?;
+    {
+        tracing::warn!(%error, "no warm-up thread; the first render loads the tokenizers");
+    }
     recover(&shared, &shared.holder.clone(), 0).await?;
     tokio::spawn(sweep(shared.clone()));
 

@@ -2,10 +2,11 @@
 -- the rows a sweep looks for (issue 21; docs/decisions.md, "Fewer B-trees per dispatch").
 -- Every page a transaction changes is one WAL frame; a row of a rowid table with a TEXT
 -- primary key lives in two B-trees (the table and its key's index), and AUTOINCREMENT writes
--- sqlite_sequence on every insert. The migration runs with foreign keys off (SQLite cannot
--- rebuild a referenced table otherwise); the ledger checks them before it commits.
+-- sqlite_sequence on every insert. The migration runs with foreign keys off, as SQLite's
+-- procedure for changing a table's definition asks; the ledger checks them before it commits.
 
--- attempts and handles: small rows keyed by their primary key, so one B-tree each.
+-- attempts and handles: rows of a few hundred bytes, always found by their primary key, so
+-- one B-tree each.
 CREATE TABLE attempts_v10 (
     operation_id     TEXT NOT NULL REFERENCES dispatches (operation_id),
     generation       INTEGER NOT NULL,
@@ -27,7 +28,7 @@ INSERT INTO attempts_v10 (operation_id, generation, state, idempotency_key, requ
     lease_holder, lease_expires_at, started_at, resumes, replays, end_reason, confirmed_over, target)
 SELECT operation_id, generation, state, idempotency_key, request_digest, handle,
     lease_holder, lease_expires_at, started_at, resumes, replays, end_reason, confirmed_over, target
-FROM attempts;
+FROM attempts ORDER BY operation_id, generation;
 DROP TABLE attempts;
 ALTER TABLE attempts_v10 RENAME TO attempts;
 -- Only attempts that are not over: the expiry sweep, the UNKNOWN sweep and the stuck age read
@@ -45,12 +46,14 @@ CREATE TABLE handles_v10 (
     PRIMARY KEY (provider, handle)
 ) WITHOUT ROWID;
 INSERT INTO handles_v10 (provider, handle, manifest_digest, operation_id, generation, bound_at)
-SELECT provider, handle, manifest_digest, operation_id, generation, bound_at FROM handles;
+SELECT provider, handle, manifest_digest, operation_id, generation, bound_at FROM handles
+ORDER BY provider, handle;
 DROP TABLE handles;
 ALTER TABLE handles_v10 RENAME TO handles;
 
 -- transitions: the same ids, without AUTOINCREMENT. Rows are never deleted, so the next id is
--- still the largest plus one and `ORDER BY id` keeps its meaning.
+-- still the largest plus one and `ORDER BY id` keeps its meaning. (Dropping the old table
+-- removes its sqlite_sequence row.)
 CREATE TABLE transitions_v10 (
     id           INTEGER PRIMARY KEY,
     operation_id TEXT NOT NULL,
@@ -64,7 +67,6 @@ SELECT id, operation_id, generation, from_state, to_state, at FROM transitions;
 DROP TABLE transitions;
 ALTER TABLE transitions_v10 RENAME TO transitions;
 CREATE INDEX transitions_by_attempt ON transitions (operation_id, generation);
-DELETE FROM sqlite_sequence WHERE name = 'transitions';
 
 -- Only PREPARED dispatches: the sweep of dispatches nobody drives reads this, in its order.
 DROP INDEX dispatches_by_state;

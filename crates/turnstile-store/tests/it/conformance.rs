@@ -2429,23 +2429,57 @@ pub async fn a_version_9_database_keeps_its_attempts_handles_and_transitions_and
                 )
                 .unwrap()
         };
+        // Every column of every row, as a line (NULL spelled out).
+        let lines = |sql: &str| -> Vec<String> {
+            connection
+                .prepare(sql)
+                .unwrap()
+                .query_map([], |row| row.get::<_, String>(0))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
+        assert_eq!(
+            lines(
+                "SELECT operation_id || '|' || generation || '|' || state || '|' || idempotency_key || '|' || \
+                 request_digest || '|' || COALESCE(handle, 'NULL') || '|' || lease_holder || '|' || lease_expires_at \
+                 || '|' || started_at || '|' || resumes || '|' || replays || '|' || COALESCE(end_reason, 'NULL') \
+                 || '|' || COALESCE(confirmed_over, 'NULL') || '|' || target FROM attempts ORDER BY operation_id"
+            ),
+            [
+                "op-done|1|COMMITTED|k-done|rd|h-2|gone|9|2|0|0|committed|lease_expired|1",
+                "op-live|1|UNKNOWN|k-live|rd|h-1|gone|5|2|2|1|stream_cut|NULL|0",
+            ]
+        );
+        assert_eq!(
+            lines(
+                "SELECT provider || '|' || handle || '|' || manifest_digest || '|' || operation_id || '|' || \
+                 generation || '|' || bound_at FROM handles ORDER BY handle"
+            ),
+            ["sim|h-1|md|op-live|1|3", "sim|h-2|md|op-done|1|4"]
+        );
+        assert_eq!(
+            lines(
+                "SELECT id || '|' || operation_id || '|' || generation || '|' || COALESCE(from_state, 'NULL') || '|' \
+                 || to_state || '|' || at FROM transitions ORDER BY id"
+            ),
+            [
+                "1|op-live|1|NULL|DISPATCHING|2",
+                "2|op-done|1|NULL|DISPATCHING|2",
+                "3|op-live|1|DISPATCHING|SENT|3",
+                "4|op-done|1|DISPATCHING|STREAMING|3",
+                "5|op-live|1|SENT|UNKNOWN|4",
+                "6|op-done|1|STREAMING|COMMITTED|6",
+            ]
+        );
+        assert_eq!(
+            lines("SELECT \"table\" || '.' || \"to\" FROM pragma_foreign_key_list('attempts')"),
+            ["dispatches.operation_id"],
+            "the rebuilt attempts still refer to their dispatch"
+        );
         assert!(sql_of("attempts").contains("WITHOUT ROWID"));
         assert!(sql_of("handles").contains("WITHOUT ROWID"));
         assert!(!sql_of("transitions").contains("AUTOINCREMENT"));
-        let handles: Vec<(String, String, i64)> = connection
-            .prepare("SELECT handle, operation_id, bound_at FROM handles ORDER BY handle")
-            .unwrap()
-            .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
-        assert_eq!(
-            handles,
-            vec![
-                ("h-1".to_owned(), "op-live".to_owned(), 3),
-                ("h-2".to_owned(), "op-done".to_owned(), 4)
-            ]
-        );
         connection
             .execute(
                 "INSERT INTO transitions (operation_id, generation, from_state, to_state, at) \
