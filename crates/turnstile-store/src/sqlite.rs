@@ -1225,6 +1225,15 @@ mod tests {
         })
     }
 
+    /// A WAL database in `dir` with the one table the operations above write.
+    fn table_t(dir: &tempfile::TempDir) -> Connection {
+        let connection = Connection::open(dir.path().join("t.db")).unwrap();
+        connection
+            .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
+            .unwrap();
+        connection
+    }
+
     fn rows(connection: &Connection) -> Vec<i64> {
         let mut statement = connection.prepare("SELECT x FROM t ORDER BY x").unwrap();
         statement
@@ -1241,10 +1250,7 @@ mod tests {
     #[test]
     fn a_group_commit_keeps_the_writes_of_the_operations_that_succeeded_and_only_those() {
         let dir = tempfile::tempdir().unwrap();
-        let connection = Connection::open(dir.path().join("t.db")).unwrap();
-        connection
-            .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
-            .unwrap();
+        let connection = table_t(&dir);
         let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
         let (_sender, nothing_queued) = mpsc::channel::<Job>();
         let cases: [Case; 7] = [
@@ -1303,10 +1309,7 @@ mod tests {
     #[test]
     fn operations_queued_while_a_group_runs_join_it_up_to_the_group_limit() {
         let dir = tempfile::tempdir().unwrap();
-        let connection = Connection::open(dir.path().join("t.db")).unwrap();
-        connection
-            .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (x INTEGER NOT NULL);")
-            .unwrap();
+        let connection = table_t(&dir);
         let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
         let (sender, queue) = mpsc::channel::<Job>();
         let told = Told::default();
