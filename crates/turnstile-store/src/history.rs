@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use turnstile_core::conversation::{Arguments, BlockBody, Conversation, FORMAT_V1, Turn, Unreadable};
 use turnstile_core::validate::History;
-use turnstile_core::{Revision, Verdict, Violation, ViolationCode, limits, validate};
+use turnstile_core::{Revision, Verdict, Violation, ViolationCode, limits};
 
 /// Most conversations whose validation state a ledger keeps in memory.
 pub(crate) const VALIDATION_CACHE_MAX: usize = 1_024;
@@ -188,31 +188,53 @@ pub(crate) fn check_append_state(
     Ok((calls_of(last), state))
 }
 
-/// Validate a whole stamped history at once (an import): `rejected` refuses it.
-pub(crate) fn check_document(
+/// An imported history, stamped and checked before its transaction: the turns as they will be
+/// stored and the validator's state after the last one (for the [`ValidationCache`] once the
+/// import committed, so the first commit after an import checks its new turn only).
+pub(crate) struct CheckedImport {
+    pub stamped: Vec<Value>,
+    pub revision: Revision,
+    pub history: History,
+}
+
+/// Stamp and validate a whole history at once (an import), as one document: `rejected`
+/// refuses it. It reads nothing stored, so it runs on the caller, never in the writer.
+pub(crate) fn check_import(
     conversation_id: &str,
     tools: &Value,
     turns: &[Value],
-    revision: Revision,
-) -> Result<(), Vec<Violation>> {
+) -> Result<CheckedImport, Vec<Violation>> {
     if turns.is_empty() {
         return Err(shape_violation("an imported history needs at least one turn"));
     }
+    let mut stamped = Vec::with_capacity(turns.len());
+    for (index, turn) in turns.iter().enumerate() {
+        let Some(turn) = stamp_turn(turn, Revision(index as u64 + 1), None) else {
+            return Err(shape_violation("a turn must be an object"));
+        };
+        stamped.push(turn);
+    }
+    let revision = Revision(stamped.len() as u64);
     let document = json!({
         "format": FORMAT_V1,
         "conversation_id": conversation_id,
         "revision": revision.0,
         "tools": tools,
-        "turns": turns,
+        "turns": &stamped,
     });
     let conversation = match Conversation::from_value(document) {
         Ok(conversation) => conversation,
         Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
     };
-    match validate(&conversation) {
-        Verdict::Rejected(violations) => Err(violations),
-        Verdict::Ready | Verdict::Waiting { .. } => Ok(()),
+    let history = History::of(&conversation);
+    if let Verdict::Rejected(violations) = history.verdict() {
+        return Err(violations);
     }
+    Ok(CheckedImport {
+        stamped,
+        revision,
+        history,
+    })
 }
 
 /// The `role` string of a turn, if it has one.

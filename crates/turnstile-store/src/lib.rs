@@ -161,6 +161,26 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError>;
 
+    /// [`Ledger::import_conversation`] and, in the same transaction, the prepare of its first
+    /// dispatch ([`Ledger::prepare_and_begin`] with `begin`, [`Ledger::prepare_targets`]
+    /// without): a fresh proxy request's import, prepare and acceptance point are one durable
+    /// write. The history and the prepare's inputs are checked before the transaction; nothing
+    /// is written unless the history is legal and the id free (`NotImported`) and the inputs
+    /// intact (`NotPrepared`).
+    #[allow(clippy::too_many_arguments)]
+    async fn import_and_prepare(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError>;
+
     /// The failover targets of a dispatch (positions 1.., in order; its own manifest, target
     /// 0, is the dispatch record); empty for most dispatches.
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError>;

@@ -91,34 +91,18 @@ pub(crate) async fn create_conversation<T: Tx>(
     })
 }
 
-/// Create a conversation together with its whole history in one transaction (the proxy's
-/// stateless import). The history is validated once, as one document, before anything is
-/// written; `ready` and `waiting` histories are accepted. Imported tool calls never enter the
-/// execution ledger: whoever sent the history ran them already.
+/// Create a conversation together with its whole history (the proxy's stateless import),
+/// already stamped and validated as one document by [`history::check_import`] on the caller:
+/// this writes only. `ready` and `waiting` histories are accepted. Imported tool calls never
+/// enter the execution ledger: whoever sent the history ran them already.
 pub(crate) async fn import_conversation<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
     tools: &Value,
-    turns: &[Value],
+    checked: &history::CheckedImport,
     now: Timestamp,
 ) -> Result<ImportOutcome, StoreError> {
-    let mut stamped = Vec::with_capacity(turns.len());
-    for (index, turn) in turns.iter().enumerate() {
-        let Some(turn) = history::stamp_turn(turn, Revision(index as u64 + 1), None) else {
-            return Ok(ImportOutcome::Rejected(vec![turnstile_core::Violation {
-                code: turnstile_core::ViolationCode::InvalidStructure,
-                turn: None,
-                block: None,
-                call_id: None,
-                message: "a turn must be an object".into(),
-            }]));
-        };
-        stamped.push(turn);
-    }
-    let revision = Revision(stamped.len() as u64);
-    if let Err(violations) = history::check_document(conversation_id, tools, &stamped, revision) {
-        return Ok(ImportOutcome::Rejected(violations));
-    }
+    let revision = checked.revision;
     let inserted = tx
         .execute(
             "INSERT INTO conversations (conversation_id, revision, tools, created_at, updated_at) \
@@ -137,12 +121,47 @@ pub(crate) async fn import_conversation<T: Tx>(
             .map_or(Revision(0), |(revision, _)| revision);
         return Ok(ImportOutcome::AlreadyExists { revision: current });
     }
-    for turn in &stamped {
+    for turn in &checked.stamped {
         let revision = Revision(turn["revision"].as_u64().unwrap_or(0));
         let generation = turn.get("generation").and_then(Value::as_u64).map(Generation);
         insert_turn(tx, conversation_id, revision, turn, generation, None, now).await?;
     }
     Ok(ImportOutcome::Created { revision })
+}
+
+/// [`import_conversation`], then, in the same transaction, [`prepare_and_begin`] (or, without
+/// `begin`, [`prepare_targets`]) of the conversation's first dispatch: a fresh proxy request's
+/// import, prepare and acceptance point are one durable write. Nothing is prepared when the
+/// import does not create the conversation.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn import_and_prepare<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    tools: &Value,
+    checked: &history::CheckedImport,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    fallbacks: &[PreparedTarget],
+    rows: PrepareRows,
+    begin: Option<&BeginAtOnce>,
+    now: Timestamp,
+) -> Result<ImportPrepared, StoreError> {
+    let revision = match import_conversation(tx, conversation_id, tools, checked, now).await? {
+        ImportOutcome::Created { revision } => revision,
+        refused => return Ok(ImportPrepared::NotImported(refused)),
+    };
+    let (prepared, began) = match begin {
+        Some(begin) => prepare_and_begin(tx, manifest, request_bytes, fallbacks, rows, begin, now).await?,
+        None => (
+            prepare_targets(tx, manifest, request_bytes, fallbacks, rows, now).await?,
+            None,
+        ),
+    };
+    Ok(ImportPrepared::Prepared {
+        revision,
+        prepared,
+        began,
+    })
 }
 
 /// Conversations whose ids start with `id_prefix` and that committed a call with this id (the

@@ -12,6 +12,7 @@
 
 use crate::error::StoreError;
 use crate::faults::{Fault, FaultInjector};
+use crate::history::{self, Checked};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
 use crate::sql::{Dialect, Row, SqlValue, Tx};
 use crate::types::*;
@@ -316,13 +317,26 @@ impl Ledger for PgLedger {
         turns: &[Value],
         now: Timestamp,
     ) -> Result<ImportOutcome, StoreError> {
-        in_tx!(self, |tx| ops::import_conversation(
+        // Stamped and validated before the transaction, as on SQLite.
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportOutcome::Rejected(violations)),
+        };
+        let outcome = in_tx!(self, |tx| ops::import_conversation(
             &mut tx,
             conversation_id,
             tools,
-            turns,
+            &checked,
             now
-        ))
+        ))?;
+        if let ImportOutcome::Created { revision } = outcome {
+            self.validation.put(Checked {
+                conversation_id: conversation_id.to_owned(),
+                revision,
+                history: checked.history,
+            });
+        }
+        Ok(outcome)
     }
 
     async fn conversations_with_call(
@@ -431,6 +445,48 @@ impl Ledger for PgLedger {
             begin,
             now
         ))
+    }
+
+    async fn import_and_prepare(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
+        };
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
+            Ok(rows) => rows,
+            Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
+        };
+        let outcome = in_tx!(self, |tx| ops::import_and_prepare(
+            &mut tx,
+            conversation_id,
+            tools,
+            &checked,
+            manifest,
+            request_bytes,
+            fallbacks,
+            rows,
+            begin,
+            now
+        ))?;
+        if let ImportPrepared::Prepared { revision, .. } = &outcome {
+            self.validation.put(Checked {
+                conversation_id: conversation_id.to_owned(),
+                revision: *revision,
+                history: checked.history,
+            });
+        }
+        Ok(outcome)
     }
 
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {

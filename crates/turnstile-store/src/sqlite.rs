@@ -32,7 +32,7 @@
 use crate::clock::StoreClock;
 use crate::error::StoreError;
 use crate::faults::{Fault, FaultInjector};
-use crate::history::{Checked, ValidationCache};
+use crate::history::{self, Checked, ValidationCache};
 use crate::migrations::{MIGRATIONS, SCHEMA_MIGRATIONS_DDL, latest};
 use crate::sql::{Dialect, Row, SqlValue, Tx, block_on_ready};
 use crate::types::*;
@@ -746,9 +746,24 @@ impl Ledger for SqliteLedger {
         turns: &[Value],
         now: Timestamp,
     ) -> Result<ImportOutcome, StoreError> {
-        let (id, tools, turns) = (conversation_id.to_owned(), tools.clone(), turns.to_vec());
-        self.run(move |tx| block_on_ready(ops::import_conversation(tx, &id, &tools, &turns, now)))
-            .await
+        // Stamped and validated here, on the caller: the writer thread only writes.
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportOutcome::Rejected(violations)),
+        };
+        let (id, tools) = (conversation_id.to_owned(), tools.clone());
+        self.run_checked(move |tx, _, next| {
+            let outcome = block_on_ready(ops::import_conversation(tx, &id, &tools, &checked, now))?;
+            if let ImportOutcome::Created { revision } = outcome {
+                *next = Some(Checked {
+                    conversation_id: id,
+                    revision,
+                    history: checked.history,
+                });
+            }
+            Ok(outcome)
+        })
+        .await
     }
 
     async fn conversations_with_call(
@@ -848,6 +863,52 @@ impl Ledger for SqliteLedger {
                 &begin,
                 now,
             ))
+        })
+        .await
+    }
+
+    async fn import_and_prepare(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        policy: Option<&Value>,
+        fallbacks: &[PreparedTarget],
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
+        };
+        let (inputs, rows) = match PrepareInputs::checked(manifest, request_bytes, policy, fallbacks).await? {
+            Ok(checked) => checked,
+            Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
+        };
+        let (id, tools, begin) = (conversation_id.to_owned(), tools.clone(), begin.cloned());
+        self.run_checked(move |tx, _, next| {
+            let outcome = block_on_ready(ops::import_and_prepare(
+                tx,
+                &id,
+                &tools,
+                &checked,
+                &inputs.manifest,
+                &inputs.bytes,
+                &inputs.fallbacks,
+                rows,
+                begin.as_ref(),
+                now,
+            ))?;
+            if let ImportPrepared::Prepared { revision, .. } = &outcome {
+                *next = Some(Checked {
+                    conversation_id: id,
+                    revision: *revision,
+                    history: checked.history,
+                });
+            }
+            Ok(outcome)
         })
         .await
     }

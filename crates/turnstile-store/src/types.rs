@@ -332,6 +332,26 @@ impl Default for Carried {
     }
 }
 
+/// Answer of `import_and_prepare`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ImportPrepared {
+    /// The history was not imported (`Rejected`, or `AlreadyExists`): nothing was written.
+    NotImported(ImportOutcome),
+    /// The prepare was refused before its transaction (`PrepareOutcome::Invalid`): nothing was
+    /// written, the history was not imported either.
+    NotPrepared(PrepareOutcome),
+    /// Imported at `revision`; what the prepare (and, when asked, the begin) decided in the
+    /// same transaction.
+    Prepared {
+        /// Number of imported turns.
+        revision: Revision,
+        /// The prepare's outcome.
+        prepared: PrepareOutcome,
+        /// The begin's outcome (`None` without a begin or when the prepare did not create).
+        began: Option<BeginOutcome>,
+    },
+}
+
 /// Begin the first attempt in the transaction that prepares the dispatch (the acceptance
 /// point and the prepare in one durable write): `Ledger::prepare_and_begin`.
 #[derive(Clone, Debug, PartialEq, Eq)]

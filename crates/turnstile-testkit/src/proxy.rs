@@ -5,7 +5,7 @@
 //! the seed's API. What runs is the gateway's: the importer (`turnstile_adapters::import`),
 //! `proxy::admit` (structure, validation), `proxy::place` (continuation of the stored
 //! conversation, or a fresh one), `proxy::targets_of`, `api::render_targets` and
-//! `api::store_rendered`, the same driver as every other operation, `proxy::hand_to_client`, and
+//! `api::store_rendered_importing` (a fresh conversation's import in its prepare's transaction), the same driver as every other operation, `proxy::hand_to_client`, and
 //! the answer machines (`proxy::answer`) over the driver's events. Only the client is the
 //! simulation's: building its request, and decoding the answer it got with the adapters' own
 //! stream decoders (streamed) or by passing the response's message back into a request, as SDK
@@ -27,7 +27,7 @@ use turnstile_core::Generation;
 use turnstile_core::assemble::{Assembler, AssemblerConfig, Output};
 use turnstile_core::digest::Digest;
 use turnstile_drive::DriveEvent;
-use turnstile_gateway::serve::api::{Early, Target, render_targets, store_rendered};
+use turnstile_gateway::serve::api::{Early, Target, render_targets, store_rendered_importing};
 use turnstile_gateway::serve::config::{Fallback, Mode};
 use turnstile_gateway::serve::proxy::answer::{Head, StreamAnswer, WholeAnswer};
 use turnstile_gateway::serve::proxy::respond::{Addressee, Part, parts_of};
@@ -250,6 +250,7 @@ impl World {
             conversation_id,
             operation_id,
             conversation,
+            import,
         } = match placed {
             Ok(placed) => placed,
             Err(response) => {
@@ -340,11 +341,20 @@ impl World {
             lease_ms: crate::world::LEASE_MS,
             target: 0,
         };
-        let stored = self
-            .rt
-            .block_on(store_rendered(self.ledger(), rendered, Some(&begin), now));
+        // A fresh conversation is imported in the prepare's transaction, as the gateway does.
+        let stored = self.rt.block_on(store_rendered_importing(
+            self.ledger(),
+            rendered,
+            Some(&begin),
+            import.as_ref(),
+            now,
+        ));
         let (record, began) = match stored {
-            Ok(stored) => stored,
+            Ok(Ok(stored)) => stored,
+            Ok(Err(refused)) => {
+                self.trace(format!("{operation_id}: import refused: {refused:?}"));
+                return Ok(());
+            }
             Err(error) => {
                 self.trace(format!("{operation_id}: prepare refused: {}", error.message()));
                 return Ok(());

@@ -789,6 +789,7 @@ async fn dispatch_current(
             output_format: request.output_format,
             passthrough: Default::default(),
         },
+        None,
     )
     .await?
     {
@@ -804,6 +805,12 @@ async fn dispatch_current(
             .await
         }
         Started::Early(early) => Ok(early_response(early, request.stream)),
+        // This endpoint imports nothing.
+        Started::NotImported(_) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            "an import refused without an import",
+        )),
     }
 }
 
@@ -814,6 +821,9 @@ pub enum Started {
     Record(turnstile_store::DispatchRecord, Option<Began>),
     /// Paused: the adapter cannot represent the graph.
     Early(Early),
+    /// The conversation to import with the prepare was not (`Rejected`, `AlreadyExists`):
+    /// nothing was written.
+    NotImported(turnstile_store::ImportOutcome),
 }
 
 /// A request setting the adapter's API cannot take: 422 with the setting's neutral name and
@@ -852,6 +862,7 @@ pub(crate) async fn prepare_dispatch(
     targets: &[Target],
     max_output_tokens: Option<u64>,
     settings: Settings,
+    import: Option<&NewConversation>,
 ) -> Result<Started, ApiError> {
     let resume_by_handle = |provider: &str| {
         shared
@@ -885,9 +896,12 @@ pub(crate) async fn prepare_dispatch(
                 lease_ms: shared.lease_ms,
                 target: 0,
             });
-            let (record, began) =
-                store_rendered(shared.ledger.as_ref(), rendered, begin.as_ref(), now()).await?;
-            Ok(Started::Record(record, began))
+            match store_rendered_importing(shared.ledger.as_ref(), rendered, begin.as_ref(), import, now())
+                .await?
+            {
+                Ok((record, began)) => Ok(Started::Record(record, began)),
+                Err(refused) => Ok(Started::NotImported(refused)),
+            }
         }
         Err(early) => Ok(Started::Early(early)),
     }
@@ -991,6 +1005,18 @@ pub fn render_targets(
     }))
 }
 
+/// A fresh conversation imported in the transaction that prepares its first dispatch (the
+/// drop-in proxy's fresh request: `Ledger::import_and_prepare`).
+#[derive(Clone, Debug)]
+pub struct NewConversation {
+    /// Its id.
+    pub conversation_id: String,
+    /// Its tools.
+    pub tools: Value,
+    /// Its whole history, unstamped.
+    pub turns: Vec<Value>,
+}
+
 /// `ledger.prepare` (or `prepare_targets`) of what [`render_targets`] sealed, its outcome as
 /// the API's answer.
 pub async fn store_rendered(
@@ -999,6 +1025,28 @@ pub async fn store_rendered(
     begin: Option<&turnstile_store::BeginAtOnce>,
     now: Timestamp,
 ) -> Result<(turnstile_store::DispatchRecord, Option<Began>), ApiError> {
+    match store_rendered_importing(ledger, rendered, begin, None, now).await? {
+        Ok(stored) => Ok(stored),
+        // Nothing is imported without a conversation to import.
+        Err(_) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            "an import refused without an import",
+        )),
+    }
+}
+
+/// [`store_rendered`], and with `import`, the conversation's import in the same transaction
+/// (inner `Err`: the import was refused, `Rejected` or `AlreadyExists`, and nothing was
+/// written).
+pub async fn store_rendered_importing(
+    ledger: &dyn turnstile_store::Ledger,
+    rendered: Rendered,
+    begin: Option<&turnstile_store::BeginAtOnce>,
+    import: Option<&NewConversation>,
+    now: Timestamp,
+) -> Result<Result<(turnstile_store::DispatchRecord, Option<Began>), turnstile_store::ImportOutcome>, ApiError>
+{
     let Rendered {
         manifest,
         body,
@@ -1006,17 +1054,39 @@ pub async fn store_rendered(
         fallbacks,
     } = rendered;
     let fallback_count = fallbacks.len();
-    let (outcome, begun) = match begin {
-        Some(begin) => {
+    let (outcome, begun) = match (import, begin) {
+        (Some(import), _) => {
+            use turnstile_store::ImportPrepared;
+            let imported = ledger
+                .import_and_prepare(
+                    &import.conversation_id,
+                    &import.tools,
+                    &import.turns,
+                    &manifest,
+                    &body,
+                    policy.as_ref(),
+                    &fallbacks,
+                    begin,
+                    now,
+                )
+                .await
+                .map_err(ApiError::store)?;
+            match imported {
+                ImportPrepared::NotImported(refused) => return Ok(Err(refused)),
+                ImportPrepared::NotPrepared(outcome) => Ok((outcome, None)),
+                ImportPrepared::Prepared { prepared, began, .. } => Ok((prepared, began)),
+            }
+        }
+        (None, Some(begin)) => {
             ledger
                 .prepare_and_begin(&manifest, &body, policy.as_ref(), &fallbacks, begin, now)
                 .await
         }
-        None if fallbacks.is_empty() => ledger
+        (None, None) if fallbacks.is_empty() => ledger
             .prepare_with_policy(&manifest, &body, policy.as_ref(), now)
             .await
             .map(|outcome| (outcome, None)),
-        None => ledger
+        (None, None) => ledger
             .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now)
             .await
             .map(|outcome| (outcome, None)),
@@ -1041,7 +1111,7 @@ pub async fn store_rendered(
     };
     use turnstile_store::PrepareOutcome as Stored;
     match outcome {
-        Stored::Created(record) | Stored::Existing(record) => Ok((record, began)),
+        Stored::Created(record) | Stored::Existing(record) => Ok(Ok((record, began))),
         Stored::Conflict { .. } => Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::OperationConflict,

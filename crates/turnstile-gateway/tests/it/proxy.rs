@@ -3,7 +3,7 @@
 //! `proxy_sdk.rs`). Each test checks what the client got, what the simulator received (every
 //! body our way hashes to its manifest's request digest) and the metrics.
 
-use crate::serve::{Gateway, client, hex};
+use crate::serve::{Gateway, client, hex, run_id};
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
@@ -2312,4 +2312,85 @@ adapter = "openai-chat@2"
         assert_eq!(body["error"]["setting"], field, "{body}");
     }
     assert_eq!(sim.requests().len(), before);
+}
+
+/// Issue 21: a fresh drop-in proxy request costs two durable writes, as a native dispatch does:
+/// the import of its history is in the transaction that prepares and begins its dispatch, and
+/// the commit is the other. A request refused while rendering (a setting the target's API
+/// cannot take) writes nothing: no conversation is left behind. On the embedded SQLite and on
+/// PostgreSQL.
+#[test]
+fn a_fresh_proxy_request_costs_two_durable_writes_and_a_refused_one_none() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let config = r#"
+[[routes]]
+api = "openai-chat"
+model = "claude-*"
+provider = "sim"
+adapter = "anthropic-messages@2"
+
+[[routes]]
+api = "openai-chat"
+provider = "sim"
+adapter = "openai-chat@1"
+"#;
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let pg_dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("t.db").display());
+    let run = run_id();
+    for (store, gateway) in [
+        ("sqlite", Gateway::start(&dir, &sqlite, &sim, config)),
+        ("postgres", Gateway::start(&pg_dir, &url, &sim, config)),
+    ] {
+        let writes = || gateway.metric("turnstile_store_write_ops_total");
+        let model = format!("gpt-writes-{run}-{store}");
+        sim.script(&model, json!([{"text": "Paris 12C."}]));
+        let question = json!([{"role": "user", "content": format!("Weather in Paris? ({store})")}]);
+        let before = writes();
+        let (status, headers, text) = post(
+            &gateway.base,
+            "/v1/chat/completions",
+            &chat_request(&model, question, false),
+            &[],
+        );
+        assert_eq!(status, 200, "{store}: {text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            body["choices"][0]["message"]["content"], "Paris 12C.",
+            "{store}: {body}"
+        );
+        assert_eq!(
+            writes() - before,
+            2.0,
+            "{store}: durable writes for one fresh proxy request"
+        );
+        let operation = operation_of(&headers);
+        let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+        assert_eq!(dispatch["state"], "COMMITTED", "{store}: {dispatch}");
+        let conversation_id = dispatch["manifest"]["conversation_id"].as_str().unwrap().to_owned();
+        let stored = gateway.get(&format!("/v1/conversations/{conversation_id}"));
+        let roles: Vec<&str> = stored["turns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|turn| turn["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "assistant"], "{store}: {stored}");
+        // `seed` has no field in Anthropic Messages: refused by name before anything is stored.
+        let before = (writes(), sim.requests().len());
+        let request = json!({"model": "claude-x", "seed": 7,
+                             "messages": [{"role": "user", "content": format!("Hi ({store})")}]});
+        let (status, _, text) = post(&gateway.base, "/v1/chat/completions", &request, &[]);
+        assert_eq!(status, 400, "{store}: {text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["setting"], "seed", "{store}: {body}");
+        assert_eq!(
+            (writes(), sim.requests().len()),
+            before,
+            "{store}: a refused request writes and sends nothing"
+        );
+    }
 }

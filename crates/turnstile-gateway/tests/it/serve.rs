@@ -304,7 +304,7 @@ pub fn silent_provider() -> u16 {
 }
 
 /// A tag unique to this run, for ids in a PostgreSQL database other runs share.
-fn run_id() -> String {
+pub fn run_id() -> String {
     format!(
         "{:x}",
         std::time::SystemTime::now()

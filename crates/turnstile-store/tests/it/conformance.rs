@@ -69,6 +69,7 @@ suite!(
     a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9,
     a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only,
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
+    a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -2547,4 +2548,182 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
     let fallbacks = store.dispatch_fallbacks("op-1").await.unwrap();
     assert_eq!(fallbacks.len(), 1);
     assert_eq!(fallbacks[0].request_bytes, second_bytes);
+}
+
+/// Issue 21: a fresh proxy request's import, prepare and acceptance point are one durable write
+/// (`import_and_prepare`), and the import leaves the validator's state, so the dispatch's
+/// commit checks its own turn only. A history the validator refuses, an id that is taken and a
+/// prepare whose bytes do not match its manifest write nothing at all: no conversation, no
+/// dispatch.
+pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    let begin = begin_at_once();
+    let turns = [user_turn("c-u1")];
+    let (manifest_c, bytes_c) = manifest("op-c", "c", 1, "m");
+    let (writes, walks) = (store.write_ops(), store.history_walks());
+    let imported = store
+        .import_and_prepare(
+            "c",
+            &tools(),
+            &turns,
+            &manifest_c,
+            &bytes_c,
+            None,
+            &[],
+            Some(&begin),
+            at(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.write_ops() - writes,
+        1,
+        "import, prepare and begin are one write"
+    );
+    let ImportPrepared::Prepared {
+        revision,
+        prepared: PrepareOutcome::Created(record),
+        began: Some(BeginOutcome::Began { generation, .. }),
+    } = imported
+    else {
+        panic!("not imported, prepared and begun: {imported:?}")
+    };
+    assert_eq!(revision, Revision(1));
+    assert_eq!(record.state, DispatchState::Dispatching);
+    let stored = store.conversation("c").await.unwrap().expect("imported");
+    assert_eq!(stored["turns"].as_array().unwrap().len(), 1, "{stored}");
+    assert_eq!(stored["turns"][0]["revision"], 1, "{stored}");
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: None,
+    };
+    let committed = store
+        .commit_carrying(
+            "op-c",
+            generation,
+            Revision(1),
+            &assistant_turn("a", 1),
+            None,
+            &carried,
+            at(11),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{committed:?}"
+    );
+    assert_eq!(
+        store.history_walks() - walks,
+        0,
+        "the import kept the validator's state: neither it nor the commit walked the history"
+    );
+
+    let nothing_written = |what: &str, writes: u64| {
+        assert_eq!(store.write_ops(), writes, "{what}: nothing is written");
+    };
+    // Refused by the validator: an assistant turn answering a call nobody made.
+    let illegal = [
+        user_turn("d-u1"),
+        json!({"id": "d-t", "role": "tool", "blocks": [{"id": "d-r", "kind": "tool_result",
+               "call_id": "nobody-called", "status": "success", "content": [{"kind": "text", "text": "x"}]}]}),
+    ];
+    let (manifest_d, bytes_d) = manifest("op-d", "d", 2, "m");
+    let writes = store.write_ops();
+    let refused = store
+        .import_and_prepare(
+            "d",
+            &tools(),
+            &illegal,
+            &manifest_d,
+            &bytes_d,
+            None,
+            &[],
+            Some(&begin),
+            at(12),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(&refused, ImportPrepared::NotImported(ImportOutcome::Rejected(violations)) if !violations.is_empty()),
+        "{refused:?}"
+    );
+    nothing_written("an illegal history", writes);
+    assert_eq!(store.conversation("d").await.unwrap(), None);
+    assert_eq!(store.dispatch("op-d").await.unwrap(), None);
+    // The id is taken: the stored conversation stays as it is, nothing is prepared.
+    let (manifest_again, bytes_again) = manifest("op-c2", "c", 1, "m");
+    let taken = store
+        .import_and_prepare(
+            "c",
+            &tools(),
+            &turns,
+            &manifest_again,
+            &bytes_again,
+            None,
+            &[],
+            Some(&begin),
+            at(13),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        taken,
+        ImportPrepared::NotImported(ImportOutcome::AlreadyExists {
+            revision: Revision(2)
+        })
+    );
+    assert_eq!(store.dispatch("op-c2").await.unwrap(), None);
+    // Bytes that are not the manifest's: refused before the transaction, the history not
+    // imported either.
+    let (manifest_e, _) = manifest("op-e", "e", 1, "m");
+    let writes = store.write_ops();
+    let invalid = store
+        .import_and_prepare(
+            "e",
+            &tools(),
+            &[user_turn("e-u1")],
+            &manifest_e,
+            b"other bytes",
+            None,
+            &[],
+            None,
+            at(14),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(invalid, ImportPrepared::NotPrepared(PrepareOutcome::Invalid(_))),
+        "{invalid:?}"
+    );
+    nothing_written("bytes that are not the manifest's", writes);
+    assert_eq!(store.conversation("e").await.unwrap(), None);
+    // Without a begin (a cooling target), the dispatch is prepared and left PREPARED.
+    let (manifest_f, bytes_f) = manifest("op-f", "f", 1, "m");
+    let prepared = store
+        .import_and_prepare(
+            "f",
+            &tools(),
+            &[user_turn("f-u1")],
+            &manifest_f,
+            &bytes_f,
+            None,
+            &[],
+            None,
+            at(15),
+        )
+        .await
+        .unwrap();
+    let ImportPrepared::Prepared {
+        prepared: PrepareOutcome::Created(record),
+        began: None,
+        ..
+    } = prepared
+    else {
+        panic!("not prepared without a begin: {prepared:?}")
+    };
+    assert_eq!(record.state, DispatchState::Prepared);
 }

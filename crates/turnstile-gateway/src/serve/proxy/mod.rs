@@ -674,11 +674,16 @@ pub struct Placed {
     pub operation_id: String,
     /// The history the dispatch renders.
     pub conversation: Conversation,
+    /// A fresh conversation not stored yet: it is imported in the transaction that prepares
+    /// its dispatch (`api::store_rendered_importing`), so the request makes two durable writes,
+    /// not three, and a request refused while rendering stores nothing.
+    pub import: Option<api::NewConversation>,
 }
 
 /// Store an admitted request: a stateless request that continues a conversation committed here
-/// appends to it (an Idempotency-Key names its own conversation and keeps the retry semantics);
-/// anything else is a new conversation `conversation_id`. `now` stamps what is written.
+/// appends to it (an Idempotency-Key names its own conversation and keeps the retry semantics,
+/// and is imported here); anything else is a new conversation `conversation_id`, to import
+/// with its dispatch's prepare (`Placed::import`). `now` stamps what is written.
 #[allow(clippy::too_many_arguments)]
 pub async fn place(
     ledger: &dyn Ledger,
@@ -712,17 +717,30 @@ pub async fn place(
             conversation_id: continued.conversation_id,
             operation_id,
             conversation,
+            import: None,
         });
     }
     let turns: Vec<Value> = imported.document["turns"].as_array().cloned().unwrap_or_default();
     let tools = imported.document["tools"].clone();
+    if !keyed {
+        return Ok(Placed {
+            operation_id: conversation_id.clone(),
+            import: Some(api::NewConversation {
+                conversation_id: conversation_id.clone(),
+                tools,
+                turns,
+            }),
+            conversation_id,
+            conversation,
+        });
+    }
     let stored = ledger
         .import_conversation(&conversation_id, &tools, &turns, now)
         .await
         .map_err(|error| from_api_error(api, ApiError::store(error)))?;
     match stored {
         ImportOutcome::Created { .. } => {}
-        ImportOutcome::AlreadyExists { .. } if keyed => {
+        ImportOutcome::AlreadyExists { .. } => {
             // A retry under the same key: the same history attaches, another one conflicts.
             let document = ledger
                 .conversation(&conversation_id)
@@ -739,37 +757,37 @@ pub async fn place(
                 ));
             }
         }
-        ImportOutcome::AlreadyExists { .. } => {
-            return Err(provider_error(
-                api,
-                StatusCode::CONFLICT,
-                "conversation_exists",
-                "a fresh proxy conversation id was taken",
-                &Value::Null,
-            ));
-        }
-        ImportOutcome::Rejected(violations) => {
-            return Err(provider_error(
-                api,
-                StatusCode::BAD_REQUEST,
-                "illegal_sequence",
-                "the conversation is not a legal request; nothing was sent",
-                &json!({"violations": api::violations_json(&violations)}),
-            ));
-        }
+        refused @ ImportOutcome::Rejected(_) => return Err(import_refused(api, refused)),
     }
-    let operation_id = if keyed {
-        keyed_operation(ledger, &conversation_id)
-            .await
-            .map_err(|error| from_api_error(api, ApiError::store(error)))?
-    } else {
-        conversation_id.clone()
-    };
+    let operation_id = keyed_operation(ledger, &conversation_id)
+        .await
+        .map_err(|error| from_api_error(api, ApiError::store(error)))?;
     Ok(Placed {
         conversation_id,
         operation_id,
         conversation,
+        import: None,
     })
+}
+
+/// The answer to a fresh request whose import the store refused (nothing was written).
+pub fn import_refused(api: Api, refused: ImportOutcome) -> Response {
+    match refused {
+        ImportOutcome::Rejected(violations) => provider_error(
+            api,
+            StatusCode::BAD_REQUEST,
+            "illegal_sequence",
+            "the conversation is not a legal request; nothing was sent",
+            &json!({"violations": api::violations_json(&violations)}),
+        ),
+        ImportOutcome::AlreadyExists { .. } | ImportOutcome::Created { .. } => provider_error(
+            api,
+            StatusCode::CONFLICT,
+            "conversation_exists",
+            "a fresh proxy conversation id was taken",
+            &Value::Null,
+        ),
+    }
 }
 
 /// The operation id of a dispatch that continues `conversation_id` at `revision`.
@@ -822,6 +840,7 @@ async fn serve_ours(
         conversation_id,
         operation_id,
         conversation,
+        import,
     } = place(
         shared.ledger.as_ref(),
         api,
@@ -856,11 +875,13 @@ async fn serve_ours(
         &targets,
         imported.max_output_tokens,
         settings_of(&imported),
+        import.as_ref(),
     )
     .await
     .map_err(|error| from_api_error(api, error))?;
     let (record, began) = match started {
         Started::Record(record, began) => (record, began),
+        Started::NotImported(refused) => return Err(import_refused(api, refused)),
         Started::Early(Early::Paused(reason)) => {
             return Err(provider_error(
                 api,
