@@ -383,6 +383,11 @@ pub(crate) struct Body {
 // ---------------------------------------------------------------------------------------------
 // Fragment cache.
 
+/// `total` split `shares` ways (0 or 1: not split).
+fn share(total: usize, shares: usize) -> usize {
+    total / shares.max(1)
+}
+
 /// A cached rendered fragment and its token count.
 #[derive(Clone, Debug)]
 struct Fragment {
@@ -399,6 +404,9 @@ pub struct RenderCache {
     fragments: HashMap<Digest, Vec<(FragmentKey, Fragment)>, DigestHasherBuilder>,
     len: usize,
     bytes: usize,
+    /// The bounds are this share of the constants (0 or 1: all of them), see
+    /// [`RenderCache::one_of`].
+    shares: usize,
     hits: u64,
     misses: u64,
     bodies: BodyMemos,
@@ -417,6 +425,8 @@ pub struct RenderCache {
 struct BodyMemos {
     memos: Vec<BodyMemo>,
     bytes: usize,
+    /// The bounds are this share of `MAX` and `BYTES_MAX` (0 or 1: all of them).
+    shares: usize,
     clock: u64,
     /// Bytes hashed by the last digest (tests and benchmarks read it).
     hashed: usize,
@@ -433,7 +443,7 @@ impl BodyMemos {
         }) {
             Some(index) => index,
             None => {
-                if self.memos.len() >= Self::MAX
+                if self.memos.len() >= share(Self::MAX, self.shares)
                     && let Some(oldest) = self.least_recent()
                 {
                     self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -456,7 +466,7 @@ impl BodyMemos {
         self.hashed = hashed;
         // `self.bytes` holds every memo's footprint, this one's `before` included.
         self.bytes = self.bytes + memo.footprint() - before;
-        while self.bytes > Self::BYTES_MAX
+        while self.bytes > share(Self::BYTES_MAX, self.shares)
             && let Some(oldest) = self.least_recent()
         {
             self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -643,6 +653,8 @@ impl ResumeMemo {
 struct ResumeMemos {
     memos: Vec<ResumeMemo>,
     bytes: usize,
+    /// The bounds are this share of `MAX` and `BYTES_MAX` (0 or 1: all of them).
+    shares: usize,
     clock: u64,
     /// Renders that resumed, and the turns they rendered (tests and benchmarks read them).
     resumed: u64,
@@ -751,7 +763,7 @@ impl ResumeMemos {
         let index = match self.find(adapter, &options.model, &conversation.conversation_id) {
             Some(index) => index,
             None => {
-                if self.memos.len() >= Self::MAX
+                if self.memos.len() >= share(Self::MAX, self.shares)
                     && let Some(oldest) = self.least_recent()
                 {
                     self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -812,7 +824,7 @@ impl ResumeMemos {
         memo.used = self.clock;
         memo.version = self.clock;
         self.bytes = self.bytes + memo.footprint() - before;
-        while self.bytes > Self::BYTES_MAX
+        while self.bytes > share(Self::BYTES_MAX, self.shares)
             && let Some(oldest) = self.least_recent()
         {
             self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -871,6 +883,29 @@ impl RenderCache {
     /// An empty cache.
     pub fn new() -> RenderCache {
         RenderCache::default()
+    }
+
+    /// An empty cache that is one of `shares` (a gateway keeps several, each for its own
+    /// conversations, so that renders of different conversations do not wait on one lock):
+    /// each of its bounds (fragments, bytes, kept bodies and render states) is that share of
+    /// the whole, so together they keep no more than one cache.
+    pub fn one_of(shares: usize) -> RenderCache {
+        let shares = shares.max(1);
+        let mut cache = RenderCache {
+            shares,
+            ..RenderCache::default()
+        };
+        cache.bodies.shares = shares;
+        cache.resumes.shares = shares;
+        cache
+    }
+
+    /// (most fragments, most fragment bytes) this cache keeps before it is cleared.
+    pub fn bounds(&self) -> (usize, usize) {
+        (
+            share(RenderCache::FRAGMENTS_MAX, self.shares),
+            share(RenderCache::BYTES_MAX, self.shares),
+        )
     }
 
     /// (hits, misses) since creation: tests use it to prove incremental work.
@@ -1074,7 +1109,8 @@ impl<'c> Ctx<'c> {
         build(&mut writer);
         out.extend_from_slice(&writer.out);
         self.tokens += writer.tokens;
-        if self.cache.len >= RenderCache::FRAGMENTS_MAX || self.cache.bytes >= RenderCache::BYTES_MAX {
+        let (fragments_max, bytes_max) = self.cache.bounds();
+        if self.cache.len >= fragments_max || self.cache.bytes >= bytes_max {
             self.cache.fragments.clear();
             self.cache.len = 0;
             self.cache.bytes = 0;

@@ -193,3 +193,44 @@ fn the_body_memos_keep_to_their_byte_bound() {
     let (_, after) = cache.body_memos();
     assert!(after + 4 * 1024 * 1024 < held, "a shrunk body keeps its buffer");
 }
+
+/// A cache that is one of several (`RenderCache::one_of`, a gateway's shards) keeps that share
+/// of every bound: of the fragments and their bytes, and of the kept bodies by count and by
+/// bytes. Its digests are still exact.
+#[test]
+fn a_cache_that_is_one_of_several_keeps_that_share_of_every_bound() {
+    let whole = RenderCache::new();
+    let quarter = RenderCache::one_of(4);
+    let (fragments, bytes) = whole.bounds();
+    assert_eq!(quarter.bounds(), (fragments / 4, bytes / 4));
+    assert_eq!(
+        RenderCache::one_of(0).bounds(),
+        whole.bounds(),
+        "no shares is one"
+    );
+    // 256 bodies in all: a cache that is one of 64 keeps 4.
+    let mut sixty_fourth = RenderCache::one_of(64);
+    for index in 0..10 {
+        let body = format!("body {index}").into_bytes();
+        assert_eq!(
+            sixty_fourth.body_digest(AdapterId::AnthropicMessagesV1, "m", &format!("c-{index}"), &body),
+            Digest::of_bytes(&body)
+        );
+    }
+    assert_eq!(sixty_fourth.body_memos().0, 4);
+    // 64 MiB of bodies in all: one of 16 keeps one 3 MiB body, not two.
+    let mut sixteenth = RenderCache::one_of(16);
+    let big = vec![b'x'; 3 * 1024 * 1024];
+    for index in 0..3 {
+        let body = &big[..big.len() - index];
+        assert_eq!(
+            sixteenth.body_digest(AdapterId::AnthropicMessagesV1, "m", &format!("c-{index}"), body),
+            Digest::of_bytes(body)
+        );
+        let (kept, bytes) = sixteenth.body_memos();
+        assert!(
+            kept <= 1 && bytes <= 4 * 1024 * 1024,
+            "{kept} bodies, {bytes} bytes"
+        );
+    }
+}

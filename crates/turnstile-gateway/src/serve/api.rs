@@ -870,9 +870,14 @@ pub(crate) async fn prepare_dispatch(
             .get(provider)
             .map(|endpoint| endpoint.resume_by_handle)
     };
-    // The graph is built (by the caller) before the shared render cache is locked.
+    // The graph is built (by the caller) before its conversation's render cache is locked; a
+    // graph that cannot be built renders nothing, through any cache.
+    let conversation_id = match &graph {
+        Ok(graph) => graph.conversation().conversation_id.as_str(),
+        Err(_) => "",
+    };
     let rendered = {
-        let mut cache = shared.render_cache.lock().await;
+        let mut cache = shared.render_caches.of(conversation_id).lock().await;
         render_targets(
             &shared.catalog,
             &mut cache,
@@ -2103,10 +2108,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     metrics::store_write_ops(shared.ledger.write_ops());
     let (kept, whole) = shared.kept.stats();
     metrics::conversation_reads(kept, whole);
-    let (renders, (resumed, _)) = {
-        let cache = shared.render_cache.lock().await;
-        (cache.renders(), cache.resumed())
-    };
+    let (renders, resumed) = shared.render_caches.renders().await;
     metrics::renders(renders, resumed);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

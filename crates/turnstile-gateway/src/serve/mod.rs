@@ -58,8 +58,9 @@ pub struct Shared {
     pub unknown_since: Mutex<HashMap<String, Timestamp>>,
     /// Compiled tool schemas by toolset digest.
     pub toolsets: Mutex<ToolsetCache>,
-    /// Rendered fragments by block digest.
-    pub render_cache: Mutex<RenderCache>,
+    /// Rendered fragments by block digest, kept render states and body midstates, one cache
+    /// per share of the conversations.
+    pub render_caches: RenderCaches,
     /// Stored conversations kept decoded between dispatches (`kept.rs`).
     pub kept: kept::KeptConversations,
     /// Model catalog.
@@ -78,6 +79,73 @@ pub struct Shared {
     pub refusals: proxy::refusals::Refusals,
     /// Per-target failure counts and cool-downs for failover (`breaker.rs`).
     pub breaker: breaker::Breaker,
+}
+
+/// The gateway's render caches, one per share of the conversations (by a hash of the
+/// conversation id). A render holds its own conversation's cache only, so dispatches of
+/// different conversations render at once on different workers rather than one after the
+/// other behind one lock; a conversation's kept render state and body midstates stay in its
+/// own cache. Each is [`RenderCache::one_of`] the shards, so together they keep no more than
+/// one cache would. Fragments are content-addressed: a fragment two shards both rendered is
+/// kept twice, never wrongly.
+pub struct RenderCaches {
+    shards: Box<[Mutex<RenderCache>]>,
+}
+
+impl RenderCaches {
+    /// Most shards.
+    pub const SHARDS_MAX: usize = 64;
+
+    /// Two per hardware thread (so that two renders rarely meet on one), at most
+    /// [`RenderCaches::SHARDS_MAX`].
+    pub fn shards_for_this_machine() -> usize {
+        let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        (2 * threads).min(RenderCaches::SHARDS_MAX)
+    }
+
+    /// `shards` caches (at least one, at most [`RenderCaches::SHARDS_MAX`]).
+    pub fn new(shards: usize) -> RenderCaches {
+        let shards = shards.clamp(1, RenderCaches::SHARDS_MAX);
+        RenderCaches {
+            shards: (0..shards)
+                .map(|_| Mutex::new(RenderCache::one_of(shards)))
+                .collect(),
+        }
+    }
+
+    /// The index of the cache `conversation_id` renders through.
+    pub fn shard_of(&self, conversation_id: &str) -> usize {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        conversation_id.hash(&mut hasher);
+        (hasher.finish() % self.shards.len() as u64) as usize
+    }
+
+    /// The cache `conversation_id` renders through.
+    pub fn of(&self, conversation_id: &str) -> &Mutex<RenderCache> {
+        &self.shards[self.shard_of(conversation_id)]
+    }
+
+    /// Number of caches.
+    pub fn len(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Never: there is at least one cache.
+    pub fn is_empty(&self) -> bool {
+        self.shards.is_empty()
+    }
+
+    /// (renders, renders that resumed from a kept state) through every cache since start.
+    pub async fn renders(&self) -> (u64, u64) {
+        let mut totals = (0, 0);
+        for shard in self.shards.iter() {
+            let cache = shard.lock().await;
+            totals.0 += cache.renders();
+            totals.1 += cache.resumed().0;
+        }
+        totals
+    }
 }
 
 /// The wall clock, read here and passed into the core as a value.
@@ -269,7 +337,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         hubs: Mutex::new(HashMap::new()),
         unknown_since: Mutex::new(HashMap::new()),
         toolsets: Mutex::new(ToolsetCache::new()),
-        render_cache: Mutex::new(RenderCache::new()),
+        render_caches: RenderCaches::new(RenderCaches::shards_for_this_machine()),
         kept: kept::KeptConversations::default(),
         catalog,
         prometheus,
@@ -440,5 +508,49 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = interrupt => {}
         _ = terminate => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RenderCaches;
+    use turnstile_adapters::render::RenderCache;
+
+    /// Issue 21: renders of two conversations in different shards do not wait on one lock,
+    /// while two renders of one conversation do (its kept render state is one); together the
+    /// shards keep no more than one cache's bounds; a conversation always maps to one shard.
+    #[test]
+    fn conversations_render_through_their_own_shard_and_the_shards_share_one_bound() {
+        let caches = RenderCaches::new(4);
+        assert_eq!(caches.len(), 4);
+        let first = "conversation-0";
+        let other = (1..100)
+            .map(|index| format!("conversation-{index}"))
+            .find(|id| caches.shard_of(id) != caches.shard_of(first))
+            .expect("100 ids do not all hash to one of 4 shards");
+        assert_eq!(caches.shard_of(first), caches.shard_of(first));
+        let held = caches.of(first).try_lock().expect("nothing holds it");
+        assert!(
+            caches.of(&other).try_lock().is_ok(),
+            "another conversation's render does not wait for this one"
+        );
+        assert!(
+            caches.of(first).try_lock().is_err(),
+            "a second render of the same conversation waits"
+        );
+        drop(held);
+        let (fragments, bytes) = RenderCache::new().bounds();
+        let mut total = (0, 0);
+        for index in 0..caches.len() {
+            let id = (0..1000)
+                .map(|n| format!("c-{n}"))
+                .find(|id| caches.shard_of(id) == index)
+                .expect("every shard is reached");
+            let (shard_fragments, shard_bytes) = caches.of(&id).try_lock().unwrap().bounds();
+            total = (total.0 + shard_fragments, total.1 + shard_bytes);
+        }
+        assert!(total.0 <= fragments && total.1 <= bytes, "{total:?}");
+        assert_eq!(RenderCaches::new(0).len(), 1);
+        assert_eq!(RenderCaches::new(1000).len(), RenderCaches::SHARDS_MAX);
     }
 }

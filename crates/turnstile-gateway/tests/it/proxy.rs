@@ -2370,7 +2370,10 @@ adapter = "openai-chat@1"
         let operation = operation_of(&headers);
         let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
         assert_eq!(dispatch["state"], "COMMITTED", "{store}: {dispatch}");
-        let conversation_id = dispatch["manifest"]["conversation_id"].as_str().unwrap().to_owned();
+        let conversation_id = dispatch["manifest"]["conversation_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
         let stored = gateway.get(&format!("/v1/conversations/{conversation_id}"));
         let roles: Vec<&str> = stored["turns"]
             .as_array()
