@@ -2656,6 +2656,7 @@ pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_c
     assert_eq!(store.dispatch("op-d").await.unwrap(), None);
     // The id is taken: the stored conversation stays as it is, nothing is prepared.
     let (manifest_again, bytes_again) = manifest("op-c2", "c", 1, "m");
+    let writes = store.write_ops();
     let taken = store
         .import_and_prepare(
             "c",
@@ -2676,6 +2677,7 @@ pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_c
             revision: Revision(2)
         })
     );
+    nothing_written("an id that is taken", writes);
     assert_eq!(store.dispatch("op-c2").await.unwrap(), None);
     // Bytes that are not the manifest's: refused before the transaction, the history not
     // imported either.
