@@ -383,9 +383,11 @@ pub(crate) struct Body {
 // ---------------------------------------------------------------------------------------------
 // Fragment cache.
 
-/// `total` split `shares` ways (0 or 1: not split).
-fn share(total: usize, shares: usize) -> usize {
-    total / shares.max(1)
+/// `total` split `shares` ways (0 or 1: not split), but never below `floor` (nor above
+/// `total`): a share of the kept bodies and render states still holds one large
+/// conversation's, so a cache that is one of many keeps the savings of an agent step on it.
+fn share(total: usize, shares: usize, floor: usize) -> usize {
+    (total / shares.max(1)).max(floor).min(total)
 }
 
 /// A cached rendered fragment and its token count.
@@ -435,6 +437,10 @@ struct BodyMemos {
 impl BodyMemos {
     const MAX: usize = 256;
     const BYTES_MAX: usize = 64 * 1024 * 1024;
+    /// Fewest bodies and bytes a share keeps ([`share`]): a 4 MiB body and its midstates fit
+    /// with room for its buffer's growth.
+    const MAX_FLOOR: usize = 4;
+    const BYTES_FLOOR: usize = 8 * 1024 * 1024;
 
     fn digest(&mut self, adapter: AdapterId, model: &str, conversation_id: &str, body: &[u8]) -> Digest {
         self.clock += 1;
@@ -443,7 +449,7 @@ impl BodyMemos {
         }) {
             Some(index) => index,
             None => {
-                if self.memos.len() >= share(Self::MAX, self.shares)
+                if self.memos.len() >= share(Self::MAX, self.shares, Self::MAX_FLOOR)
                     && let Some(oldest) = self.least_recent()
                 {
                     self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -466,7 +472,7 @@ impl BodyMemos {
         self.hashed = hashed;
         // `self.bytes` holds every memo's footprint, this one's `before` included.
         self.bytes = self.bytes + memo.footprint() - before;
-        while self.bytes > share(Self::BYTES_MAX, self.shares)
+        while self.bytes > share(Self::BYTES_MAX, self.shares, Self::BYTES_FLOOR)
             && let Some(oldest) = self.least_recent()
         {
             self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -664,6 +670,9 @@ struct ResumeMemos {
 impl ResumeMemos {
     const MAX: usize = 256;
     const BYTES_MAX: usize = 64 * 1024 * 1024;
+    /// Fewest states and bytes a share keeps ([`share`]), as [`BodyMemos`].
+    const MAX_FLOOR: usize = 4;
+    const BYTES_FLOOR: usize = 8 * 1024 * 1024;
 
     /// One state per (adapter, model, conversation): failover targets of two models on one
     /// adapter each keep their own.
@@ -763,7 +772,7 @@ impl ResumeMemos {
         let index = match self.find(adapter, &options.model, &conversation.conversation_id) {
             Some(index) => index,
             None => {
-                if self.memos.len() >= share(Self::MAX, self.shares)
+                if self.memos.len() >= share(Self::MAX, self.shares, Self::MAX_FLOOR)
                     && let Some(oldest) = self.least_recent()
                 {
                     self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -824,7 +833,7 @@ impl ResumeMemos {
         memo.used = self.clock;
         memo.version = self.clock;
         self.bytes = self.bytes + memo.footprint() - before;
-        while self.bytes > share(Self::BYTES_MAX, self.shares)
+        while self.bytes > share(Self::BYTES_MAX, self.shares, Self::BYTES_FLOOR)
             && let Some(oldest) = self.least_recent()
         {
             self.bytes -= self.memos.swap_remove(oldest).footprint();
@@ -888,7 +897,9 @@ impl RenderCache {
     /// An empty cache that is one of `shares` (a gateway keeps several, each for its own
     /// conversations, so that renders of different conversations do not wait on one lock):
     /// each of its bounds (fragments, bytes, kept bodies and render states) is that share of
-    /// the whole, so together they keep no more than one cache.
+    /// the whole, except that the kept bodies and render states never go below a floor (4 of
+    /// each, 8 MiB of each), so that one large conversation still resumes. Up to 8 shares they
+    /// keep no more than one cache; at 16, twice its kept bodies and states (128 MiB each).
     pub fn one_of(shares: usize) -> RenderCache {
         let shares = shares.max(1);
         let mut cache = RenderCache {
@@ -903,8 +914,8 @@ impl RenderCache {
     /// (most fragments, most fragment bytes) this cache keeps before it is cleared.
     pub fn bounds(&self) -> (usize, usize) {
         (
-            share(RenderCache::FRAGMENTS_MAX, self.shares),
-            share(RenderCache::BYTES_MAX, self.shares),
+            share(RenderCache::FRAGMENTS_MAX, self.shares, 0),
+            share(RenderCache::BYTES_MAX, self.shares, 0),
         )
     }
 

@@ -131,8 +131,12 @@ pub(crate) async fn import_conversation<T: Tx>(
 
 /// [`import_conversation`], then, in the same transaction, [`prepare_and_begin`] (or, without
 /// `begin`, [`prepare_targets`]) of the conversation's first dispatch: a fresh proxy request's
-/// import, prepare and acceptance point are one durable write. Nothing is prepared when the
-/// import does not create the conversation.
+/// import, prepare and acceptance point are one durable write. All or nothing: nothing is
+/// prepared when the import does not create the conversation, and nothing is imported when
+/// the prepare would be refused (a manifest of another conversation or revision, an operation
+/// id that is taken: checked before the import). A prepare refused after the import all the
+/// same (another replica took the operation id in between) is an error that rolls the
+/// transaction back.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn import_and_prepare<T: Tx>(
     tx: &mut T,
@@ -146,6 +150,33 @@ pub(crate) async fn import_and_prepare<T: Tx>(
     begin: Option<&BeginAtOnce>,
     now: Timestamp,
 ) -> Result<ImportPrepared, StoreError> {
+    if manifest.body.conversation_id != conversation_id {
+        return Ok(ImportPrepared::NotPrepared(PrepareOutcome::NotFound));
+    }
+    if manifest.body.conversation_revision != checked.revision {
+        return Ok(ImportPrepared::NotPrepared(PrepareOutcome::StaleRevision {
+            current: checked.revision,
+        }));
+    }
+    if let Some(existing) = dispatch(tx, &manifest.body.operation_id).await? {
+        // A stored conversation of this id answers first, as the import would.
+        if let Some((current, _)) = conversation_head(tx, conversation_id, false).await? {
+            return Ok(ImportPrepared::NotImported(ImportOutcome::AlreadyExists {
+                revision: current,
+            }));
+        }
+        let stored = fallback_digests_of(tx, &manifest.body.operation_id).await?;
+        let fallback_digests: Vec<&str> = fallbacks
+            .iter()
+            .map(|fallback| fallback.manifest.manifest_digest.as_str())
+            .collect();
+        return Ok(ImportPrepared::NotPrepared(same_or_conflict(
+            existing,
+            manifest.manifest_digest.as_str(),
+            &stored,
+            &fallback_digests,
+        )));
+    }
     let revision = match import_conversation(tx, conversation_id, tools, checked, now).await? {
         ImportOutcome::Created { revision } => revision,
         refused => return Ok(ImportPrepared::NotImported(refused)),
@@ -157,6 +188,12 @@ pub(crate) async fn import_and_prepare<T: Tx>(
             None,
         ),
     };
+    if !matches!(prepared, PrepareOutcome::Created(_)) {
+        return Err(StoreError::CommitFailed(format!(
+            "the first prepare of imported conversation {conversation_id} was refused inside its \
+             transaction ({prepared:?}); neither was written"
+        )));
+    }
     Ok(ImportPrepared::Prepared {
         revision,
         prepared,

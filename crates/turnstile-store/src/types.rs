@@ -337,15 +337,17 @@ impl Default for Carried {
 pub enum ImportPrepared {
     /// The history was not imported (`Rejected`, or `AlreadyExists`): nothing was written.
     NotImported(ImportOutcome),
-    /// The prepare was refused before its transaction (`PrepareOutcome::Invalid`): nothing was
-    /// written, the history was not imported either.
+    /// The prepare was refused (`Invalid` bytes or manifest; `NotFound`: a manifest of another
+    /// conversation; `StaleRevision`: of another revision than the import's, which `current`
+    /// is; `Existing` or `Conflict`: its operation id is taken): nothing was written, the
+    /// history was not imported either.
     NotPrepared(PrepareOutcome),
-    /// Imported at `revision`; what the prepare (and, when asked, the begin) decided in the
-    /// same transaction.
+    /// Imported at `revision`, and the dispatch prepared (and, when asked, begun) in the same
+    /// transaction.
     Prepared {
         /// Number of imported turns.
         revision: Revision,
-        /// The prepare's outcome.
+        /// The prepare's outcome: always `Created`.
         prepared: PrepareOutcome,
         /// The begin's outcome (`None` without a begin or when the prepare did not create).
         began: Option<BeginOutcome>,

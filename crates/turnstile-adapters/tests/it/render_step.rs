@@ -218,7 +218,8 @@ fn a_cache_that_is_one_of_several_keeps_that_share_of_every_bound() {
         );
     }
     assert_eq!(sixty_fourth.body_memos().0, 4);
-    // 64 MiB of bodies in all: one of 16 keeps one 3 MiB body, not two.
+    // 64 MiB of bodies in all: one of 16 would keep 4 MiB, but its floor is 8 MiB: it keeps
+    // two 3 MiB bodies, not three.
     let mut sixteenth = RenderCache::one_of(16);
     let big = vec![b'x'; 3 * 1024 * 1024];
     for index in 0..3 {
@@ -229,8 +230,109 @@ fn a_cache_that_is_one_of_several_keeps_that_share_of_every_bound() {
         );
         let (kept, bytes) = sixteenth.body_memos();
         assert!(
-            kept <= 1 && bytes <= 4 * 1024 * 1024,
+            kept <= 2 && bytes <= 8 * 1024 * 1024,
             "{kept} bodies, {bytes} bytes"
         );
     }
+    assert_eq!(sixteenth.body_memos().0, 2);
+}
+
+/// A user turn that ends a conversation at `revision`, appended to `state` and `whole`.
+fn push_user(state: &mut KeptConversation, whole: &mut Value, step: usize, text: &str) {
+    let revision = whole["revision"].as_u64().unwrap() + 1;
+    let turn = serde_json::json!({"id": format!("t-share-{step}"), "revision": revision, "role": "user",
+        "blocks": [{"id": format!("b-share-{step}"), "kind": "text", "text": text}]});
+    let _ = state.push_turn(turn.clone(), Revision(revision)).unwrap();
+    whole["revision"] = revision.into();
+    whole["turns"].as_array_mut().unwrap().push(turn);
+}
+
+/// The render states a share keeps: that share of the count (one of 32 keeps 8 of 256, not all
+/// 10 conversations'), and never fewer bytes than the floor, so that one large conversation
+/// still resumes in a cache that is one of 64 (whose plain share, 1 MiB, would drop its 2 MiB
+/// state and its 2 MiB body after every render). Every body is still a cold prepare's.
+#[test]
+fn a_share_keeps_its_share_of_render_states_and_still_resumes_one_large_conversation() {
+    let document: Value =
+        serde_json::from_slice(&std::fs::read(data_dir().join("multi_round.json")).unwrap()).unwrap();
+    let adapter = AdapterId::AnthropicMessagesV1;
+    let mut thirty_second = RenderCache::one_of(32);
+    for index in 0..10 {
+        let mut whole = document.clone();
+        whole["conversation_id"] = format!("c-share-{index}").into();
+        let mut state = KeptConversation::new(Conversation::from_value(whole.clone()).unwrap());
+        push_user(&mut state, &mut whole, 0, "one more question");
+        let (body, digest) = kept(&state, adapter, &mut thirty_second).expect("prepares");
+        let expected = cold(&Conversation::from_value(whole).unwrap(), adapter).unwrap();
+        assert_eq!((body, digest), expected, "conversation {index}");
+        assert!(
+            thirty_second.resume_memos().0 <= 8,
+            "{:?}",
+            thirty_second.resume_memos()
+        );
+    }
+    assert_eq!(thirty_second.resume_memos().0, 8);
+
+    // Gemini: its window takes a 2 MiB turn.
+    let large = AdapterId::GeminiV1;
+    let mut sixty_fourth = RenderCache::one_of(64);
+    let mut whole = document.clone();
+    whole["conversation_id"] = "c-share-large".into();
+    let mut state = KeptConversation::new(Conversation::from_value(whole.clone()).unwrap());
+    push_user(&mut state, &mut whole, 0, &" the".repeat(560_000));
+    for step in 1..4 {
+        let resumed_before = sixty_fourth.resumed().0;
+        push_user(&mut state, &mut whole, step, "and one more question");
+        // A user turn after a user turn is legal: the renderers merge or separate them alike.
+        let (body, digest) = kept(&state, large, &mut sixty_fourth).expect("prepares");
+        let expected = cold(&Conversation::from_value(whole.clone()).unwrap(), large).unwrap();
+        assert!(body.len() > 2 * 1024 * 1024, "{}", body.len());
+        assert_eq!((&body, &digest), (&expected.0, &expected.1), "step {step}");
+        if step > 1 {
+            assert_eq!(
+                sixty_fourth.resumed().0,
+                resumed_before + 1,
+                "step {step} resumed from the kept state"
+            );
+            assert!(
+                sixty_fourth.body_bytes_hashed() * 4 < body.len(),
+                "step {step} hashed {} of {} bytes",
+                sixty_fourth.body_bytes_hashed(),
+                body.len()
+            );
+        }
+    }
+}
+
+/// A share's fragment bound clears its share: one of 250,000 keeps at most 4 fragments, so a
+/// second render of one conversation misses again (a whole cache hits every fragment), and
+/// both renders are still a cold prepare's bytes.
+#[test]
+fn a_share_clears_its_fragments_at_its_share_of_the_bound() {
+    let document: Value =
+        serde_json::from_slice(&std::fs::read(data_dir().join("multi_round.json")).unwrap()).unwrap();
+    let adapter = AdapterId::AnthropicMessagesV1;
+    let expected = cold(&Conversation::from_value(document.clone()).unwrap(), adapter).unwrap();
+    let mut whole = RenderCache::new();
+    let mut tiny = RenderCache::one_of(250_000);
+    assert_eq!(tiny.bounds().0, 4);
+    for cache in [&mut whole, &mut tiny] {
+        for _ in 0..2 {
+            // A fresh kept conversation each time: no render state to resume, every block a
+            // fragment lookup.
+            let state = KeptConversation::new(Conversation::from_value(document.clone()).unwrap());
+            assert_eq!(kept(&state, adapter, cache).unwrap(), expected);
+        }
+    }
+    let (hits, misses) = whole.stats();
+    assert!(
+        misses > 4 && hits >= misses,
+        "whole: {hits} hits, {misses} misses"
+    );
+    let (_, tiny_misses) = tiny.stats();
+    assert!(tiny.len() <= 4, "{} fragments kept", tiny.len());
+    assert!(
+        tiny_misses >= 2 * misses - 4,
+        "tiny: {tiny_misses} misses, whole {misses}"
+    );
 }

@@ -85,16 +85,18 @@ pub struct Shared {
 /// conversation id). A render holds its own conversation's cache only, so dispatches of
 /// different conversations render at once on different workers rather than one after the
 /// other behind one lock; a conversation's kept render state and body midstates stay in its
-/// own cache. Each is [`RenderCache::one_of`] the shards, so together they keep no more than
-/// one cache would. Fragments are content-addressed: a fragment two shards both rendered is
+/// own cache. Each is [`RenderCache::one_of`] the shards, so together they keep no more
+/// fragments than one cache would, and no fewer than 4 bodies and render states (8 MiB of
+/// each) per shard. Fragments are content-addressed: a fragment two shards both rendered is
 /// kept twice, never wrongly.
 pub struct RenderCaches {
     shards: Box<[Mutex<RenderCache>]>,
 }
 
 impl RenderCaches {
-    /// Most shards.
-    pub const SHARDS_MAX: usize = 64;
+    /// Most shards: past 8, the floors of a shard's kept bodies and render states
+    /// ([`RenderCache::one_of`]) make the shards keep more than one cache would, twice at 16.
+    pub const SHARDS_MAX: usize = 16;
 
     /// Two per hardware thread (so that two renders rarely meet on one), at most
     /// [`RenderCaches::SHARDS_MAX`].

@@ -2552,9 +2552,10 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
 
 /// Issue 21: a fresh proxy request's import, prepare and acceptance point are one durable write
 /// (`import_and_prepare`), and the import leaves the validator's state, so the dispatch's
-/// commit checks its own turn only. A history the validator refuses, an id that is taken and a
-/// prepare whose bytes do not match its manifest write nothing at all: no conversation, no
-/// dispatch.
+/// commit checks its own turn only. A history the validator refuses, an id that is taken, a
+/// prepare whose bytes do not match its manifest, and a prepare that would be refused (a
+/// manifest of another conversation or revision, an operation id that is taken) write nothing
+/// at all: no conversation, no dispatch.
 pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only(
     backend: Backend,
     name: &str,
@@ -2728,4 +2729,47 @@ pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_c
         panic!("not prepared without a begin: {prepared:?}")
     };
     assert_eq!(record.state, DispatchState::Prepared);
+
+    // The prepare would be refused: the import is not written either (all or nothing). A
+    // manifest of another conversation, of another revision than the import's, and an
+    // operation id that is taken (by op-c, with another manifest).
+    let refusals = [
+        (
+            "a manifest of another conversation",
+            manifest("op-g", "other", 1, "m"),
+        ),
+        ("a manifest of another revision", manifest("op-g", "g", 3, "m")),
+        ("an operation id that is taken", manifest("op-c", "g", 1, "m")),
+    ];
+    for (what, (manifest_g, bytes_g)) in refusals {
+        let writes = store.write_ops();
+        let refused = store
+            .import_and_prepare(
+                "g",
+                &tools(),
+                &[user_turn("g-u1")],
+                &manifest_g,
+                &bytes_g,
+                None,
+                &[],
+                Some(&begin),
+                at(16),
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                &refused,
+                ImportPrepared::NotPrepared(
+                    PrepareOutcome::NotFound
+                        | PrepareOutcome::StaleRevision { current: Revision(1) }
+                        | PrepareOutcome::Conflict { .. }
+                )
+            ),
+            "{what}: {refused:?}"
+        );
+        nothing_written(what, writes);
+        assert_eq!(store.conversation("g").await.unwrap(), None, "{what}");
+        assert_eq!(store.dispatch("op-g").await.unwrap(), None, "{what}");
+    }
 }
