@@ -949,6 +949,15 @@ impl RenderCache {
         (self.resumes.resumed, self.resumes.last_from)
     }
 
+    /// The turn a render of `conversation_id` for `adapter` and `model` would resume from if
+    /// the state kept for it still matches (0: none kept): the turns before it are not
+    /// rendered again. A scheduling hint, not a promise: the render checks the state exactly.
+    pub fn kept_turn(&self, adapter: AdapterId, model: &str, conversation_id: &str) -> usize {
+        self.resumes
+            .find(adapter, model, conversation_id)
+            .map_or(0, |index| self.resumes.memos[index].checkpoint.turn)
+    }
+
     /// Renders through this cache since creation, whole and resumed (a gateway's metric).
     pub fn renders(&self) -> u64 {
         self.renders

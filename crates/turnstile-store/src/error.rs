@@ -47,4 +47,16 @@ pub enum StoreError {
     /// The store URL is not one this build understands.
     #[error("unsupported store URL (expected sqlite:PATH or postgres://…)")]
     BadUrl,
+    /// Internal to the SQLite ledger, never returned by it: a check found no validator state
+    /// for this conversation at this revision and may not walk the history on the writer
+    /// thread. The operation wrote nothing (its savepoint is rolled back); the ledger walks
+    /// the history off the writer and runs the operation again.
+    #[doc(hidden)]
+    #[error("internal: no validator state for {conversation_id} at revision {revision}")]
+    HistoryNeeded {
+        /// The conversation.
+        conversation_id: String,
+        /// The revision whose state the check needs.
+        revision: u64,
+    },
 }

@@ -3,6 +3,7 @@
 //! decoded as one `turnstile.conversation.v1` document and run through the core validator;
 //! a `rejected` verdict refuses the write, `ready` and `waiting` accept it.
 
+use crate::error::StoreError;
 use serde_json::{Map, Value, json};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -23,6 +24,43 @@ pub(crate) struct ValidationCache {
     states: Mutex<HashMap<String, (Revision, History)>>,
     /// Checks that found no state and read and walked the whole history.
     walks: std::sync::atomic::AtomicU64,
+    /// Of those, the walks made inside a write transaction (`States::walk`).
+    walks_in_transaction: std::sync::atomic::AtomicU64,
+}
+
+/// The validator states a check inside a write transaction may use: the cache, and whether it
+/// may read and walk the whole history itself on a miss. The SQLite writer may not (every
+/// write of every conversation queues behind it): its check stops with
+/// [`StoreError::HistoryNeeded`] instead, before it writes, and the ledger walks the history on
+/// the caller ([`state_at`]) and runs the operation again, walking in the writer only if the
+/// state is gone again by then.
+pub(crate) struct States<'a> {
+    pub cache: &'a ValidationCache,
+    pub walk: bool,
+}
+
+impl States<'_> {
+    /// [`ValidationCache::take`]; on a miss, `Ok(None)` when this check may walk (counted as a
+    /// walk in a transaction), else `HistoryNeeded`.
+    pub(crate) fn take(
+        &self,
+        conversation_id: &str,
+        revision: Revision,
+    ) -> Result<Option<History>, StoreError> {
+        if let Some(history) = self.cache.take(conversation_id, revision) {
+            return Ok(Some(history));
+        }
+        if !self.walk {
+            return Err(StoreError::HistoryNeeded {
+                conversation_id: conversation_id.to_owned(),
+                revision: revision.0,
+            });
+        }
+        self.cache
+            .walks_in_transaction
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(None)
+    }
 }
 
 impl ValidationCache {
@@ -45,6 +83,22 @@ impl ValidationCache {
     /// Whole-history walks so far (`Ledger::history_walks`).
     pub(crate) fn walks(&self) -> u64 {
         self.walks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Of those, the walks inside a write transaction (`Ledger::history_walks_in_transaction`).
+    pub(crate) fn walks_in_transaction(&self) -> u64 {
+        self.walks_in_transaction
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether the state after `conversation_id` at `revision` is kept (a peek: nothing taken,
+    /// no walk counted).
+    pub(crate) fn holds(&self, conversation_id: &str, revision: Revision) -> bool {
+        self.states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(conversation_id)
+            .is_some_and(|(at, _)| *at == revision)
     }
 
     /// Keep the state after a committed write.
@@ -186,6 +240,32 @@ pub(crate) fn check_append_state(
         return Err(shape_violation("no turn to append"));
     };
     Ok((calls_of(last), state))
+}
+
+/// The validator's state after a stored history (`turns`, the conversation's turns up to
+/// `revision`), walked outside any write transaction, for [`ValidationCache::put`]: `None`
+/// when the history does not decode or is not legal (a check inside the transaction then walks
+/// it and reports what it finds).
+pub(crate) fn state_at(
+    conversation_id: &str,
+    tools: &Value,
+    turns: Vec<Value>,
+    revision: Revision,
+) -> Option<Checked> {
+    let document = json!({
+        "format": FORMAT_V1,
+        "conversation_id": conversation_id,
+        "revision": revision.0,
+        "tools": tools,
+        "turns": turns,
+    });
+    let conversation = Conversation::from_value(document).ok()?;
+    let history = History::of(&conversation);
+    history.is_legal().then(|| Checked {
+        conversation_id: conversation_id.to_owned(),
+        revision,
+        history,
+    })
 }
 
 /// An imported history, stamped and checked before its transaction: the turns as they will be

@@ -64,6 +64,12 @@ pub trait Ledger: Send + Sync {
     /// turn only.
     fn history_walks(&self) -> u64;
 
+    /// Of [`Ledger::history_walks`], those made inside the write transaction. PostgreSQL walks
+    /// in the operation's own transaction (its connection, not a shared thread); SQLite walks
+    /// on the caller before its writer thread runs the operation, and in the writer only when
+    /// the state it left was taken again in between.
+    fn history_walks_in_transaction(&self) -> u64;
+
     /// Create a conversation at revision 0 with its declared tools (a v1 `tools` array).
     async fn create_conversation(
         &self,

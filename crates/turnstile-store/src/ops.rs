@@ -8,7 +8,7 @@
 //! tool call) so PostgreSQL never deadlocks two of these transactions.
 
 use crate::error::StoreError;
-use crate::history::{self, Checked, NewToolCall, ValidationCache};
+use crate::history::{self, Checked, NewToolCall, States};
 use crate::sql::{Dialect, Row, SqlValue, Tx};
 use crate::types::*;
 use serde_json::Value;
@@ -353,7 +353,7 @@ async fn insert_turn<T: Tx>(
 /// walked once. On success the turn's calls and the state after it.
 async fn check_turn<T: Tx>(
     tx: &mut T,
-    cache: &ValidationCache,
+    states: &States<'_>,
     conversation_id: &str,
     tools: &Value,
     expected: Revision,
@@ -363,7 +363,7 @@ async fn check_turn<T: Tx>(
     Result<(Vec<NewToolCall>, turnstile_core::validate::History), Vec<turnstile_core::Violation>>,
     StoreError,
 > {
-    Ok(match cache.take(conversation_id, expected) {
+    Ok(match states.take(conversation_id, expected)? {
         Some(state) => history::check_next(state, stamped),
         None => {
             let history = turns_up_to(tx, conversation_id, expected).await?;
@@ -372,7 +372,24 @@ async fn check_turn<T: Tx>(
     })
 }
 
-/// Append a turn at `expected + 1` (see [`check_turn`] for `cache`; `next` is set to the state
+/// A conversation's tools and its turns up to `revision` (the history a check walks when it
+/// finds no validator state), read outside the write transaction: `None` when there is no such
+/// conversation or it is not yet at `revision`.
+pub(crate) async fn history_at<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+) -> Result<Option<(Value, Vec<Value>)>, StoreError> {
+    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+        return Ok(None);
+    };
+    if current < revision {
+        return Ok(None);
+    }
+    Ok(Some((tools, turns_up_to(tx, conversation_id, revision).await?)))
+}
+
+/// Append a turn at `expected + 1` (see [`check_turn`] for `states`; `next` is set to the state
 /// after it on success).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn append_turn<T: Tx>(
@@ -380,7 +397,7 @@ pub(crate) async fn append_turn<T: Tx>(
     conversation_id: &str,
     expected: Revision,
     turn: &Value,
-    cache: &ValidationCache,
+    states: &States<'_>,
     next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<AppendOutcome, StoreError> {
@@ -402,7 +419,7 @@ pub(crate) async fn append_turn<T: Tx>(
     };
     let state = match check_turn(
         tx,
-        cache,
+        states,
         conversation_id,
         &tools,
         expected,
@@ -1573,7 +1590,7 @@ fn carried_steps(from: DispatchState) -> Option<&'static [(DispatchState, Dispat
     }
 }
 
-/// The canonical commit. `cache`: the validator's state after the stored history, if this
+/// The canonical commit. `states`: the validator's state after the stored history, if this
 /// process kept it; on a commit, `next` is set to the state after the new turn (for the
 /// caller to keep once the transaction committed).
 #[allow(clippy::too_many_arguments)]
@@ -1585,7 +1602,7 @@ pub(crate) async fn commit<T: Tx>(
     turn: &Value,
     outcome: Option<&Value>,
     carried: &Carried,
-    cache: &ValidationCache,
+    states: &States<'_>,
     next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<CommitOutcome, StoreError> {
@@ -1626,7 +1643,7 @@ pub(crate) async fn commit<T: Tx>(
     // kept; else the whole history is read and walked once.
     let checked = check_turn(
         tx,
-        cache,
+        states,
         &conversation_id,
         &tools,
         expected_revision,
@@ -2151,7 +2168,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     claim: u64,
     status: &str,
     content: &Value,
-    cache: &ValidationCache,
+    states: &States<'_>,
     next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<ResultOutcome, StoreError> {
@@ -2195,7 +2212,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     });
     let state = match check_turn(
         tx,
-        cache,
+        states,
         conversation_id,
         &tools,
         current,

@@ -292,6 +292,10 @@ impl Ledger for PgLedger {
         self.validation.walks()
     }
 
+    fn history_walks_in_transaction(&self) -> u64 {
+        self.validation.walks_in_transaction()
+    }
+
     fn write_ops(&self) -> u64 {
         self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -378,7 +382,10 @@ impl Ledger for PgLedger {
             conversation_id,
             expected,
             turn,
-            &self.validation,
+            &history::States {
+                cache: &self.validation,
+                walk: true,
+            },
             &mut next,
             now
         ))?;
@@ -705,7 +712,10 @@ impl Ledger for PgLedger {
             turn,
             outcome,
             carried,
-            &self.validation,
+            &history::States {
+                cache: &self.validation,
+                walk: true,
+            },
             &mut next,
             now
         ))?;
@@ -761,7 +771,10 @@ impl Ledger for PgLedger {
             claim,
             status,
             content,
-            &self.validation,
+            &history::States {
+                cache: &self.validation,
+                walk: true,
+            },
             &mut next,
             now
         ))?;

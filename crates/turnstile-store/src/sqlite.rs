@@ -68,7 +68,11 @@ enum BatchEnd {
 type Reply = Box<dyn FnOnce(BatchEnd) + Send>;
 /// An operation for the writer thread; `None` when its group could not even begin (it is
 /// then answered with the failure without running).
-type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Reply, bool) + Send>;
+///
+/// No reply (`None`): the operation answered its caller already, having written nothing (a
+/// check that stopped for the history, `StoreError::HistoryNeeded`): the group's end is not its
+/// own, and a group of only such operations takes no injected fault.
+type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Option<Reply>, bool) + Send>;
 
 /// A transaction on one of the ledger's connections: the writer thread's (a write, inside its
 /// group's transaction) or a reader's (a read, in its own read transaction).
@@ -425,6 +429,10 @@ impl SqliteLedger {
                 Some(tx) => operation(tx),
                 None => Err(StoreError::CommitFailed("the transaction could not begin".into())),
             };
+            if matches!(result, Err(StoreError::HistoryNeeded { .. })) {
+                let _ = answer.send(result);
+                return (None, false);
+            }
             let ok = result.is_ok();
             let reply: Reply = Box::new(move |end| {
                 let result = match end {
@@ -435,7 +443,7 @@ impl SqliteLedger {
                 // The caller may have gone away (its future was dropped); nothing to tell then.
                 let _ = answer.send(result);
             });
-            (reply, ok)
+            (Some(reply), ok)
         });
         let Some(jobs) = &self.jobs else {
             return Err(StoreError::WriterGone);
@@ -451,6 +459,24 @@ impl SqliteLedger {
     /// has no reason to wait for) and sees every acknowledged write: the writer answers only
     /// after its commit.
     fn read<T>(
+        &self,
+        operation: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let value = self.read_within(operation)?;
+        // An armed fault is for the next transaction that would have succeeded, a read's too
+        // (as on PostgreSQL, where a read is a transaction of the pool): its answer is lost,
+        // nothing was written.
+        match self.faults.take() {
+            Some(Fault::DropBeforeCommit) => Err(StoreError::ConnectionLost("before commit")),
+            Some(Fault::DropAfterCommit) => Err(StoreError::ConnectionLost("after commit")),
+            None => Ok(value),
+        }
+    }
+
+    /// [`SqliteLedger::read`] as part of a write operation (the history a check walks before
+    /// the writer runs it, [`SqliteLedger::warm`]): an injected fault is for the write's own
+    /// transaction, not this read.
+    fn read_within<T>(
         &self,
         operation: impl FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
@@ -473,14 +499,7 @@ impl SqliteLedger {
         }
         let value = result?;
         ended?;
-        // An armed fault is for the next transaction that would have succeeded, a read's too
-        // (as on PostgreSQL, where a read is a transaction of the pool): its answer is lost,
-        // nothing was written.
-        match self.faults.take() {
-            Some(Fault::DropBeforeCommit) => Err(StoreError::ConnectionLost("before commit")),
-            Some(Fault::DropAfterCommit) => Err(StoreError::ConnectionLost("after commit")),
-            None => Ok(value),
-        }
+        Ok(value)
     }
 }
 
@@ -507,6 +526,75 @@ impl SqliteLedger {
             self.validation.put(next);
         }
         Ok(outcome)
+    }
+}
+
+impl SqliteLedger {
+    /// [`SqliteLedger::run_checked`] for an operation that checks a new turn against the
+    /// stored history ([`history::States`]): the writer never walks that history. On a miss
+    /// the operation stops before it writes (`HistoryNeeded`), the history is read and walked
+    /// here, on the caller ([`SqliteLedger::warm`]), and the operation runs again; only if the
+    /// state is gone again by then (taken by another operation, evicted) does that run walk in
+    /// the writer.
+    async fn run_checking<T, F>(&self, operation: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: Fn(&mut SqliteTx<'_>, &history::States<'_>, &mut Option<Checked>) -> Result<T, StoreError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let operation = Arc::new(operation);
+        let mut walk = false;
+        loop {
+            let (cache, run) = (Arc::clone(&self.validation), Arc::clone(&operation));
+            let result = self
+                .run(move |tx| {
+                    let mut next = None;
+                    let states = history::States { cache: &cache, walk };
+                    let outcome = run(tx, &states, &mut next)?;
+                    Ok((outcome, next))
+                })
+                .await;
+            match result {
+                Err(StoreError::HistoryNeeded {
+                    conversation_id,
+                    revision,
+                }) if !walk => {
+                    // A read that fails here costs only the walk: the next run makes it in
+                    // the writer, and meets the same storage there if it is failing.
+                    let _ = self.warm(&conversation_id, Revision(revision));
+                    walk = true;
+                }
+                Err(error) => return Err(error),
+                Ok((outcome, next)) => {
+                    if let Some(next) = next {
+                        self.validation.put(next);
+                    }
+                    return Ok(outcome);
+                }
+            }
+        }
+    }
+
+    /// Read `conversation_id`'s history up to `revision` on a read connection and keep the
+    /// validator's state after it, walked here rather than in the writer. Nothing is kept when
+    /// the conversation is not at `revision` yet or its history is not legal: the operation's
+    /// next run then walks in the writer and reports what it finds.
+    fn warm(&self, conversation_id: &str, revision: Revision) -> Result<(), StoreError> {
+        if self.validation.holds(conversation_id, revision) {
+            return Ok(());
+        }
+        let id = conversation_id.to_owned();
+        let Some((tools, turns)) =
+            self.read_within(|tx| block_on_ready(ops::history_at(tx, &id, revision)))?
+        else {
+            return Ok(());
+        };
+        if let Some(checked) = history::state_at(conversation_id, &tools, turns, revision) {
+            self.validation.put(checked);
+        }
+        Ok(())
     }
 }
 
@@ -567,7 +655,7 @@ fn run_batch(
         }
     };
     if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
-        let replies = batch.into_iter().map(|job| job(None).0).collect();
+        let replies = batch.into_iter().filter_map(|job| job(None).0).collect();
         finish(replies, BatchEnd::Failed(error.to_string()));
         return;
     }
@@ -597,9 +685,9 @@ fn run_batch(
         // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
         // writes are rolled back to the savepoint.
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Some(&mut tx))));
-        let (reply, ok): (Reply, bool) = match ran {
+        let (reply, ok): (Option<Reply>, bool) = match ran {
             Ok(ran) => ran,
-            Err(_) => (Box::new(|_| {}), false),
+            Err(_) => (Some(Box::new(|_| {})), false),
         };
         let closed = match (savepoint, ok) {
             (Ok(()), true) => control(connection, "RELEASE op"),
@@ -609,13 +697,13 @@ fn run_batch(
             (Err(error), _) => Err(error),
         };
         match closed {
-            Ok(()) => replies.push(reply),
+            Ok(()) => replies.extend(reply),
             Err(error) => {
                 // The transaction is in an unknown state: give up the whole group, and answer
                 // the operations of it that did not run yet with the same failure.
                 let _ = control(connection, "ROLLBACK");
-                replies.push(reply);
-                replies.extend(pending.map(|job| job(None).0));
+                replies.extend(reply);
+                replies.extend(pending.filter_map(|job| job(None).0));
                 finish(replies, BatchEnd::Failed(error.to_string()));
                 return;
             }
@@ -623,6 +711,11 @@ fn run_batch(
         if ok && connection.total_changes() > changes_before {
             wrote += 1;
         }
+    }
+    if replies.is_empty() {
+        // Every operation of the group answered already and wrote nothing.
+        let _ = control(connection, "ROLLBACK");
+        return;
     }
     match faults.take() {
         Some(Fault::DropBeforeCommit) => {
@@ -724,6 +817,10 @@ impl Ledger for SqliteLedger {
         self.validation.walks()
     }
 
+    fn history_walks_in_transaction(&self) -> u64 {
+        self.validation.walks_in_transaction()
+    }
+
     fn write_ops(&self) -> u64 {
         self.counters.write_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -797,8 +894,8 @@ impl Ledger for SqliteLedger {
         now: Timestamp,
     ) -> Result<AppendOutcome, StoreError> {
         let (id, turn) = (conversation_id.to_owned(), turn.clone());
-        self.run_checked(move |tx, cache, next| {
-            block_on_ready(ops::append_turn(tx, &id, expected, &turn, cache, next, now))
+        self.run_checking(move |tx, states, next| {
+            block_on_ready(ops::append_turn(tx, &id, expected, &turn, states, next, now))
         })
         .await
     }
@@ -1110,7 +1207,7 @@ impl Ledger for SqliteLedger {
             outcome.cloned(),
             carried.clone(),
         );
-        self.run_checked(move |tx, cache, next| {
+        self.run_checking(move |tx, states, next| {
             block_on_ready(ops::commit(
                 tx,
                 &op,
@@ -1119,7 +1216,7 @@ impl Ledger for SqliteLedger {
                 &turn,
                 outcome.as_ref(),
                 &carried,
-                cache,
+                states,
                 next,
                 now,
             ))
@@ -1168,9 +1265,9 @@ impl Ledger for SqliteLedger {
             status.to_owned(),
             content.clone(),
         );
-        self.run_checked(move |tx, cache, next| {
+        self.run_checking(move |tx, states, next| {
             block_on_ready(ops::submit_tool_result(
-                tx, &id, &call, claim, &status, &content, cache, next, now,
+                tx, &id, &call, claim, &status, &content, states, next, now,
             ))
         })
         .await
@@ -1282,7 +1379,7 @@ mod tests {
             let reply: Reply = Box::new(move |end| {
                 told.lock().unwrap().push((value, format!("{end:?}")));
             });
-            (reply, ran.unwrap_or(false))
+            (Some(reply), ran.unwrap_or(false))
         })
     }
 
@@ -1385,7 +1482,7 @@ mod tests {
                 let ran =
                     tx.map(|tx| block_on_ready(tx.execute("INSERT INTO t (x) VALUES (0)", &[])).is_ok());
                 let reply: Reply = Box::new(move |end| told.lock().unwrap().push((0, format!("{end:?}"))));
-                (reply, ran.unwrap_or(false))
+                (Some(reply), ran.unwrap_or(false))
             })
         };
         run_batch(&connection, vec![first], &queue, &faults, &counters);

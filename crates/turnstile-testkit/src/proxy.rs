@@ -775,9 +775,14 @@ impl World {
         let sequence = turnstile_core::MessageSequence::build(validated);
         let graph = turnstile_adapters::Graph::new(validated, &sequence);
         let resume = render.resume;
+        let mut cache = self
+            .render_caches
+            .of(&conversation.conversation_id)
+            .try_lock()
+            .map_err(|_| "the world renders one request at a time: its cache is free".to_owned())?;
         match render_targets(
             &self.catalog,
-            &mut self.render_cache,
+            &mut cache,
             &|_| Some(resume),
             &graph,
             op,

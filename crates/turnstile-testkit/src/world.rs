@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use turnstile_adapters::decode::{Decoder, StreamApi};
-use turnstile_adapters::{AdapterId, Catalog, Graph, PrepareOutcome, PrepareRequest, RenderCache, prepare};
+use turnstile_adapters::{AdapterId, Catalog, Graph, PrepareOutcome, PrepareRequest, prepare};
 use turnstile_core::assemble::{Assembler, AssemblerConfig, Output, Toolset};
 use turnstile_core::dispatch::{DispatchState, ProviderRecovery, Timestamp};
 use turnstile_core::{Conversation, Generation, MessageSequence, Revision, Validated, Verdict, validate};
@@ -204,7 +204,9 @@ pub struct World {
     pub(crate) adapter: AdapterId,
     upgraded: bool,
     pub(crate) catalog: Catalog,
-    pub(crate) render_cache: RenderCache,
+    /// The gateway's render caches, as many shards as it keeps on this machine: the world
+    /// renders through the shard its conversation hashes to, as `prepare_dispatch` does.
+    pub(crate) render_caches: turnstile_gateway::serve::RenderCaches,
     pub(crate) toolset: Arc<Toolset>,
     conns: BTreeMap<u64, Conn>,
     conn_next: u64,
@@ -313,7 +315,9 @@ impl World {
             adapter,
             upgraded: false,
             catalog: Catalog::builtin(),
-            render_cache: RenderCache::new(),
+            render_caches: turnstile_gateway::serve::RenderCaches::new(
+                turnstile_gateway::serve::RenderCaches::shards_for_this_machine(),
+            ),
             toolset,
             conns: BTreeMap::new(),
             conn_next: 0,
@@ -510,7 +514,12 @@ impl World {
             stream: true,
             background: false,
         };
-        match prepare(graph, &request, &self.catalog, &mut self.render_cache) {
+        let mut cache = self
+            .render_caches
+            .of(&conversation.conversation_id)
+            .try_lock()
+            .map_err(|_| "the world renders one request at a time: its cache is free".to_owned())?;
+        match prepare(graph, &request, &self.catalog, &mut cache) {
             PrepareOutcome::Prepared(prepared) => Ok((prepared.manifest, prepared.rendered.body)),
             PrepareOutcome::Paused(pauses) => Err(format!("paused: {pauses:?}")),
             PrepareOutcome::OverBudget(over) => Err(format!("over budget: {over:?}")),

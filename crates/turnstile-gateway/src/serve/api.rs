@@ -878,16 +878,35 @@ pub(crate) async fn prepare_dispatch(
     };
     let rendered = {
         let mut cache = shared.render_caches.of(conversation_id).lock().await;
-        render_targets(
-            &shared.catalog,
-            &mut cache,
-            &resume_by_handle,
-            &graph,
-            &operation_id,
-            targets,
-            max_output_tokens,
-            &settings,
-        )?
+        let fresh = match &graph {
+            Ok(graph) => blocks_to_render(&cache, graph.conversation(), targets),
+            Err(_) => 0,
+        };
+        let mut render = || {
+            render_targets(
+                &shared.catalog,
+                &mut cache,
+                &resume_by_handle,
+                &graph,
+                &operation_id,
+                targets,
+                max_output_tokens,
+                &settings,
+            )
+        };
+        // A large render (with its token count and body digest) would hold this async worker,
+        // and every request queued on it, for milliseconds: the worker's other tasks move to
+        // another thread while it runs. Only on the multi-thread runtime the gateway serves on
+        // (a current-thread runtime has no other thread to move them to).
+        if fresh > RENDER_INLINE_BLOCKS_MAX
+            && tokio::runtime::Handle::current().runtime_flavor()
+                == tokio::runtime::RuntimeFlavor::MultiThread
+        {
+            shared.render_caches.ran_off_worker();
+            tokio::task::block_in_place(render)?
+        } else {
+            render()?
+        }
     };
     match rendered {
         Ok(rendered) => {
@@ -910,6 +929,37 @@ pub(crate) async fn prepare_dispatch(
         }
         Err(early) => Ok(Started::Early(early)),
     }
+}
+
+/// Most blocks a dispatch renders on its async worker; a render of more (over all its targets,
+/// not counting the turns a kept render state covers) runs under `block_in_place`. A 500-block
+/// cold render takes about a millisecond here; handing the worker's tasks over costs a few
+/// microseconds.
+pub const RENDER_INLINE_BLOCKS_MAX: usize = 500;
+
+/// The blocks a dispatch's renders will write, over every target: each target's turns after
+/// the state its render would resume from (`RenderCache::kept_turn`; all of them for a target
+/// whose adapter does not parse: its render fails at once, wherever it runs).
+fn blocks_to_render(
+    cache: &RenderCache,
+    conversation: &turnstile_core::Conversation,
+    targets: &[Target],
+) -> usize {
+    let blocks_from = |turn: usize| -> usize {
+        conversation
+            .turns
+            .get(turn..)
+            .map_or(0, |turns| turns.iter().map(|turn| turn.blocks.len()).sum())
+    };
+    targets
+        .iter()
+        .map(|target| {
+            let kept = target.adapter.parse::<AdapterId>().map_or(0, |adapter| {
+                cache.kept_turn(adapter, &target.model, &conversation.conversation_id)
+            });
+            blocks_from(kept)
+        })
+        .sum()
 }
 
 /// The first attempt a prepare began in its own transaction (`Ledger::prepare_and_begin`).
@@ -2109,7 +2159,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     let (kept, whole) = shared.kept.stats();
     metrics::conversation_reads(kept, whole);
     let (renders, resumed) = shared.render_caches.renders().await;
-    metrics::renders(renders, resumed);
+    metrics::renders(renders, resumed, shared.render_caches.off_worker());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

@@ -76,6 +76,10 @@ pub const CONVERSATION_READS: &str = "turnstile_conversation_reads_total";
 /// the state kept after a kept conversation's earlier turns: the new turns rendered only),
 /// `whole` (every turn); read at each scrape.
 pub const RENDERS: &str = "turnstile_renders_total";
+/// Renders run off the async worker, on a thread `tokio::task::block_in_place` hands the
+/// worker's other tasks away from (a render of more than `api::RENDER_INLINE_BLOCKS_MAX` blocks
+/// not covered by a kept state); read at each scrape.
+pub const RENDERS_OFF_WORKER: &str = "turnstile_renders_off_worker_total";
 
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
@@ -192,9 +196,10 @@ pub fn conversation_reads(kept: u64, whole: u64) {
 }
 
 /// The render counts of the shared render cache, at a scrape.
-pub fn renders(total: u64, resumed: u64) {
+pub fn renders(total: u64, resumed: u64, off_worker: u64) {
     counter!(RENDERS, "from" => "resumed").absolute(resumed);
     counter!(RENDERS, "from" => "whole").absolute(total.saturating_sub(resumed));
+    counter!(RENDERS_OFF_WORKER).absolute(off_worker);
 }
 
 /// Count a dispatch transition.

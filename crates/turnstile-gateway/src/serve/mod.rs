@@ -91,6 +91,8 @@ pub struct Shared {
 /// kept twice, never wrongly.
 pub struct RenderCaches {
     shards: Box<[Mutex<RenderCache>]>,
+    /// Renders run off the async worker (`api::prepare_dispatch`, `tokio::task::block_in_place`).
+    off_worker: AtomicU64,
 }
 
 impl RenderCaches {
@@ -112,6 +114,7 @@ impl RenderCaches {
             shards: (0..shards)
                 .map(|_| Mutex::new(RenderCache::one_of(shards)))
                 .collect(),
+            off_worker: AtomicU64::new(0),
         }
     }
 
@@ -136,6 +139,16 @@ impl RenderCaches {
     /// Never: there is at least one cache.
     pub fn is_empty(&self) -> bool {
         self.shards.is_empty()
+    }
+
+    /// Count a render run off the async worker.
+    pub fn ran_off_worker(&self) {
+        self.off_worker.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Renders run off the async worker since start (`turnstile_renders_off_worker_total`).
+    pub fn off_worker(&self) -> u64 {
+        self.off_worker.load(Ordering::Relaxed)
     }
 
     /// (renders, renders that resumed from a kept state) through every cache since start.

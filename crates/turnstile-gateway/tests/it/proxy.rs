@@ -2397,3 +2397,57 @@ adapter = "openai-chat@1"
         );
     }
 }
+
+/// Issue 21: a render of more than `RENDER_INLINE_BLOCKS_MAX` (500) new blocks runs off the
+/// async worker (`turnstile_renders_off_worker_total`), a small one on it; the large one is
+/// answered and sends the bytes its manifest pins, like any other.
+#[test]
+fn a_large_render_runs_off_the_async_worker_and_sends_the_bytes_its_manifest_pins() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("t.db").display());
+    let gateway = Gateway::start(&dir, &sqlite, &sim, "");
+    let run = run_id();
+    let off_worker = || gateway.metric("turnstile_renders_off_worker_total");
+    let ask = |model: &str, messages: Value| {
+        sim.script(model, json!([{"text": "Noted."}]));
+        let (status, headers, text) = post(
+            &gateway.base,
+            "/v1/chat/completions",
+            &chat_request(model, messages, false),
+            &[],
+        );
+        assert_eq!(status, 200, "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["choices"][0]["message"]["content"], "Noted.", "{body}");
+        operation_of(&headers)
+    };
+    let before = off_worker();
+    let small = ask(
+        &format!("gpt-small-{run}"),
+        json!([{"role": "user", "content": "Hello?"}]),
+    );
+    assert_eq!(off_worker(), before, "a one-block render stays on its worker");
+    assert_eq!(
+        crate::serve::assert_sent_bodies_match_manifest(&gateway, &sim, &small),
+        1
+    );
+    let mut messages: Vec<Value> = (0..600)
+        .map(|index| {
+            let role = if index % 2 == 0 { "user" } else { "assistant" };
+            json!({"role": role, "content": format!("message {index} of a long conversation")})
+        })
+        .collect();
+    messages.push(json!({"role": "user", "content": "So, in short?"}));
+    let large = ask(&format!("gpt-large-{run}"), Value::Array(messages));
+    assert_eq!(
+        off_worker(),
+        before + 1.0,
+        "a 601-block render runs off its worker"
+    );
+    assert_eq!(
+        crate::serve::assert_sent_bodies_match_manifest(&gateway, &sim, &large),
+        1,
+        "the large body sent is the one its manifest pins"
+    );
+}

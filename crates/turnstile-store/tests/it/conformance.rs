@@ -70,6 +70,7 @@ suite!(
     a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only,
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
     a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only,
+    a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_history,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -1994,6 +1995,12 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
     name: &str,
 ) {
     let (place, store) = open_fresh(backend, name).await;
+    // Whole-history walks inside the write transaction, for `walks` walks: SQLite walks on the
+    // caller, never on its one writer thread; PostgreSQL in the operation's own transaction.
+    let in_transaction = |walks: u64| match backend {
+        Backend::Sqlite => 0,
+        Backend::Postgres => walks,
+    };
     let walks = store.history_walks();
     conversation_at_1(&*store, "c").await;
     assert_eq!(
@@ -2080,7 +2087,7 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
     );
     // A refused check leaves no state: the next one walks the history again, and still refuses
     // a reused turn id.
-    let walks = store.history_walks();
+    let (walks, in_tx) = (store.history_walks(), store.history_walks_in_transaction());
     let reused_turn =
         json!({"id": "c-u2", "role": "user", "blocks": [{"id": "c-u4-b", "kind": "text", "text": "Again?"}]});
     let refused = store
@@ -2089,6 +2096,11 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
         .unwrap();
     assert!(matches!(refused, AppendOutcome::Rejected(_)), "{refused:?}");
     assert_eq!(store.history_walks() - walks, 1);
+    assert_eq!(
+        store.history_walks_in_transaction() - in_tx,
+        in_transaction(1),
+        "{backend:?}: where the refused append walked"
+    );
     let fine =
         json!({"id": "c-u5", "role": "user", "blocks": [{"id": "c-u5-b", "kind": "text", "text": "Now?"}]});
     assert_eq!(
@@ -2099,7 +2111,7 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
     );
     // A second ledger on the same store knows nothing of the first one's states.
     let other = open_at(&place, 2).await;
-    let walks = other.history_walks();
+    let (walks, in_tx) = (other.history_walks(), other.history_walks_in_transaction());
     let next =
         json!({"id": "c-u6", "role": "user", "blocks": [{"id": "c-u6-b", "kind": "text", "text": "Later?"}]});
     assert_eq!(
@@ -2109,9 +2121,14 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
         }
     );
     assert_eq!(other.history_walks() - walks, 1);
+    assert_eq!(
+        other.history_walks_in_transaction() - in_tx,
+        in_transaction(1),
+        "{backend:?}: where the second ledger's append walked"
+    );
     // The first ledger's state is for revision 5: the conversation moved on, so it walks too,
     // and refuses a call id the other ledger's history holds.
-    let walks = store.history_walks();
+    let (walks, in_tx) = (store.history_walks(), store.history_walks_in_transaction());
     let two = prepared_and_begun(&*store, "op-2", "c", 6).await;
     for (from, to) in [
         (DispatchState::Dispatching, DispatchState::Sent),
@@ -2126,6 +2143,11 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
         .unwrap();
     assert!(matches!(refused, CommitOutcome::Rejected(_)), "{refused:?}");
     assert_eq!(store.history_walks() - walks, 1);
+    assert_eq!(
+        store.history_walks_in_transaction() - in_tx,
+        in_transaction(1),
+        "{backend:?}: where the refused commit walked"
+    );
 }
 
 /// Issue 21: `conversation_since` gives a reader that holds the history up to a revision what
@@ -2772,4 +2794,54 @@ pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_c
         assert_eq!(store.conversation("g").await.unwrap(), None, "{what}");
         assert_eq!(store.dispatch("op-g").await.unwrap(), None, "{what}");
     }
+}
+
+/// Issue 21: a ledger that keeps no validator state for a conversation (another replica, a
+/// restart) walks the history before its commit; on SQLite that walk is a read on the caller
+/// and a first run that stops before it writes, neither of which may take a fault armed for
+/// the commit. A drop before COMMIT loses the commit and nothing else; a drop after it loses
+/// only the answer. Neither walk is made on SQLite's writer thread.
+pub async fn a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_history(
+    backend: Backend,
+    name: &str,
+) {
+    let (place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    to_streaming(&*store, "op-1", generation).await;
+    let other = open_at(&place, 2).await;
+    let (walks, in_tx) = (other.history_walks(), other.history_walks_in_transaction());
+    let turn = assistant_turn("a", 2);
+    other.faults().arm(Fault::DropBeforeCommit);
+    let lost = other.commit("op-1", generation, Revision(1), &turn, at(20)).await;
+    assert!(
+        matches!(lost, Err(StoreError::ConnectionLost("before commit"))),
+        "{lost:?}"
+    );
+    assert_eq!(other.conversation("c").await.unwrap().unwrap()["revision"], 1);
+    other.faults().arm(Fault::DropAfterCommit);
+    let lost = other.commit("op-1", generation, Revision(1), &turn, at(21)).await;
+    assert!(
+        matches!(lost, Err(StoreError::ConnectionLost("after commit"))),
+        "{lost:?}"
+    );
+    assert_eq!(other.conversation("c").await.unwrap().unwrap()["revision"], 2);
+    assert_eq!(other.history_walks() - walks, 2, "each commit walked once");
+    let expected_in_tx = match backend {
+        Backend::Sqlite => 0,
+        Backend::Postgres => 2,
+    };
+    assert_eq!(
+        other.history_walks_in_transaction() - in_tx,
+        expected_in_tx,
+        "{backend:?}"
+    );
+    assert!(matches!(
+        other
+            .commit("op-1", generation, Revision(1), &turn, at(22))
+            .await
+            .unwrap(),
+        CommitOutcome::Committed { .. }
+    ));
+    check_invariants(&*other, &["c".into()]).await;
 }
