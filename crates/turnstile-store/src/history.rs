@@ -12,7 +12,10 @@ use turnstile_core::validate::History;
 use turnstile_core::{Revision, Verdict, Violation, ViolationCode, limits};
 
 /// Most conversations whose validation state a ledger keeps in memory.
-pub(crate) const VALIDATION_CACHE_MAX: usize = 1_024;
+pub(crate) const VALIDATION_CACHE_MAX: usize = 65_536;
+/// Most turns and blocks, summed over the states kept (a state holds the ids of its history's
+/// turns, blocks and calls: about 100 bytes per block, so about 100 MiB at this bound).
+pub(crate) const VALIDATION_CACHE_WEIGHT_MAX: usize = 1_000_000;
 
 /// The validator's state after each recently written conversation's last turn, by conversation
 /// and revision, so the next append checks the new turn only (issue 21: work proportional to
@@ -21,11 +24,78 @@ pub(crate) const VALIDATION_CACHE_MAX: usize = 1_024;
 /// committed, and taken (not copied) by the next check, which puts the next one back.
 #[derive(Default)]
 pub(crate) struct ValidationCache {
-    states: Mutex<HashMap<String, (Revision, History)>>,
+    states: Mutex<StateMap>,
     /// Checks that found no state and read and walked the whole history.
     walks: std::sync::atomic::AtomicU64,
     /// Of those, the walks made inside a write transaction (`States::walk`).
     walks_in_transaction: std::sync::atomic::AtomicU64,
+}
+
+/// The kept states, and the order they were put in: when either bound is reached, the state
+/// put longest ago goes first (an agent loop's conversation is put again at every step, so the
+/// ones that go are those nobody wrote to for longest).
+#[derive(Default)]
+struct StateMap {
+    map: HashMap<String, Kept>,
+    /// (put number, conversation) in put order; an entry whose conversation was put again
+    /// since, or taken, is stale and skipped.
+    order: std::collections::VecDeque<(u64, String)>,
+    puts: u64,
+    /// Turns plus blocks over the states in `map`.
+    weight: usize,
+    /// Other bounds than the constants (tests).
+    bounds: Option<(usize, usize)>,
+}
+
+struct Kept {
+    revision: Revision,
+    history: History,
+    put: u64,
+}
+
+fn weight_of(history: &History) -> usize {
+    let (turns, blocks) = history.counts();
+    turns + blocks + 1
+}
+
+impl StateMap {
+    fn remove(&mut self, conversation_id: &str) -> Option<Kept> {
+        let kept = self.map.remove(conversation_id)?;
+        self.weight -= weight_of(&kept.history);
+        Some(kept)
+    }
+
+    fn insert(&mut self, conversation_id: String, revision: Revision, history: History) {
+        let _ = self.remove(&conversation_id);
+        self.puts += 1;
+        self.weight += weight_of(&history);
+        self.order.push_back((self.puts, conversation_id.clone()));
+        self.map.insert(
+            conversation_id,
+            Kept {
+                revision,
+                history,
+                put: self.puts,
+            },
+        );
+        let (count_max, weight_max) = self
+            .bounds
+            .unwrap_or((VALIDATION_CACHE_MAX, VALIDATION_CACHE_WEIGHT_MAX));
+        while self.map.len() > count_max || self.weight > weight_max {
+            let Some((put, oldest)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&oldest).is_some_and(|kept| kept.put == put) {
+                let _ = self.remove(&oldest);
+            }
+        }
+        // Stale entries (states taken or put again) are dropped once they are most of the log.
+        if self.order.len() > 2 * self.map.len() + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(put, id)| map.get(id).is_some_and(|kept| kept.put == *put));
+        }
+    }
 }
 
 /// The validator states a check inside a write transaction may use: the cache, and whether it
@@ -72,7 +142,7 @@ impl ValidationCache {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match map.remove(conversation_id) {
-            Some((at, history)) if at == revision && history.is_legal() => Some(history),
+            Some(kept) if kept.revision == revision && kept.history.is_legal() => Some(kept.history),
             _ => {
                 self.walks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 None
@@ -97,23 +167,18 @@ impl ValidationCache {
         self.states
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map
             .get(conversation_id)
-            .is_some_and(|(at, _)| *at == revision)
+            .is_some_and(|kept| kept.revision == revision)
     }
 
-    /// Keep the state after a committed write.
+    /// Keep the state after a committed write (the one put longest ago goes first when a
+    /// bound is reached).
     pub(crate) fn put(&self, next: Checked) {
-        let mut map = self
-            .states
+        self.states
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if map.len() >= VALIDATION_CACHE_MAX
-            && !map.contains_key(&next.conversation_id)
-            && let Some(evicted) = map.keys().next().cloned()
-        {
-            map.remove(&evicted);
-        }
-        map.insert(next.conversation_id, (next.revision, next.history));
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(next.conversation_id, next.revision, next.history);
     }
 }
 
@@ -320,4 +385,78 @@ pub(crate) fn check_import(
 /// The `role` string of a turn, if it has one.
 pub(crate) fn role_of(turn: &Value) -> String {
     turn.get("role").and_then(Value::as_str).unwrap_or("").to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Checked, VALIDATION_CACHE_MAX, ValidationCache};
+    use serde_json::json;
+    use turnstile_core::Revision;
+    use turnstile_core::conversation::Conversation;
+    use turnstile_core::validate::History;
+
+    /// The state after a history of one user turn of `blocks` text blocks.
+    fn state(id: &str, blocks: usize) -> Checked {
+        let blocks: Vec<_> = (0..blocks)
+            .map(|index| json!({"id": format!("b{index}"), "kind": "text", "text": "x"}))
+            .collect();
+        let conversation = Conversation::from_value(json!({
+            "format": "turnstile.conversation.v1", "conversation_id": id, "revision": 1, "tools": [],
+            "turns": [{"id": "t1", "revision": 1, "role": "user", "blocks": blocks}]}))
+        .unwrap();
+        let history = History::of(&conversation);
+        assert!(history.is_legal());
+        Checked {
+            conversation_id: id.to_owned(),
+            revision: Revision(1),
+            history,
+        }
+    }
+
+    /// Issue 21: the cache keeps up to `VALIDATION_CACHE_MAX` conversations (a benchmark or a
+    /// busy gateway has well over a thousand live ones), and when a bound is reached the state
+    /// put longest ago goes first, never one put since; states put again move to the back.
+    #[test]
+    fn the_state_put_longest_ago_goes_first_at_either_bound() {
+        let cache = ValidationCache::default();
+        for index in 0..VALIDATION_CACHE_MAX {
+            cache.put(state(&format!("c{index}"), 1));
+        }
+        // c0 is put again: c1 is now the oldest.
+        cache.put(state("c0", 1));
+        cache.put(state("one-more", 1));
+        assert!(cache.holds("c0", Revision(1)), "put again: kept");
+        assert!(!cache.holds("c1", Revision(1)), "the oldest goes");
+        assert!(cache.holds("c2", Revision(1)));
+        assert!(cache.holds("one-more", Revision(1)));
+        assert!(cache.take("c2", Revision(1)).is_some());
+        assert!(!cache.holds("c2", Revision(1)), "taken, not copied");
+
+        // By weight (a bound of 4,000 turns and blocks here): a state of about a quarter of it,
+        // four times and a small one after: the oldest goes first.
+        let cache = ValidationCache::default();
+        cache.states.lock().unwrap().bounds = Some((VALIDATION_CACHE_MAX, 4_000));
+        cache.put(state("small-before", 1));
+        let quarter = 1_020;
+        for index in 0..4 {
+            cache.put(state(&format!("big{index}"), quarter - 10));
+        }
+        cache.put(state("small-after", 1));
+        assert!(cache.holds("small-after", Revision(1)));
+        assert!(cache.holds("big3", Revision(1)));
+        assert!(!cache.holds("small-before", Revision(1)), "the oldest goes first");
+        assert!(!cache.holds("big0", Revision(1)), "then the next oldest");
+        assert!(
+            cache.holds("big1", Revision(1)),
+            "and no more than the bound asks"
+        );
+        let weight = cache.states.lock().unwrap().weight;
+        assert!(weight <= 4_000, "{weight}");
+        let kept = cache.states.lock().unwrap().map.len();
+        let log = cache.states.lock().unwrap().order.len();
+        assert!(
+            log <= 2 * kept + 64,
+            "the order log is compacted: {log} for {kept}"
+        );
+    }
 }

@@ -306,12 +306,19 @@ impl Ledger for PgLedger {
         tools: &Value,
         now: Timestamp,
     ) -> Result<CreateOutcome, StoreError> {
-        in_tx!(self, |tx| ops::create_conversation(
+        let created = in_tx!(self, |tx| ops::create_conversation(
             &mut tx,
             conversation_id,
             tools,
             now
-        ))
+        ))?;
+        if created == CreateOutcome::Created {
+            // The state of the empty history, so that its first append checks its own turn.
+            if let Some(checked) = history::state_at(conversation_id, tools, Vec::new(), Revision(0)) {
+                self.validation.put(checked);
+            }
+        }
+        Ok(created)
     }
 
     async fn import_conversation(

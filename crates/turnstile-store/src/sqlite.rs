@@ -831,9 +831,17 @@ impl Ledger for SqliteLedger {
         tools: &Value,
         now: Timestamp,
     ) -> Result<CreateOutcome, StoreError> {
-        let (id, tools) = (conversation_id.to_owned(), tools.clone());
-        self.run(move |tx| block_on_ready(ops::create_conversation(tx, &id, &tools, now)))
-            .await
+        let (id, tools_owned) = (conversation_id.to_owned(), tools.clone());
+        let created = self
+            .run(move |tx| block_on_ready(ops::create_conversation(tx, &id, &tools_owned, now)))
+            .await?;
+        if created == CreateOutcome::Created {
+            // The state of the empty history, so that its first append checks its own turn.
+            if let Some(checked) = history::state_at(conversation_id, tools, Vec::new(), Revision(0)) {
+                self.validation.put(checked);
+            }
+        }
+        Ok(created)
     }
 
     async fn import_conversation(

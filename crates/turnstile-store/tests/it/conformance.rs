@@ -2005,8 +2005,8 @@ pub async fn appends_and_commits_after_the_first_check_only_the_new_turn_and_ref
     conversation_at_1(&*store, "c").await;
     assert_eq!(
         store.history_walks() - walks,
-        1,
-        "the first turn of a new conversation walks it"
+        0,
+        "a created conversation keeps the state of its empty history: its first turn walks nothing"
     );
     let walks = store.history_walks();
     // An agent loop: a commit with a call, its result, the next user turn, the next commit.
