@@ -66,6 +66,15 @@ impl StateMap {
     }
 
     fn insert(&mut self, conversation_id: String, revision: Revision, history: History) {
+        // Revisions only grow: a state put late (its caller scheduled after a later write's)
+        // never replaces a newer one.
+        if self
+            .map
+            .get(&conversation_id)
+            .is_some_and(|kept| kept.revision > revision)
+        {
+            return;
+        }
         let _ = self.remove(&conversation_id);
         self.puts += 1;
         self.weight += weight_of(&history);
@@ -431,6 +440,12 @@ mod tests {
         assert!(cache.holds("one-more", Revision(1)));
         assert!(cache.take("c2", Revision(1)).is_some());
         assert!(!cache.holds("c2", Revision(1)), "taken, not copied");
+        // A state put late never replaces a newer one.
+        let mut newer = state("c3", 1);
+        newer.revision = Revision(2);
+        cache.put(newer);
+        cache.put(state("c3", 1));
+        assert!(cache.holds("c3", Revision(2)), "the newer state stays");
 
         // By weight (a bound of 4,000 turns and blocks here): a state of about a quarter of it,
         // four times and a small one after: the oldest goes first.

@@ -67,7 +67,10 @@ pub trait Ledger: Send + Sync {
     /// Of [`Ledger::history_walks`], those made inside the write transaction. PostgreSQL walks
     /// in the operation's own transaction (its connection, not a shared thread); SQLite walks
     /// on the caller before its writer thread runs the operation, and in the writer only when
-    /// the state it left was taken again in between.
+    /// that walk kept nothing usable: the state was taken or evicted again in between, the read
+    /// failed, or the revision the check needs is not committed yet (two writes to one
+    /// conversation in one group commit, such as parallel tool results). Such an operation
+    /// counts two walks in `history_walks`.
     fn history_walks_in_transaction(&self) -> u64;
 
     /// Create a conversation at revision 0 with its declared tools (a v1 `tools` array).

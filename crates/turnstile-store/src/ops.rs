@@ -374,7 +374,7 @@ async fn check_turn<T: Tx>(
 
 /// A conversation's tools and its turns up to `revision` (the history a check walks when it
 /// finds no validator state), read outside the write transaction: `None` when there is no such
-/// conversation or it is not yet at `revision`.
+/// conversation or its head is not at `revision`.
 pub(crate) async fn history_at<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -383,7 +383,9 @@ pub(crate) async fn history_at<T: Tx>(
     let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
         return Ok(None);
     };
-    if current < revision {
+    // Only the head's state is worth keeping: a check at an older revision is refused anyway
+    // (the conversation moved), and its state must not replace a newer one.
+    if current != revision {
         return Ok(None);
     }
     Ok(Some((tools, turns_up_to(tx, conversation_id, revision).await?)))
