@@ -314,33 +314,93 @@ fn write_number(number: &Number, out: &mut impl Sink) {
 }
 
 fn write_string(text: &str, out: &mut impl Sink) {
+    out.put(b"\"");
+    escaped_runs(text.as_bytes(), |piece| out.put(piece));
+    out.put(b"\"");
+}
+
+/// Append `text` as a JSON string literal, byte for byte as serde_json's compact writer puts
+/// it (and so as RFC 8785 §3.2.2.2 does): `\"`, `\\`, `\b \t \n \f \r`, other controls as
+/// `\u00xx` lowercase, everything else as it is. `tests/it/digest.rs` compares the two on
+/// arbitrary strings. Faster than serde_json's writer (a table lookup per byte) because it skips
+/// eight bytes at a time while none of them needs escaping; the renderers write every string
+/// of a request body through it.
+pub fn push_json_string(out: &mut Vec<u8>, text: &str) {
+    out.reserve(text.len() + 2);
+    out.push(b'"');
+    escaped_runs(text.as_bytes(), |piece| out.extend_from_slice(piece));
+    out.push(b'"');
+}
+
+/// Whether any of the eight bytes of `word` is a control character, `"` or `\\`. Exact (no
+/// false positives): `(x - 0x01…) & !x & 0x80…` is non-zero iff some byte of `x` is zero, and
+/// `(x - 0x20…) & !x & 0x80…` iff some byte is below 0x20.
+#[inline(always)]
+fn word_needs_escape(word: u64) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let control = word.wrapping_sub(ONES * 0x20) & !word;
+    let quote = word ^ (ONES * b'"' as u64);
+    let quote = quote.wrapping_sub(ONES) & !quote;
+    let backslash = word ^ (ONES * b'\\' as u64);
+    let backslash = backslash.wrapping_sub(ONES) & !backslash;
+    (control | quote | backslash) & HIGH != 0
+}
+
+/// Feed `bytes` to `put` with the JSON string escapes applied: runs that need none in one piece.
+#[inline]
+fn escaped_runs(bytes: &[u8], mut put: impl FnMut(&[u8])) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bytes = text.as_bytes();
-    out.put(b"\"");
     let mut start = 0;
-    for (index, &byte) in bytes.iter().enumerate() {
-        let escape: &[u8] = match byte {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            b'\n' => b"\\n",
-            b'\r' => b"\\r",
-            b'\t' => b"\\t",
-            0x08 => b"\\b",
-            0x0C => b"\\f",
-            0x00..=0x1F => &[
-                b'\\',
-                b'u',
-                b'0',
-                b'0',
-                HEX[(byte >> 4) as usize],
-                HEX[(byte & 0xF) as usize],
-            ],
-            _ => continue,
-        };
-        out.put(&bytes[start..index]);
-        out.put(escape);
-        start = index + 1;
+    let mut index = 0;
+    loop {
+        while let Some(chunk) = bytes.get(index..index + 8) {
+            let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+            if word_needs_escape(word) {
+                break;
+            }
+            index += 8;
+        }
+        let stop = (index + 8).min(bytes.len());
+        while index < stop {
+            let byte = bytes[index];
+            let control;
+            let escape: &[u8] = match byte {
+                b'"' => b"\\\"",
+                b'\\' => b"\\\\",
+                b'\n' => b"\\n",
+                b'\r' => b"\\r",
+                b'\t' => b"\\t",
+                0x08 => b"\\b",
+                0x0C => b"\\f",
+                0x00..=0x1F => {
+                    control = [
+                        b'\\',
+                        b'u',
+                        b'0',
+                        b'0',
+                        HEX[(byte >> 4) as usize],
+                        HEX[(byte & 0xF) as usize],
+                    ];
+                    &control
+                }
+                _ => {
+                    index += 1;
+                    continue;
+                }
+            };
+            if start < index {
+                put(&bytes[start..index]);
+            }
+            put(escape);
+            index += 1;
+            start = index;
+        }
+        if index >= bytes.len() {
+            break;
+        }
     }
-    out.put(&bytes[start..]);
-    out.put(b"\"");
+    if start < bytes.len() {
+        put(&bytes[start..]);
+    }
 }

@@ -8,10 +8,13 @@ use serde_json::Value;
 
 /// Parse and decode a conversation file.
 pub fn conversation_from_slice(bytes: &[u8]) -> Result<Conversation, Unreadable> {
-    check_limits(bytes)?;
+    check_size(bytes)?;
+    // The typed decode checks the depth limit on what it decoded (`conversation/typed.rs`) and
+    // gives `None` beyond it, so the depth scan runs only on the way to `from_value`.
     if let Some(conversation) = crate::conversation::typed::decode(bytes) {
         return Ok(conversation);
     }
+    check_limits(bytes)?;
     Conversation::from_value(json_within_limits(bytes)?)
 }
 
@@ -24,7 +27,7 @@ pub fn conversation_typed(bytes: &[u8]) -> Option<Conversation> {
     crate::conversation::typed::decode(bytes)
 }
 
-fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
+fn check_size(bytes: &[u8]) -> Result<(), Unreadable> {
     if bytes.len() > limits::FILE_BYTES_MAX {
         return Err(Unreadable::Limit {
             what: "FILE_BYTES_MAX",
@@ -32,6 +35,11 @@ fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
             max: limits::FILE_BYTES_MAX,
         });
     }
+    Ok(())
+}
+
+fn check_limits(bytes: &[u8]) -> Result<(), Unreadable> {
+    check_size(bytes)?;
     if depth_exceeds(bytes, limits::JSON_DEPTH_MAX) {
         return Err(Unreadable::Limit {
             what: "JSON_DEPTH_MAX",

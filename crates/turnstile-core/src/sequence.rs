@@ -22,7 +22,7 @@
 //! out of order fails that test.
 
 use crate::conversation::{ArgState, BlockBody, Conversation, ResultStatus, Role, RoleField, Trust};
-use crate::digest::{Digest, HashState};
+use crate::digest::{Digest, HashState, push_json_string};
 use crate::ids::{CallId, Generation, Revision};
 use crate::validate::Validated;
 use serde::Serialize;
@@ -154,6 +154,8 @@ pub struct GrowingSequence {
     edges_hash: HashState,
     /// Turns added.
     turns: usize,
+    /// Serialised entries waiting for one hash update (reused; empty between calls).
+    scratch: Vec<u8>,
 }
 
 /// What [`GrowingSequence::pop_turn`] needs to undo one [`GrowingSequence::push_turn`].
@@ -265,12 +267,13 @@ impl GrowingSequence {
                 edges: Vec::new(),
                 sequence_digest: Digest::of_bytes(b""),
             },
-            edge_of_call: HashMap::new(),
+            edge_of_call: HashMap::with_capacity(conversation.turns.len()),
             numbers_exact: true,
             blocks_hash,
             sealed: 0,
             edges_hash,
             turns: 0,
+            scratch: Vec::with_capacity(4096),
         }
     }
 
@@ -353,11 +356,13 @@ impl GrowingSequence {
                 generation: turn.generation,
             };
             if !sequence.blocks.is_empty() {
-                self.blocks_hash.update(b",");
+                self.scratch.push(b',');
             }
-            self.blocks_hash.serialize(&entry);
+            write_block(&mut self.scratch, &entry);
             sequence.blocks.push(entry);
         }
+        self.blocks_hash.update(&self.scratch);
+        self.scratch.clear();
         answered
     }
 
@@ -368,11 +373,13 @@ impl GrowingSequence {
             && edge.result.is_some()
         {
             if self.sealed > 0 {
-                self.edges_hash.update(b",");
+                self.scratch.push(b',');
             }
-            self.edges_hash.serialize(edge);
+            write_edge(&mut self.scratch, edge);
             self.sealed += 1;
         }
+        self.edges_hash.update(&self.scratch);
+        self.scratch.clear();
     }
 
     /// Set the revision and the digest (after the last turn added).
@@ -383,13 +390,16 @@ impl GrowingSequence {
             let mut blocks = self.blocks_hash.clone();
             blocks.update(b"]");
             let mut edges = self.edges_hash.clone();
+            let open = &mut self.scratch;
             for (index, edge) in sequence.edges.iter().enumerate().skip(self.sealed) {
                 if index > 0 {
-                    edges.update(b",");
+                    open.push(b',');
                 }
-                edges.serialize(edge);
+                write_edge(open, edge);
             }
-            edges.update(b"]");
+            open.push(b']');
+            edges.update(open);
+            open.clear();
             (blocks.finish(), edges.finish())
         } else {
             (
@@ -423,6 +433,99 @@ struct DigestForm<'a> {
     format: &'static str,
     revision: Revision,
     toolset_digest: &'a Digest,
+}
+
+/// `serde_json::to_writer(out, entry)`, written by hand: the fields in declaration order
+/// (sorted, module documentation), strings through serde_json's escapes
+/// ([`push_json_string`]). The derived `Serialize` stays the definition;
+/// `tests/it/sequence.rs` compares this digest with the generic one on generated sequences and
+/// on ids that need escaping.
+fn write_block(out: &mut Vec<u8>, entry: &SequenceBlock) {
+    out.extend_from_slice(b"{\"digest\":");
+    push_json_string(out, entry.digest.as_str());
+    out.extend_from_slice(b",\"generation\":");
+    write_optional_number(out, entry.generation.map(|generation| generation.0));
+    out.extend_from_slice(b",\"id\":");
+    push_json_string(out, &entry.id);
+    out.extend_from_slice(b",\"kind\":");
+    push_json_string(out, entry.kind);
+    out.extend_from_slice(b",\"order\":");
+    write_number(out, u64::from(entry.order));
+    out.extend_from_slice(b",\"role\":");
+    push_json_string(out, entry.role.as_str());
+    out.extend_from_slice(b",\"trust\":");
+    push_json_string(out, trust_name(entry.trust));
+    out.extend_from_slice(b",\"turn\":");
+    push_json_string(out, &entry.turn);
+    out.extend_from_slice(b",\"turn_index\":");
+    write_number(out, u64::from(entry.turn_index));
+    out.push(b'}');
+}
+
+/// `serde_json::to_writer(out, edge)`, written by hand as [`write_block`] is.
+fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
+    out.extend_from_slice(b"{\"args_digest\":");
+    write_optional_string(out, edge.args_digest.as_ref().map(Digest::as_str));
+    out.extend_from_slice(b",\"args_state\":");
+    push_json_string(
+        out,
+        match edge.args_state {
+            ArgState::Closed => "closed",
+            ArgState::Open => "open",
+            ArgState::Invalid => "invalid",
+        },
+    );
+    out.extend_from_slice(b",\"call_block\":");
+    push_json_string(out, &edge.call_block);
+    out.extend_from_slice(b",\"call_id\":");
+    push_json_string(out, edge.call_id.as_str());
+    out.extend_from_slice(b",\"generation\":");
+    write_optional_number(out, edge.generation.map(|generation| generation.0));
+    out.extend_from_slice(b",\"result\":");
+    write_optional_string(out, edge.result.as_deref());
+    out.extend_from_slice(b",\"schema_digest\":");
+    write_optional_string(out, edge.schema_digest.as_ref().map(Digest::as_str));
+    out.extend_from_slice(b",\"status\":");
+    write_optional_string(
+        out,
+        edge.status.map(|status| match status {
+            ResultStatus::Success => "success",
+            ResultStatus::Error => "error",
+            ResultStatus::Cancel => "cancel",
+        }),
+    );
+    out.extend_from_slice(b",\"tool\":");
+    push_json_string(out, &edge.tool);
+    out.push(b'}');
+}
+
+fn trust_name(trust: TrustLabel) -> &'static str {
+    match trust {
+        TrustLabel::Operator => "operator",
+        TrustLabel::User => "user",
+        TrustLabel::Model => "model",
+        TrustLabel::Tool => "tool",
+        TrustLabel::Trusted => "trusted",
+        TrustLabel::Untrusted => "untrusted",
+    }
+}
+
+fn write_number(out: &mut Vec<u8>, number: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(number).as_bytes());
+}
+
+fn write_optional_number(out: &mut Vec<u8>, number: Option<u64>) {
+    match number {
+        Some(number) => write_number(out, number),
+        None => out.extend_from_slice(b"null"),
+    }
+}
+
+fn write_optional_string(out: &mut Vec<u8>, text: Option<&str>) {
+    match text {
+        Some(text) => push_json_string(out, text),
+        None => out.extend_from_slice(b"null"),
+    }
 }
 
 fn static_kind(body: &BlockBody) -> &'static str {

@@ -20,11 +20,28 @@ use crate::limits;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 
-/// Decode `bytes` (already checked against the size and depth limits), or `None` where the
-/// file is not one this decode takes.
+/// Decode `bytes` (already checked against the size limit), or `None` where the file is not
+/// one this decode takes, including one that nests deeper than `JSON_DEPTH_MAX`.
+///
+/// The depth limit is checked on what was decoded rather than by a scan of the bytes first:
+/// the members this decode names nest at most 7 deep (top object, `turns`, turn, `blocks`,
+/// block, `content`, part), so only the free-form values can go deeper (`tools` at 1, a
+/// block's `arguments` and `cache` at 5), and serde_json refuses anything past 128 levels
+/// itself. A file deeper than the limit gives `None`, and the caller's scan reports it.
+///
+/// The bytes are checked as UTF-8 once, then parsed as a `str`: serde_json then skips the
+/// check it would otherwise make on every string and member name.
 pub(crate) fn decode(bytes: &[u8]) -> Option<Conversation> {
-    let Object(top) = serde_json::from_slice::<Object<Top>>(bytes).ok()?;
+    let text = std::str::from_utf8(bytes).ok()?;
+    let Object(top) = serde_json::from_str::<Object<Top>>(text).ok()?;
     if top.format != FORMAT_V1 || top.conversation_id.is_empty() || top.turns.len() > limits::TURNS_MAX {
+        return None;
+    }
+    if top
+        .tools
+        .as_ref()
+        .is_some_and(|tools| !nests_within(tools, limits::JSON_DEPTH_MAX - TOOLS_AT))
+    {
         return None;
     }
     let mut decoder = Decoder {
@@ -197,6 +214,14 @@ impl RawBlock {
         if self.id.is_empty() {
             return None;
         }
+        let levels = limits::JSON_DEPTH_MAX - BLOCK_MEMBERS_AT;
+        if [&self.arguments, &self.cache]
+            .into_iter()
+            .flatten()
+            .any(|value| !nests_within(value, levels))
+        {
+            return None;
+        }
         let state = match self.state.take() {
             None => BlockState::Committed,
             Some(state) if state == "committed" => BlockState::Committed,
@@ -344,6 +369,20 @@ impl RawBlock {
             }
         }
         object.finish()
+    }
+}
+
+/// Levels above the `tools` value (the top object).
+const TOOLS_AT: usize = 1;
+/// Levels above a block's free-form members (top object, `turns`, turn, `blocks`, block).
+const BLOCK_MEMBERS_AT: usize = 5;
+
+/// Whether `value` nests at most `levels` arrays and objects deep (a scalar is 0 deep).
+fn nests_within(value: &Value, levels: usize) -> bool {
+    match value {
+        Value::Array(items) => levels > 0 && items.iter().all(|item| nests_within(item, levels - 1)),
+        Value::Object(map) => levels > 0 && map.values().all(|item| nests_within(item, levels - 1)),
+        _ => true,
     }
 }
 

@@ -191,3 +191,46 @@ proptest! {
         prop_assert_eq!(ours, String::from_utf8(serde_jcs::to_vec(&value).unwrap()).unwrap());
     }
 }
+
+/// Strings rich in what JSON escapes (controls, `"`, `\`), around runs long enough for the
+/// eight-bytes-at-a-time skip, with multibyte characters on both sides of the word boundaries.
+fn escapable_string() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        Just("\"".to_owned()),
+        Just("\\".to_owned()),
+        (0u8..0x20).prop_map(|byte| char::from(byte).to_string()),
+        Just("\u{7f}".to_owned()),
+        Just("é€😀".to_owned()),
+        "[a-z ]{0,17}",
+        any::<String>(),
+    ];
+    prop::collection::vec(piece, 0..12).prop_map(|pieces| pieces.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4096))]
+
+    /// The renderers write every body string with `push_json_string`, and the block digests
+    /// hash through the same escaper: it must be serde_json's own bytes (and so RFC 8785's).
+    #[test]
+    fn push_json_string_writes_serde_jsons_bytes(text in escapable_string()) {
+        let mut ours = b"prefix".to_vec();
+        turnstile_core::digest::push_json_string(&mut ours, &text);
+        let mut expected = b"prefix".to_vec();
+        serde_json::to_writer(&mut expected, &text).unwrap();
+        prop_assert_eq!(&ours, &expected);
+        prop_assert_eq!(canonical_bytes(&Value::String(text.clone())), expected[6..].to_vec());
+    }
+}
+
+#[test]
+fn push_json_string_escapes_at_every_position_of_a_word() {
+    for special in ["\"", "\\", "\n", "\u{1}", "\u{1f}", "\u{8}", "\u{c}"] {
+        for at in 0..20 {
+            let text = format!("{}{special}{}", "x".repeat(at), "y".repeat(19 - at));
+            let mut ours = Vec::new();
+            turnstile_core::digest::push_json_string(&mut ours, &text);
+            assert_eq!(ours, serde_json::to_vec(&text).unwrap(), "{text:?}");
+        }
+    }
+}

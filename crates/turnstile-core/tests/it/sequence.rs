@@ -138,3 +138,44 @@ fn generations_beyond_2_pow_53_take_the_generic_digest_path() {
     let sequence = MessageSequence::build(Validated::new(&conversation).unwrap());
     assert_eq!(sequence.sequence_digest, generic_digest(&sequence));
 }
+
+/// The fast digest path writes block entries and edges by hand (`write_block`, `write_edge`):
+/// ids, turn ids, call ids and tool names that need JSON escapes (and characters beyond ASCII)
+/// must give the same digest as the generic canonical definition. Every optional edge field
+/// is covered both ways: an answered call (result, status, args digest), an open one, and a
+/// call to an undeclared tool (no schema digest).
+#[test]
+fn ids_that_need_escaping_digest_as_the_generic_definition() {
+    for odd in [
+        "q\"uote",
+        "back\\slash",
+        "new\nline",
+        "ctl\u{1}\u{1f}",
+        "é€😀",
+        "\u{e000}x",
+        "plain-id-longer-than-a-word",
+    ] {
+        let value = json!({"format": "turnstile.conversation.v1", "conversation_id": format!("c{odd}"), "revision": 4,
+            "tools": [{"name": format!("f{odd}"), "description": "d", "input_schema": {"type": "object"}}],
+            "turns": [
+            {"id": format!("t1{odd}"), "role": "user", "blocks": [{"id": format!("u{odd}"), "kind": "text", "text": "hi"}]},
+            {"id": format!("t2{odd}"), "role": "assistant", "generation": 3, "blocks": [
+                {"id": format!("a{odd}"), "kind": "tool_call", "call_id": format!("k{odd}"), "tool": format!("f{odd}"), "arguments": {"x": odd}},
+                {"id": format!("b{odd}"), "kind": "tool_call", "call_id": format!("m{odd}"), "tool": "undeclared", "arguments": {}}]},
+            {"id": format!("t3{odd}"), "role": "tool", "blocks": [
+                {"id": format!("r{odd}"), "kind": "tool_result", "call_id": format!("k{odd}"), "tool": format!("f{odd}"),
+                 "generation": 3, "args_digest": turnstile_core::Digest::of_value(&json!({"x": odd})).as_str(), "status": "error", "content": [{"kind": "text", "text": "no"}]}]}]});
+        let conversation = turnstile_core::Conversation::from_value(value).unwrap();
+        let validated = Validated::new(&conversation);
+        // The open call `m…` leaves the conversation waiting, which still has a sequence.
+        let validated = validated.unwrap_or_else(|violations| panic!("{odd:?}: {violations:?}"));
+        let sequence = MessageSequence::build(validated);
+        assert_eq!(sequence.sequence_digest, generic_digest(&sequence), "{odd:?}");
+        let grown = turnstile_core::sequence::GrowingSequence::of(validated);
+        assert_eq!(
+            grown.sequence().sequence_digest,
+            generic_digest(&sequence),
+            "{odd:?}"
+        );
+    }
+}

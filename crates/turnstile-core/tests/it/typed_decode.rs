@@ -230,3 +230,85 @@ fn a_file_the_value_decode_refuses_for_a_member_nobody_reads_is_refused() {
         }
     }
 }
+
+/// The typed decode checks `JSON_DEPTH_MAX` on the values it decoded instead of scanning the
+/// bytes first, so the limit must fall exactly where the scan puts it, for each free-form
+/// member: a block's `arguments` and `cache` (5 levels down) and the `tools` (1 level down).
+#[test]
+fn the_depth_limit_falls_where_the_scan_puts_it_for_every_free_form_member() {
+    let max = turnstile_core::limits::JSON_DEPTH_MAX;
+    let nested = |levels: usize| {
+        let mut value = json!(1);
+        for level in 0..levels {
+            value = if level % 2 == 0 {
+                json!({"k": value})
+            } else {
+                json!([value])
+            };
+        }
+        value
+    };
+    let document = |arguments: Value, cache: Value, tools: Value| {
+        serde_json::to_vec(&json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": 2,
+            "tools": tools,
+            "turns": [
+            {"id": "t1", "role": "user", "blocks": [{"id": "u", "kind": "text", "text": "hi", "cache": cache}]},
+            {"id": "t2", "role": "assistant", "generation": 1, "blocks": [
+                {"id": "a", "kind": "tool_call", "call_id": "k", "tool": "f", "arguments": arguments}]}]}))
+        .unwrap()
+    };
+    let tool = |schema: Value| json!([{"name": "f", "input_schema": {"type": "object", "x": schema}}]);
+    for levels in [
+        max - 8,
+        max - 6,
+        max - 5,
+        max - 4,
+        max - 3,
+        max - 2,
+        max - 1,
+        max,
+        max + 1,
+    ] {
+        // Arguments must be an object to be closed; wrap the nesting in one.
+        let cases = [
+            (
+                "arguments",
+                document(json!({"a": nested(levels - 1)}), Value::Null, tool(json!(1))),
+            ),
+            (
+                "cache",
+                document(
+                    json!({}),
+                    json!({"ttl": "5m", "x": nested(levels - 1)}),
+                    tool(json!(1)),
+                ),
+            ),
+            (
+                "tools",
+                document(json!({}), Value::Null, tool(nested(levels - 3))),
+            ),
+        ];
+        for (member, bytes) in cases {
+            let deep = parse::depth_exceeds(&bytes, max);
+            let typed = agree(&bytes);
+            let outcome = parse::conversation_from_slice(&bytes);
+            assert_eq!(
+                matches!(
+                    outcome,
+                    Err(turnstile_core::conversation::Unreadable::Limit {
+                        what: "JSON_DEPTH_MAX",
+                        ..
+                    })
+                ),
+                deep,
+                "{member} at {levels} levels: {outcome:?}"
+            );
+            if deep {
+                assert!(
+                    !typed,
+                    "{member} at {levels} levels: the typed decode took a file beyond the limit"
+                );
+            }
+        }
+    }
+}

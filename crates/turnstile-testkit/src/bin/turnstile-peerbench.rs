@@ -42,7 +42,7 @@ use turnstile_core::{Digest, Generation, MessageSequence, Validated, parse};
 fn usage() -> ! {
     eprintln!(
         "usage: turnstile-peerbench gen --out DIR\n\
-         \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX] [--skip-large] [--clock wall|cpu]\n\
+         \x20      turnstile-peerbench micro --inputs DIR [--runs N] [--min-run-ms MS] [--only PREFIX] [--skip-large] [--whole-only] [--stages] [--clock wall|cpu]\n\
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
          [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream] [--rate REQ_PER_S]\n\
          \x20      turnstile-peerbench step --base URL --inputs DIR [--steps K] [--runs R] [--model M] [--sizes 20,200,2000]\n\
@@ -840,6 +840,10 @@ fn micro(args: &Args) {
     let only = args.value("--only").unwrap_or_default();
     // `--skip-large` (the harness's --smoke): no 2,000-block conversation, no 100k-event stream.
     let skip_large = args.0.iter().any(|arg| arg == "--skip-large");
+    // `--whole-only`: the whole prepare path alone, no halves and no floor (for `perf record`).
+    let whole_only = args.0.iter().any(|arg| arg == "--whole-only");
+    // `--stages`: also the first half cumulatively by stage (`stage_*` lines; not in reports).
+    let stages = args.0.iter().any(|arg| arg == "--stages");
     // `--clock cpu`: on-CPU time instead of wall time (see `cpu_now`); the harness uses wall time.
     match args.value("--clock").as_deref() {
         None | Some("wall") => {}
@@ -880,6 +884,27 @@ fn micro(args: &Args) {
             json!({"input_bytes": bytes.len(), "body_bytes": body.len(),
             "what": "parse v1 + validate + MessageSequence + render anthropic-messages@1 (cold cache) + token count + admission + manifest"}),
         );
+        if whole_only {
+            continue;
+        }
+        if stages {
+            // The first half again, cumulatively: parse, + validate, + MessageSequence.
+            let timing = measure(runs, min_run, || {
+                parse::conversation_from_slice(&bytes).unwrap().turns.len()
+            });
+            emit("stage_parse", &workload, &timing, json!({}));
+            let timing = measure(runs, min_run, || {
+                let conversation = parse::conversation_from_slice(&bytes).unwrap();
+                Validated::new(&conversation).is_ok()
+            });
+            emit("stage_parse_validate", &workload, &timing, json!({}));
+            let timing = measure(runs, min_run, || {
+                let conversation = parse::conversation_from_slice(&bytes).unwrap();
+                let validated = Validated::new(&conversation).unwrap();
+                MessageSequence::build(validated).blocks.len()
+            });
+            emit("stage_parse_validate_seq", &workload, &timing, json!({}));
+        }
         // Where the time goes: the same path in two halves.
         let timing = measure(runs, min_run, || {
             let conversation = parse::conversation_from_slice(&bytes).unwrap();
