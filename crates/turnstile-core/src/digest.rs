@@ -148,6 +148,22 @@ pub fn canonical_bytes<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     out
 }
 
+/// RFC 8785 canonical bytes of a JSON value, written from it directly ([`canonical_bytes`]
+/// first converts its argument into a new `Value`).
+pub fn canonical_value_bytes(value: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    write_value(value, &mut out);
+    out
+}
+
+/// RFC 8785 canonical bytes of a JSON object (a tool call's arguments), written from the map
+/// directly.
+pub fn canonical_object_bytes(map: &Map<String, Value>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    write_object(map, &mut out);
+    out
+}
+
 fn to_value<T: Serialize + ?Sized>(value: &T) -> Value {
     // Invariant: every type we digest serialises to JSON (string keys, finite numbers); a type
     // that does not is a programming error caught by the tests that pin its digest.

@@ -28,6 +28,10 @@ use crate::validate::Validated;
 use serde::Serialize;
 use std::collections::HashMap;
 
+/// Serialised entries are hashed in pieces of about this many bytes (a whole build's edges in
+/// one buffer grew to hundreds of KiB, fresh pages each time).
+const SCRATCH_FLUSH: usize = 16 * 1024;
+
 /// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
 const EXACT_INTEGER_MAX: u64 = 1 << 53;
 
@@ -377,6 +381,10 @@ impl GrowingSequence {
             }
             write_edge(&mut self.scratch, edge);
             self.sealed += 1;
+            if self.scratch.len() >= SCRATCH_FLUSH {
+                self.edges_hash.update(&self.scratch);
+                self.scratch.clear();
+            }
         }
         self.edges_hash.update(&self.scratch);
         self.scratch.clear();
@@ -396,6 +404,10 @@ impl GrowingSequence {
                     open.push(b',');
                 }
                 write_edge(open, edge);
+                if open.len() >= SCRATCH_FLUSH {
+                    edges.update(open);
+                    open.clear();
+                }
             }
             open.push(b']');
             edges.update(open);

@@ -467,7 +467,7 @@ pub(crate) fn arguments_text(arguments: &Arguments) -> std::borrow::Cow<'_, str>
     match arguments {
         Arguments::Closed { raw: Some(raw), .. } => std::borrow::Cow::Borrowed(raw.as_str()),
         Arguments::Closed { value, .. } => std::borrow::Cow::Owned(
-            String::from_utf8(turnstile_core::digest::canonical_bytes(value))
+            String::from_utf8(turnstile_core::digest::canonical_object_bytes(value))
                 // Invariant: RFC 8785 output is UTF-8 JSON text.
                 .expect("canonical JSON is UTF-8"),
         ),

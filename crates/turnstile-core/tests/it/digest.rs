@@ -182,6 +182,10 @@ proptest! {
         prop_assert_eq!(&ours, &serde_jcs);
         prop_assert_eq!(&ours, &canonicalizer);
         prop_assert_eq!(Digest::of_value(&value), Digest::of_bytes(ours.as_bytes()));
+        prop_assert_eq!(turnstile_core::digest::canonical_value_bytes(&value), ours.as_bytes());
+        if let Value::Object(map) = &value {
+            prop_assert_eq!(turnstile_core::digest::canonical_object_bytes(map), ours.as_bytes());
+        }
     }
 
     #[test]

@@ -358,7 +358,7 @@ fn part_fields(block: &Block, w: &mut Writer) {
                     w.raw(raw).count(raw);
                 }
                 Arguments::Closed { value, .. } => {
-                    let text = turnstile_core::digest::canonical_bytes(value);
+                    let text = turnstile_core::digest::canonical_object_bytes(value);
                     w.count(&String::from_utf8_lossy(&text));
                     w.out.extend_from_slice(&text);
                 }
