@@ -100,23 +100,35 @@ impl Tokenizer {
 ///
 /// The sum gets a 10 % safety margin. Measured estimate ÷ max(reference) on the corpus: from
 /// 1.07 (hex) to 2.75 (Cyrillic); English prose about 1.37. See `docs/decisions.md`.
+///
+/// One pass: a letter run's case shape is tracked while it is read (it was read three times:
+/// the run, then `all lowercase` after its first letter, then `all uppercase`), and the other
+/// ASCII bytes are charged from a table. `tests/it/render_prepare.rs` keeps the three-pass
+/// definition and compares the two on arbitrary text.
 pub fn estimate(text: &str) -> u64 {
     let bytes = text.as_bytes();
     // In quarter tokens.
     let mut quarters: u64 = 0;
     let mut index = 0;
-    while index < bytes.len() {
-        let byte = bytes[index];
+    while let Some(&byte) = bytes.get(index) {
         if byte.is_ascii_alphabetic() {
             let start = index;
-            while index < bytes.len() && bytes[index].is_ascii_alphabetic() {
+            let mut any_lower = byte.is_ascii_lowercase();
+            let mut upper_after_first = false;
+            index += 1;
+            while let Some(&next) = bytes.get(index) {
+                if next.is_ascii_lowercase() {
+                    any_lower = true;
+                } else if next.is_ascii_uppercase() {
+                    upper_after_first = true;
+                } else {
+                    break;
+                }
                 index += 1;
             }
-            let run = &bytes[start..index];
-            let length = run.len() as u64;
-            let rest_lower = run[1..].iter().all(u8::is_ascii_lowercase);
-            let acronym = run.len() <= 4 && run.iter().all(u8::is_ascii_uppercase);
-            let wordlike = run.len() <= 14 && (rest_lower || acronym);
+            let length = (index - start) as u64;
+            let acronym = length <= 4 && !any_lower;
+            let wordlike = length <= 14 && (!upper_after_first || acronym);
             quarters += 4 * if wordlike {
                 length.div_ceil(4)
             } else {
@@ -125,29 +137,38 @@ pub fn estimate(text: &str) -> u64 {
             continue;
         }
         if byte.is_ascii() {
+            // One space before a letter or digit merges into the word.
             let merged_space = byte == b' '
                 && bytes
                     .get(index + 1)
                     .is_some_and(|next| next.is_ascii_alphanumeric());
-            quarters += match byte {
-                _ if merged_space => 0,
-                b' ' | b'\t' | b'\n' | b'\r' => 2,
-                _ => 4,
-            };
+            if !merged_space {
+                quarters += u64::from(ASCII_QUARTERS[byte as usize]);
+            }
             index += 1;
             continue;
         }
         // A non-ASCII character: its UTF-8 length is given by the lead byte.
-        let width = match byte {
-            0xF0..=0xFF => 4,
-            0xE0..=0xEF => 3,
-            _ => 2,
+        let (width, charge) = match byte {
+            0xF0..=0xFF => (4, 16),
+            0xE0..=0xEF => (3, 5),
+            _ => (2, 5),
         };
-        quarters += if width == 4 { 16 } else { 5 };
+        quarters += charge;
         index += width;
     }
     (quarters * 11).div_ceil(40)
 }
+
+/// Quarter tokens for an ASCII byte that is not a letter: whitespace ½ token, anything else 1.
+const ASCII_QUARTERS: [u8; 128] = {
+    let mut table = [4u8; 128];
+    table[b' ' as usize] = 2;
+    table[b'\t' as usize] = 2;
+    table[b'\n' as usize] = 2;
+    table[b'\r' as usize] = 2;
+    table
+};
 
 /// Tokens charged for one image. OpenAI: gpt-4o high detail scales to fit 2048×2048 then 768
 /// on the short side, at most 2×4 tiles of 170 plus 85 base = 1445. Anthropic: an image is

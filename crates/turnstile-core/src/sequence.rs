@@ -454,19 +454,19 @@ struct DigestForm<'a> {
 /// on ids that need escaping.
 fn write_block(out: &mut Vec<u8>, entry: &SequenceBlock) {
     out.extend_from_slice(b"{\"digest\":");
-    push_json_string(out, entry.digest.as_str());
+    write_digest(out, &entry.digest);
     out.extend_from_slice(b",\"generation\":");
     write_optional_number(out, entry.generation.map(|generation| generation.0));
     out.extend_from_slice(b",\"id\":");
     push_json_string(out, &entry.id);
     out.extend_from_slice(b",\"kind\":");
-    push_json_string(out, entry.kind);
+    write_name(out, entry.kind);
     out.extend_from_slice(b",\"order\":");
     write_number(out, u64::from(entry.order));
     out.extend_from_slice(b",\"role\":");
-    push_json_string(out, entry.role.as_str());
+    write_name(out, entry.role.as_str());
     out.extend_from_slice(b",\"trust\":");
-    push_json_string(out, trust_name(entry.trust));
+    write_name(out, trust_name(entry.trust));
     out.extend_from_slice(b",\"turn\":");
     push_json_string(out, &entry.turn);
     out.extend_from_slice(b",\"turn_index\":");
@@ -477,9 +477,9 @@ fn write_block(out: &mut Vec<u8>, entry: &SequenceBlock) {
 /// `serde_json::to_writer(out, edge)`, written by hand as [`write_block`] is.
 fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
     out.extend_from_slice(b"{\"args_digest\":");
-    write_optional_string(out, edge.args_digest.as_ref().map(Digest::as_str));
+    write_optional_digest(out, edge.args_digest.as_ref());
     out.extend_from_slice(b",\"args_state\":");
-    push_json_string(
+    write_name(
         out,
         match edge.args_state {
             ArgState::Closed => "closed",
@@ -496,16 +496,19 @@ fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
     out.extend_from_slice(b",\"result\":");
     write_optional_string(out, edge.result.as_deref());
     out.extend_from_slice(b",\"schema_digest\":");
-    write_optional_string(out, edge.schema_digest.as_ref().map(Digest::as_str));
+    write_optional_digest(out, edge.schema_digest.as_ref());
     out.extend_from_slice(b",\"status\":");
-    write_optional_string(
-        out,
-        edge.status.map(|status| match status {
-            ResultStatus::Success => "success",
-            ResultStatus::Error => "error",
-            ResultStatus::Cancel => "cancel",
-        }),
-    );
+    match edge.status {
+        Some(status) => write_name(
+            out,
+            match status {
+                ResultStatus::Success => "success",
+                ResultStatus::Error => "error",
+                ResultStatus::Cancel => "cancel",
+            },
+        ),
+        None => out.extend_from_slice(b"null"),
+    }
     out.extend_from_slice(b",\"tool\":");
     push_json_string(out, &edge.tool);
     out.push(b'}');
@@ -529,6 +532,26 @@ fn write_number(out: &mut Vec<u8>, number: u64) {
 fn write_optional_number(out: &mut Vec<u8>, number: Option<u64>) {
     match number {
         Some(number) => write_number(out, number),
+        None => out.extend_from_slice(b"null"),
+    }
+}
+
+/// A name of ours (kind, role, trust label, state): lowercase ASCII and `_`, nothing to escape.
+fn write_name(out: &mut Vec<u8>, name: &'static str) {
+    debug_assert!(name.bytes().all(|byte| byte.is_ascii_lowercase() || byte == b'_'));
+    out.push(b'"');
+    out.extend_from_slice(name.as_bytes());
+    out.push(b'"');
+}
+
+/// A digest. Escaped like any string: a `Digest` read from stored JSON is not re-checked.
+fn write_digest(out: &mut Vec<u8>, digest: &Digest) {
+    push_json_string(out, digest.as_str());
+}
+
+fn write_optional_digest(out: &mut Vec<u8>, digest: Option<&Digest>) {
+    match digest {
+        Some(digest) => write_digest(out, digest),
         None => out.extend_from_slice(b"null"),
     }
 }

@@ -237,3 +237,79 @@ fn one_new_turn_on_a_cached_history_renders_only_that_turn_and_the_same_bytes_as
         );
     }
 }
+
+/// The estimator as first written (three passes over each letter run), kept as the definition
+/// the one-pass `tokens::estimate` must equal.
+fn estimate_definition(text: &str) -> u64 {
+    let bytes = text.as_bytes();
+    let mut quarters: u64 = 0;
+    let mut index = 0;
+    while index < bytes.len() {
+        let byte = bytes[index];
+        if byte.is_ascii_alphabetic() {
+            let start = index;
+            while index < bytes.len() && bytes[index].is_ascii_alphabetic() {
+                index += 1;
+            }
+            let run = &bytes[start..index];
+            let length = run.len() as u64;
+            let rest_lower = run[1..].iter().all(u8::is_ascii_lowercase);
+            let acronym = run.len() <= 4 && run.iter().all(u8::is_ascii_uppercase);
+            let wordlike = run.len() <= 14 && (rest_lower || acronym);
+            quarters += 4 * if wordlike {
+                length.div_ceil(4)
+            } else {
+                (2 * length).div_ceil(3)
+            };
+            continue;
+        }
+        if byte.is_ascii() {
+            let merged_space = byte == b' '
+                && bytes
+                    .get(index + 1)
+                    .is_some_and(|next| next.is_ascii_alphanumeric());
+            quarters += match byte {
+                _ if merged_space => 0,
+                b' ' | b'\t' | b'\n' | b'\r' => 2,
+                _ => 4,
+            };
+            index += 1;
+            continue;
+        }
+        let width = match byte {
+            0xF0..=0xFF => 4,
+            0xE0..=0xEF => 3,
+            _ => 2,
+        };
+        quarters += if width == 4 { 16 } else { 5 };
+        index += width;
+    }
+    (quarters * 11).div_ceil(40)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+
+    #[test]
+    fn the_one_pass_estimator_equals_its_definition(
+        text in "([a-zA-Z]{0,20}|[ \t\r\n]{0,3}|[0-9.,;:!?\"'(){}<>-]{0,4}|[éж€中]{0,3}|😀|\\PC{0,6}){0,24}"
+    ) {
+        proptest::prop_assert_eq!(tokens::estimate(&text), estimate_definition(&text), "{:?}", text);
+    }
+}
+
+#[test]
+fn the_one_pass_estimator_equals_its_definition_on_the_measured_corpus() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/render/token_reference.json");
+    let samples: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    for sample in &samples {
+        let text = sample["text"].as_str().unwrap();
+        assert_eq!(
+            tokens::estimate(text),
+            estimate_definition(text),
+            "{}",
+            sample["name"]
+        );
+    }
+}
