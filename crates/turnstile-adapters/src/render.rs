@@ -872,15 +872,17 @@ struct DigestHasher(u64);
 
 impl std::hash::Hasher for DigestHasher {
     fn write(&mut self, bytes: &[u8]) {
-        // A digest's text (`sha256:` and 64 hex digits): 16 of its hex digits are 64 bits of
-        // SHA-256 output, as good a spread as all of them. Equal keys still hash equal.
+        // A digest's text (`sha256:` and 64 hex digits): its first 16 hex digits, decoded, are
+        // 64 bits of SHA-256 output, uniform in every bit (the hex characters themselves carry
+        // 4 bits per byte). Any other text is folded whole. Equal keys hash equal either way.
         if let Some(hex) = bytes.get(7..23)
             && bytes.len() == 71
         {
-            let (high, low) = hex.split_at(8);
-            let high = u64::from_le_bytes(high.try_into().expect("eight bytes"));
-            let low = u64::from_le_bytes(low.try_into().expect("eight bytes"));
-            self.0 = (self.0.rotate_left(5) ^ high ^ low.rotate_left(32)).wrapping_mul(0x517c_c1b7_2722_0a95);
+            // '0'..='9' → 0..=9, 'a'..='f' → 10..=15 (and some value for any other byte).
+            let bits = hex.iter().fold(0u64, |bits, &digit| {
+                (bits << 4) | u64::from((digit & 0xF) + 9 * (digit >> 6))
+            });
+            self.0 = (self.0.rotate_left(5) ^ bits).wrapping_mul(0x517c_c1b7_2722_0a95);
             return;
         }
         // Whole words read in place (a short `copy_from_slice` per word was a `memcpy` call);

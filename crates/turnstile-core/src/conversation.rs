@@ -158,7 +158,7 @@ impl Arguments {
 
     /// Parse arguments given as raw JSON text (a file string or an assembled stream buffer).
     pub fn from_text(text: String) -> Arguments {
-        if crate::parse::depth_exceeds(text.as_bytes(), limits::JSON_DEPTH_MAX) {
+        if crate::parse::value_may_nest_deeper(text.as_bytes(), limits::JSON_DEPTH_MAX) {
             return Arguments::Unclosed {
                 state: ArgState::Invalid,
                 raw: text,

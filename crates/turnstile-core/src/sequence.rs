@@ -17,9 +17,11 @@
 //!
 //! Digest fast path: the structs below declare their fields in sorted order and hold only
 //! strings, small integers and `null`s, so serde_json's compact serialisation of them *is*
-//! their RFC 8785 form and can be hashed without building a `Value` first.
-//! `tests/it/sequence.rs` checks the two byte-for-byte on generated sequences; any field added
-//! out of order fails that test.
+//! their RFC 8785 form and can be hashed without building a `Value` first. The blocks and edges
+//! are written by hand ([`write_block`], [`write_edge`]: serde_json's bytes without its
+//! serializer, the structs destructured whole so a new field does not compile until it is
+//! written); `tests/it/sequence.rs` checks the serialisation against the canonical form and the
+//! digest against the generic definition, on generated sequences and on ids that need escaping.
 
 use crate::conversation::{ArgState, BlockBody, Conversation, ResultStatus, Role, RoleField, Trust};
 use crate::digest::{Digest, HashState, push_json_string};
@@ -453,52 +455,74 @@ struct DigestForm<'a> {
 /// `tests/it/sequence.rs` compares this digest with the generic one on generated sequences and
 /// on ids that need escaping.
 fn write_block(out: &mut Vec<u8>, entry: &SequenceBlock) {
+    let SequenceBlock {
+        digest,
+        generation,
+        id,
+        kind,
+        order,
+        role,
+        trust,
+        turn,
+        turn_index,
+    } = entry;
     out.extend_from_slice(b"{\"digest\":");
-    write_digest(out, &entry.digest);
+    write_digest(out, digest);
     out.extend_from_slice(b",\"generation\":");
-    write_optional_number(out, entry.generation.map(|generation| generation.0));
+    write_optional_number(out, generation.map(|generation| generation.0));
     out.extend_from_slice(b",\"id\":");
-    push_json_string(out, &entry.id);
+    push_json_string(out, id);
     out.extend_from_slice(b",\"kind\":");
-    write_name(out, entry.kind);
+    write_name(out, kind);
     out.extend_from_slice(b",\"order\":");
-    write_number(out, u64::from(entry.order));
+    write_number(out, u64::from(*order));
     out.extend_from_slice(b",\"role\":");
-    write_name(out, entry.role.as_str());
+    write_name(out, role.as_str());
     out.extend_from_slice(b",\"trust\":");
-    write_name(out, trust_name(entry.trust));
+    write_name(out, trust_name(*trust));
     out.extend_from_slice(b",\"turn\":");
-    push_json_string(out, &entry.turn);
+    push_json_string(out, turn);
     out.extend_from_slice(b",\"turn_index\":");
-    write_number(out, u64::from(entry.turn_index));
+    write_number(out, u64::from(*turn_index));
     out.push(b'}');
 }
 
 /// `serde_json::to_writer(out, edge)`, written by hand as [`write_block`] is.
 fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
+    let ToolEdge {
+        args_digest,
+        args_state,
+        call_block,
+        call_id,
+        generation,
+        result,
+        schema_digest,
+        status,
+        tool,
+    } = edge;
     out.extend_from_slice(b"{\"args_digest\":");
-    write_optional_digest(out, edge.args_digest.as_ref());
+    write_optional_digest(out, args_digest.as_ref());
     out.extend_from_slice(b",\"args_state\":");
     write_name(
         out,
-        match edge.args_state {
+        match args_state {
             ArgState::Closed => "closed",
             ArgState::Open => "open",
             ArgState::Invalid => "invalid",
         },
     );
     out.extend_from_slice(b",\"call_block\":");
-    push_json_string(out, &edge.call_block);
+    push_json_string(out, call_block);
     out.extend_from_slice(b",\"call_id\":");
-    push_json_string(out, edge.call_id.as_str());
+    push_json_string(out, call_id.as_str());
     out.extend_from_slice(b",\"generation\":");
-    write_optional_number(out, edge.generation.map(|generation| generation.0));
+    write_optional_number(out, generation.map(|generation| generation.0));
     out.extend_from_slice(b",\"result\":");
-    write_optional_string(out, edge.result.as_deref());
+    write_optional_string(out, result.as_deref());
     out.extend_from_slice(b",\"schema_digest\":");
-    write_optional_digest(out, edge.schema_digest.as_ref());
+    write_optional_digest(out, schema_digest.as_ref());
     out.extend_from_slice(b",\"status\":");
-    match edge.status {
+    match status {
         Some(status) => write_name(
             out,
             match status {
@@ -510,7 +534,7 @@ fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
         None => out.extend_from_slice(b"null"),
     }
     out.extend_from_slice(b",\"tool\":");
-    push_json_string(out, &edge.tool);
+    push_json_string(out, tool);
     out.push(b'}');
 }
 

@@ -1052,7 +1052,7 @@ impl Drive {
         let answered =
             ending == Ending::Clean && open.status.is_some_and(|status| (200..300).contains(&status));
         let status = answered
-            .then(|| serde_json::from_slice::<Value>(&open.body).ok())
+            .then(|| turnstile_core::parse::bounded_value(&open.body))
             .flatten()
             .and_then(|body| body.get("status").and_then(Value::as_str).map(str::to_owned));
         match (open.probe, status.as_deref()) {
@@ -2201,7 +2201,10 @@ pub(crate) fn tool_arguments_complete(turn: &Value) -> bool {
             .filter(|block| block["kind"] == "tool_call")
             .all(|block| match &block["arguments"] {
                 Value::Object(_) => true,
-                Value::String(text) => matches!(serde_json::from_str::<Value>(text), Ok(Value::Object(_))),
+                Value::String(text) => matches!(
+                    turnstile_core::parse::bounded_value(text.as_bytes()),
+                    Some(Value::Object(_))
+                ),
                 _ => false,
             })
     })

@@ -219,9 +219,10 @@ impl<D: EventDecoder> SseDecoder<D> {
             if self.api.fast(&event, &mut self.out) {
                 continue;
             }
-            match serde_json::from_str::<Value>(&event.data) {
-                Ok(payload) => self.api.event(&event, payload, &mut self.out),
-                Err(_) => self.api.non_json(&event, &mut self.out),
+            // Bounded: a hostile event could otherwise nest a value past any stack.
+            match turnstile_core::parse::bounded_value(event.data.as_bytes()) {
+                Some(payload) => self.api.event(&event, payload, &mut self.out),
+                None => self.api.non_json(&event, &mut self.out),
             }
         }
     }
@@ -289,9 +290,9 @@ pub(crate) fn decode_events<D: EventDecoder>(
         if fast_first && api.fast(&event, &mut out) {
             continue;
         }
-        match serde_json::from_str::<Value>(&event.data) {
-            Ok(payload) => api.event(&event, payload, &mut out),
-            Err(_) => api.non_json(&event, &mut out),
+        match turnstile_core::parse::bounded_value(event.data.as_bytes()) {
+            Some(payload) => api.event(&event, payload, &mut out),
+            None => api.non_json(&event, &mut out),
         }
     }
     out.out.into_iter().collect()

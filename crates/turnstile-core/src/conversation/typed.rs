@@ -19,15 +19,17 @@ use crate::ids::{CallId, Generation, Revision};
 use crate::limits;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// Decode `bytes` (already checked against the size limit), or `None` where the file is not
 /// one this decode takes, including one that nests deeper than `JSON_DEPTH_MAX`.
 ///
-/// The depth limit is checked on what was decoded rather than by a scan of the bytes first:
+/// The depth limit is checked member by member rather than by a scan of the whole file first:
 /// the members this decode names nest at most 7 deep (top object, `turns`, turn, `blocks`,
 /// block, `content`, part), so only the free-form values can go deeper (`tools` at 1, a
-/// block's `arguments` and `cache` at 5), and serde_json refuses anything past 128 levels
-/// itself. A file deeper than the limit gives `None`, and the caller's scan reports it.
+/// block's `arguments` and `cache` at 5). Those are read as raw text, scanned and parsed
+/// ([`free_form`]); serde_json refuses anything past 128 levels itself. A file deeper than
+/// the limit gives `None`, and the caller's scan reports it.
 ///
 /// The bytes are checked as UTF-8 once, then parsed as a `str`: serde_json then skips the
 /// check it would otherwise make on every string and member name.
@@ -37,18 +39,14 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Conversation> {
     if top.format != FORMAT_V1 || top.conversation_id.is_empty() || top.turns.len() > limits::TURNS_MAX {
         return None;
     }
-    if top
-        .tools
-        .as_ref()
-        .is_some_and(|tools| !nests_within(tools, limits::JSON_DEPTH_MAX - TOOLS_AT))
-    {
-        return None;
-    }
+    let tools_value = match &top.tools {
+        Some(raw) => free_form(raw, TOOLS_AT)?,
+        None => Value::Array(Vec::new()),
+    };
     let mut decoder = Decoder {
         violations: Vec::new(),
         turn_id: None,
     };
-    let tools_value = top.tools.unwrap_or(Value::Array(Vec::new()));
     let toolset_digest = Digest::of_value(&without_cache_marks(&tools_value));
     let tools = decoder.tools(tools_value).ok()?;
     let revision = Revision(top.revision);
@@ -125,9 +123,10 @@ struct Top {
     format: String,
     conversation_id: String,
     revision: u64,
-    /// `null` is kept (a finding of `tools()`, and part of the toolset digest).
+    /// `null` is kept (a finding of `tools()`, and part of the toolset digest). Its text, for
+    /// [`free_form`].
     #[serde(default, deserialize_with = "present")]
-    tools: Option<Value>,
+    tools: Option<Box<RawValue>>,
     turns: Vec<Object<RawTurn>>,
 }
 
@@ -186,9 +185,10 @@ struct RawBlock {
     id: String,
     #[serde(default, deserialize_with = "present")]
     state: Option<String>,
-    /// Not part of the digest; `null` is no mark, as in `from_value`.
+    /// Not part of the digest; `null` is no mark, as in `from_value`. Its text, for
+    /// [`free_form`].
     #[serde(default)]
-    cache: Option<Value>,
+    cache: Option<Box<RawValue>>,
     kind: String,
     #[serde(default, deserialize_with = "present")]
     text: Option<String>,
@@ -196,9 +196,10 @@ struct RawBlock {
     call_id: Option<String>,
     #[serde(default, deserialize_with = "present")]
     tool: Option<String>,
-    /// Any JSON (the digest covers it as given; `null` included).
+    /// Any JSON (the digest covers it as given; `null` included). Its text, for
+    /// [`free_form`].
     #[serde(default, deserialize_with = "present")]
-    arguments: Option<Value>,
+    arguments: Option<Box<RawValue>>,
     #[serde(default, deserialize_with = "present")]
     args_digest: Option<String>,
     #[serde(default, deserialize_with = "present")]
@@ -242,20 +243,20 @@ impl RawBlock {
         if self.id.is_empty() {
             return None;
         }
-        let levels = limits::JSON_DEPTH_MAX - BLOCK_MEMBERS_AT;
-        if [&self.arguments, &self.cache]
-            .into_iter()
-            .flatten()
-            .any(|value| !nests_within(value, levels))
-        {
-            return None;
-        }
+        let arguments = match &self.arguments {
+            Some(raw) => Some(free_form(raw, BLOCK_MEMBERS_AT)?),
+            None => None,
+        };
+        let cache = match &self.cache {
+            Some(raw) => Some(free_form(raw, BLOCK_MEMBERS_AT)?),
+            None => None,
+        };
         let state = match self.state.take() {
             None => BlockState::Committed,
             Some(state) if state == "committed" => BlockState::Committed,
             Some(state) => BlockState::Other(state),
         };
-        let cache = cache_mark(self.cache.take()).ok()?;
+        let cache = cache_mark(cache).ok()?;
         if self
             .content
             .as_ref()
@@ -263,13 +264,13 @@ impl RawBlock {
         {
             return None;
         }
-        let digest = self.digest();
+        let digest = self.digest(arguments.as_ref());
         let body = match self.kind.as_str() {
             "text" => BlockBody::Text { text: self.text? },
             "tool_call" => {
                 let call_id = non_empty(self.call_id?)?;
                 let tool = self.tool?;
-                let arguments = match self.arguments? {
+                let arguments = match arguments? {
                     Value::Object(value) => Arguments::from_object(value),
                     Value::String(text) => Arguments::from_text(text),
                     other => Arguments::Unclosed {
@@ -352,12 +353,12 @@ impl RawBlock {
 
     /// `Digest::of_map` of the block's object without `id`, `state` and `cache`: its members
     /// written in RFC 8785 order (the keys are ASCII, so byte order is UTF-16 order).
-    fn digest(&self) -> Digest {
+    fn digest(&self, arguments: Option<&Value>) -> Digest {
         let mut object = CanonicalObject::new();
         if let Some(text) = &self.args_digest {
             object.string("args_digest", text);
         }
-        if let Some(value) = &self.arguments {
+        if let Some(value) = arguments {
             object.value("arguments", value);
         }
         if let Some(text) = &self.call_id {
@@ -405,13 +406,18 @@ const TOOLS_AT: usize = 1;
 /// Levels above a block's free-form members (top object, `turns`, turn, `blocks`, block).
 const BLOCK_MEMBERS_AT: usize = 5;
 
-/// Whether `value` nests at most `levels` arrays and objects deep (a scalar is 0 deep).
-fn nests_within(value: &Value, levels: usize) -> bool {
-    match value {
-        Value::Array(items) => levels > 0 && items.iter().all(|item| nests_within(item, levels - 1)),
-        Value::Object(map) => levels > 0 && map.values().all(|item| nests_within(item, levels - 1)),
-        _ => true,
+/// A free-form member `above` levels below the top of the file, parsed from its text, or
+/// `None` where the file would break `JSON_DEPTH_MAX` through it: its text nests deeper than
+/// the levels left, as `parse::depth_exceeds` counts them (every value written counts, also one
+/// a repeated key then replaces), or it holds serde_json's raw-value token, through which a
+/// value nests deeper than its text (`parse::value_may_nest_deeper`). The check comes before
+/// the parse, which would recurse through the token.
+fn free_form(raw: &RawValue, above: usize) -> Option<Value> {
+    let levels = limits::JSON_DEPTH_MAX - above;
+    if crate::parse::value_may_nest_deeper(raw.get().as_bytes(), levels) {
+        return None;
     }
+    serde_json::from_str(raw.get()).ok()
 }
 
 fn non_empty(id: String) -> Option<CallId> {

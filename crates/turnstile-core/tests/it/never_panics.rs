@@ -163,3 +163,91 @@ fn nesting_past_the_depth_limit_is_unreadable_not_a_stack_overflow() {
     };
     assert_eq!(violations[0].code.as_str(), "unclosed_arguments");
 }
+
+/// serde_json's `raw_value` feature (on in this workspace) parses the string of an object whose
+/// member is named `$serde_json::private::RawValue` as JSON, with a fresh recursion budget:
+/// such objects nested in each other's strings make a value as deep as the bytes allow from text
+/// only 41 levels deep. Before the bounded parses refused the token, this 69 KB file aborted
+/// the process (stack overflow on a 2 MiB thread stack, the size of a tokio worker's).
+#[test]
+fn the_raw_value_token_is_refused_not_a_stack_overflow() {
+    // The hazard is serde_json's behaviour: if this stops holding, the guard can go.
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(r#"{"$serde_json::private::RawValue":"[[1]]"}"#).unwrap(),
+        serde_json::json!([[1]])
+    );
+    let mut inner = "1".to_owned();
+    for level in 0..14 {
+        let arrays = if level == 13 { 40 } else { 120 };
+        inner = format!(
+            "{}{{\"$serde_json::private::RawValue\":{}}}{}",
+            "[".repeat(arrays),
+            serde_json::to_string(&inner).unwrap(),
+            "]".repeat(arrays)
+        );
+    }
+    let file = |arguments: &str| {
+        format!(
+            r#"{{"format":"turnstile.conversation.v1","conversation_id":"c","revision":2,"turns":[
+        {{"id":"t1","role":"user","blocks":[{{"id":"u","kind":"text","text":"hi"}}]}},
+        {{"id":"t2","role":"assistant","blocks":[{{"id":"a","kind":"tool_call","call_id":"c1","tool":"f","arguments":{arguments}}}]}}]}}"#
+        )
+    };
+    let spellings = [
+        file(&format!(r#"{{"a":{inner}}}"#)),
+        // As a string of arguments (parsed by `Arguments::from_text`).
+        file(&serde_json::to_string(&format!(r#"{{"a":{inner}}}"#)).unwrap()),
+        // The token's `$` escaped, and the whole name escaped.
+        file(r#"{"a":{"\u0024serde_json::private::RawValue":"[1]"}}"#),
+        file(&format!(
+            r#"{{"a":{{"{}":"[1]"}}}}"#,
+            "$serde_json::private::RawValue"
+                .chars()
+                .map(|c| format!("\\u{:04X}", c as u32))
+                .collect::<String>()
+        )),
+    ];
+    for (index, bytes) in spellings.into_iter().enumerate() {
+        let outcome = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let typed = parse::conversation_from_slice(bytes.as_bytes());
+                let value = parse::json_from_slice(bytes.as_bytes()).map(|_| ());
+                (typed.map(|conversation| conversation.turns.len()), value)
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        match (index, outcome) {
+            // In a string of arguments the token is text to the file; `Arguments::from_text`
+            // refuses to parse it (below), which the validator then reports.
+            (1, (Ok(2), Ok(()))) => {}
+            (
+                _,
+                (
+                    Err(turnstile_core::conversation::Unreadable::Limit {
+                        what: "JSON_DEPTH_MAX",
+                        ..
+                    }),
+                    Err(turnstile_core::conversation::Unreadable::Limit {
+                        what: "JSON_DEPTH_MAX",
+                        ..
+                    }),
+                ),
+            ) => {}
+            (index, other) => panic!("spelling {index}: {other:?}"),
+        }
+    }
+    // A string argument with the token stays text: never parsed into a value.
+    let arguments = turnstile_core::conversation::Arguments::from_text(format!(r#"{{"a":{inner}}}"#));
+    assert!(matches!(
+        arguments,
+        turnstile_core::conversation::Arguments::Unclosed { .. }
+    ));
+    // Other members named with a `$` (JSON Schema's) are untouched, and so is a string value
+    // that says the token (only a member name is replaced).
+    let schema = r##"{"format":"turnstile.conversation.v1","conversation_id":"c","revision":1,
+        "tools":[{"name":"f","input_schema":{"$defs":{"x":{"type":"string"}},"$ref":"#/$defs/x","$serde":"json"}}],
+        "turns":[{"id":"t1","role":"user","blocks":[{"id":"u","kind":"text","text":"$serde_json::private::RawValue"}]}]}"##;
+    assert!(parse::conversation_from_slice(schema.as_bytes()).is_ok());
+}

@@ -179,3 +179,33 @@ fn ids_that_need_escaping_digest_as_the_generic_definition() {
         );
     }
 }
+
+/// The sequence's edges are hashed in 16 KiB pieces: a conversation with enough answered calls
+/// to cross that several times digests as the generic definition, both built once (the edges
+/// hashed at the digest) and kept to grow (the edges sealed as their results arrive).
+#[test]
+fn many_edges_digest_as_the_generic_definition_whole_and_grown() {
+    let calls = 240;
+    let mut turns =
+        vec![json!({"id": "t0", "role": "user", "blocks": [{"id": "u0", "kind": "text", "text": "go"}]})];
+    for index in 0..calls {
+        let arguments = json!({"n": index});
+        turns.push(json!({"id": format!("a{index}"), "role": "assistant", "generation": 1, "blocks": [
+            {"id": format!("c{index}"), "kind": "tool_call", "call_id": format!("call-{index}"), "tool": "f", "arguments": arguments}]}));
+        turns.push(json!({"id": format!("r{index}"), "role": "tool", "blocks": [
+            {"id": format!("d{index}"), "kind": "tool_result", "call_id": format!("call-{index}"), "tool": "f", "generation": 1,
+             "args_digest": turnstile_core::Digest::of_value(&arguments).as_str(), "status": "success",
+             "content": [{"kind": "text", "text": "ok"}]}]}));
+    }
+    let value = json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": turns.len(),
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}], "turns": turns});
+    let conversation = turnstile_core::Conversation::from_value(value).unwrap();
+    let validated = Validated::new(&conversation).unwrap();
+    let sequence = MessageSequence::build(validated);
+    assert_eq!(sequence.edges.len(), calls);
+    let edges_bytes = serde_json::to_vec(&sequence.edges).unwrap().len();
+    assert!(edges_bytes > 3 * 16 * 1024, "{edges_bytes} bytes of edges");
+    assert_eq!(sequence.sequence_digest, generic_digest(&sequence));
+    let grown = turnstile_core::sequence::GrowingSequence::of(validated);
+    assert_eq!(grown.sequence().sequence_digest, generic_digest(&sequence));
+}

@@ -231,33 +231,38 @@ fn a_file_the_value_decode_refuses_for_a_member_nobody_reads_is_refused() {
     }
 }
 
-/// The typed decode checks `JSON_DEPTH_MAX` on the values it decoded instead of scanning the
-/// bytes first, so the limit must fall exactly where the scan puts it, for each free-form
+/// The typed decode checks `JSON_DEPTH_MAX` member by member instead of scanning the whole
+/// file first, so the limit must fall exactly where the scan puts it, for each free-form
 /// member: a block's `arguments` and `cache` (5 levels down) and the `tools` (1 level down).
+/// Deep text that leaves no deep value counts too: a repeated key whose first value is the
+/// deep one (serde_json keeps the last), and serde_json's `raw_value` token, whose string is
+/// parsed as JSON (a value deeper than its text, which the typed decode must not take either).
 #[test]
 fn the_depth_limit_falls_where_the_scan_puts_it_for_every_free_form_member() {
     let max = turnstile_core::limits::JSON_DEPTH_MAX;
     let nested = |levels: usize| {
-        let mut value = json!(1);
+        let mut text = "1".to_owned();
         for level in 0..levels {
-            value = if level % 2 == 0 {
-                json!({"k": value})
+            text = if level % 2 == 0 {
+                format!("{{\"k\":{text}}}")
             } else {
-                json!([value])
+                format!("[{text}]")
             };
         }
-        value
+        text
     };
-    let document = |arguments: Value, cache: Value, tools: Value| {
-        serde_json::to_vec(&json!({"format": "turnstile.conversation.v1", "conversation_id": "c", "revision": 2,
-            "tools": tools,
-            "turns": [
-            {"id": "t1", "role": "user", "blocks": [{"id": "u", "kind": "text", "text": "hi", "cache": cache}]},
-            {"id": "t2", "role": "assistant", "generation": 1, "blocks": [
-                {"id": "a", "kind": "tool_call", "call_id": "k", "tool": "f", "arguments": arguments}]}]}))
-        .unwrap()
+    let document = |arguments: &str, cache: &str, tools: &str| {
+        format!(
+            r#"{{"format":"turnstile.conversation.v1","conversation_id":"c","revision":2,"tools":{tools},"turns":[
+            {{"id":"t1","role":"user","blocks":[{{"id":"u","kind":"text","text":"hi","cache":{cache}}}]}},
+            {{"id":"t2","role":"assistant","generation":1,"blocks":[
+                {{"id":"a","kind":"tool_call","call_id":"k","tool":"f","arguments":{arguments}}}]}}]}}"#
+        )
+        .into_bytes()
     };
-    let tool = |schema: Value| json!([{"name": "f", "input_schema": {"type": "object", "x": schema}}]);
+    let tool = |schema: &str| format!(r#"[{{"name":"f","input_schema":{{"type":"object","x":{schema}}}}}]"#);
+    let plain_tool = tool("1");
+    let mut typed_somewhere = false;
     for levels in [
         max - 8,
         max - 6,
@@ -269,28 +274,34 @@ fn the_depth_limit_falls_where_the_scan_puts_it_for_every_free_form_member() {
         max,
         max + 1,
     ] {
-        // Arguments must be an object to be closed; wrap the nesting in one.
+        let deep = nested(levels - 1);
         let cases = [
             (
                 "arguments",
-                document(json!({"a": nested(levels - 1)}), Value::Null, tool(json!(1))),
+                document(&format!(r#"{{"a":{deep}}}"#), "null", &plain_tool),
             ),
             (
-                "cache",
+                "arguments, repeated key",
+                document(&format!(r#"{{"a":{deep},"a":1}}"#), "null", &plain_tool),
+            ),
+            (
+                "cache, repeated key",
+                document("{}", &format!(r#"{{"ttl":{deep},"ttl":"5m"}}"#), &plain_tool),
+            ),
+            ("tools", document("{}", "null", &tool(&nested(levels - 3)))),
+            (
+                "tools, repeated key",
                 document(
-                    json!({}),
-                    json!({"ttl": "5m", "x": nested(levels - 1)}),
-                    tool(json!(1)),
+                    "{}",
+                    "null",
+                    &tool(&format!(r#"{{"d":{},"d":1}}"#, nested(levels - 4))),
                 ),
-            ),
-            (
-                "tools",
-                document(json!({}), Value::Null, tool(nested(levels - 3))),
             ),
         ];
         for (member, bytes) in cases {
-            let deep = parse::depth_exceeds(&bytes, max);
+            let too_deep = parse::depth_exceeds(&bytes, max);
             let typed = agree(&bytes);
+            typed_somewhere |= typed;
             let outcome = parse::conversation_from_slice(&bytes);
             assert_eq!(
                 matches!(
@@ -300,15 +311,46 @@ fn the_depth_limit_falls_where_the_scan_puts_it_for_every_free_form_member() {
                         ..
                     })
                 ),
-                deep,
+                too_deep,
                 "{member} at {levels} levels: {outcome:?}"
             );
-            if deep {
+            if too_deep {
                 assert!(
                     !typed,
                     "{member} at {levels} levels: the typed decode took a file beyond the limit"
                 );
             }
         }
+    }
+    assert!(typed_somewhere, "no case within the limit decoded typed");
+    // The raw-value token: shallow text, deep value. Not taken typed; whatever the `Value`
+    // path answers is the answer (`agree` compares the two).
+    let token = format!(
+        r#"{{"$serde_json::private::RawValue":"{}"}}"#,
+        nested(60).replace('"', "\\\"")
+    );
+    let bytes = document(&format!(r#"{{"a":{token}}}"#), "null", &plain_tool);
+    assert!(!parse::depth_exceeds(&bytes, max));
+    assert!(
+        !agree(&bytes),
+        "the typed decode took a value nested deeper than its text"
+    );
+}
+
+/// `BLOCKS_PER_TURN_MAX` blocks in a turn decode typed; one more declines (and the `Value`
+/// path answers).
+#[test]
+fn a_turn_of_exactly_the_block_limit_decodes_typed_and_one_more_does_not() {
+    let max = turnstile_core::limits::BLOCKS_PER_TURN_MAX;
+    for (count, typed) in [(max, true), (max + 1, false)] {
+        let blocks: Vec<Value> = (0..count)
+            .map(|index| json!({"id": format!("u{index}"), "kind": "text", "text": "hi"}))
+            .collect();
+        let bytes = serde_json::to_vec(
+            &json!({"format": "turnstile.conversation.v1", "conversation_id": "c",
+            "revision": 1, "turns": [{"id": "t1", "role": "user", "blocks": blocks}]}),
+        )
+        .unwrap();
+        assert_eq!(agree(&bytes), typed, "{count} blocks");
     }
 }

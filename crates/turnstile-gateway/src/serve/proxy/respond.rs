@@ -188,7 +188,7 @@ fn texts(parts: &[Part]) -> Vec<&str> {
 }
 
 fn arguments_value(arguments: &str) -> Value {
-    serde_json::from_str(arguments).unwrap_or_else(|_| json!({}))
+    turnstile_core::parse::bounded_value(arguments.as_bytes()).unwrap_or_else(|| json!({}))
 }
 
 fn anthropic_content(parts: &[Part]) -> Vec<Value> {
@@ -939,7 +939,7 @@ mod tests {
                     if let Some(value) = line.strip_prefix("event: ") {
                         name = value.to_owned();
                     } else if let Some(value) = line.strip_prefix("data: ") {
-                        data = serde_json::from_str(value).unwrap_or(Value::Null);
+                        data = turnstile_core::parse::bounded_value(value.as_bytes()).unwrap_or(Value::Null);
                     }
                 }
                 (name, data)
