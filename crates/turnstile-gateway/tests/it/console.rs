@@ -19,7 +19,11 @@ fn the_console_lists_searches_streams_once_keeps_views_apart_shows_exact_bytes_a
     );
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
-    let config = "[[tenants]]\nname = \"ops\"\ntoken = \"tok-console\"\n\
+    // The default lease (5 s), not the suite's 400 ms: the scenarios assume a dispatch keeps its
+    // first attempt (the reload scenario's scripted reply is consumed by it), and on a loaded
+    // CI host a renewal late by 400 ms lost the lease, so a second generation committed the
+    // simulator's default reply instead (CI, 2026-12-04). Lease expiry has its own tests.
+    let config = "lease_ms = 5000\n[[tenants]]\nname = \"ops\"\ntoken = \"tok-console\"\n\
         [[routes]]\napi = \"openai-chat\"\nmodel = \"shadow-*\"\nmode = \"shadow\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n\
         [[routes]]\napi = \"openai-chat\"\nmodel = \"*\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n";
     let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, config);
