@@ -70,3 +70,40 @@ proptest! {
         }
     }
 }
+
+/// A provider event nesting serde_json's raw-value token (an object named by it is replaced by
+/// its string parsed as JSON, with a fresh recursion budget) reaches no `Value` parse without
+/// a bound: every decoder, and the assembler after it, gets through it on a 2 MiB stack (a
+/// tokio worker's). With the decoders' `Value` path on plain `serde_json::from_str` (before
+/// `parse::bounded_value`) this test aborts with a stack overflow.
+#[test]
+fn an_event_nesting_the_raw_value_token_is_not_json_to_every_decoder() {
+    let mut inner = "1".to_owned();
+    for level in 0..14 {
+        let arrays = if level == 13 { 10 } else { 120 };
+        inner = format!(
+            "{}{{\"$serde_json::private::RawValue\":{}}}{}",
+            "[".repeat(arrays),
+            serde_json::to_string(&inner).unwrap(),
+            "]".repeat(arrays)
+        );
+    }
+    let stream = format!(
+        "event: message_start\ndata: {{\"type\":\"message_start\",\"x\":{inner}}}\n\ndata: {{\"choices\":[],\"x\":{inner}}}\n\n"
+    );
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || {
+            for api in StreamApi::ALL {
+                for ending in [Ending::Live, Ending::File] {
+                    let events = decode_chunks(api, [stream.as_bytes()].into_iter(), ending);
+                    let mut assembler = assembler(Some(toolset()));
+                    feed(&mut assembler, events);
+                    let _ = finish(&mut assembler);
+                }
+            }
+        })
+        .unwrap()
+        .join()
+        .expect("every decoder read the event without overflowing its stack");
+}
