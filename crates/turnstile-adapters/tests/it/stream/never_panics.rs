@@ -77,7 +77,7 @@ proptest! {
 /// tokio worker's). With the decoders' `Value` path on plain `serde_json::from_str` (before
 /// `parse::bounded_value`) this test aborts with a stack overflow.
 #[test]
-fn an_event_nesting_the_raw_value_token_is_not_json_to_every_decoder() {
+fn an_event_nesting_the_raw_value_token_gets_through_every_decoder() {
     let mut inner = "1".to_owned();
     for level in 0..14 {
         let arrays = if level == 13 { 10 } else { 120 };
