@@ -309,9 +309,11 @@ pub fn render(
             ctx.cache.resumes.last_from = resume.from;
         }
     }
-    if ctx.resume.is_none() {
-        // A whole render misses at most one fragment per block: room for them at once, not
-        // by rehashing as the map grows (1.3 % of a cold 200-block prepare's profile).
+    if ctx.resume.is_none() && ctx.cache.len == 0 {
+        // A whole render into an empty cache misses one fragment per block: room for them at
+        // once, not by rehashing as the map grows (1.3 % of a cold 200-block prepare's
+        // profile). Not into a cache that holds fragments: its lookups may all hit, and a
+        // reserve could grow the table for nothing.
         let blocks: usize = conversation.turns.iter().map(|turn| turn.blocks.len()).sum();
         let room = ctx.cache.bounds().0.saturating_sub(ctx.cache.len);
         ctx.cache.fragments.reserve(blocks.min(room));
