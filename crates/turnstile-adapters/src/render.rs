@@ -1409,11 +1409,8 @@ impl Writer {
     }
 }
 
-/// Append `text` as a JSON string literal.
-/// (serde_json's bytes, written faster: `turnstile_core::digest::push_json_string`).
-pub(crate) fn push_json_string(out: &mut Vec<u8>, text: &str) {
-    turnstile_core::digest::push_json_string(out, text);
-}
+/// Append `text` as a JSON string literal (serde_json's bytes).
+pub(crate) use turnstile_core::digest::push_json_string;
 
 // ---------------------------------------------------------------------------------------------
 // Placement plan shared by all APIs.

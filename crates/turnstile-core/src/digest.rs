@@ -38,8 +38,6 @@ impl Digest {
 
     /// Digest of the RFC 8785 canonical form of a JSON value.
     pub fn of_value(value: &Value) -> Digest {
-        // Written into a buffer and hashed in one call: canonical JSON comes in small pieces
-        // (a quote, a colon), and a `Sha256::update` each cost more than the copy.
         Digest::of_bytes(&canonical_value_bytes(value))
     }
 
@@ -203,7 +201,7 @@ impl CanonicalObject {
 
     pub(crate) fn string(&mut self, key: &'static str, text: &str) {
         self.key(key);
-        write_string(text, &mut self.bytes);
+        push_json_string(&mut self.bytes, text);
     }
 
     pub(crate) fn value(&mut self, key: &'static str, value: &Value) {
@@ -233,9 +231,9 @@ impl CanonicalObject {
                 if member > 0 {
                     self.bytes.push(b',');
                 }
-                write_string(key, &mut self.bytes);
+                push_json_string(&mut self.bytes, key);
                 self.bytes.push(b':');
-                write_string(text, &mut self.bytes);
+                push_json_string(&mut self.bytes, text);
             }
             self.bytes.push(b'}');
         }
@@ -254,7 +252,7 @@ fn write_value(value: &Value, out: &mut Vec<u8>) {
         Value::Bool(true) => out.extend_from_slice(b"true"),
         Value::Bool(false) => out.extend_from_slice(b"false"),
         Value::Number(number) => write_number(number, out),
-        Value::String(text) => write_string(text, out),
+        Value::String(text) => push_json_string(out, text),
         Value::Array(items) => {
             out.extend_from_slice(b"[");
             for (index, item) in items.iter().enumerate() {
@@ -298,7 +296,7 @@ fn write_member(index: usize, key: &str, value: &Value, out: &mut Vec<u8>) {
     if index > 0 {
         out.extend_from_slice(b",");
     }
-    write_string(key, out);
+    push_json_string(out, key);
     out.extend_from_slice(b":");
     write_value(value, out);
 }
@@ -317,10 +315,6 @@ fn write_number(number: &Number, out: &mut Vec<u8>) {
     out.extend_from_slice(buffer.format_finite(float).as_bytes());
 }
 
-fn write_string(text: &str, out: &mut Vec<u8>) {
-    push_json_string(out, text);
-}
-
 /// Append `text` as a JSON string literal, byte for byte as serde_json's compact writer puts
 /// it (and so as RFC 8785 §3.2.2.2 does): `\"`, `\\`, `\b \t \n \f \r`, other controls as
 /// `\u00xx` lowercase, everything else as it is. `tests/it/digest.rs` compares the two on
@@ -328,31 +322,11 @@ fn write_string(text: &str, out: &mut Vec<u8>) {
 /// eight bytes at a time while none of them needs escaping; the renderers write every string
 /// of a request body through it.
 pub fn push_json_string(out: &mut Vec<u8>, text: &str) {
-    out.reserve(text.len() + 2);
-    out.push(b'"');
-    escaped_runs(text.as_bytes(), |piece| out.extend_from_slice(piece));
-    out.push(b'"');
-}
-
-/// Whether any of the eight bytes of `word` is a control character, `"` or `\\`. Exact (no
-/// false positives): `(x - 0x01…) & !x & 0x80…` is non-zero iff some byte of `x` is zero, and
-/// `(x - 0x20…) & !x & 0x80…` iff some byte is below 0x20.
-#[inline(always)]
-fn word_needs_escape(word: u64) -> bool {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGH: u64 = 0x8080_8080_8080_8080;
-    let control = word.wrapping_sub(ONES * 0x20) & !word;
-    let quote = word ^ (ONES * b'"' as u64);
-    let quote = quote.wrapping_sub(ONES) & !quote;
-    let backslash = word ^ (ONES * b'\\' as u64);
-    let backslash = backslash.wrapping_sub(ONES) & !backslash;
-    (control | quote | backslash) & HIGH != 0
-}
-
-/// Feed `bytes` to `put` with the JSON string escapes applied: runs that need none in one piece.
-#[inline]
-fn escaped_runs(bytes: &[u8], mut put: impl FnMut(&[u8])) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bytes = text.as_bytes();
+    out.reserve(bytes.len() + 2);
+    out.push(b'"');
+    // `bytes[start..index]` needs no escape and is not written yet.
     let mut start = 0;
     let mut index = 0;
     loop {
@@ -363,6 +337,7 @@ fn escaped_runs(bytes: &[u8], mut put: impl FnMut(&[u8])) {
             }
             index += 8;
         }
+        // Byte by byte through the word that needs an escape (or the tail).
         let stop = (index + 8).min(bytes.len());
         while index < stop {
             let byte = bytes[index];
@@ -391,10 +366,8 @@ fn escaped_runs(bytes: &[u8], mut put: impl FnMut(&[u8])) {
                     continue;
                 }
             };
-            if start < index {
-                put(&bytes[start..index]);
-            }
-            put(escape);
+            out.extend_from_slice(&bytes[start..index]);
+            out.extend_from_slice(escape);
             index += 1;
             start = index;
         }
@@ -402,7 +375,21 @@ fn escaped_runs(bytes: &[u8], mut put: impl FnMut(&[u8])) {
             break;
         }
     }
-    if start < bytes.len() {
-        put(&bytes[start..]);
-    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
+}
+
+/// Whether any of the eight bytes of `word` is a control character, `"` or `\\`. Exact (no
+/// false positives): `(x - 0x01…) & !x & 0x80…` is non-zero iff some byte of `x` is zero, and
+/// `(x - 0x20…) & !x & 0x80…` iff some byte is below 0x20.
+#[inline(always)]
+fn word_needs_escape(word: u64) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let control = word.wrapping_sub(ONES * 0x20) & !word;
+    let quote = word ^ (ONES * b'"' as u64);
+    let quote = quote.wrapping_sub(ONES) & !quote;
+    let backslash = word ^ (ONES * b'\\' as u64);
+    let backslash = backslash.wrapping_sub(ONES) & !backslash;
+    (control | quote | backslash) & HIGH != 0
 }

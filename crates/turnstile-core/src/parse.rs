@@ -13,8 +13,9 @@ use serde_json::Value;
 /// Parse and decode a conversation file.
 pub fn conversation_from_slice(bytes: &[u8]) -> Result<Conversation, Unreadable> {
     check_size(bytes)?;
-    // The typed decode checks the depth limit on what it decoded (`conversation/typed.rs`) and
-    // gives `None` beyond it, so the depth scan runs only on the way to `from_value`.
+    // The typed decode checks the depth limit on its free-form members' text
+    // (`conversation/typed.rs`) and gives `None` beyond it, so the scan of the whole file runs
+    // only on the way to `from_value`.
     if let Some(conversation) = crate::conversation::typed::decode(bytes) {
         return Ok(conversation);
     }

@@ -375,21 +375,21 @@ impl GrowingSequence {
     /// Move every edge answered since into the sealed bytes (edges in call order: the sealed
     /// prefix stops at the first open call).
     fn seal_edges(&mut self) {
-        while let Some(edge) = self.sequence.edges.get(self.sealed)
-            && edge.result.is_some()
-        {
-            if self.sealed > 0 {
-                self.scratch.push(b',');
-            }
-            write_edge(&mut self.scratch, edge);
-            self.sealed += 1;
-            if self.scratch.len() >= SCRATCH_FLUSH {
-                self.edges_hash.update(&self.scratch);
-                self.scratch.clear();
-            }
-        }
-        self.edges_hash.update(&self.scratch);
-        self.scratch.clear();
+        let answered = self
+            .sequence
+            .edges
+            .iter()
+            .skip(self.sealed)
+            .take_while(|edge| edge.result.is_some())
+            .count();
+        let end = self.sealed + answered;
+        hash_edges(
+            &mut self.edges_hash,
+            &mut self.scratch,
+            &self.sequence.edges,
+            self.sealed..end,
+        );
+        self.sealed = end;
     }
 
     /// Set the revision and the digest (after the last turn added).
@@ -400,20 +400,9 @@ impl GrowingSequence {
             let mut blocks = self.blocks_hash.clone();
             blocks.update(b"]");
             let mut edges = self.edges_hash.clone();
-            let open = &mut self.scratch;
-            for (index, edge) in sequence.edges.iter().enumerate().skip(self.sealed) {
-                if index > 0 {
-                    open.push(b',');
-                }
-                write_edge(open, edge);
-                if open.len() >= SCRATCH_FLUSH {
-                    edges.update(open);
-                    open.clear();
-                }
-            }
-            open.push(b']');
-            edges.update(open);
-            open.clear();
+            let open = self.sealed..sequence.edges.len();
+            hash_edges(&mut edges, &mut self.scratch, &sequence.edges, open);
+            edges.update(b"]");
             (blocks.finish(), edges.finish())
         } else {
             (
@@ -449,6 +438,28 @@ struct DigestForm<'a> {
     toolset_digest: &'a Digest,
 }
 
+/// Feed `edges[range]` to `hash` as members of the edges array (a comma before every edge but
+/// the array's first), serialised into `scratch` and hashed in pieces of [`SCRATCH_FLUSH`].
+fn hash_edges(
+    hash: &mut HashState,
+    scratch: &mut Vec<u8>,
+    edges: &[ToolEdge],
+    range: std::ops::Range<usize>,
+) {
+    for index in range {
+        if index > 0 {
+            scratch.push(b',');
+        }
+        write_edge(scratch, &edges[index]);
+        if scratch.len() >= SCRATCH_FLUSH {
+            hash.update(scratch);
+            scratch.clear();
+        }
+    }
+    hash.update(scratch);
+    scratch.clear();
+}
+
 /// `serde_json::to_writer(out, entry)`, written by hand: the fields in declaration order
 /// (sorted, module documentation), strings through serde_json's escapes
 /// ([`push_json_string`]). The derived `Serialize` stays the definition;
@@ -467,7 +478,7 @@ fn write_block(out: &mut Vec<u8>, entry: &SequenceBlock) {
         turn_index,
     } = entry;
     out.extend_from_slice(b"{\"digest\":");
-    write_digest(out, digest);
+    push_json_string(out, digest.as_str());
     out.extend_from_slice(b",\"generation\":");
     write_optional_number(out, generation.map(|generation| generation.0));
     out.extend_from_slice(b",\"id\":");
@@ -501,7 +512,7 @@ fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
         tool,
     } = edge;
     out.extend_from_slice(b"{\"args_digest\":");
-    write_optional_digest(out, args_digest.as_ref());
+    write_optional_string(out, args_digest.as_ref().map(Digest::as_str));
     out.extend_from_slice(b",\"args_state\":");
     write_name(
         out,
@@ -520,7 +531,7 @@ fn write_edge(out: &mut Vec<u8>, edge: &ToolEdge) {
     out.extend_from_slice(b",\"result\":");
     write_optional_string(out, result.as_deref());
     out.extend_from_slice(b",\"schema_digest\":");
-    write_optional_digest(out, schema_digest.as_ref());
+    write_optional_string(out, schema_digest.as_ref().map(Digest::as_str));
     out.extend_from_slice(b",\"status\":");
     match status {
         Some(status) => write_name(
@@ -566,18 +577,6 @@ fn write_name(out: &mut Vec<u8>, name: &'static str) {
     out.push(b'"');
     out.extend_from_slice(name.as_bytes());
     out.push(b'"');
-}
-
-/// A digest. Escaped like any string: a `Digest` read from stored JSON is not re-checked.
-fn write_digest(out: &mut Vec<u8>, digest: &Digest) {
-    push_json_string(out, digest.as_str());
-}
-
-fn write_optional_digest(out: &mut Vec<u8>, digest: Option<&Digest>) {
-    match digest {
-        Some(digest) => write_digest(out, digest),
-        None => out.extend_from_slice(b"null"),
-    }
 }
 
 fn write_optional_string(out: &mut Vec<u8>, text: Option<&str>) {

@@ -939,7 +939,7 @@ mod tests {
                     if let Some(value) = line.strip_prefix("event: ") {
                         name = value.to_owned();
                     } else if let Some(value) = line.strip_prefix("data: ") {
-                        data = turnstile_core::parse::bounded_value(value.as_bytes()).unwrap_or(Value::Null);
+                        data = serde_json::from_str(value).unwrap_or(Value::Null);
                     }
                 }
                 (name, data)
