@@ -675,6 +675,31 @@ pub(crate) async fn prepare_targets<T: Tx>(
     rows: PrepareRows,
     now: Timestamp,
 ) -> Result<PrepareOutcome, StoreError> {
+    Ok(
+        prepare_beginning(tx, manifest, request_bytes, fallbacks, rows, None, now)
+            .await?
+            .0,
+    )
+}
+
+/// [`prepare_targets`], and with `begin`, for a dispatch it creates, its first attempt begun
+/// in the same statements: the dispatch row is inserted DISPATCHING at generation 1 with its
+/// attempt row and both history rows (PREPARED, then DISPATCHING) in one insert, which is what
+/// a PREPARED insert followed by [`begin_attempt`] writes, less the row states nobody could
+/// read inside the transaction (a PREPARED row and its entry in the unattended-prepare index)
+/// and the reads of rows this transaction just wrote. The conversation row is read under a
+/// share lock first (PostgreSQL), the lock `begin_attempt` takes, so its revision cannot move
+/// before the commit. A `begin.target` the dispatch has no target for stores the dispatch
+/// PREPARED and refuses the begin, as `begin_attempt` would.
+async fn prepare_beginning<T: Tx>(
+    tx: &mut T,
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    fallbacks: &[PreparedTarget],
+    rows: PrepareRows,
+    begin: Option<&BeginAtOnce>,
+    now: Timestamp,
+) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
     if rows.manifest_digest != manifest.manifest_digest.as_str() || rows.fallbacks.len() != fallbacks.len() {
         return Err(StoreError::Corrupt(
             "a prepare's rows are for other targets".into(),
@@ -695,29 +720,52 @@ pub(crate) async fn prepare_targets<T: Tx>(
     let manifest_digest = manifest.manifest_digest.as_str();
     if let Some(existing) = dispatch(tx, operation_id).await? {
         let stored = fallback_digests_of(tx, operation_id).await?;
-        return Ok(same_or_conflict(
-            existing,
-            manifest_digest,
-            &stored,
-            &fallback_digests,
+        return Ok((
+            same_or_conflict(existing, manifest_digest, &stored, &fallback_digests),
+            None,
         ));
     }
     let conversation_id = manifest.body.conversation_id.as_str();
-    let Some((current, _)) = conversation_head(tx, conversation_id, false).await? else {
-        return Ok(PrepareOutcome::NotFound);
+    // Lock order: conversation first (shared when beginning: the begin holds its revision).
+    let Some((current, _)) = conversation_head(tx, conversation_id, begin.is_some()).await? else {
+        return Ok((PrepareOutcome::NotFound, None));
     };
     if current != manifest.body.conversation_revision {
-        return Ok(PrepareOutcome::StaleRevision { current });
+        return Ok((PrepareOutcome::StaleRevision { current }, None));
     }
+    // The first attempt: the bytes of the target it sends, its lease from the store's now.
+    let first = match begin {
+        None => None,
+        Some(begin) => {
+            let request_digest = match begin.target {
+                0 => Some(manifest.body.request_digest.as_str()),
+                target => fallbacks
+                    .get(target as usize - 1)
+                    .map(|fallback| fallback.manifest.body.request_digest.as_str()),
+            };
+            match request_digest {
+                Some(request_digest) => {
+                    let store_now = store_now(tx).await?;
+                    Some((begin, request_digest, store_now))
+                }
+                None => None,
+            }
+        }
+    };
+    let first_generation = Generation(1);
+    let (state, generation_last, active_generation) = match first {
+        Some(_) => (DispatchState::Dispatching, 1u64, Some(first_generation.0)),
+        None => (DispatchState::Prepared, 0, None),
+    };
     let inserted = tx
         .execute(
             // `updated_at` on the store's clock: the sweep compares it with the store's now
             // (`prepared_unattended`), never with a replica's.
             &format!(
                 "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest_digest, \
-                 request_digest, provider, state, cancel_generation, generation_last, \
+                 request_digest, provider, state, cancel_generation, generation_last, active_generation, \
                  quarantined, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, 'PREPARED', 0, 0, 0, $7, {}) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $8, 0, $9, $10, 0, $7, {}) \
                  ON CONFLICT (operation_id) DO NOTHING",
                 tx.dialect().now_ms()
             ),
@@ -729,6 +777,9 @@ pub(crate) async fn prepare_targets<T: Tx>(
                 manifest.body.request_digest.as_str().into(),
                 manifest.body.provider.as_str().into(),
                 ts(now),
+                state.as_str().into(),
+                generation_last.into(),
+                active_generation.into(),
             ],
         )
         .await?;
@@ -738,11 +789,9 @@ pub(crate) async fn prepare_targets<T: Tx>(
             .await?
             .ok_or_else(|| StoreError::Corrupt("dispatch vanished inside its transaction".into()))?;
         let stored = fallback_digests_of(tx, operation_id).await?;
-        return Ok(same_or_conflict(
-            record,
-            manifest_digest,
-            &stored,
-            &fallback_digests,
+        return Ok((
+            same_or_conflict(record, manifest_digest, &stored, &fallback_digests),
+            None,
         ));
     }
     // What the dispatch was prepared with, written once: the row above is the one that changes.
@@ -767,9 +816,9 @@ pub(crate) async fn prepare_targets<T: Tx>(
         request_digest: manifest.body.request_digest.as_str().to_owned(),
         request_bytes: request_bytes.to_vec(),
         provider: manifest.body.provider.clone(),
-        state: DispatchState::Prepared,
+        state,
         cancel_generation: 0,
-        active_generation: None,
+        active_generation: active_generation.map(Generation),
         committed_revision: None,
         outcome: None,
     };
@@ -790,8 +839,54 @@ pub(crate) async fn prepare_targets<T: Tx>(
         )
         .await?;
     }
-    record_transition(tx, operation_id, None, None, DispatchState::Prepared, now).await?;
-    Ok(PrepareOutcome::Created(record))
+    let Some((begin, request_digest, store_now)) = first else {
+        record_transition(tx, operation_id, None, None, DispatchState::Prepared, now).await?;
+        // A begin asked for a target this dispatch does not have: refused, nothing begun.
+        let refused = begin.map(|_| BeginOutcome::Refused {
+            state: Some(DispatchState::Prepared),
+            active_generation: None,
+        });
+        return Ok((PrepareOutcome::Created(record), refused));
+    };
+    let key = idempotency_key(operation_id, first_generation);
+    tx.execute(
+        "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
+         lease_holder, lease_expires_at, started_at, target) \
+         VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7, $8)",
+        &[
+            operation_id.into(),
+            first_generation.0.into(),
+            key.as_str().into(),
+            request_digest.into(),
+            begin.holder.as_str().into(),
+            ts(store_now.plus_ms(begin.lease_ms)),
+            ts(store_now),
+            u64::from(begin.target).into(),
+        ],
+    )
+    .await?;
+    // Both history rows in one insert: the prepare (the caller's clock, as a prepare without a
+    // begin writes it) and the begin (the store's, as `begin_attempt` writes it).
+    tx.execute(
+        "INSERT INTO transitions (operation_id, generation, from_state, to_state, at) \
+         VALUES ($1, NULL, NULL, $3, $4), ($1, $2, $3, $5, $6)",
+        &[
+            operation_id.into(),
+            first_generation.0.into(),
+            DispatchState::Prepared.as_str().into(),
+            ts(now),
+            DispatchState::Dispatching.as_str().into(),
+            ts(store_now),
+        ],
+    )
+    .await?;
+    Ok((
+        PrepareOutcome::Created(record),
+        Some(BeginOutcome::Began {
+            generation: first_generation,
+            idempotency_key: key,
+        }),
+    ))
 }
 
 /// [`prepare_targets`], and for a dispatch it created, the begin of its first attempt in the
@@ -807,26 +902,7 @@ pub(crate) async fn prepare_and_begin<T: Tx>(
     begin: &BeginAtOnce,
     now: Timestamp,
 ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
-    let mut prepared = prepare_targets(tx, manifest, request_bytes, fallbacks, rows, now).await?;
-    let PrepareOutcome::Created(record) = &mut prepared else {
-        return Ok((prepared, None));
-    };
-    let store_now = store_now(tx).await?;
-    let lease = Lease {
-        holder: begin.holder.clone(),
-        expires_at: store_now.plus_ms(begin.lease_ms),
-    };
-    let expect = BeginExpect {
-        revision: record.revision,
-        cancel_generation: record.cancel_generation,
-        target: begin.target,
-    };
-    let began = begin_attempt(tx, &record.operation_id, expect, &lease, store_now).await?;
-    if let BeginOutcome::Began { generation, .. } = &began {
-        record.state = DispatchState::Dispatching;
-        record.active_generation = Some(*generation);
-    }
-    Ok((prepared, Some(began)))
+    prepare_beginning(tx, manifest, request_bytes, fallbacks, rows, Some(begin), now).await
 }
 
 /// The manifest digests of a dispatch's failover targets, in order.
@@ -1438,59 +1514,80 @@ pub(crate) async fn bind_handle<T: Tx>(
         .map(|row| row.uint(0))
         .transpose()?
         .unwrap_or(0);
-    let mut record = record;
-    if target != 0 {
-        let position =
-            u32::try_from(target).map_err(|_| StoreError::Corrupt("target out of range".into()))?;
-        let Some((_, manifest_digest, provider)) = target_head(tx, operation_id, position).await? else {
-            return Err(StoreError::Corrupt(format!(
-                "attempt {operation_id}/{} names target {target}, which is not stored",
-                generation.0
-            )));
-        };
-        record.manifest_digest = manifest_digest;
-        record.provider = provider;
+    let outcome = insert_handle(tx, &record, operation_id, generation, target, handle, now).await?;
+    if matches!(outcome, BindOutcome::Refused { .. }) {
+        return Ok(outcome);
     }
-    let inserted = tx
-        .execute(
-            "INSERT INTO handles (provider, handle, manifest_digest, operation_id, generation, bound_at) \
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (provider, handle) DO NOTHING",
-            &[
-                record.provider.as_str().into(),
-                handle.into(),
-                record.manifest_digest.as_str().into(),
-                operation_id.into(),
-                generation.0.into(),
-                ts(now),
-            ],
-        )
-        .await?;
-    let outcome = if inserted == 1 {
-        BindOutcome::Bound
-    } else {
-        let rows = tx
-            .query(
-                "SELECT manifest_digest FROM handles WHERE provider = $1 AND handle = $2",
-                &[record.provider.as_str().into(), handle.into()],
-            )
-            .await?;
-        let bound_to = rows
-            .first()
-            .map(|row| row.text(0))
-            .transpose()?
-            .ok_or_else(|| StoreError::Corrupt("handle conflict without a row".into()))?;
-        if bound_to != record.manifest_digest {
-            bump_counter(tx, "foreign_handle_refusals").await?;
-            return Ok(BindOutcome::Refused { bound_to });
-        }
-        BindOutcome::AlreadyBound
-    };
     tx.execute(
         "UPDATE attempts SET handle = $3 WHERE operation_id = $1 AND generation = $2 AND handle IS NULL",
         &[operation_id.into(), generation.0.into(), handle.into()],
     )
     .await?;
     Ok(outcome)
+}
+
+/// The handle row of an attempt of `record` (its dispatch) that sent target `target`: bound
+/// to the manifest that target sent, or found bound already (to it: `AlreadyBound`; to another
+/// manifest: `Refused`, counted). The attempt row's own `handle` column is the caller's.
+async fn insert_handle<T: Tx>(
+    tx: &mut T,
+    record: &DispatchHead,
+    operation_id: &str,
+    generation: Generation,
+    target: u64,
+    handle: &str,
+    now: Timestamp,
+) -> Result<BindOutcome, StoreError> {
+    let mut manifest_digest = record.manifest_digest.as_str();
+    let mut provider = record.provider.as_str();
+    let target_row;
+    if target != 0 {
+        let position =
+            u32::try_from(target).map_err(|_| StoreError::Corrupt("target out of range".into()))?;
+        let Some((_, target_manifest, target_provider)) = target_head(tx, operation_id, position).await?
+        else {
+            return Err(StoreError::Corrupt(format!(
+                "attempt {operation_id}/{} names target {target}, which is not stored",
+                generation.0
+            )));
+        };
+        target_row = (target_manifest, target_provider);
+        manifest_digest = target_row.0.as_str();
+        provider = target_row.1.as_str();
+    }
+    let inserted = tx
+        .execute(
+            "INSERT INTO handles (provider, handle, manifest_digest, operation_id, generation, bound_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (provider, handle) DO NOTHING",
+            &[
+                provider.into(),
+                handle.into(),
+                manifest_digest.into(),
+                operation_id.into(),
+                generation.0.into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    if inserted == 1 {
+        return Ok(BindOutcome::Bound);
+    }
+    let rows = tx
+        .query(
+            "SELECT manifest_digest FROM handles WHERE provider = $1 AND handle = $2",
+            &[provider.into(), handle.into()],
+        )
+        .await?;
+    let bound_to = rows
+        .first()
+        .map(|row| row.text(0))
+        .transpose()?
+        .ok_or_else(|| StoreError::Corrupt("handle conflict without a row".into()))?;
+    if bound_to != manifest_digest {
+        bump_counter(tx, "foreign_handle_refusals").await?;
+        return Ok(BindOutcome::Refused { bound_to });
+    }
+    Ok(BindOutcome::AlreadyBound)
 }
 
 pub(crate) async fn cancel<T: Tx>(
@@ -1667,23 +1764,29 @@ pub(crate) async fn commit<T: Tx>(
     tx.execute("SAVEPOINT canonical", &[]).await?;
     // Lock order: conversation, then dispatch. The carried transitions (SENT, STREAMING) are
     // written here, each with its history row, only when the commit wins.
-    let won = claim_revision(tx, &conversation_id, expected_revision, now).await?
-        && carry_to_committed(
+    let carried_target = if claim_revision(tx, &conversation_id, expected_revision, now).await? {
+        carry_to_committed(
             tx,
             operation_id,
             generation,
             carried.from,
             steps,
-            (revision, outcome),
+            (revision, outcome, carried.handle.as_deref()),
             now,
         )
-        .await?;
+        .await?
+    } else {
+        None
+    };
+    let won = carried_target.is_some();
     // The handle the attempt saw, bound and checked in this transaction (after the conversation
     // and dispatch rows, the lock order every write keeps): a handle bound to another manifest
-    // never commits, the same refusal a bind of its own would have met.
-    if won
+    // never commits, the same refusal a bind of its own would have met. The attempt row took
+    // the handle with its move above (rolled back with it on a refusal).
+    if let Some(target) = carried_target
         && let Some(handle) = &carried.handle
-        && let BindOutcome::Refused { .. } = bind_handle(tx, operation_id, generation, handle, now).await?
+        && let BindOutcome::Refused { .. } =
+            insert_handle(tx, &record, operation_id, generation, target, handle, now).await?
     {
         tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
         tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
@@ -1766,20 +1869,21 @@ async fn move_attempt<T: Tx>(
 
 /// The winning commit's moves of the dispatch and its attempt, from the state the attempt was
 /// carried in (`from`) to COMMITTED, in three statements whatever `steps` carried: the dispatch
-/// row (with its committed revision and outcome) and the attempt row (with its end reason) move
-/// once, each only from `from` under `generation`, and every transition on the way (SENT,
-/// STREAMING, COMMITTED) gets its history row in one insert. `false` (nothing written) when
-/// the dispatch is no longer in `from` at `generation`; what `move_both` step by step wrote,
-/// minus the intermediate row states nobody could read inside the transaction.
+/// row (with its committed revision and outcome) and the attempt row (with its end reason and
+/// the handle it saw, unless it has one) move once, each only from `from` under `generation`,
+/// and every transition on the way (SENT, STREAMING, COMMITTED) gets its history row in one
+/// insert. `None` (nothing written) when the dispatch is no longer in `from` at `generation`,
+/// else the target the attempt sent; what `move_both` step by step wrote, minus the
+/// intermediate row states nobody could read inside the transaction.
 async fn carry_to_committed<T: Tx>(
     tx: &mut T,
     operation_id: &str,
     generation: Generation,
     from: DispatchState,
     steps: &[(DispatchState, DispatchState)],
-    (revision, outcome): (Revision, Option<&Value>),
+    (revision, outcome, handle): (Revision, Option<&Value>, Option<&str>),
     now: Timestamp,
-) -> Result<bool, StoreError> {
+) -> Result<Option<u64>, StoreError> {
     let moved = tx
         .execute(
             "UPDATE dispatches SET state = 'COMMITTED', updated_at = $4, committed_revision = $5, outcome = $6 \
@@ -1795,16 +1899,26 @@ async fn carry_to_committed<T: Tx>(
         )
         .await?;
     if moved == 0 {
-        return Ok(false);
+        return Ok(None);
     }
-    move_attempt(
-        tx,
-        operation_id,
-        generation,
-        from,
-        "state = 'COMMITTED', end_reason = 'committed'",
-    )
-    .await?;
+    let attempt = tx
+        .query(
+            "UPDATE attempts SET state = 'COMMITTED', end_reason = 'committed', handle = COALESCE(handle, $4) \
+             WHERE operation_id = $1 AND generation = $2 AND state = $3 RETURNING target",
+            &[
+                operation_id.into(),
+                generation.0.into(),
+                from.as_str().into(),
+                handle.into(),
+            ],
+        )
+        .await?;
+    let Some(target) = attempt.first().map(|row| row.uint(0)).transpose()? else {
+        return Err(StoreError::Corrupt(format!(
+            "dispatch {operation_id} was {from} at generation {} but its attempt was not",
+            generation.0
+        )));
+    };
     let moves: Vec<(DispatchState, DispatchState)> = steps
         .iter()
         .copied()
@@ -1823,7 +1937,7 @@ async fn carry_to_committed<T: Tx>(
         params.push(step_to.as_str().into());
     }
     tx.execute(&sql, &params).await?;
-    Ok(true)
+    Ok(Some(target))
 }
 
 async fn insert_tool_calls<T: Tx>(

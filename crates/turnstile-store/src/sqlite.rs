@@ -78,7 +78,7 @@ type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Option<Reply>, bool) + 
 /// group's transaction) or a reader's (a read, in its own read transaction).
 pub struct SqliteTx<'c> {
     connection: &'c Connection,
-    reprepares: &'c std::sync::atomic::AtomicU64,
+    counters: &'c WriterCounters,
 }
 
 impl SqliteTx<'_> {
@@ -87,7 +87,8 @@ impl SqliteTx<'_> {
     fn count_reprepares(&self, statement: &rusqlite::Statement<'_>) {
         let again = statement.reset_status(rusqlite::StatementStatus::RePrepare);
         if again > 0 {
-            self.reprepares
+            self.counters
+                .reprepares
                 .fetch_add(again as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
@@ -146,6 +147,9 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn execute(&mut self, sql: &str, params: &[SqlValue]) -> Result<u64, StoreError> {
+        self.counters
+            .statements
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
         let changed = statement.execute(rusqlite::params_from_iter(params.iter()));
         self.count_reprepares(&statement);
@@ -153,6 +157,9 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn query(&mut self, sql: &str, params: &[SqlValue]) -> Result<Vec<Row>, StoreError> {
+        self.counters
+            .statements
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut statement = self.connection.prepare_cached(&sqlite_sql(sql))?;
         let columns = statement.column_count();
         let read = read_rows(&mut statement, columns, params);
@@ -180,6 +187,9 @@ struct WriterCounters {
     /// Times a cached statement was parsed and planned again
     /// ([`SqliteLedger::reprepares`]).
     reprepares: std::sync::atomic::AtomicU64,
+    /// Statements the operations ran, on the writer and the readers, not counting the
+    /// transaction control ([`SqliteLedger::statements`]).
+    statements: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -394,6 +404,16 @@ impl SqliteLedger {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Statements the operations of this ledger ran since it opened, on its writer and its
+    /// readers (BEGIN, SAVEPOINT, RELEASE and COMMIT not counted): for a test that fails when
+    /// the hot path's operations grow (issue 21).
+    #[doc(hidden)]
+    pub fn statements(&self) -> u64 {
+        self.counters
+            .statements
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The query plan SQLite chose for each sweep that should read a partial state index
     /// (migration 10): `(sweep, plan, index it should read)`, the plan as `EXPLAIN QUERY PLAN`
     /// details joined by "; ". For a test that fails when a sweep stops using its index.
@@ -484,7 +504,7 @@ impl SqliteLedger {
         control(&connection, "BEGIN DEFERRED")?;
         let mut tx = SqliteTx {
             connection: &connection,
-            reprepares: &self.counters.reprepares,
+            counters: &self.counters,
         };
         let result = operation(&mut tx);
         // Ending a read transaction releases its snapshot; it cannot lose anything. SQLite may
@@ -677,10 +697,7 @@ fn run_batch(
         };
         let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
-        let mut tx = SqliteTx {
-            connection,
-            reprepares: &counters.reprepares,
-        };
+        let mut tx = SqliteTx { connection, counters };
         // A panicking operation (a bug) must not take the writer down with the other callers'
         // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
         // writes are rolled back to the savepoint.

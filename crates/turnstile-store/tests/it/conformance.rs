@@ -595,6 +595,57 @@ async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
     assert_eq!(store.reprepares(), 0, "a cached statement was parsed again");
 }
 
+/// Issue 21: the two durable writes of a dispatch run only the statements they need. A fresh
+/// dispatch's prepare-and-begin inserts its dispatch already DISPATCHING, its body, its attempt
+/// and both history rows (PREPARED, DISPATCHING) in one insert, after the existence check, the
+/// conversation's head and the store's clock: 7 statements (11 when it inserted a PREPARED row
+/// and then ran `begin_attempt`, which read back the rows it had just written). A winning
+/// commit carrying a handle moves the attempt and takes its handle in one update that returns
+/// its target, and binds the handle without reading the dispatch again: 11 statements with
+/// one tool call (14 before). Transaction control (BEGIN, SAVEPOINT, RELEASE, COMMIT) is the
+/// writer's and not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = SqliteLedger::open(dir.path().join("ledger.db"), Synchronous::Full).expect("open sqlite");
+    conversation_at_1(&store, "c").await;
+    let (manifest, bytes) = manifest("op-c", "c", 1, "m");
+    let before = store.statements();
+    let (prepared, began) = store
+        .prepare_and_begin(&manifest, &bytes, None, &[], &begin_at_once(), at(10))
+        .await
+        .unwrap();
+    assert_eq!(store.statements() - before, 7, "statements of prepare and begin");
+    assert!(matches!(prepared, PrepareOutcome::Created(_)), "{prepared:?}");
+    let Some(BeginOutcome::Began { generation, .. }) = began else {
+        panic!("{began:?}")
+    };
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: Some("resp_c".to_owned()),
+    };
+    let before = store.statements();
+    let outcome = store
+        .commit_carrying(
+            "op-c",
+            generation,
+            Revision(1),
+            &assistant_turn("a", 1),
+            None,
+            &carried,
+            at(20),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.statements() - before, 11, "statements of the commit");
+    assert!(matches!(outcome, CommitOutcome::Committed { .. }), "{outcome:?}");
+    let attempt = &store.attempts("op-c").await.unwrap()[0];
+    assert_eq!(
+        (attempt.state, attempt.handle.as_deref()),
+        (DispatchState::Committed, Some("resp_c"))
+    );
+}
+
 /// Issue 21: a SQLite read never queues behind the writer. While another connection holds the
 /// file's write lock, the writer's group cannot begin (it waits out `busy_timeout`), yet the
 /// ledger answers reads from what was committed, and the write still queued lands once the lock

@@ -1056,6 +1056,7 @@ fn load(args: &Args) {
                 create_conversations(&client, &base, &phase, requests).await;
             }
             let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let cpu_before = watched_cpu();
             let started = Instant::now();
             let mut workers = Vec::new();
             for _ in 0..concurrency {
@@ -1095,8 +1096,17 @@ fn load(args: &Args) {
                 errors += failed;
             }
             let elapsed = started.elapsed().as_secs_f64();
+            let cpu_after = watched_cpu();
             latencies.sort();
             let ok = latencies.len();
+            for ((pid, before), (_, after)) in cpu_before.iter().zip(&cpu_after) {
+                eprintln!(
+                    "{label} run {}: pid {pid}: {:.1} µs CPU per request ({:.2} cores)",
+                    run + 1,
+                    (after - before) * 1e6 / ok.max(1) as f64,
+                    (after - before) / elapsed
+                );
+            }
             // Seconds per request at this concurrency (the inverse of throughput), so every
             // workload in the report compares times.
             samples.push(elapsed / ok.max(1) as f64);
@@ -1120,6 +1130,32 @@ fn load(args: &Args) {
                    "client": "turnstile-peerbench load (reqwest, closed loop)"}})
         );
     });
+}
+
+/// `PEERBENCH_CPU_PIDS=PID[,PID…]`: the CPU seconds (user + system, from `/proc/PID/stat`)
+/// each named process has used so far, to report CPU per request of the timed phase only (the
+/// gateway's own cost, steadier on a shared VM than its throughput).
+fn watched_cpu() -> Vec<(u32, f64)> {
+    let Ok(pids) = std::env::var("PEERBENCH_CPU_PIDS") else {
+        return Vec::new();
+    };
+    let ticks = 100.0; // USER_HZ on Linux
+    pids.split(',')
+        .filter_map(|pid| pid.trim().parse::<u32>().ok())
+        .map(|pid| {
+            let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+            let after = text.rsplit_once(')').map_or("", |(_, rest)| rest);
+            let fields: Vec<&str> = after.split_whitespace().collect();
+            let field = |index: usize| {
+                fields
+                    .get(index)
+                    .and_then(|f| f.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            (pid, (field(11) + field(12)) / ticks)
+        })
+        .collect()
 }
 
 /// Open-loop load: request `i` of a run is sent at `start + i / rate` on its own task, and its
