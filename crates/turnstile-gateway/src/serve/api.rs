@@ -1356,26 +1356,110 @@ async fn attach(
                 .map_err(ApiError::store)?;
             record.as_ref().map_or("unknown", |record| record.state.as_str())
         };
-        // Every event, `usage` reports included (as this answer always listed them).
-        let listed: Vec<Value> = events
-            .iter()
-            .map(|event| {
-                let (name, data) = client_event_json(event);
-                json!({"event": name, "data": data})
-            })
-            .collect();
-        let mut body = json!({"operation_id": caller.client_id(&operation_id).unwrap_or(&operation_id), "state": state,
-                              "events": listed});
-        let committed = events.iter().rev().find_map(|event| match &**event {
-            turnstile_drive::DriveEvent::Committed { revision, turn, .. } => Some((revision, turn)),
-            _ => None,
-        });
-        if let Some((revision, turn)) = committed {
-            body["revision"] = json!(revision.0);
-            body["turn"] = turn.clone();
-        }
-        Ok(Json(body).into_response())
+        let body = whole_answer(
+            caller.client_id(&operation_id).unwrap_or(&operation_id),
+            state,
+            &events,
+        );
+        Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
+}
+
+/// Write `event`'s client JSON data (what [`client_event_json`] gives, serialised: members
+/// sorted as a `Value` writes them) and answer its `event:` name. The frequent events (state,
+/// preview, retract, error) are written straight; a commit and a usage report, one each per
+/// dispatch at most, through their `Value`.
+fn push_event_data(out: &mut Vec<u8>, event: &turnstile_drive::DriveEvent) -> &'static str {
+    use std::io::Write as _;
+    use turnstile_core::digest::push_json_string;
+    use turnstile_drive::DriveEvent;
+    // Writes into a Vec cannot fail.
+    match event {
+        DriveEvent::State { state, generation } => {
+            out.extend_from_slice(b"{\"generation\":");
+            match generation {
+                Some(generation) => {
+                    let _ = write!(out, "{}", generation.0);
+                }
+                None => out.extend_from_slice(b"null"),
+            }
+            out.extend_from_slice(b",\"state\":");
+            push_json_string(out, state.as_str());
+            out.push(b'}');
+            "state"
+        }
+        DriveEvent::Preview {
+            generation,
+            block_index,
+            delta,
+        } => {
+            let _ = write!(out, "{{\"block_index\":{block_index},\"delta\":");
+            push_json_string(out, delta);
+            let _ = write!(out, ",\"generation\":{}}}", generation.0);
+            "preview"
+        }
+        DriveEvent::Retract { generation, reason } => {
+            let _ = write!(out, "{{\"generation\":{},\"reason\":", generation.0);
+            push_json_string(out, reason);
+            out.push(b'}');
+            "retract"
+        }
+        DriveEvent::Error { code, message } => {
+            out.extend_from_slice(b"{\"code\":");
+            push_json_string(out, code);
+            out.extend_from_slice(b",\"message\":");
+            push_json_string(out, message);
+            out.push(b'}');
+            "error"
+        }
+        // One each per dispatch at most: through their `Value`, as the stream writes them.
+        DriveEvent::Committed { .. } | DriveEvent::Usage { .. } => {
+            let (name, data) = client_event_json(event);
+            let _ = serde_json::to_writer(out, &data);
+            name
+        }
+    }
+}
+
+/// The non-streamed answer of a dispatch, as bytes: `{"events": [...], "operation_id", "revision"?,
+/// "state", "turn"?}` with every event (`usage` reports included, as this answer always listed
+/// them) as `{"data", "event"}`, and the last committed turn and its revision. Written straight
+/// into one buffer, members in the order a `serde_json::Value` of the same answer writes them
+/// (sorted), without building that `Value` and a map per event first (issue 21: the tree's
+/// inserts and drops were a tenth of a native dispatch's instructions).
+fn whole_answer(operation_id: &str, state: &str, events: &[Arc<turnstile_drive::DriveEvent>]) -> Vec<u8> {
+    use std::io::Write as _;
+    use turnstile_core::digest::push_json_string;
+    use turnstile_drive::DriveEvent;
+    let mut out = Vec::with_capacity(256 + 96 * events.len());
+    out.extend_from_slice(b"{\"events\":[");
+    for (index, event) in events.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"{\"data\":");
+        let name = push_event_data(&mut out, event);
+        out.extend_from_slice(b",\"event\":");
+        push_json_string(&mut out, name);
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"],\"operation_id\":");
+    push_json_string(&mut out, operation_id);
+    let committed = events.iter().rev().find_map(|event| match &**event {
+        DriveEvent::Committed { revision, turn, .. } => Some((revision, turn)),
+        _ => None,
+    });
+    if let Some((revision, _)) = committed {
+        let _ = write!(out, ",\"revision\":{}", revision.0);
+    }
+    out.extend_from_slice(b",\"state\":");
+    push_json_string(&mut out, state);
+    if let Some((_, turn)) = committed {
+        out.extend_from_slice(b",\"turn\":");
+        let _ = serde_json::to_writer(&mut out, turn);
+    }
+    out.push(b'}');
+    out
 }
 
 /// Poll the ledger for a dispatch this process does not drive, relaying its state until it is
@@ -1595,6 +1679,19 @@ fn sse_frame(event: &str, data: &Value) -> Bytes {
     Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
 }
 
+/// [`sse_frame`] of a hub event, its data written by [`push_event_data`] (the same bytes).
+fn sse_event_frame(event: &turnstile_drive::DriveEvent) -> Bytes {
+    let mut data = Vec::with_capacity(96);
+    let name = push_event_data(&mut data, event);
+    let mut frame = Vec::with_capacity(data.len() + name.len() + 16);
+    frame.extend_from_slice(b"event: ");
+    frame.extend_from_slice(name.as_bytes());
+    frame.extend_from_slice(b"\ndata: ");
+    frame.extend_from_slice(&data);
+    frame.extend_from_slice(b"\n\n");
+    Bytes::from(frame)
+}
+
 /// An SSE response: every event of the dispatch from its first, until the end marker.
 fn sse_response(mut receiver: super::hub::Receiver) -> Response {
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
@@ -1604,8 +1701,7 @@ fn sse_response(mut receiver: super::hub::Receiver) -> Response {
                 // The spec's client events only: the hub's `usage` reports are for the proxy.
                 Ok(Some(event)) if matches!(*event, turnstile_drive::DriveEvent::Usage { .. }) => {}
                 Ok(Some(event)) => {
-                    let (name, data) = client_event_json(&event);
-                    if sender.send(Ok(sse_frame(name, &data))).await.is_err() {
+                    if sender.send(Ok(sse_event_frame(&event))).await.is_err() {
                         return;
                     }
                 }
@@ -2265,7 +2361,113 @@ async fn json_errors(request: Request, next: axum::middleware::Next) -> Response
 #[cfg(test)]
 mod tests {
     use super::ErrorCode;
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
     use std::collections::HashSet;
+    use std::sync::Arc;
+    use turnstile_core::assemble::Usage;
+    use turnstile_core::dispatch::DispatchState;
+    use turnstile_core::{Generation, Revision};
+    use turnstile_drive::DriveEvent;
+
+    /// The non-streamed answer as it was written before `whole_answer`: a `Value` built with
+    /// `json!` and serialised (the definition `whole_answer` must keep, byte for byte).
+    fn answer_through_value(operation_id: &str, state: &str, events: &[Arc<DriveEvent>]) -> Vec<u8> {
+        let listed: Vec<Value> = events
+            .iter()
+            .map(|event| {
+                let (name, data) = super::client_event_json(event);
+                json!({"event": name, "data": data})
+            })
+            .collect();
+        let mut body = json!({"operation_id": operation_id, "state": state, "events": listed});
+        let committed = events.iter().rev().find_map(|event| match &**event {
+            DriveEvent::Committed { revision, turn, .. } => Some((revision, turn)),
+            _ => None,
+        });
+        if let Some((revision, turn)) = committed {
+            body["revision"] = json!(revision.0);
+            body["turn"] = turn.clone();
+        }
+        serde_json::to_vec(&body).unwrap()
+    }
+
+    fn any_event() -> impl Strategy<Value = DriveEvent> {
+        let text = || any::<String>();
+        let states = prop::sample::select(vec![
+            DispatchState::Prepared,
+            DispatchState::Dispatching,
+            DispatchState::Sent,
+            DispatchState::Streaming,
+            DispatchState::Unknown,
+            DispatchState::Committed,
+            DispatchState::Failed,
+            DispatchState::Abandoned,
+        ]);
+        prop_oneof![
+            (states, any::<Option<u64>>()).prop_map(|(state, generation)| DriveEvent::State {
+                state,
+                generation: generation.map(Generation),
+            }),
+            (any::<u64>(), any::<u64>(), text()).prop_map(|(generation, block_index, delta)| {
+                DriveEvent::Preview {
+                    generation: Generation(generation),
+                    block_index,
+                    delta,
+                }
+            }),
+            (any::<u64>(), text()).prop_map(|(generation, reason)| DriveEvent::Retract {
+                generation: Generation(generation),
+                reason,
+            }),
+            (any::<u64>(), text(), any::<Option<u64>>(), any::<bool>()).prop_map(
+                |(revision, text, tokens, facts)| DriveEvent::Committed {
+                    revision: Revision(revision),
+                    turn: json!({"id": text, "role": "assistant", "revision": revision,
+                                 "blocks": [{"id": "b0", "kind": "text", "text": text}]}),
+                    facts: facts
+                        .then(|| json!({"stop_reason": "end_turn", "usage": {"output_tokens": tokens}})),
+                }
+            ),
+            (any::<u64>(), any::<Option<u64>>(), any::<Option<u64>>()).prop_map(
+                |(generation, input_tokens, cache_read_input_tokens)| DriveEvent::Usage {
+                    generation: Generation(generation),
+                    usage: Usage {
+                        input_tokens,
+                        output_tokens: None,
+                        cache_creation_input_tokens: None,
+                        cache_read_input_tokens,
+                    },
+                }
+            ),
+            (
+                text(),
+                prop::sample::select(vec!["the provider failed", "a \"quoted\"\n message"])
+            )
+                .prop_map(|(code, message)| DriveEvent::Error { code, message }),
+        ]
+    }
+
+    proptest! {
+        /// Issue 21: the non-streamed answer written straight into bytes is the answer the
+        /// `Value` of it wrote, for any events (every kind, any text: quotes, control
+        /// characters, non-ASCII), any operation id and state.
+        #[test]
+        fn the_whole_answer_is_byte_for_byte_its_value(
+            events in prop::collection::vec(any_event(), 0..12),
+            operation_id in any::<String>(),
+            state in any::<String>(),
+        ) {
+            let events: Vec<Arc<DriveEvent>> = events.into_iter().map(Arc::new).collect();
+            let written = super::whole_answer(&operation_id, &state, &events);
+            let through_value = answer_through_value(&operation_id, &state, &events);
+            prop_assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(through_value).unwrap());
+            for event in &events {
+                let (name, data) = super::client_event_json(event);
+                prop_assert_eq!(super::sse_event_frame(event), super::sse_frame(name, &data));
+            }
+        }
+    }
 
     fn spec_text() -> String {
         let shared = std::env::var_os("TURNSTILE_SHARED")
