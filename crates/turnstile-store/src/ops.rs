@@ -116,9 +116,9 @@ pub(crate) async fn import_conversation<T: Tx>(
         )
         .await?;
     if inserted != 1 {
-        let current = conversation_head(tx, conversation_id, false)
+        let current = conversation_revision(tx, conversation_id, false)
             .await?
-            .map_or(Revision(0), |(revision, _)| revision);
+            .unwrap_or(Revision(0));
         return Ok(ImportOutcome::AlreadyExists { revision: current });
     }
     for turn in &checked.stamped {
@@ -160,7 +160,7 @@ pub(crate) async fn import_and_prepare<T: Tx>(
     }
     if let Some(existing) = dispatch(tx, &manifest.body.operation_id).await? {
         // A stored conversation of this id answers first, as the import would.
-        if let Some((current, _)) = conversation_head(tx, conversation_id, false).await? {
+        if let Some(current) = conversation_revision(tx, conversation_id, false).await? {
             return Ok(ImportPrepared::NotImported(ImportOutcome::AlreadyExists {
                 revision: current,
             }));
@@ -241,6 +241,22 @@ async fn conversation_head<T: Tx>(
     }
 }
 
+/// A conversation's revision only ([`conversation_head`] without reading and parsing its
+/// tools, which only a check that must walk the history needs).
+async fn conversation_revision<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    share_lock: bool,
+) -> Result<Option<Revision>, StoreError> {
+    let sql = if share_lock && tx.dialect() == Dialect::Postgres {
+        "SELECT revision FROM conversations WHERE conversation_id = $1 FOR SHARE"
+    } else {
+        "SELECT revision FROM conversations WHERE conversation_id = $1"
+    };
+    let rows = tx.query(sql, &[conversation_id.into()]).await?;
+    rows.first().map(|row| Ok(Revision(row.uint(0)?))).transpose()
+}
+
 async fn turns_up_to<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -277,7 +293,7 @@ pub(crate) async fn conversation_since<T: Tx>(
     conversation_id: &str,
     after: Revision,
 ) -> Result<Option<ConversationTail>, StoreError> {
-    let Some((revision, _)) = conversation_head(tx, conversation_id, false).await? else {
+    let Some(revision) = conversation_revision(tx, conversation_id, false).await? else {
         return Ok(None);
     };
     // The turn at `after` too (its id checks the reader's history), then the ones after it.
@@ -355,7 +371,6 @@ async fn check_turn<T: Tx>(
     tx: &mut T,
     states: &States<'_>,
     conversation_id: &str,
-    tools: &Value,
     expected: Revision,
     stamped: Value,
     revision: Revision,
@@ -366,8 +381,12 @@ async fn check_turn<T: Tx>(
     Ok(match states.take(conversation_id, expected)? {
         Some(state) => history::check_next(state, stamped),
         None => {
+            // Only a walk of the whole history needs the tools (a kept state has them).
+            let tools = conversation_head(tx, conversation_id, false)
+                .await?
+                .map_or(Value::Null, |(_, tools)| tools);
             let history = turns_up_to(tx, conversation_id, expected).await?;
-            history::check_append_state(conversation_id, tools, history, stamped, revision)
+            history::check_append_state(conversation_id, &tools, history, stamped, revision)
         }
     })
 }
@@ -403,7 +422,7 @@ pub(crate) async fn append_turn<T: Tx>(
     next: &mut Option<Checked>,
     now: Timestamp,
 ) -> Result<AppendOutcome, StoreError> {
-    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+    let Some(current) = conversation_revision(tx, conversation_id, false).await? else {
         return Ok(AppendOutcome::NotFound);
     };
     if current != expected {
@@ -419,24 +438,14 @@ pub(crate) async fn append_turn<T: Tx>(
             message: "a turn must be an object".into(),
         }]));
     };
-    let state = match check_turn(
-        tx,
-        states,
-        conversation_id,
-        &tools,
-        expected,
-        stamped.clone(),
-        revision,
-    )
-    .await?
-    {
+    let state = match check_turn(tx, states, conversation_id, expected, stamped.clone(), revision).await? {
         Ok((_, state)) => state,
         Err(violations) => return Ok(AppendOutcome::Rejected(violations)),
     };
     if !claim_revision(tx, conversation_id, expected, now).await? {
-        let current = conversation_head(tx, conversation_id, false)
+        let current = conversation_revision(tx, conversation_id, false)
             .await?
-            .map_or(expected, |(revision, _)| revision);
+            .unwrap_or(expected);
         return Ok(AppendOutcome::Conflict { current });
     }
     let generation = stamped.get("generation").and_then(Value::as_u64).map(Generation);
@@ -727,7 +736,7 @@ async fn prepare_beginning<T: Tx>(
     }
     let conversation_id = manifest.body.conversation_id.as_str();
     // Lock order: conversation first (shared when beginning: the begin holds its revision).
-    let Some((current, _)) = conversation_head(tx, conversation_id, begin.is_some()).await? else {
+    let Some(current) = conversation_revision(tx, conversation_id, begin.is_some()).await? else {
         return Ok((PrepareOutcome::NotFound, None));
     };
     if current != manifest.body.conversation_revision {
@@ -1013,7 +1022,7 @@ pub(crate) async fn begin_attempt<T: Tx>(
         }
     };
     // Lock order: conversation first (shared: the condition reads its revision).
-    conversation_head(tx, &record.conversation_id, true).await?;
+    conversation_revision(tx, &record.conversation_id, true).await?;
     let rows = tx
         .query(
             "UPDATE dispatches SET state = 'DISPATCHING', active_generation = generation_last + 1, \
@@ -1735,16 +1744,18 @@ pub(crate) async fn commit<T: Tx>(
         quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
         return Ok(CommitOutcome::Rejected(Vec::new()));
     };
-    let Some((_, tools)) = conversation_head(tx, &conversation_id, false).await? else {
+    if conversation_revision(tx, &conversation_id, false)
+        .await?
+        .is_none()
+    {
         return Ok(refuse(CommitRefusal::NotFound));
-    };
+    }
     // Only the new turn is checked when the validator's state after the stored history is
     // kept; else the whole history is read and walked once.
     let checked = check_turn(
         tx,
         states,
         &conversation_id,
-        &tools,
         expected_revision,
         stamped.clone(),
         revision,
@@ -2307,7 +2318,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     if !claimed || call.claim != claim {
         return Ok(ResultOutcome::StaleClaim);
     }
-    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+    let Some(current) = conversation_revision(tx, conversation_id, false).await? else {
         return Ok(ResultOutcome::NotFound);
     };
     let revision = Revision(current.0 + 1);
@@ -2326,17 +2337,7 @@ pub(crate) async fn submit_tool_result<T: Tx>(
             "content": content,
         }],
     });
-    let state = match check_turn(
-        tx,
-        states,
-        conversation_id,
-        &tools,
-        current,
-        turn.clone(),
-        revision,
-    )
-    .await?
-    {
+    let state = match check_turn(tx, states, conversation_id, current, turn.clone(), revision).await? {
         Ok((_, state)) => state,
         Err(violations) => return Ok(ResultOutcome::Rejected(violations)),
     };

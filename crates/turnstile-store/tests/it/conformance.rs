@@ -646,6 +646,70 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
     );
 }
 
+/// Issue 21: with the validator's state after the stored history kept, a commit, an append and
+/// everything on the dispatch path read a conversation's revision only, never its tools (which
+/// only a walk of the whole history needs): the writer does not parse a tool catalogue of many
+/// kilobytes at every step of an agent loop. Shown with tools made unreadable behind the
+/// ledger's back: the kept path commits and appends, while a second ledger on the same file,
+/// with nothing kept, must walk, reads the tools and reports the corrupt store (so the check
+/// does notice a read). Red with the tools read by the commit (`Corrupt` at the commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_check_never_reads_the_conversation_s_tools() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("ledger.db");
+    let store = SqliteLedger::open(&path, Synchronous::Full).expect("open sqlite");
+    conversation_at_1(&store, "c").await;
+    let (manifest, bytes) = manifest("op-c", "c", 1, "m");
+    let (_, began) = store
+        .prepare_and_begin(&manifest, &bytes, None, &[], &begin_at_once(), at(10))
+        .await
+        .unwrap();
+    let Some(BeginOutcome::Began { generation, .. }) = began else {
+        panic!("{began:?}")
+    };
+    rusqlite::Connection::open(&path)
+        .expect("second connection")
+        .execute(
+            "UPDATE conversations SET tools = 'not json' WHERE conversation_id = 'c'",
+            [],
+        )
+        .expect("tools made unreadable");
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: None,
+    };
+    let outcome = store
+        .commit_carrying(
+            "op-c",
+            generation,
+            Revision(1),
+            &assistant_turn("a", 0),
+            None,
+            &carried,
+            at(20),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(outcome, CommitOutcome::Committed { .. }), "{outcome:?}");
+    let question =
+        json!({"id": "u1", "role": "user", "blocks": [{"id": "u1-0", "kind": "text", "text": "Sure?"}]});
+    let appended = store
+        .append_turn("c", Revision(2), &question, at(21))
+        .await
+        .unwrap();
+    assert_eq!(
+        appended,
+        AppendOutcome::Appended {
+            revision: Revision(3)
+        }
+    );
+    let fresh = SqliteLedger::open(&path, Synchronous::Full).expect("second ledger");
+    let next =
+        json!({"id": "u2", "role": "user", "blocks": [{"id": "u2-0", "kind": "text", "text": "And?"}]});
+    let walked = fresh.append_turn("c", Revision(3), &next, at(22)).await;
+    assert!(matches!(walked, Err(StoreError::Corrupt(_))), "{walked:?}");
+}
+
 /// Issue 21: a SQLite read never queues behind the writer. While another connection holds the
 /// file's write lock, the writer's group cannot begin (it waits out `busy_timeout`), yet the
 /// ledger answers reads from what was committed, and the write still queued lands once the lock
