@@ -381,10 +381,13 @@ async fn check_turn<T: Tx>(
     Ok(match states.take(conversation_id, expected)? {
         Some(state) => history::check_next(state, stamped),
         None => {
-            // Only a walk of the whole history needs the tools (a kept state has them).
-            let tools = conversation_head(tx, conversation_id, false)
-                .await?
-                .map_or(Value::Null, |(_, tools)| tools);
+            // Only a walk of the whole history needs the tools (a kept state has them). Every
+            // caller found the conversation in this transaction, and no write deletes one.
+            let Some((_, tools)) = conversation_head(tx, conversation_id, false).await? else {
+                return Err(StoreError::Corrupt(format!(
+                    "conversation {conversation_id} vanished inside its transaction"
+                )));
+            };
             let history = turns_up_to(tx, conversation_id, expected).await?;
             history::check_append_state(conversation_id, &tools, history, stamped, revision)
         }
@@ -735,61 +738,66 @@ async fn prepare_beginning<T: Tx>(
         ));
     }
     let conversation_id = manifest.body.conversation_id.as_str();
+    // The first attempt sends the bytes of one of the dispatch's targets: a begin naming a
+    // target it does not have begins nothing (and takes no lock).
+    let beginning = begin.and_then(|begin| {
+        let request_digest = match begin.target {
+            0 => Some(manifest.body.request_digest.as_str()),
+            target => fallbacks
+                .get(target as usize - 1)
+                .map(|fallback| fallback.manifest.body.request_digest.as_str()),
+        };
+        request_digest.map(|request_digest| (begin, request_digest))
+    });
     // Lock order: conversation first (shared when beginning: the begin holds its revision).
-    let Some(current) = conversation_revision(tx, conversation_id, begin.is_some()).await? else {
+    let Some(current) = conversation_revision(tx, conversation_id, beginning.is_some()).await? else {
         return Ok((PrepareOutcome::NotFound, None));
     };
     if current != manifest.body.conversation_revision {
         return Ok((PrepareOutcome::StaleRevision { current }, None));
     }
-    // The first attempt: the bytes of the target it sends, its lease from the store's now.
-    let first = match begin {
+    // Its lease runs from the store's now.
+    let first = match beginning {
+        Some((begin, request_digest)) => Some((begin, request_digest, store_now(tx).await?)),
         None => None,
-        Some(begin) => {
-            let request_digest = match begin.target {
-                0 => Some(manifest.body.request_digest.as_str()),
-                target => fallbacks
-                    .get(target as usize - 1)
-                    .map(|fallback| fallback.manifest.body.request_digest.as_str()),
-            };
-            match request_digest {
-                Some(request_digest) => {
-                    let store_now = store_now(tx).await?;
-                    Some((begin, request_digest, store_now))
-                }
-                None => None,
-            }
-        }
     };
     let first_generation = Generation(1);
     let (state, generation_last, active_generation) = match first {
         Some(_) => (DispatchState::Dispatching, 1u64, Some(first_generation.0)),
         None => (DispatchState::Prepared, 0, None),
     };
+    // `updated_at` on the store's clock: the sweep compares it with the store's now
+    // (`prepared_unattended`), never with a replica's. A begun dispatch's is the begin's now,
+    // as `begin_attempt` writes it.
+    let updated_at = match first {
+        Some(_) => "$11".to_owned(),
+        None => tx.dialect().now_ms().to_owned(),
+    };
+    let mut params: Vec<SqlValue> = vec![
+        operation_id.into(),
+        conversation_id.into(),
+        manifest.body.conversation_revision.0.into(),
+        manifest_digest.into(),
+        manifest.body.request_digest.as_str().into(),
+        manifest.body.provider.as_str().into(),
+        ts(now),
+        state.as_str().into(),
+        generation_last.into(),
+        active_generation.into(),
+    ];
+    if let Some((_, _, store_now)) = first {
+        params.push(ts(store_now));
+    }
     let inserted = tx
         .execute(
-            // `updated_at` on the store's clock: the sweep compares it with the store's now
-            // (`prepared_unattended`), never with a replica's.
             &format!(
                 "INSERT INTO dispatches (operation_id, conversation_id, revision, manifest_digest, \
                  request_digest, provider, state, cancel_generation, generation_last, active_generation, \
                  quarantined, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $8, 0, $9, $10, 0, $7, {}) \
-                 ON CONFLICT (operation_id) DO NOTHING",
-                tx.dialect().now_ms()
+                 VALUES ($1, $2, $3, $4, $5, $6, $8, 0, $9, $10, 0, $7, {updated_at}) \
+                 ON CONFLICT (operation_id) DO NOTHING"
             ),
-            &[
-                operation_id.into(),
-                conversation_id.into(),
-                manifest.body.conversation_revision.0.into(),
-                manifest_digest.into(),
-                manifest.body.request_digest.as_str().into(),
-                manifest.body.provider.as_str().into(),
-                ts(now),
-                state.as_str().into(),
-                generation_last.into(),
-                active_generation.into(),
-            ],
+            &params,
         )
         .await?;
     if inserted == 0 {

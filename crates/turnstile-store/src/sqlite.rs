@@ -188,7 +188,7 @@ struct WriterCounters {
     /// ([`SqliteLedger::reprepares`]).
     reprepares: std::sync::atomic::AtomicU64,
     /// Statements the operations ran, on the writer and the readers, not counting the
-    /// transaction control ([`SqliteLedger::statements`]).
+    /// transaction control around each operation ([`SqliteLedger::statements`]).
     statements: std::sync::atomic::AtomicU64,
 }
 
@@ -405,8 +405,9 @@ impl SqliteLedger {
     }
 
     /// Statements the operations of this ledger ran since it opened, on its writer and its
-    /// readers (BEGIN, SAVEPOINT, RELEASE and COMMIT not counted): for a test that fails when
-    /// the hot path's operations grow (issue 21).
+    /// readers, their own savepoints included; the transaction control around each operation
+    /// (BEGIN, SAVEPOINT op, RELEASE, COMMIT) is not counted. For a test that fails when the hot
+    /// path's operations grow (issue 21).
     #[doc(hidden)]
     pub fn statements(&self) -> u64 {
         self.counters

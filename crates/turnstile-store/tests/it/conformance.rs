@@ -71,6 +71,7 @@ suite!(
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
     a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only,
     a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_history,
+    a_begin_at_once_naming_a_target_the_dispatch_lacks_prepares_and_begins_nothing,
 );
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
@@ -602,8 +603,10 @@ async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
 /// and then ran `begin_attempt`, which read back the rows it had just written). A winning
 /// commit carrying a handle moves the attempt and takes its handle in one update that returns
 /// its target, and binds the handle without reading the dispatch again: 11 statements with
-/// one tool call (14 before). Transaction control (BEGIN, SAVEPOINT, RELEASE, COMMIT) is the
-/// writer's and not counted.
+/// one tool call (14 before), its own `SAVEPOINT canonical` and release included. The writer's
+/// transaction control around each operation (BEGIN, SAVEPOINT op, RELEASE, COMMIT) is not
+/// counted. The history rows are the two-step path's: PREPARED (no generation, the caller's
+/// clock), then DISPATCHING at generation 1 on the store's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need() {
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -620,6 +623,29 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
     let Some(BeginOutcome::Began { generation, .. }) = began else {
         panic!("{began:?}")
     };
+    let store_now = i64::try_from(store.store_now().await.unwrap().0).unwrap();
+    let history: Vec<(Option<i64>, Option<String>, String, i64)> =
+        rusqlite::Connection::open(dir.path().join("ledger.db"))
+            .expect("second connection")
+            .prepare(
+                "SELECT generation, from_state, to_state, at FROM transitions \
+                 WHERE operation_id = 'op-c' ORDER BY id",
+            )
+            .unwrap()
+            .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+    assert_eq!(history.len(), 2, "{history:?}");
+    assert_eq!(history[0], (None, None, "PREPARED".to_owned(), 10));
+    assert_eq!(
+        (history[1].0, history[1].1.as_deref(), history[1].2.as_str()),
+        (Some(1), Some("PREPARED"), "DISPATCHING")
+    );
+    assert!(
+        (store_now - 60_000..=store_now).contains(&history[1].3),
+        "the begin's row is on the store's clock: {history:?}, now {store_now}"
+    );
     let carried = Carried {
         from: DispatchState::Dispatching,
         handle: Some("resp_c".to_owned()),
@@ -646,11 +672,12 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
     );
 }
 
-/// Issue 21: with the validator's state after the stored history kept, a commit, an append and
-/// everything on the dispatch path read a conversation's revision only, never its tools (which
-/// only a walk of the whole history needs): the writer does not parse a tool catalogue of many
-/// kilobytes at every step of an agent loop. Shown with tools made unreadable behind the
-/// ledger's back: the kept path commits and appends, while a second ledger on the same file,
+/// Issue 21: with the validator's state after the stored history kept, the dispatch path (the
+/// tail a kept conversation reads, the prepare and its begin, the commit) and an append read a
+/// conversation's revision only, never its tools (which only a walk of the whole history
+/// needs): the writer does not parse a tool catalogue of many kilobytes at every step of an
+/// agent loop. Shown with tools made unreadable behind the ledger's back: the kept path reads
+/// its tail, prepares, begins, commits and appends, while a second ledger on the same file,
 /// with nothing kept, must walk, reads the tools and reports the corrupt store (so the check
 /// does notice a read). Red with the tools read by the commit (`Corrupt` at the commit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -659,6 +686,15 @@ async fn a_kept_check_never_reads_the_conversation_s_tools() {
     let path = dir.path().join("ledger.db");
     let store = SqliteLedger::open(&path, Synchronous::Full).expect("open sqlite");
     conversation_at_1(&store, "c").await;
+    rusqlite::Connection::open(&path)
+        .expect("second connection")
+        .execute(
+            "UPDATE conversations SET tools = 'not json' WHERE conversation_id = 'c'",
+            [],
+        )
+        .expect("tools made unreadable");
+    let tail = store.conversation_since("c", Revision(1)).await.unwrap();
+    assert_eq!(tail.map(|tail| tail.turns.len()), Some(0));
     let (manifest, bytes) = manifest("op-c", "c", 1, "m");
     let (_, began) = store
         .prepare_and_begin(&manifest, &bytes, None, &[], &begin_at_once(), at(10))
@@ -667,13 +703,6 @@ async fn a_kept_check_never_reads_the_conversation_s_tools() {
     let Some(BeginOutcome::Began { generation, .. }) = began else {
         panic!("{began:?}")
     };
-    rusqlite::Connection::open(&path)
-        .expect("second connection")
-        .execute(
-            "UPDATE conversations SET tools = 'not json' WHERE conversation_id = 'c'",
-            [],
-        )
-        .expect("tools made unreadable");
     let carried = Carried {
         from: DispatchState::Dispatching,
         handle: None,
@@ -895,6 +924,61 @@ pub async fn prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revi
         PrepareOutcome::NotFound
     );
     assert_eq!(store.dispatch("op-1").await.unwrap(), None);
+}
+
+/// A prepare that begins at once, asked for a target the dispatch does not have (here 1, with
+/// no failover target), stores the dispatch PREPARED, refuses the begin as `begin_attempt`
+/// would and starts no attempt; the dispatch then begins normally.
+pub async fn a_begin_at_once_naming_a_target_the_dispatch_lacks_prepares_and_begins_nothing(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    let begin = BeginAtOnce {
+        target: 1,
+        ..begin_at_once()
+    };
+    let (prepared, began) = store
+        .prepare_and_begin(&manifest, &bytes, None, &[], &begin, at(10))
+        .await
+        .unwrap();
+    let PrepareOutcome::Created(record) = prepared else {
+        panic!("not created: {prepared:?}")
+    };
+    assert_eq!(
+        (record.state, record.active_generation),
+        (DispatchState::Prepared, None)
+    );
+    assert_eq!(
+        began,
+        Some(BeginOutcome::Refused {
+            state: Some(DispatchState::Prepared),
+            active_generation: None,
+        })
+    );
+    assert!(store.attempts("op-1").await.unwrap().is_empty());
+    let stored = store.dispatch("op-1").await.unwrap().unwrap();
+    assert_eq!(
+        (stored.state, stored.active_generation),
+        (DispatchState::Prepared, None)
+    );
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+        target: 0,
+    };
+    assert!(matches!(
+        store
+            .begin_attempt("op-1", expect, &lease("replica-a", 5_000), at(20))
+            .await
+            .unwrap(),
+        BeginOutcome::Began {
+            generation: Generation(1),
+            ..
+        }
+    ));
 }
 
 pub async fn begin_allocates_a_durable_generation_once_and_refuses_a_second_begin(
