@@ -865,21 +865,18 @@ async fn prepare_beginning<T: Tx>(
         });
         return Ok((PrepareOutcome::Created(record), refused));
     };
-    let key = idempotency_key(operation_id, first_generation);
-    tx.execute(
-        "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
-         lease_holder, lease_expires_at, started_at, target) \
-         VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7, $8)",
-        &[
-            operation_id.into(),
-            first_generation.0.into(),
-            key.as_str().into(),
-            request_digest.into(),
-            begin.holder.as_str().into(),
-            ts(store_now.plus_ms(begin.lease_ms)),
-            ts(store_now),
-            u64::from(begin.target).into(),
-        ],
+    let lease = Lease {
+        holder: begin.holder.clone(),
+        expires_at: store_now.plus_ms(begin.lease_ms),
+    };
+    let key = insert_attempt(
+        tx,
+        operation_id,
+        first_generation,
+        request_digest,
+        &lease,
+        store_now,
+        begin.target,
     )
     .await?;
     // Both history rows in one insert: the prepare (the caller's clock, as a prepare without a
@@ -1002,6 +999,37 @@ fn same_or_conflict(
     }
 }
 
+/// The DISPATCHING attempt row of a begin (`begin_attempt`, or a prepare that begins at once):
+/// its idempotency key (returned), the bytes it sends, its lease, its start and its target.
+async fn insert_attempt<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    generation: Generation,
+    request_digest: &str,
+    lease: &Lease,
+    started_at: Timestamp,
+    target: u32,
+) -> Result<String, StoreError> {
+    let key = idempotency_key(operation_id, generation);
+    tx.execute(
+        "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
+         lease_holder, lease_expires_at, started_at, target) \
+         VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7, $8)",
+        &[
+            operation_id.into(),
+            generation.0.into(),
+            key.as_str().into(),
+            request_digest.into(),
+            lease.holder.as_str().into(),
+            ts(lease.expires_at),
+            ts(started_at),
+            u64::from(target).into(),
+        ],
+    )
+    .await?;
+    Ok(key)
+}
+
 pub(crate) async fn begin_attempt<T: Tx>(
     tx: &mut T,
     operation_id: &str,
@@ -1081,21 +1109,14 @@ pub(crate) async fn begin_attempt<T: Tx>(
         });
     };
     let generation = Generation(row.uint(0)?);
-    let key = idempotency_key(operation_id, generation);
-    tx.execute(
-        "INSERT INTO attempts (operation_id, generation, state, idempotency_key, request_digest, handle, \
-         lease_holder, lease_expires_at, started_at, target) \
-         VALUES ($1, $2, 'DISPATCHING', $3, $4, NULL, $5, $6, $7, $8)",
-        &[
-            operation_id.into(),
-            generation.0.into(),
-            key.as_str().into(),
-            request_digest.as_str().into(),
-            lease.holder.as_str().into(),
-            ts(lease.expires_at),
-            ts(now),
-            u64::from(expect.target).into(),
-        ],
+    let key = insert_attempt(
+        tx,
+        operation_id,
+        generation,
+        &request_digest,
+        lease,
+        now,
+        expect.target,
     )
     .await?;
     record_transition(
