@@ -224,25 +224,27 @@ pub(crate) async fn conversations_with_call<T: Tx>(
     Ok(found)
 }
 
+/// A conversation's revision and tools (the reads that need the tools: the whole document and
+/// a walk of the history; every check of a head alone is [`conversation_revision`]).
 async fn conversation_head<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
-    share_lock: bool,
 ) -> Result<Option<(Revision, Value)>, StoreError> {
-    let sql = if share_lock && tx.dialect() == Dialect::Postgres {
-        "SELECT revision, tools FROM conversations WHERE conversation_id = $1 FOR SHARE"
-    } else {
-        "SELECT revision, tools FROM conversations WHERE conversation_id = $1"
-    };
-    let rows = tx.query(sql, &[conversation_id.into()]).await?;
+    let rows = tx
+        .query(
+            "SELECT revision, tools FROM conversations WHERE conversation_id = $1",
+            &[conversation_id.into()],
+        )
+        .await?;
     match rows.first() {
         None => Ok(None),
         Some(row) => Ok(Some((Revision(row.uint(0)?), json_of(&row.text(1)?)?))),
     }
 }
 
-/// A conversation's revision only ([`conversation_head`] without reading and parsing its
-/// tools, which only a check that must walk the history needs).
+/// A conversation's revision only, without reading and parsing its tools (which only a check
+/// that must walk the history needs); with `share_lock`, held shared on PostgreSQL until the
+/// transaction ends.
 async fn conversation_revision<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -275,7 +277,7 @@ pub(crate) async fn conversation<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
 ) -> Result<Option<Value>, StoreError> {
-    let Some((revision, tools)) = conversation_head(tx, conversation_id, false).await? else {
+    let Some((revision, tools)) = conversation_head(tx, conversation_id).await? else {
         return Ok(None);
     };
     let turns = turns_up_to(tx, conversation_id, revision).await?;
@@ -383,7 +385,7 @@ async fn check_turn<T: Tx>(
         None => {
             // Only a walk of the whole history needs the tools (a kept state has them). Every
             // caller found the conversation in this transaction, and no write deletes one.
-            let Some((_, tools)) = conversation_head(tx, conversation_id, false).await? else {
+            let Some((_, tools)) = conversation_head(tx, conversation_id).await? else {
                 return Err(StoreError::Corrupt(format!(
                     "conversation {conversation_id} vanished inside its transaction"
                 )));
@@ -402,7 +404,7 @@ pub(crate) async fn history_at<T: Tx>(
     conversation_id: &str,
     revision: Revision,
 ) -> Result<Option<(Value, Vec<Value>)>, StoreError> {
-    let Some((current, tools)) = conversation_head(tx, conversation_id, false).await? else {
+    let Some((current, tools)) = conversation_head(tx, conversation_id).await? else {
         return Ok(None);
     };
     // Only the head's state is worth keeping: a check at an older revision is refused anyway
@@ -770,8 +772,8 @@ async fn prepare_beginning<T: Tx>(
     // (`prepared_unattended`), never with a replica's. A begun dispatch's is the begin's now,
     // as `begin_attempt` writes it.
     let updated_at = match first {
-        Some(_) => "$11".to_owned(),
-        None => tx.dialect().now_ms().to_owned(),
+        Some(_) => "$11",
+        None => tx.dialect().now_ms(),
     };
     let mut params: Vec<SqlValue> = vec![
         operation_id.into(),
