@@ -32,6 +32,7 @@ NAMES = {
     "tensorzero_embedded": "TensorZero embedded gateway",
     "direct": "floor: client → simulator directly (non-streamed reply)",
     "direct_stream": "floor: client → simulator directly, streamed reply, kept-alive connections",
+    "relay": "ceiling: a relay on Turnstile's HTTP stack that only forwards (no parse, store, render)",
     "turnstile_serve_extra_sim": "Turnstile serve (SQLite FULL) against the TCP_NODELAY simulator build",
     "direct_stream_extra_sim": "floor: streamed reply from the TCP_NODELAY simulator build, kept-alive",
 }
@@ -125,7 +126,7 @@ def table(workload, measurements, unavailable, meta):
     elif family == "stream":
         order = ["turnstile", "floor"] + PEERS_STREAM
     else:
-        order = ["turnstile_serve", "turnstile_serve_tmpfs", "direct", "direct_stream",
+        order = ["turnstile_serve", "turnstile_serve_tmpfs", "direct", "direct_stream", "relay",
                  "turnstile_serve_extra_sim", "direct_stream_extra_sim"] + PEERS_GATEWAY
     rows = []
     for system in order:
@@ -165,6 +166,8 @@ def markdown_table(workload, rows, meta):
             ratio_text = f"(this build is {1 / ratio:.1f}× the reference's throughput)" if ratio else ""
         elif row["system"].startswith("turnstile_part"):
             ratio_text = f"({ratio * 100:.0f}% of Turnstile's time)" if ratio else ""
+        elif row["system"] == "relay":
+            ratio_text = f"(Turnstile / ceiling: {fmt_ratio(1 / ratio)})" if ratio else ""
         elif row["system"] in ("floor", "direct") or row["system"].startswith("direct_stream"):
             ratio_text = f"(Turnstile / floor: {fmt_ratio(1 / ratio)})" if ratio else ""
         elif ratio is not None:

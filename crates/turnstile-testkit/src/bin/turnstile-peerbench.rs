@@ -15,6 +15,13 @@
 //!   turn pushed, the next request prepared). One JSON line per measurement.
 //! - `load --target turnstile|chat --base URL ...`: a closed-loop HTTP load generator (fixed
 //!   concurrency), the same client for `turnstile serve`, the LiteLLM proxy and the simulator.
+//! - `relay --listen ADDR --upstream URL`: the ceiling of a gateway built on Turnstile's HTTP
+//!   stack. It serves `POST /v1/chat/completions` on the gateway's own listener
+//!   (`turnstile_gateway::serve::listener`, axum, the same limits and runtime) and forwards the
+//!   body unread to `URL` with a reqwest client built as the gateway builds its own, then
+//!   answers with the provider's status and bytes: no parse, no store, no render. What it
+//!   reaches is the most any gateway on this stack could do between this client and this
+//!   simulator (docs/benchmarks.md, "The relay ceiling").
 //!
 //! Timing rule shared with the Python and Node peers' harnesses: one warm-up call, then each
 //! run repeats the operation enough times to last at least `--min-run-ms`; a run's figure is
@@ -46,7 +53,8 @@ fn usage() -> ! {
          \x20      turnstile-peerbench load --target turnstile|chat --base URL --model M \
          [--requests N] [--concurrency C] [--runs R] [--label L] [--fresh-connections] [--stream] [--rate REQ_PER_S]\n\
          \x20      turnstile-peerbench step --base URL --inputs DIR [--steps K] [--runs R] [--model M] [--sizes 20,200,2000]\n\
-         \x20      turnstile-peerbench fsync --dir DIR [--count N] [--label L]"
+         \x20      turnstile-peerbench fsync --dir DIR [--count N] [--label L]\n\
+         \x20      turnstile-peerbench relay --listen ADDR --upstream URL"
     );
     std::process::exit(2)
 }
@@ -79,6 +87,7 @@ fn main() {
         "load" => load(&args),
         "step" => http_step(&args),
         "fsync" => fsync_probe(&args),
+        "relay" => relay(&args),
         _ => usage(),
     }
 }
@@ -1232,6 +1241,72 @@ fn rate_load(target: Target, base: &str, model: &str, requests: usize, runs: u64
 
 /// `fsync --dir D`: the time of one durable write on that file system (4 KiB written and
 /// `fdatasync`ed, `--count` times): the floor the added-latency target is stated against.
+fn relay(args: &Args) {
+    use axum::body::Bytes;
+    use axum::http::{StatusCode, header};
+    let listen = args.value("--listen").unwrap_or_else(|| usage());
+    let upstream = args.value("--upstream").unwrap_or_else(|| usage());
+    let url = format!("{}/v1/chat/completions", upstream.trim_end_matches('/'));
+    // As `turnstile serve` builds its runtime and its provider client (`cli/serve.rs`,
+    // `serve/mod.rs`).
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(async move {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(
+                turnstile_gateway::serve::config::PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT,
+            ))
+            .build()
+            .expect("an HTTP client");
+        let forward = move |headers: axum::http::HeaderMap, body: Bytes| {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let mut request = client.post(&url).body(body);
+                if let Some(auth) = headers.get(header::AUTHORIZATION) {
+                    request = request.header(header::AUTHORIZATION, auth);
+                }
+                let answered = async {
+                    let response = request
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .send()
+                        .await?;
+                    let status = response.status().as_u16();
+                    Ok::<_, reqwest::Error>((status, response.bytes().await?))
+                };
+                match answered.await {
+                    Ok((status, bytes)) => (
+                        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+                        [(header::CONTENT_TYPE, "application/json")],
+                        bytes,
+                    ),
+                    Err(error) => (
+                        StatusCode::BAD_GATEWAY,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        Bytes::from(json!({"error": error.to_string()}).to_string()),
+                    ),
+                }
+            }
+        };
+        let app = axum::Router::new().route("/v1/chat/completions", axum::routing::post(forward));
+        let listener = tokio::net::TcpListener::bind(&listen)
+            .await
+            .unwrap_or_else(|error| panic!("cannot listen on {listen}: {error}"));
+        let bound = listener.local_addr().expect("a bound address");
+        eprintln!("turnstile-peerbench relay listening on http://{bound}, forwarding to {upstream}");
+        let limits = turnstile_gateway::serve::listener::Limits {
+            header_read_timeout_ms: turnstile_gateway::serve::config::HEADER_READ_TIMEOUT_MS_DEFAULT,
+            connections_max: turnstile_gateway::serve::config::CONNECTIONS_MAX_DEFAULT,
+            requests_per_connection_max:
+                turnstile_gateway::serve::config::REQUESTS_PER_CONNECTION_MAX_DEFAULT,
+        };
+        turnstile_gateway::serve::listener::serve(listener, app, limits, std::future::pending())
+            .await
+            .expect("the relay serves");
+    });
+}
+
 fn fsync_probe(args: &Args) {
     use std::io::Write as _;
     let dir = PathBuf::from(args.value("--dir").unwrap_or_else(|| usage()));
