@@ -49,7 +49,7 @@ pub enum StoreError {
     BadUrl,
     /// Internal to the SQLite ledger, never returned by it: a check found no validator state
     /// for this conversation at this revision and may not walk the history on the writer
-    /// thread. The operation wrote nothing (its savepoint is rolled back); the ledger walks
+    /// thread. The operation stops before its first write; the ledger walks
     /// the history off the writer and runs the operation again.
     #[doc(hidden)]
     #[error("internal: no validator state for {conversation_id} at revision {revision}")]

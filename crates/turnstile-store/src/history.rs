@@ -348,7 +348,10 @@ pub(crate) fn state_at(
 pub(crate) struct CheckedImport {
     pub stamped: Vec<Value>,
     pub revision: Revision,
-    pub history: History,
+    /// The validator's state after the history, until the write that stored it takes it to
+    /// keep (`None` after: a second run of that write keeps nothing, and the next check of
+    /// the conversation walks its history).
+    pub history: Option<History>,
 }
 
 /// Stamp and validate a whole history at once (an import), as one document: `rejected`
@@ -387,7 +390,7 @@ pub(crate) fn check_import(
     Ok(CheckedImport {
         stamped,
         revision,
-        history,
+        history: Some(history),
     })
 }
 

@@ -340,11 +340,13 @@ impl Ledger for PgLedger {
             &checked,
             now
         ))?;
-        if let ImportOutcome::Created { revision } = outcome {
+        if let ImportOutcome::Created { revision } = outcome
+            && let Some(history) = checked.history
+        {
             self.validation.put(Checked {
                 conversation_id: conversation_id.to_owned(),
                 revision,
-                history: checked.history,
+                history,
             });
         }
         Ok(outcome)
@@ -493,11 +495,13 @@ impl Ledger for PgLedger {
             begin,
             now
         ))?;
-        if let ImportPrepared::Prepared { revision, .. } = &outcome {
+        if let ImportPrepared::Prepared { revision, .. } = &outcome
+            && let Some(history) = checked.history
+        {
             self.validation.put(Checked {
                 conversation_id: conversation_id.to_owned(),
                 revision: *revision,
-                history: checked.history,
+                history,
             });
         }
         Ok(outcome)

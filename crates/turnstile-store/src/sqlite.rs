@@ -4,9 +4,11 @@
 //! `spawn_blocking` per call (a pool of threads that would only queue on SQLite's single write
 //! lock), each [`SqliteLedger`] owns one connection on one dedicated thread. Callers send an
 //! operation and await its answer. The thread drains whatever operations are queued, runs
-//! them in one `BEGIN IMMEDIATE` transaction, each inside its own `SAVEPOINT` (an operation
-//! that fails rolls back alone), takes in those queued meanwhile (up to
-//! `GROUP_COMMIT_OPS_MAX` in all), commits once, and only then answers all of them. One
+//! them in one `BEGIN IMMEDIATE` transaction, takes in those queued meanwhile (up to
+//! `GROUP_COMMIT_OPS_MAX` in all), commits once, and only then answers all of them. The
+//! operations run bare; when one fails after writing, the group is rolled back and run again
+//! with each operation inside its own `SAVEPOINT`, so an operation that fails rolls back
+//! alone either way ([`run_batch`]). One
 //! fsync covers the whole group, so concurrent conversations share the durability cost; a
 //! lone writer pays one fsync per operation. The outcome of each
 //! operation still comes only from its own conditional writes: batching changes when the
@@ -65,14 +67,89 @@ enum BatchEnd {
     Failed(String),
 }
 
-type Reply = Box<dyn FnOnce(BatchEnd) + Send>;
-/// An operation for the writer thread; `None` when its group could not even begin (it is
-/// then answered with the failure without running).
-///
-/// No reply (`None`): the operation answered its caller already, having written nothing (a
-/// check that stopped for the history, `StoreError::HistoryNeeded`): the group's end is not its
-/// own, and a group of only such operations takes no injected fault.
-type Job = Box<dyn FnOnce(Option<&mut SqliteTx<'_>>) -> (Option<Reply>, bool) + Send>;
+/// How one run of an operation went ([`Op::run`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ran {
+    /// It succeeded; its answer waits for the group's end.
+    Ok,
+    /// It failed; its answer (the failure) waits for the group's end, and whatever it wrote
+    /// must not be kept.
+    Failed,
+    /// It answered its caller already, having written nothing (a check that stopped for the
+    /// history, `StoreError::HistoryNeeded`): the group's end is not its own, and a group of
+    /// only such operations takes no injected fault.
+    Answered,
+}
+
+/// An operation for the writer thread. It may run more than once: a group whose operation
+/// failed after writing is rolled back and run again ([`run_batch`]); only the last run's
+/// result is answered.
+trait Op: Send {
+    /// Run on `tx`, or (`None`) fail because the group could not even begin; keep the result.
+    fn run(&mut self, tx: Option<&mut SqliteTx<'_>>) -> Ran;
+    /// The operation panicked (a bug): its caller is told `WriterGone` (its answer channel is
+    /// dropped), and it never runs again.
+    fn abandon(&mut self);
+    /// Whether it still has an answer to give (it was neither abandoned nor answered on its
+    /// own), so a second run of its group runs it again.
+    fn runnable(&self) -> bool;
+    /// Answer the caller with the last run's result, as the group ended.
+    fn answer(self: Box<Self>, end: BatchEnd);
+}
+
+type Job = Box<dyn Op>;
+
+/// An [`Op`] that answers through a oneshot channel.
+struct Answered<T, F> {
+    operation: F,
+    result: Option<Result<T, StoreError>>,
+    answer: Option<tokio::sync::oneshot::Sender<Result<T, StoreError>>>,
+}
+
+impl<T, F> Op for Answered<T, F>
+where
+    T: Send,
+    F: FnMut(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send,
+{
+    fn run(&mut self, tx: Option<&mut SqliteTx<'_>>) -> Ran {
+        let result = match tx {
+            Some(tx) => (self.operation)(tx),
+            None => Err(StoreError::CommitFailed("the transaction could not begin".into())),
+        };
+        if matches!(result, Err(StoreError::HistoryNeeded { .. })) {
+            if let Some(answer) = self.answer.take() {
+                // The caller may have gone away (its future was dropped); nothing to tell then.
+                let _ = answer.send(result);
+            }
+            self.result = None;
+            return Ran::Answered;
+        }
+        let ran = if result.is_ok() { Ran::Ok } else { Ran::Failed };
+        self.result = Some(result);
+        ran
+    }
+
+    fn abandon(&mut self) {
+        self.answer = None;
+        self.result = None;
+    }
+
+    fn runnable(&self) -> bool {
+        self.answer.is_some()
+    }
+
+    fn answer(self: Box<Self>, end: BatchEnd) {
+        let (Some(answer), Some(result)) = (self.answer, self.result) else {
+            return;
+        };
+        let result = match end {
+            BatchEnd::Committed => result,
+            BatchEnd::Lost(what) => Err(StoreError::ConnectionLost(what)),
+            BatchEnd::Failed(message) => Err(StoreError::CommitFailed(message)),
+        };
+        let _ = answer.send(result);
+    }
+}
 
 /// A transaction on one of the ledger's connections: the writer thread's (a write, inside its
 /// group's transaction) or a reader's (a read, in its own read transaction).
@@ -190,6 +267,9 @@ struct WriterCounters {
     /// Statements the operations ran, on the writer and the readers, not counting the
     /// transaction control around each operation ([`SqliteLedger::statements`]).
     statements: std::sync::atomic::AtomicU64,
+    /// Groups rolled back and run again, each operation in its own savepoint, because one
+    /// failed after writing ([`run_batch`], [`SqliteLedger::reruns`]).
+    reruns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -360,11 +440,12 @@ impl SqliteLedger {
             Synchronous::Full => "PRAGMA synchronous = FULL;",
             Synchronous::Normal => "PRAGMA synchronous = NORMAL;",
         })?;
-        // Statement journals in memory. Every operation of a group commit runs in its own
-        // SAVEPOINT, and a page it changes that an earlier operation of the group already
-        // changed is first copied to the savepoint's journal; past 64 KiB SQLite spills that
-        // journal to a temporary file, opened, written and deleted per group. It never needs
-        // to outlive the transaction, and its size is bounded by the group's dirty pages.
+        // Statement journals in memory. Inside a savepoint (the commit's own, and every
+        // operation's when a group runs again after a failure, `run_batch`) and for a
+        // statement that may abort halfway, a page that an earlier write of the transaction
+        // already changed is first copied to the savepoint's journal; past 64 KiB SQLite spills
+        // that journal to a temporary file, opened, written and deleted per group. It never
+        // needs to outlive the transaction, and its size is bounded by the group's dirty pages.
         connection.execute_batch("PRAGMA temp_store = MEMORY;")?;
         migrate(&mut connection)?;
         connection.execute_batch("PRAGMA foreign_keys = ON;")?;
@@ -415,6 +496,14 @@ impl SqliteLedger {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Group commits rolled back and run again since this ledger opened, because one of their
+    /// operations failed after writing (each then ran in its own savepoint). Zero while every
+    /// operation succeeds or refuses before it writes: no group paid for savepoints.
+    #[doc(hidden)]
+    pub fn reruns(&self) -> u64 {
+        self.counters.reruns.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The query plan SQLite chose for each sweep that should read a partial state index
     /// (migration 10): `(sweep, plan, index it should read)`, the plan as `EXPLAIN QUERY PLAN`
     /// details joined by "; ". For a test that fails when a sweep stops using its index.
@@ -442,29 +531,13 @@ impl SqliteLedger {
     async fn run<T, F>(&self, operation: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+        F: FnMut(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         let (answer, answered) = tokio::sync::oneshot::channel::<Result<T, StoreError>>();
-        let job: Job = Box::new(move |tx| {
-            let result = match tx {
-                Some(tx) => operation(tx),
-                None => Err(StoreError::CommitFailed("the transaction could not begin".into())),
-            };
-            if matches!(result, Err(StoreError::HistoryNeeded { .. })) {
-                let _ = answer.send(result);
-                return (None, false);
-            }
-            let ok = result.is_ok();
-            let reply: Reply = Box::new(move |end| {
-                let result = match end {
-                    BatchEnd::Committed => result,
-                    BatchEnd::Lost(what) => Err(StoreError::ConnectionLost(what)),
-                    BatchEnd::Failed(message) => Err(StoreError::CommitFailed(message)),
-                };
-                // The caller may have gone away (its future was dropped); nothing to tell then.
-                let _ = answer.send(result);
-            });
-            (Some(reply), ok)
+        let job: Job = Box::new(Answered {
+            operation,
+            result: None,
+            answer: Some(answer),
         });
         let Some(jobs) = &self.jobs else {
             return Err(StoreError::WriterGone);
@@ -531,11 +604,12 @@ impl SqliteLedger {
     async fn run_checked<T, F>(&self, operation: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&mut SqliteTx<'_>, &ValidationCache, &mut Option<Checked>) -> Result<T, StoreError>
+        F: FnMut(&mut SqliteTx<'_>, &ValidationCache, &mut Option<Checked>) -> Result<T, StoreError>
             + Send
             + 'static,
     {
         let cache = Arc::clone(&self.validation);
+        let mut operation = operation;
         let (outcome, next) = self
             .run(move |tx| {
                 let mut next = None;
@@ -658,6 +732,18 @@ fn control(connection: &Connection, sql: &str) -> rusqlite::Result<()> {
 /// committed and before anyone is answered. Operations queued while the group runs join it
 /// (up to `GROUP_COMMIT_OPS_MAX` in all) rather than wait for the next group's fsync: the
 /// group is whatever is queued when the writer reaches its COMMIT.
+///
+/// **Optimistic: no savepoint per operation.** Every operation runs bare in the group's
+/// transaction. One that fails having written nothing (`total_changes` did not move: a
+/// refusal before its first write) leaves nothing to undo, and the group goes on. One that
+/// fails or panics after writing cannot be undone alone: the whole transaction is rolled back
+/// and the group runs again ([`run_in_savepoints`]), each operation in its own savepoint as
+/// before, so exactly the writes of the operations that succeeded are kept. The outcome of
+/// every operation still comes only from its own conditional writes; a second run answers
+/// from the store as it is then, which the first run's rollback left as it was before the
+/// group. Savepoints cost every operation a statement pair and a copy of each page an earlier
+/// operation of its group had changed (the sub-journal); a failure after a write is a bug or a
+/// storage error, rare enough to pay the second run.
 fn run_batch(
     connection: &Connection,
     batch: Vec<Job>,
@@ -665,27 +751,16 @@ fn run_batch(
     faults: &FaultInjector,
     counters: &WriterCounters,
 ) {
-    let count = |wrote: u64| {
-        counters
-            .write_ops
-            .fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
-    };
-    let finish = |replies: Vec<Reply>, end: BatchEnd| {
-        for reply in replies {
-            reply(end.clone());
-        }
-    };
     if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
-        let replies = batch.into_iter().filter_map(|job| job(None).0).collect();
-        finish(replies, BatchEnd::Failed(error.to_string()));
+        fail_unbegun(batch, &error.to_string());
         return;
     }
-    let mut replies = Vec::with_capacity(batch.len());
+    let mut done: Vec<Job> = Vec::with_capacity(batch.len());
     let mut wrote = 0;
     let mut taken = batch.len();
     let mut pending = batch.into_iter();
     loop {
-        let job = match pending.next() {
+        let mut job = match pending.next() {
             Some(job) => job,
             None if taken < GROUP_COMMIT_OPS_MAX => match queue.try_recv() {
                 Ok(job) => {
@@ -697,15 +772,109 @@ fn run_batch(
             None => break,
         };
         let changes_before = connection.total_changes();
+        let mut tx = SqliteTx { connection, counters };
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(Some(&mut tx))));
+        let changed = connection.total_changes() > changes_before;
+        if connection.is_autocommit() {
+            // SQLite rolled the group's transaction back itself (an I/O error, a full disk,
+            // out of memory): nothing of the group is left, so every operation of it fails.
+            if ran.is_err() {
+                job.abandon();
+            }
+            done.push(job);
+            let message = "the transaction was rolled back by an error";
+            done.extend(pending.map(|mut job| {
+                job.run(None);
+                job
+            }));
+            finish(done, &BatchEnd::Failed(message.into()));
+            return;
+        }
+        let undo = match ran {
+            Ok(Ran::Answered) => changed,
+            Ok(Ran::Ok) => {
+                if changed {
+                    wrote += 1;
+                }
+                done.push(job);
+                false
+            }
+            Ok(Ran::Failed) => {
+                done.push(job);
+                changed
+            }
+            // A panicking operation (a bug) must not take the writer down with the other
+            // callers' operations: its own caller sees `WriterGone` and its writes are undone.
+            Err(_) => {
+                job.abandon();
+                changed
+            }
+        };
+        if undo {
+            let _ = control(connection, "ROLLBACK");
+            counters.reruns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            run_in_savepoints(
+                connection,
+                done.into_iter().chain(pending).collect(),
+                faults,
+                counters,
+            );
+            return;
+        }
+    }
+    end_group(connection, done, wrote, faults, counters);
+}
+
+/// Answer every operation of `jobs` with how the group ended.
+fn finish(jobs: Vec<Job>, end: &BatchEnd) {
+    for job in jobs {
+        job.answer(end.clone());
+    }
+}
+
+/// The group could not begin: each operation is told so (one that answers on its own has
+/// nothing to be told).
+fn fail_unbegun(jobs: Vec<Job>, error: &str) {
+    let told = jobs
+        .into_iter()
+        .filter_map(|mut job| (job.run(None) != Ran::Answered).then_some(job))
+        .collect();
+    finish(told, &BatchEnd::Failed(error.to_owned()));
+}
+
+/// Run `jobs` again after a rollback, each in its own `SAVEPOINT` (an operation that fails
+/// rolls back alone), and end the group. Operations that were abandoned (they panicked) answer
+/// nothing and are not run again.
+fn run_in_savepoints(
+    connection: &Connection,
+    jobs: Vec<Job>,
+    faults: &FaultInjector,
+    counters: &WriterCounters,
+) {
+    if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
+        fail_unbegun(
+            jobs.into_iter().filter(|job| job.runnable()).collect(),
+            &error.to_string(),
+        );
+        return;
+    }
+    let mut done = Vec::with_capacity(jobs.len());
+    let mut wrote = 0;
+    let mut pending = jobs.into_iter();
+    while let Some(mut job) = pending.next() {
+        if !job.runnable() {
+            continue;
+        }
+        let changes_before = connection.total_changes();
         let savepoint = control(connection, "SAVEPOINT op");
         let mut tx = SqliteTx { connection, counters };
-        // A panicking operation (a bug) must not take the writer down with the other callers'
-        // operations: its own caller sees `WriterGone` (its answer channel is dropped) and its
-        // writes are rolled back to the savepoint.
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(Some(&mut tx))));
-        let (reply, ok): (Option<Reply>, bool) = match ran {
-            Ok(ran) => ran,
-            Err(_) => (Some(Box::new(|_| {})), false),
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(Some(&mut tx))));
+        let ok = match ran {
+            Ok(ran) => ran == Ran::Ok,
+            Err(_) => {
+                job.abandon();
+                false
+            }
         };
         let closed = match (savepoint, ok) {
             (Ok(()), true) => control(connection, "RELEASE op"),
@@ -714,23 +883,41 @@ fn run_batch(
             }
             (Err(error), _) => Err(error),
         };
-        match closed {
-            Ok(()) => replies.extend(reply),
-            Err(error) => {
-                // The transaction is in an unknown state: give up the whole group, and answer
-                // the operations of it that did not run yet with the same failure.
-                let _ = control(connection, "ROLLBACK");
-                replies.extend(reply);
-                replies.extend(pending.filter_map(|job| job(None).0));
-                finish(replies, BatchEnd::Failed(error.to_string()));
-                return;
-            }
+        done.push(job);
+        if let Err(error) = closed {
+            // The transaction is in an unknown state: give up the whole group, and answer
+            // the operations of it that did not run yet with the same failure.
+            let _ = control(connection, "ROLLBACK");
+            let message = error.to_string();
+            done.extend(pending.filter(|job| job.runnable()).map(|mut job| {
+                job.run(None);
+                job
+            }));
+            finish(done, &BatchEnd::Failed(message));
+            return;
         }
         if ok && connection.total_changes() > changes_before {
             wrote += 1;
         }
     }
-    if replies.is_empty() {
+    end_group(connection, done, wrote, faults, counters);
+}
+
+/// Commit the group's transaction and answer its operations (`done`: those with an answer to
+/// give), or roll it back and tell them why; `wrote` of them changed a row.
+fn end_group(
+    connection: &Connection,
+    done: Vec<Job>,
+    wrote: u64,
+    faults: &FaultInjector,
+    counters: &WriterCounters,
+) {
+    let count = |wrote: u64| {
+        counters
+            .write_ops
+            .fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
+    };
+    if done.is_empty() {
         // Every operation of the group answered already and wrote nothing.
         let _ = control(connection, "ROLLBACK");
         return;
@@ -738,7 +925,7 @@ fn run_batch(
     match faults.take() {
         Some(Fault::DropBeforeCommit) => {
             let _ = control(connection, "ROLLBACK");
-            finish(replies, BatchEnd::Lost("before commit"));
+            finish(done, &BatchEnd::Lost("before commit"));
             return;
         }
         Some(Fault::DropAfterCommit) => {
@@ -752,7 +939,7 @@ fn run_batch(
                     BatchEnd::Failed(error.to_string())
                 }
             };
-            finish(replies, end);
+            finish(done, &end);
             return;
         }
         None => {}
@@ -760,11 +947,11 @@ fn run_batch(
     match control(connection, "COMMIT") {
         Ok(()) => {
             count(wrote);
-            finish(replies, BatchEnd::Committed);
+            finish(done, &BatchEnd::Committed);
         }
         Err(error) => {
             let _ = control(connection, "ROLLBACK");
-            finish(replies, BatchEnd::Failed(error.to_string()));
+            finish(done, &BatchEnd::Failed(error.to_string()));
         }
     }
 }
@@ -778,6 +965,7 @@ const PREPARE_CHECK_INLINE_BYTES_MAX: usize = 1 << 20;
 struct PrepareInputs {
     manifest: DispatchManifest,
     bytes: Vec<u8>,
+    policy: Option<Value>,
     fallbacks: Vec<PreparedTarget>,
 }
 
@@ -794,14 +982,14 @@ impl PrepareInputs {
         let inputs = PrepareInputs {
             manifest: manifest.clone(),
             bytes: request_bytes.to_vec(),
+            policy: policy.cloned(),
             fallbacks: fallbacks.to_vec(),
         };
-        let policy = policy.cloned();
         let check = move || {
             let checked = ops::prepare_rows(
                 &inputs.manifest,
                 &inputs.bytes,
-                policy.as_ref(),
+                inputs.policy.as_ref(),
                 &inputs.fallbacks,
             );
             (checked, inputs)
@@ -826,6 +1014,22 @@ impl PrepareInputs {
             check()
         };
         Ok(checked?.map(|rows| (inputs, rows)))
+    }
+}
+
+impl PrepareInputs {
+    /// The rows for one run of the prepare's SQL: the ones checked before it queued (`rows`,
+    /// taken by its first run), or, for a second run of its group (a rollback of the first
+    /// run, [`run_batch`]), the same rows worked out again, on the writer, rather than kept
+    /// twice on every prepare for a rare path.
+    fn rows(&self, rows: &mut Option<ops::PrepareRows>) -> Result<ops::PrepareRows, StoreError> {
+        match rows.take() {
+            Some(rows) => Ok(rows),
+            None => ops::prepare_rows(&self.manifest, &self.bytes, self.policy.as_ref(), &self.fallbacks)?
+                .map_err(|why| {
+                    StoreError::Corrupt(format!("a prepare checked before its run no longer does: {why}"))
+                }),
+        }
     }
 }
 
@@ -874,14 +1078,14 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(violations) => return Ok(ImportOutcome::Rejected(violations)),
         };
-        let (id, tools) = (conversation_id.to_owned(), tools.clone());
+        let (id, tools, mut checked) = (conversation_id.to_owned(), tools.clone(), checked);
         self.run_checked(move |tx, _, next| {
             let outcome = block_on_ready(ops::import_conversation(tx, &id, &tools, &checked, now))?;
             if let ImportOutcome::Created { revision } = outcome {
-                *next = Some(Checked {
-                    conversation_id: id,
+                *next = checked.history.take().map(|history| Checked {
+                    conversation_id: id.clone(),
                     revision,
-                    history: checked.history,
+                    history,
                 });
             }
             Ok(outcome)
@@ -949,13 +1153,14 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
+        let mut rows = Some(rows);
         self.run(move |tx| {
             block_on_ready(ops::prepare_targets(
                 tx,
                 &inputs.manifest,
                 &inputs.bytes,
                 &inputs.fallbacks,
-                rows,
+                inputs.rows(&mut rows)?,
                 now,
             ))
         })
@@ -976,13 +1181,14 @@ impl Ledger for SqliteLedger {
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
         let begin = begin.clone();
+        let mut rows = Some(rows);
         self.run(move |tx| {
             block_on_ready(ops::prepare_and_begin(
                 tx,
                 &inputs.manifest,
                 &inputs.bytes,
                 &inputs.fallbacks,
-                rows,
+                inputs.rows(&mut rows)?,
                 &begin,
                 now,
             ))
@@ -1010,7 +1216,9 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
         };
-        let (id, tools, begin) = (conversation_id.to_owned(), tools.clone(), begin.cloned());
+        let (id, tools, begin, mut checked) =
+            (conversation_id.to_owned(), tools.clone(), begin.cloned(), checked);
+        let mut rows = Some(rows);
         self.run_checked(move |tx, _, next| {
             let outcome = block_on_ready(ops::import_and_prepare(
                 tx,
@@ -1020,15 +1228,15 @@ impl Ledger for SqliteLedger {
                 &inputs.manifest,
                 &inputs.bytes,
                 &inputs.fallbacks,
-                rows,
+                inputs.rows(&mut rows)?,
                 begin.as_ref(),
                 now,
             ))?;
             if let ImportPrepared::Prepared { revision, .. } = &outcome {
-                *next = Some(Checked {
-                    conversation_id: id,
+                *next = checked.history.take().map(|history| Checked {
+                    conversation_id: id.clone(),
                     revision: *revision,
-                    history: checked.history,
+                    history,
                 });
             }
             Ok(outcome)
@@ -1394,19 +1602,109 @@ mod tests {
     /// A group's operations as (value, fails), and the values whose rows it keeps.
     type Case = (&'static [(i64, bool)], &'static [i64]);
 
+    /// How a test operation behaves when it runs.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Does {
+        /// Inserts its value.
+        Insert,
+        /// Inserts its value, then fails: only a rollback removes its row.
+        FailAfterWriting,
+        /// Fails before writing anything.
+        FailFirst,
+        /// Inserts its value, then panics (a bug).
+        Panic,
+    }
+
+    /// A test operation: `does` with `value` into `t`, telling `told` how its group ended, and
+    /// `modes` whether each of its runs was inside a savepoint named `op` (its first statement
+    /// is `ROLLBACK TO op`, which rolls back nothing there and fails where there is none).
+    struct TestOp {
+        value: i64,
+        does: Does,
+        told: Told,
+        modes: Arc<Mutex<Vec<(i64, bool)>>>,
+        /// Run once, at the operation's first run (the first operation queues others).
+        first: Option<Box<dyn FnOnce() + Send>>,
+        ran: bool,
+        abandoned: bool,
+    }
+
+    impl Op for TestOp {
+        fn run(&mut self, tx: Option<&mut SqliteTx<'_>>) -> Ran {
+            if let Some(first) = self.first.take() {
+                first();
+            }
+            self.ran = true;
+            let Some(tx) = tx else { return Ran::Failed };
+            let in_savepoint = block_on_ready(tx.execute("ROLLBACK TO op", &[])).is_ok();
+            self.modes.lock().unwrap().push((self.value, in_savepoint));
+            if self.does == Does::FailFirst {
+                return Ran::Failed;
+            }
+            let inserted =
+                block_on_ready(tx.execute("INSERT INTO t (x) VALUES ($1)", &[self.value.into()])).is_ok();
+            match self.does {
+                Does::Panic => panic!("a test operation panics after writing"),
+                Does::Insert if inserted => Ran::Ok,
+                _ => Ran::Failed,
+            }
+        }
+
+        fn abandon(&mut self) {
+            self.abandoned = true;
+        }
+
+        fn runnable(&self) -> bool {
+            !self.abandoned
+        }
+
+        fn answer(self: Box<Self>, end: BatchEnd) {
+            if self.ran && !self.abandoned {
+                self.told.lock().unwrap().push((self.value, format!("{end:?}")));
+            }
+        }
+    }
+
+    /// Test operations, with what they tell.
+    #[derive(Default)]
+    struct Ops {
+        told: Told,
+        modes: Arc<Mutex<Vec<(i64, bool)>>>,
+    }
+
+    impl Ops {
+        fn op(&self, value: i64, does: Does) -> Job {
+            Box::new(TestOp {
+                value,
+                does,
+                told: Arc::clone(&self.told),
+                modes: Arc::clone(&self.modes),
+                first: None,
+                ran: false,
+                abandoned: false,
+            })
+        }
+
+        fn told(&self) -> Vec<(i64, String)> {
+            self.told.lock().unwrap().clone()
+        }
+
+        fn modes(&self) -> Vec<(i64, bool)> {
+            self.modes.lock().unwrap().clone()
+        }
+    }
+
     /// An operation that inserts `value` into `t`, then fails when `fails`: a failing one has
     /// written before it fails, so only a rollback removes its row.
-    fn insert(value: i64, fails: bool, told: &Told) -> Job {
-        let told = Arc::clone(told);
-        Box::new(move |tx| {
-            let ran = tx.map(|tx| {
-                block_on_ready(tx.execute("INSERT INTO t (x) VALUES ($1)", &[value.into()])).is_ok() && !fails
-            });
-            let reply: Reply = Box::new(move |end| {
-                told.lock().unwrap().push((value, format!("{end:?}")));
-            });
-            (Some(reply), ran.unwrap_or(false))
-        })
+    fn insert(value: i64, fails: bool, ops: &Ops) -> Job {
+        ops.op(
+            value,
+            if fails {
+                Does::FailAfterWriting
+            } else {
+                Does::Insert
+            },
+        )
     }
 
     /// A WAL database in `dir` with the one table the operations above write.
@@ -1448,10 +1746,10 @@ mod tests {
         ];
         for (group, kept) in cases {
             connection.execute_batch("DELETE FROM t").unwrap();
-            let told = Told::default();
+            let ops = Ops::default();
             let batch = group
                 .iter()
-                .map(|&(value, fails)| insert(value, fails, &told))
+                .map(|&(value, fails)| insert(value, fails, &ops))
                 .collect();
             let wrote = counters.write_ops.load(std::sync::atomic::Ordering::Relaxed);
             run_batch(&connection, batch, &nothing_queued, &faults, &counters);
@@ -1461,7 +1759,7 @@ mod tests {
                 kept.len() as u64,
                 "group {group:?}: the operations that wrote and committed are counted"
             );
-            let told = told.lock().unwrap();
+            let told = ops.told();
             let answered: Vec<i64> = told.iter().map(|(value, _)| *value).collect();
             let all: Vec<i64> = group.iter().map(|(value, _)| *value).collect();
             assert_eq!(answered, all, "group {group:?}: each answered once, in order");
@@ -1476,15 +1774,76 @@ mod tests {
         }
         // A fault armed for the group reaches its operations even when none of them wrote.
         faults.arm(Fault::DropBeforeCommit);
-        let told = Told::default();
+        let ops = Ops::default();
         run_batch(
             &connection,
-            vec![insert(9, true, &told)],
+            vec![insert(9, true, &ops)],
             &nothing_queued,
             &faults,
             &counters,
         );
-        assert_eq!(told.lock().unwrap()[0].1, "Lost(\"before commit\")");
+        assert_eq!(ops.told()[0].1, "Lost(\"before commit\")");
+        assert!(connection.is_autocommit());
+    }
+
+    /// A group whose operations all succeed, or fail before writing, runs once and without a
+    /// savepoint. One that fails or panics after writing rolls the group back, and the group
+    /// runs again with each operation in its own savepoint. Either way exactly the rows of the
+    /// operations that succeeded are kept, and each caller is answered once, in order (a
+    /// panicking one never: its caller sees `WriterGone`).
+    #[test]
+    fn a_group_runs_without_savepoints_unless_an_operation_fails_after_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let connection = table_t(&dir);
+        let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
+        let (_sender, nothing_queued) = mpsc::channel::<Job>();
+        let reruns = || counters.reruns.load(std::sync::atomic::Ordering::Relaxed);
+        let values = |told: Vec<(i64, String)>| {
+            assert!(told.iter().all(|(_, end)| end == "Committed"), "{told:?}");
+            told.into_iter().map(|(value, _)| value).collect::<Vec<_>>()
+        };
+        // Succeeding, or failing first: one bare run.
+        let ops = Ops::default();
+        let group = vec![
+            ops.op(1, Does::Insert),
+            ops.op(2, Does::FailFirst),
+            ops.op(3, Does::Insert),
+        ];
+        run_batch(&connection, group, &nothing_queued, &faults, &counters);
+        assert_eq!(rows(&connection), [1, 3]);
+        assert_eq!(ops.modes(), [(1, false), (2, false), (3, false)]);
+        assert_eq!(reruns(), 0);
+        assert_eq!(values(ops.told()), [1, 2, 3]);
+        // Failing after writing: the bare run stops there; the second runs every one in a
+        // savepoint.
+        connection.execute_batch("DELETE FROM t").unwrap();
+        let ops = Ops::default();
+        let group = vec![
+            ops.op(1, Does::Insert),
+            ops.op(2, Does::FailAfterWriting),
+            ops.op(3, Does::Insert),
+        ];
+        run_batch(&connection, group, &nothing_queued, &faults, &counters);
+        assert_eq!(rows(&connection), [1, 3]);
+        assert_eq!(
+            ops.modes(),
+            [(1, false), (2, false), (1, true), (2, true), (3, true)]
+        );
+        assert_eq!(reruns(), 1);
+        assert_eq!(values(ops.told()), [1, 2, 3]);
+        // Panicking after writing: the same, and the panicking one is not run again.
+        connection.execute_batch("DELETE FROM t").unwrap();
+        let ops = Ops::default();
+        let group = vec![
+            ops.op(1, Does::Insert),
+            ops.op(2, Does::Panic),
+            ops.op(3, Does::Insert),
+        ];
+        run_batch(&connection, group, &nothing_queued, &faults, &counters);
+        assert_eq!(rows(&connection), [1, 3]);
+        assert_eq!(ops.modes(), [(1, false), (2, false), (1, true), (3, true)]);
+        assert_eq!(reruns(), 2);
+        assert_eq!(values(ops.told()), [1, 3]);
         assert!(connection.is_autocommit());
     }
 
@@ -1496,23 +1855,29 @@ mod tests {
         let connection = table_t(&dir);
         let (faults, counters) = (FaultInjector::default(), WriterCounters::default());
         let (sender, queue) = mpsc::channel::<Job>();
-        let told = Told::default();
+        let ops = Arc::new(Ops::default());
         // The first operation queues the next ones while it runs, as callers do meanwhile.
         let late = GROUP_COMMIT_OPS_MAX + 3;
         let first: Job = {
-            let (told, sender) = (Arc::clone(&told), sender.clone());
-            Box::new(move |tx| {
+            let (queued, sender) = (Arc::clone(&ops), sender.clone());
+            let mut first = TestOp {
+                value: 0,
+                does: Does::Insert,
+                told: Arc::clone(&ops.told),
+                modes: Arc::clone(&ops.modes),
+                first: None,
+                ran: false,
+                abandoned: false,
+            };
+            first.first = Some(Box::new(move || {
                 for value in 1..=late as i64 {
-                    sender.send(insert(value, false, &told)).unwrap();
+                    sender.send(insert(value, false, &queued)).unwrap();
                 }
-                let ran =
-                    tx.map(|tx| block_on_ready(tx.execute("INSERT INTO t (x) VALUES (0)", &[])).is_ok());
-                let reply: Reply = Box::new(move |end| told.lock().unwrap().push((0, format!("{end:?}"))));
-                (Some(reply), ran.unwrap_or(false))
-            })
+            }));
+            Box::new(first)
         };
         run_batch(&connection, vec![first], &queue, &faults, &counters);
-        let answered = told.lock().unwrap().clone();
+        let answered = ops.told();
         let expected: Vec<i64> = (0..GROUP_COMMIT_OPS_MAX as i64).collect();
         assert_eq!(
             answered.iter().map(|(value, _)| *value).collect::<Vec<_>>(),

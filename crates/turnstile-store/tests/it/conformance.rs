@@ -672,6 +672,74 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
     );
 }
 
+/// Issue 21: the SQLite writer's group commits run their operations without a savepoint each
+/// (`sqlite.rs::run_batch`); only a group with an operation that failed after writing is rolled
+/// back and run again with savepoints. Concurrent dispatches (groups of several prepares and
+/// commits) and their refusals (a second commit of a revision already taken, a prepare on a
+/// moved revision: answers, not failures) all commit with no group run twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_dispatches_and_their_refusals_never_run_a_group_twice() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = std::sync::Arc::new(
+        SqliteLedger::open(dir.path().join("ledger.db"), Synchronous::Full).expect("open sqlite"),
+    );
+    let conversations = 24;
+    for index in 0..conversations {
+        conversation_at_1(store.as_ref(), &format!("c{index}")).await;
+    }
+    let mut tasks = Vec::new();
+    for index in 0..conversations {
+        let store = std::sync::Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let (conversation, operation) = (format!("c{index}"), format!("op-c{index}"));
+            let (first, bytes) = manifest(&operation, &conversation, 1, "m");
+            let (prepared, began) = store
+                .prepare_and_begin(&first, &bytes, None, &[], &begin_at_once(), at(10))
+                .await
+                .unwrap();
+            assert!(matches!(prepared, PrepareOutcome::Created(_)), "{prepared:?}");
+            let Some(BeginOutcome::Began { generation, .. }) = began else {
+                panic!("{began:?}")
+            };
+            let carried = Carried {
+                from: DispatchState::Dispatching,
+                handle: Some(format!("resp_{index}")),
+            };
+            let turn = assistant_turn(&format!("a{index}"), 1);
+            let committed = store
+                .commit_carrying(&operation, generation, Revision(1), &turn, None, &carried, at(20))
+                .await
+                .unwrap();
+            assert!(
+                matches!(committed, CommitOutcome::Committed { .. }),
+                "{committed:?}"
+            );
+            let again = store
+                .commit_carrying(&operation, generation, Revision(1), &turn, None, &carried, at(30))
+                .await
+                .unwrap();
+            assert!(
+                matches!(again, CommitOutcome::Committed { .. }),
+                "a retry is answered: {again:?}"
+            );
+            let (stale, stale_bytes) = manifest(&format!("{operation}-late"), &conversation, 1, "m");
+            let refused = store
+                .prepare_and_begin(&stale, &stale_bytes, None, &[], &begin_at_once(), at(40))
+                .await
+                .unwrap()
+                .0;
+            assert!(
+                matches!(refused, PrepareOutcome::StaleRevision { .. }),
+                "{refused:?}"
+            );
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(store.reruns(), 0, "a group ran twice");
+}
+
 /// Issue 21: with the validator's state after the stored history kept, the dispatch path (the
 /// tail a kept conversation reads, the prepare and its begin, the commit) and an append read a
 /// conversation's revision only, never its tools (which only a walk of the whole history
