@@ -811,7 +811,21 @@ fn run_batch(
             }
         };
         if undo {
-            let _ = control(connection, "ROLLBACK");
+            let rolled_back = control(connection, "ROLLBACK");
+            if rolled_back.is_err() || !connection.is_autocommit() {
+                // Nothing of the group may be kept, and it cannot run again on this
+                // transaction: every operation of it fails.
+                let message = match rolled_back {
+                    Err(error) => format!("the group could not be rolled back: {error}"),
+                    Ok(()) => "the group could not be rolled back".to_owned(),
+                };
+                done.extend(pending.map(|mut job| {
+                    job.run(None);
+                    job
+                }));
+                finish(done, &BatchEnd::Failed(message));
+                return;
+            }
             counters.reruns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             run_in_savepoints(
                 connection,
@@ -883,7 +897,12 @@ fn run_in_savepoints(
             }
             (Err(error), _) => Err(error),
         };
-        done.push(job);
+        // One that answered on its own (`HistoryNeeded`) or panicked has nothing left to tell,
+        // and a group of only such operations ends as the first run would have: rolled back,
+        // taking no injected fault.
+        if job.runnable() {
+            done.push(job);
+        }
         if let Err(error) = closed {
             // The transaction is in an unknown state: give up the whole group, and answer
             // the operations of it that did not run yet with the same failure.
@@ -1613,6 +1632,9 @@ mod tests {
         FailFirst,
         /// Inserts its value, then panics (a bug).
         Panic,
+        /// Inserts its value; run again, answers its caller on its own having written nothing
+        /// (as an operation stopping for the history does).
+        AnswersWhenRunAgain,
     }
 
     /// A test operation: `does` with `value` into `t`, telling `told` how its group ended, and
@@ -1627,6 +1649,7 @@ mod tests {
         first: Option<Box<dyn FnOnce() + Send>>,
         ran: bool,
         abandoned: bool,
+        answered: bool,
     }
 
     impl Op for TestOp {
@@ -1640,6 +1663,14 @@ mod tests {
             self.modes.lock().unwrap().push((self.value, in_savepoint));
             if self.does == Does::FailFirst {
                 return Ran::Failed;
+            }
+            if self.does == Does::AnswersWhenRunAgain && in_savepoint {
+                self.answered = true;
+                self.told
+                    .lock()
+                    .unwrap()
+                    .push((self.value, "answered on its own".into()));
+                return Ran::Answered;
             }
             let inserted =
                 block_on_ready(tx.execute("INSERT INTO t (x) VALUES ($1)", &[self.value.into()])).is_ok();
@@ -1655,11 +1686,11 @@ mod tests {
         }
 
         fn runnable(&self) -> bool {
-            !self.abandoned
+            !self.abandoned && !self.answered
         }
 
         fn answer(self: Box<Self>, end: BatchEnd) {
-            if self.ran && !self.abandoned {
+            if self.ran && !self.abandoned && !self.answered {
                 self.told.lock().unwrap().push((self.value, format!("{end:?}")));
             }
         }
@@ -1682,6 +1713,7 @@ mod tests {
                 first: None,
                 ran: false,
                 abandoned: false,
+                answered: false,
             })
         }
 
@@ -1726,9 +1758,9 @@ mod tests {
     }
 
     /// A group commit keeps exactly the writes of the operations that succeeded, whichever
-    /// place a failing one has (first, between, last, every one): each runs in its own
-    /// savepoint, rolled back alone. Each operation is answered once, in order, with the
-    /// group's end.
+    /// place a failing one has (first, between, last, every one): a failure after writing
+    /// rolls the group back, and its second run gives each operation its own savepoint,
+    /// rolled back alone. Each operation is answered once, in order, with the group's end.
     #[test]
     fn a_group_commit_keeps_the_writes_of_the_operations_that_succeeded_and_only_those() {
         let dir = tempfile::tempdir().unwrap();
@@ -1845,6 +1877,22 @@ mod tests {
         assert_eq!(reruns(), 2);
         assert_eq!(values(ops.told()), [1, 3]);
         assert!(connection.is_autocommit());
+        // A second run left with nobody to answer (one answered on its own, the other
+        // panicked) rolls back as a first run would, taking no injected fault: the fault stays
+        // for the next group that has answers to give.
+        connection.execute_batch("DELETE FROM t").unwrap();
+        faults.arm(Fault::DropBeforeCommit);
+        let ops = Ops::default();
+        let group = vec![ops.op(1, Does::AnswersWhenRunAgain), ops.op(2, Does::Panic)];
+        run_batch(&connection, group, &nothing_queued, &faults, &counters);
+        assert_eq!(rows(&connection), Vec::<i64>::new());
+        assert_eq!(ops.told(), [(1, "answered on its own".to_owned())]);
+        assert_eq!(reruns(), 3);
+        assert!(
+            matches!(faults.take(), Some(Fault::DropBeforeCommit)),
+            "the fault was taken"
+        );
+        assert!(connection.is_autocommit());
     }
 
     /// Operations queued while a group runs join it, before its COMMIT (one fsync for all),
@@ -1868,6 +1916,7 @@ mod tests {
                 first: None,
                 ran: false,
                 abandoned: false,
+                answered: false,
             };
             first.first = Some(Box::new(move || {
                 for value in 1..=late as i64 {

@@ -675,8 +675,10 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
 /// Issue 21: the SQLite writer's group commits run their operations without a savepoint each
 /// (`sqlite.rs::run_batch`); only a group with an operation that failed after writing is rolled
 /// back and run again with savepoints. Concurrent dispatches (groups of several prepares and
-/// commits) and their refusals (a second commit of a revision already taken, a prepare on a
-/// moved revision: answers, not failures) all commit with no group run twice.
+/// commits), a retried commit (answered before any write) and refusals, which are answers and
+/// not failures (a rival dispatch's commit at the revision just taken, which writes: its turn
+/// quarantined, a counter, its dispatch abandoned; a prepare on a moved revision), all run with
+/// no group run twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_dispatches_and_their_refusals_never_run_a_group_twice() {
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -701,6 +703,19 @@ async fn concurrent_dispatches_and_their_refusals_never_run_a_group_twice() {
             let Some(BeginOutcome::Began { generation, .. }) = began else {
                 panic!("{began:?}")
             };
+            let rival_operation = format!("{operation}-rival");
+            let (rival, rival_bytes) = manifest(&rival_operation, &conversation, 1, "m");
+            let (_, rival_began) = store
+                .prepare_and_begin(&rival, &rival_bytes, None, &[], &begin_at_once(), at(11))
+                .await
+                .unwrap();
+            let Some(BeginOutcome::Began {
+                generation: rival_generation,
+                ..
+            }) = rival_began
+            else {
+                panic!("{rival_began:?}")
+            };
             let carried = Carried {
                 from: DispatchState::Dispatching,
                 handle: Some(format!("resp_{index}")),
@@ -722,6 +737,28 @@ async fn concurrent_dispatches_and_their_refusals_never_run_a_group_twice() {
                 matches!(again, CommitOutcome::Committed { .. }),
                 "a retry is answered: {again:?}"
             );
+            let rival_carried = Carried {
+                from: DispatchState::Dispatching,
+                handle: None,
+            };
+            let lost = store
+                .commit_carrying(
+                    &rival_operation,
+                    rival_generation,
+                    Revision(1),
+                    &assistant_turn(&format!("r{index}"), 0),
+                    None,
+                    &rival_carried,
+                    at(35),
+                )
+                .await
+                .unwrap();
+            assert!(
+                matches!(lost, CommitOutcome::Refused(CommitRefusal::RevisionMoved)),
+                "{lost:?}"
+            );
+            let abandoned = store.dispatch(&rival_operation).await.unwrap().unwrap();
+            assert_eq!(abandoned.state, DispatchState::Abandoned, "the refusal wrote");
             let (stale, stale_bytes) = manifest(&format!("{operation}-late"), &conversation, 1, "m");
             let refused = store
                 .prepare_and_begin(&stale, &stale_bytes, None, &[], &begin_at_once(), at(40))
