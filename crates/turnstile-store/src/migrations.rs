@@ -77,6 +77,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0010_live_indexes.sql"),
         postgres: include_str!("../migrations/postgres/0010_live_indexes.sql"),
     },
+    Migration {
+        version: 11,
+        name: "live_index_term",
+        sqlite: include_str!("../migrations/sqlite/0011_live_index_term.sql"),
+        postgres: include_str!("../migrations/postgres/0011_live_index_term.sql"),
+    },
 ];
 
 /// The newest version this build knows.
