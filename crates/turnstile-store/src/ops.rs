@@ -1515,7 +1515,7 @@ pub(crate) async fn renew_lease<T: Tx>(
     let renewed = tx
         .execute(
             "UPDATE attempts SET lease_expires_at = $4 WHERE operation_id = $1 AND generation = $2 \
-             AND lease_holder = $3 AND state IN ('DISPATCHING', 'SENT', 'STREAMING') \
+             AND lease_holder = $3 AND (state = 'DISPATCHING' OR state = 'SENT' OR state = 'STREAMING') \
              AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
                          AND d.active_generation = $2)",
             &[
@@ -2606,7 +2606,7 @@ fn stuck_age_sql(dialect: Dialect) -> String {
     )
 }
 
-/// The sweeps that read the partial state indexes of migration 10, by name, with the index
+/// The sweeps that read the partial state indexes of migrations 10 and 11, by name, with the index
 /// each must read (the SQLite ledger checks their plans in a test).
 pub(crate) fn sweeps(dialect: Dialect) -> Vec<(&'static str, String, &'static str)> {
     vec![

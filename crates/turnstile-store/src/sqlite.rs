@@ -505,7 +505,7 @@ impl SqliteLedger {
     }
 
     /// The query plan SQLite chose for each sweep that should read a partial state index
-    /// (migration 10): `(sweep, plan, index it should read)`, the plan as `EXPLAIN QUERY PLAN`
+    /// (migrations 10 and 11): `(sweep, plan, index it should read)`, the plan as `EXPLAIN QUERY PLAN`
     /// details joined by "; ". For a test that fails when a sweep stops using its index.
     #[doc(hidden)]
     pub fn sweep_plans(&self) -> Result<Vec<(String, String, String)>, StoreError> {
