@@ -752,7 +752,7 @@ fn run_batch(
     counters: &WriterCounters,
 ) {
     if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
-        fail_unbegun(batch, &error.to_string());
+        fail_group(Vec::new(), batch, error.to_string());
         return;
     }
     let mut done: Vec<Job> = Vec::with_capacity(batch.len());
@@ -782,12 +782,11 @@ fn run_batch(
                 job.abandon();
             }
             done.push(job);
-            let message = "the transaction was rolled back by an error";
-            done.extend(pending.map(|mut job| {
-                job.run(None);
-                job
-            }));
-            finish(done, &BatchEnd::Failed(message.into()));
+            fail_group(
+                done,
+                pending,
+                "the transaction was rolled back by an error".into(),
+            );
             return;
         }
         let undo = match ran {
@@ -819,11 +818,7 @@ fn run_batch(
                     Err(error) => format!("the group could not be rolled back: {error}"),
                     Ok(()) => "the group could not be rolled back".to_owned(),
                 };
-                done.extend(pending.map(|mut job| {
-                    job.run(None);
-                    job
-                }));
-                finish(done, &BatchEnd::Failed(message));
+                fail_group(done, pending, message);
                 return;
             }
             counters.reruns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -846,14 +841,15 @@ fn finish(jobs: Vec<Job>, end: &BatchEnd) {
     }
 }
 
-/// The group could not begin: each operation is told so (one that answers on its own has
-/// nothing to be told).
-fn fail_unbegun(jobs: Vec<Job>, error: &str) {
-    let told = jobs
-        .into_iter()
-        .filter_map(|mut job| (job.run(None) != Ran::Answered).then_some(job))
-        .collect();
-    finish(told, &BatchEnd::Failed(error.to_owned()));
+/// The group failed (it could not begin, or its transaction is lost): the operations that ran
+/// (`done`) and the rest, which never run now (each still with an answer to give is told its
+/// group could not begin), are answered with `message`.
+fn fail_group(mut done: Vec<Job>, rest: impl IntoIterator<Item = Job>, message: String) {
+    done.extend(rest.into_iter().filter(|job| job.runnable()).map(|mut job| {
+        job.run(None);
+        job
+    }));
+    finish(done, &BatchEnd::Failed(message));
 }
 
 /// Run `jobs` again after a rollback, each in its own `SAVEPOINT` (an operation that fails
@@ -866,10 +862,7 @@ fn run_in_savepoints(
     counters: &WriterCounters,
 ) {
     if let Err(error) = control(connection, "BEGIN IMMEDIATE") {
-        fail_unbegun(
-            jobs.into_iter().filter(|job| job.runnable()).collect(),
-            &error.to_string(),
-        );
+        fail_group(Vec::new(), jobs, error.to_string());
         return;
     }
     let mut done = Vec::with_capacity(jobs.len());
@@ -907,12 +900,7 @@ fn run_in_savepoints(
             // The transaction is in an unknown state: give up the whole group, and answer
             // the operations of it that did not run yet with the same failure.
             let _ = control(connection, "ROLLBACK");
-            let message = error.to_string();
-            done.extend(pending.filter(|job| job.runnable()).map(|mut job| {
-                job.run(None);
-                job
-            }));
-            finish(done, &BatchEnd::Failed(message));
+            fail_group(done, pending, error.to_string());
             return;
         }
         if ok && connection.total_changes() > changes_before {

@@ -694,65 +694,50 @@ async fn concurrent_dispatches_and_their_refusals_never_run_a_group_twice() {
         let store = std::sync::Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             let (conversation, operation) = (format!("c{index}"), format!("op-c{index}"));
-            let (first, bytes) = manifest(&operation, &conversation, 1, "m");
-            let (prepared, began) = store
-                .prepare_and_begin(&first, &bytes, None, &[], &begin_at_once(), at(10))
-                .await
-                .unwrap();
-            assert!(matches!(prepared, PrepareOutcome::Created(_)), "{prepared:?}");
-            let Some(BeginOutcome::Began { generation, .. }) = began else {
-                panic!("{began:?}")
-            };
+            let generation = began_at_once(store.as_ref(), &operation, &conversation, 1, 10).await;
             let rival_operation = format!("{operation}-rival");
-            let (rival, rival_bytes) = manifest(&rival_operation, &conversation, 1, "m");
-            let (_, rival_began) = store
-                .prepare_and_begin(&rival, &rival_bytes, None, &[], &begin_at_once(), at(11))
-                .await
-                .unwrap();
-            let Some(BeginOutcome::Began {
-                generation: rival_generation,
-                ..
-            }) = rival_began
-            else {
-                panic!("{rival_began:?}")
-            };
-            let carried = Carried {
-                from: DispatchState::Dispatching,
-                handle: Some(format!("resp_{index}")),
-            };
-            let turn = assistant_turn(&format!("a{index}"), 1);
-            let committed = store
-                .commit_carrying(&operation, generation, Revision(1), &turn, None, &carried, at(20))
-                .await
-                .unwrap();
+            let rival_generation =
+                began_at_once(store.as_ref(), &rival_operation, &conversation, 1, 11).await;
+            let (turn, handle) = (assistant_turn(&format!("a{index}"), 1), format!("resp_{index}"));
+            let committed = commit_from_dispatching(
+                store.as_ref(),
+                &operation,
+                generation,
+                1,
+                &turn,
+                Some(&handle),
+                20,
+            )
+            .await;
             assert!(
                 matches!(committed, CommitOutcome::Committed { .. }),
                 "{committed:?}"
             );
-            let again = store
-                .commit_carrying(&operation, generation, Revision(1), &turn, None, &carried, at(30))
-                .await
-                .unwrap();
+            let again = commit_from_dispatching(
+                store.as_ref(),
+                &operation,
+                generation,
+                1,
+                &turn,
+                Some(&handle),
+                30,
+            )
+            .await;
             assert!(
                 matches!(again, CommitOutcome::Committed { .. }),
                 "a retry is answered: {again:?}"
             );
-            let rival_carried = Carried {
-                from: DispatchState::Dispatching,
-                handle: None,
-            };
-            let lost = store
-                .commit_carrying(
-                    &rival_operation,
-                    rival_generation,
-                    Revision(1),
-                    &assistant_turn(&format!("r{index}"), 0),
-                    None,
-                    &rival_carried,
-                    at(35),
-                )
-                .await
-                .unwrap();
+            let rival_turn = assistant_turn(&format!("r{index}"), 0);
+            let lost = commit_from_dispatching(
+                store.as_ref(),
+                &rival_operation,
+                rival_generation,
+                1,
+                &rival_turn,
+                None,
+                35,
+            )
+            .await;
             assert!(
                 matches!(lost, CommitOutcome::Refused(CommitRefusal::RevisionMoved)),
                 "{lost:?}"
@@ -849,30 +834,9 @@ async fn a_kept_check_never_reads_the_conversation_s_tools() {
         .expect("tools made unreadable");
     let tail = store.conversation_since("c", Revision(1)).await.unwrap();
     assert_eq!(tail.map(|tail| tail.turns.len()), Some(0));
-    let (manifest, bytes) = manifest("op-c", "c", 1, "m");
-    let (_, began) = store
-        .prepare_and_begin(&manifest, &bytes, None, &[], &begin_at_once(), at(10))
-        .await
-        .unwrap();
-    let Some(BeginOutcome::Began { generation, .. }) = began else {
-        panic!("{began:?}")
-    };
-    let carried = Carried {
-        from: DispatchState::Dispatching,
-        handle: None,
-    };
-    let outcome = store
-        .commit_carrying(
-            "op-c",
-            generation,
-            Revision(1),
-            &assistant_turn("a", 0),
-            None,
-            &carried,
-            at(20),
-        )
-        .await
-        .unwrap();
+    let generation = began_at_once(&store, "op-c", "c", 1, 10).await;
+    let outcome =
+        commit_from_dispatching(&store, "op-c", generation, 1, &assistant_turn("a", 0), None, 20).await;
     assert!(matches!(outcome, CommitOutcome::Committed { .. }), "{outcome:?}");
     let question =
         json!({"id": "u1", "role": "user", "blocks": [{"id": "u1-0", "kind": "text", "text": "Sure?"}]});

@@ -240,6 +240,56 @@ pub async fn prepared_and_begun(
     }
 }
 
+/// Prepare and begin the first attempt at once (`prepare_and_begin`, [`begin_at_once`]); the
+/// generation. Panics unless the dispatch was created and begun.
+pub async fn began_at_once(
+    store: &dyn Ledger,
+    operation_id: &str,
+    conversation_id: &str,
+    revision: u64,
+    now: u64,
+) -> Generation {
+    let (manifest, bytes) = manifest(operation_id, conversation_id, revision, "m");
+    let (prepared, began) = store
+        .prepare_and_begin(&manifest, &bytes, None, &[], &begin_at_once(), at(now))
+        .await
+        .unwrap();
+    assert!(matches!(prepared, PrepareOutcome::Created(_)), "{prepared:?}");
+    match began {
+        Some(BeginOutcome::Began { generation, .. }) => generation,
+        other => panic!("begin {operation_id}: {other:?}"),
+    }
+}
+
+/// Commit `turn` as the turn after `revision` from DISPATCHING (SENT and STREAMING carried),
+/// with the handle the attempt saw, if any; the store's answer.
+pub async fn commit_from_dispatching(
+    store: &dyn Ledger,
+    operation_id: &str,
+    generation: Generation,
+    revision: u64,
+    turn: &Value,
+    handle: Option<&str>,
+    now: u64,
+) -> CommitOutcome {
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: handle.map(str::to_owned),
+    };
+    store
+        .commit_carrying(
+            operation_id,
+            generation,
+            Revision(revision),
+            turn,
+            None,
+            &carried,
+            at(now),
+        )
+        .await
+        .unwrap()
+}
+
 /// DISPATCHING → SENT → STREAMING.
 pub async fn to_streaming(store: &dyn Ledger, operation_id: &str, generation: Generation) {
     for (from, to) in [
