@@ -25,6 +25,9 @@ use serde_json::{Map, Number, Value};
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
+/// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
+pub(crate) const EXACT_INTEGER_MAX: u64 = 1 << 53;
+
 /// A `sha256:<64 lowercase hex>` digest.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -4,7 +4,7 @@
 //!
 //! Credentials and auth headers are never part of a manifest.
 
-use crate::digest::Digest;
+use crate::digest::{Digest, EXACT_INTEGER_MAX};
 use crate::ids::Revision;
 use serde::{Deserialize, Serialize};
 
@@ -57,17 +57,86 @@ pub struct DispatchManifest {
 impl ManifestBody {
     /// Compute `manifest_digest` and seal.
     pub fn seal(self) -> DispatchManifest {
-        let manifest_digest = Digest::of_canonical(&self);
+        let manifest_digest = self.digest();
         DispatchManifest {
             body: self,
             manifest_digest,
         }
     }
+
+    /// `sha256:` over the RFC 8785 form of the body: what `manifest_digest` is.
+    ///
+    /// The body holds only strings and integers, so serde_json's compact serialisation of its
+    /// fields in sorted order is that form, and is hashed as it is written
+    /// ([`Digest::of_sorted_serialization`]) instead of through a `serde_json::Value` (which
+    /// was most of sealing a manifest, and of the store's check that it is intact). An integer
+    /// above 2^53 prints differently as an IEEE double, so such a body takes the generic
+    /// canonicaliser. `tests/it/digest.rs` compares the two on generated bodies.
+    pub fn digest(&self) -> Digest {
+        // Destructured whole: a new field does not compile until it is written below.
+        let ManifestBody {
+            format,
+            operation_id,
+            conversation_id,
+            conversation_revision,
+            sequence_digest,
+            adapter,
+            adapter_digest,
+            provider,
+            model,
+            toolset_digest,
+            policy_digest,
+            max_output_tokens,
+            prompt_tokens,
+            request_digest,
+        } = self;
+        let exact = [conversation_revision.0, *max_output_tokens, *prompt_tokens]
+            .into_iter()
+            .all(|number| number <= EXACT_INTEGER_MAX);
+        if !exact {
+            return Digest::of_canonical(self);
+        }
+        Digest::of_sorted_serialization(&SortedBody {
+            adapter,
+            adapter_digest,
+            conversation_id,
+            conversation_revision: conversation_revision.0,
+            format,
+            max_output_tokens: *max_output_tokens,
+            model,
+            operation_id,
+            policy_digest,
+            prompt_tokens: *prompt_tokens,
+            provider,
+            request_digest,
+            sequence_digest,
+            toolset_digest,
+        })
+    }
+}
+
+/// The body's fields in the order RFC 8785 sorts their names (all ASCII, so byte order).
+#[derive(Serialize)]
+struct SortedBody<'a> {
+    adapter: &'a str,
+    adapter_digest: &'a Digest,
+    conversation_id: &'a str,
+    conversation_revision: u64,
+    format: &'a str,
+    max_output_tokens: u64,
+    model: &'a str,
+    operation_id: &'a str,
+    policy_digest: &'a Digest,
+    prompt_tokens: u64,
+    provider: &'a str,
+    request_digest: &'a Digest,
+    sequence_digest: &'a Digest,
+    toolset_digest: &'a Digest,
 }
 
 impl DispatchManifest {
     /// Whether `manifest_digest` matches the body (a stored manifest was not altered).
     pub fn is_intact(&self) -> bool {
-        Digest::of_canonical(&self.body) == self.manifest_digest
+        self.body.digest() == self.manifest_digest
     }
 }

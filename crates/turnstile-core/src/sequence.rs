@@ -24,7 +24,7 @@
 //! digest against the generic definition, on generated sequences and on ids that need escaping.
 
 use crate::conversation::{ArgState, BlockBody, Conversation, ResultStatus, Role, RoleField, Trust};
-use crate::digest::{Digest, HashState, push_json_string};
+use crate::digest::{Digest, EXACT_INTEGER_MAX, HashState, push_json_string};
 use crate::ids::{CallId, Generation, Revision};
 use crate::validate::Validated;
 use serde::Serialize;
@@ -33,9 +33,6 @@ use std::collections::HashMap;
 /// Serialised entries are hashed in pieces of about this many bytes (a whole build's edges in
 /// one buffer grew to hundreds of KiB, fresh pages each time).
 const SCRATCH_FLUSH: usize = 16 * 1024;
-
-/// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
-const EXACT_INTEGER_MAX: u64 = 1 << 53;
 
 /// The `format` string of a message sequence (v2: the digest takes each array's digest,
 /// module documentation).

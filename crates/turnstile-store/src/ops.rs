@@ -595,7 +595,7 @@ fn target_invalid(
         return Some("manifest_digest does not match the manifest");
     }
     if let Some(policy) = policy
-        && Digest::of_canonical(policy) != manifest.body.policy_digest
+        && Digest::of_value(policy) != manifest.body.policy_digest
     {
         return Some("the policy does not match policy_digest");
     }
@@ -663,7 +663,9 @@ pub(crate) fn prepare_rows(
             .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))
     };
     let manifest_json = serialised(manifest)?;
-    let manifest_value = json_of(&manifest_json)?;
+    // The record's copy is built from the struct, not parsed back from the text just written.
+    let manifest_value = serde_json::to_value(manifest)
+        .map_err(|error| StoreError::Corrupt(format!("manifest does not serialise: {error}")))?;
     let fallbacks = fallbacks
         .iter()
         .map(|fallback| {

@@ -257,3 +257,67 @@ fn value_digests_equal_the_digest_of_independent_canonical_bytes_at_every_size()
         assert_eq!(Digest::of_map(map), Digest::of_bytes(&bytes), "size {size}");
     }
 }
+
+/// A JSON integer either side of 2^53, where serde_json and RFC 8785 stop agreeing.
+fn manifest_integer() -> impl Strategy<Value = u64> {
+    prop_oneof![0u64..100_000, (1u64 << 53) - 2..(1u64 << 53) + 3, any::<u64>(),]
+}
+
+fn digest_field() -> impl Strategy<Value = Digest> {
+    // A stored manifest's digest fields are whatever strings it holds, not only well-formed
+    // digests: `is_intact` must agree with the definition on those too.
+    prop_oneof![
+        "[0-9a-f]{64}".prop_map(|hex| format!("sha256:{hex}")),
+        escapable_string(),
+    ]
+    .prop_map(|text| serde_json::from_value(Value::String(text)).unwrap())
+}
+
+prop_compose! {
+    fn manifest_body()(
+        strings in prop::collection::vec(escapable_string(), 6),
+        digests in prop::collection::vec(digest_field(), 5),
+        integers in prop::collection::vec(manifest_integer(), 3),
+    ) -> turnstile_core::manifest::ManifestBody {
+        turnstile_core::manifest::ManifestBody {
+            format: strings[0].clone(),
+            operation_id: strings[1].clone(),
+            conversation_id: strings[2].clone(),
+            conversation_revision: turnstile_core::ids::Revision(integers[0]),
+            sequence_digest: digests[0].clone(),
+            adapter: strings[3].clone(),
+            adapter_digest: digests[1].clone(),
+            provider: strings[4].clone(),
+            model: strings[5].clone(),
+            toolset_digest: digests[2].clone(),
+            policy_digest: digests[3].clone(),
+            max_output_tokens: integers[1],
+            prompt_tokens: integers[2],
+            request_digest: digests[4].clone(),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// `manifest_digest` is defined over the RFC 8785 form of the body; `ManifestBody::digest`
+    /// hashes serde_json's bytes of its fields in sorted order instead (and the generic form
+    /// for an integer above 2^53). Both must give the definition's digest, on bodies with
+    /// strings that need escaping and integers either side of 2^53; `is_intact` must accept
+    /// what `seal` wrote and refuse a body changed after sealing.
+    #[test]
+    fn a_manifest_digest_is_the_digest_of_the_canonical_body(body in manifest_body(), other in 0u64..(1 << 53)) {
+        let definition = Digest::of_bytes(&serde_json_canonicalizer::to_vec(&serde_json::to_value(&body).unwrap()).unwrap());
+        prop_assert_eq!(body.digest(), definition.clone());
+        let mut sealed = body.seal();
+        prop_assert_eq!(&sealed.manifest_digest, &definition);
+        prop_assert!(sealed.is_intact());
+        // (Two integers above 2^53 can be the same IEEE double, and so the same canonical
+        // body: the changed value is below it.)
+        if other != sealed.body.prompt_tokens {
+            sealed.body.prompt_tokens = other;
+            prop_assert!(!sealed.is_intact());
+        }
+    }
+}
