@@ -25,7 +25,8 @@ use serde_json::{Map, Number, Value};
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
-/// Largest integer that JSON-as-IEEE-double (RFC 8785) and serde_json print identically.
+/// Every integer up to this one prints the same in serde_json and as an IEEE double (RFC
+/// 8785); above it, not every one does.
 pub(crate) const EXACT_INTEGER_MAX: u64 = 1 << 53;
 
 /// A `sha256:<64 lowercase hex>` digest.

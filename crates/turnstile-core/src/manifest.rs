@@ -69,11 +69,13 @@ impl ManifestBody {
     /// The body holds only strings and integers, so serde_json's compact serialisation of its
     /// fields in sorted order is that form, and is hashed as it is written
     /// ([`Digest::of_sorted_serialization`]) instead of through a `serde_json::Value` (which
-    /// was most of sealing a manifest, and of the store's check that it is intact). An integer
-    /// above 2^53 prints differently as an IEEE double, so such a body takes the generic
-    /// canonicaliser. `tests/it/digest.rs` compares the two on generated bodies.
+    /// was most of sealing a manifest, and of the store's check that it is intact). Above 2^53
+    /// an integer may print differently as an IEEE double, so a body holding one takes the
+    /// generic canonicaliser (the store refuses such a manifest: its digest cannot pin the
+    /// number). `tests/it/digest.rs` compares both with an independent canonicaliser.
     pub fn digest(&self) -> Digest {
-        // Destructured whole: a new field does not compile until it is written below.
+        // Destructured whole: a new field must be named here, and one then left out of
+        // `SortedBody` is an unused variable (and fails the property test).
         let ManifestBody {
             format,
             operation_id,

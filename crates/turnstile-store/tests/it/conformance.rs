@@ -38,6 +38,7 @@ suite!(
     a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected,
     prepare_is_idempotent_on_the_operation_id_and_a_different_manifest_conflicts,
     prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revisions,
+    a_manifest_integer_above_2_53_is_refused_since_its_digest_cannot_pin_it,
     begin_allocates_a_durable_generation_once_and_refuses_a_second_begin,
     a_full_lifecycle_commits_one_turn_fills_the_tool_call_ledger_and_records_history,
     a_commit_from_another_generation_is_refused_quarantined_and_counted,
@@ -1042,6 +1043,36 @@ pub async fn prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revi
         PrepareOutcome::NotFound
     );
     assert_eq!(store.dispatch("op-1").await.unwrap(), None);
+}
+
+/// Above 2^53 two integers can be one IEEE double, and so one canonical manifest: a manifest
+/// holding such a number is refused (its digest would not pin it), and at 2^53 it is taken.
+pub async fn a_manifest_integer_above_2_53_is_refused_since_its_digest_cannot_pin_it(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let (manifest, bytes) = manifest("op-1", "c", 1, "m");
+    for field in 0..2 {
+        let mut body = manifest.body.clone();
+        match field {
+            0 => body.max_output_tokens = (1 << 53) + 1,
+            _ => body.prompt_tokens = (1 << 53) + 1,
+        }
+        assert_eq!(
+            store.prepare(&body.seal(), &bytes, at(10)).await.unwrap(),
+            PrepareOutcome::Invalid("a manifest integer is above 2^53, where its digest cannot pin it"),
+            "field {field}"
+        );
+    }
+    assert_eq!(store.dispatch("op-1").await.unwrap(), None);
+    let mut body = manifest.body.clone();
+    body.max_output_tokens = 1 << 53;
+    assert!(matches!(
+        store.prepare(&body.seal(), &bytes, at(11)).await.unwrap(),
+        PrepareOutcome::Created(_)
+    ));
 }
 
 /// A prepare that begins at once, asked for a target the dispatch does not have (here 1, with
