@@ -20,6 +20,7 @@ use crate::registry::AdapterId;
 use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
 use crate::sampling::{Sampling, SamplingError};
 use crate::tool_choice::{ToolChoice, ToolChoiceError};
+use turnstile_core::Digest;
 use turnstile_core::admission::{Admission, OverBudget, admit};
 use turnstile_core::manifest::{DispatchManifest, MANIFEST_FORMAT_V1, ManifestBody};
 
@@ -49,6 +50,9 @@ pub struct Prepared {
     pub rendered: Rendered,
     /// The sealed manifest.
     pub manifest: DispatchManifest,
+    /// The render policy (`rendered.policy`) as the JSON value the manifest's `policy_digest`
+    /// is over, kept beside the dispatch by the store.
+    pub policy: serde_json::Value,
     /// The catalog facts used for admission.
     pub model: ModelInfo,
     /// How the model was found in the catalog.
@@ -212,6 +216,9 @@ pub fn prepare_with_settings(
         Admission::Refused(over) => return Ok(PrepareOutcome::OverBudget(over)),
     };
     let conversation = graph.conversation();
+    // The policy as the JSON value `policy_digest` is over, built once: the digest here and the
+    // copy the store keeps (and checks against the digest) are both of it.
+    let policy = serde_json::to_value(&rendered.policy).expect("a render policy serialises to JSON");
     let manifest = ManifestBody {
         format: MANIFEST_FORMAT_V1.to_owned(),
         operation_id: request.operation_id.clone(),
@@ -226,7 +233,7 @@ pub fn prepare_with_settings(
             .unwrap_or_else(|| request.adapter.provider().to_owned()),
         model: request.model.clone(),
         toolset_digest: conversation.toolset_digest.clone(),
-        policy_digest: rendered.policy.digest(),
+        policy_digest: Digest::of_value(&policy),
         max_output_tokens,
         prompt_tokens: rendered.prompt_tokens,
         request_digest: cache.body_digest(
@@ -240,6 +247,7 @@ pub fn prepare_with_settings(
     Ok(PrepareOutcome::Prepared(Box::new(Prepared {
         rendered,
         manifest,
+        policy,
         model,
         model_match,
         headroom,

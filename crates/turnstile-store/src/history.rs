@@ -346,7 +346,8 @@ pub(crate) fn state_at(
 /// stored and the validator's state after the last one (for the [`ValidationCache`] once the
 /// import committed, so the first commit after an import checks its new turn only).
 pub(crate) struct CheckedImport {
-    pub stamped: Vec<Value>,
+    /// Each turn's row, written out here, on the caller: the writer only binds them.
+    pub turns: Vec<StampedTurn>,
     pub revision: Revision,
     /// The validator's state after the history, until the write that stored it takes it to
     /// keep (`None` after: a second run of that write keeps nothing, and the next check of
@@ -354,8 +355,31 @@ pub(crate) struct CheckedImport {
     pub history: Option<History>,
 }
 
+/// A stamped turn as its `turns` row holds it.
+pub(crate) struct StampedTurn {
+    pub revision: Revision,
+    pub generation: Option<u64>,
+    pub role: String,
+    /// The stamped turn's JSON text.
+    pub text: String,
+}
+
+impl StampedTurn {
+    /// The row of `turn`, which carries its stamps (`revision`, and `generation` when it has
+    /// one) already.
+    pub(crate) fn of(turn: &Value, revision: Revision) -> StampedTurn {
+        StampedTurn {
+            revision,
+            generation: turn.get("generation").and_then(Value::as_u64),
+            role: role_of(turn),
+            text: turn.to_string(),
+        }
+    }
+}
+
 /// Stamp and validate a whole history at once (an import), as one document: `rejected`
-/// refuses it. It reads nothing stored, so it runs on the caller, never in the writer.
+/// refuses it. It reads nothing stored, so it runs on the caller, never in the writer; the
+/// stamped turns move into the document checked, after their rows are written out.
 pub(crate) fn check_import(
     conversation_id: &str,
     tools: &Value,
@@ -365,21 +389,23 @@ pub(crate) fn check_import(
         return Err(shape_violation("an imported history needs at least one turn"));
     }
     let mut stamped = Vec::with_capacity(turns.len());
+    let mut rows = Vec::with_capacity(turns.len());
     for (index, turn) in turns.iter().enumerate() {
-        let Some(turn) = stamp_turn(turn, Revision(index as u64 + 1), None) else {
+        let revision = Revision(index as u64 + 1);
+        let Some(turn) = stamp_turn(turn, revision, None) else {
             return Err(shape_violation("a turn must be an object"));
         };
+        rows.push(StampedTurn::of(&turn, revision));
         stamped.push(turn);
     }
     let revision = Revision(stamped.len() as u64);
-    let document = json!({
-        "format": FORMAT_V1,
-        "conversation_id": conversation_id,
-        "revision": revision.0,
-        "tools": tools,
-        "turns": &stamped,
-    });
-    let conversation = match Conversation::from_value(document) {
+    let mut document = Map::new();
+    document.insert("format".into(), FORMAT_V1.into());
+    document.insert("conversation_id".into(), conversation_id.into());
+    document.insert("revision".into(), revision.0.into());
+    document.insert("tools".into(), tools.clone());
+    document.insert("turns".into(), Value::Array(stamped));
+    let conversation = match Conversation::from_value(Value::Object(document)) {
         Ok(conversation) => conversation,
         Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
     };
@@ -388,7 +414,7 @@ pub(crate) fn check_import(
         return Err(violations);
     }
     Ok(CheckedImport {
-        stamped,
+        turns: rows,
         revision,
         history: Some(history),
     })

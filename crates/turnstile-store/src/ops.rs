@@ -121,10 +121,8 @@ pub(crate) async fn import_conversation<T: Tx>(
             .unwrap_or(Revision(0));
         return Ok(ImportOutcome::AlreadyExists { revision: current });
     }
-    for turn in &checked.stamped {
-        let revision = Revision(turn["revision"].as_u64().unwrap_or(0));
-        let generation = turn.get("generation").and_then(Value::as_u64).map(Generation);
-        insert_turn(tx, conversation_id, revision, turn, generation, None, now).await?;
+    for turn in &checked.turns {
+        insert_row(tx, conversation_id, turn, None, now).await?;
     }
     Ok(ImportOutcome::Created { revision })
 }
@@ -349,16 +347,33 @@ async fn insert_turn<T: Tx>(
     operation_id: Option<&str>,
     now: Timestamp,
 ) -> Result<(), StoreError> {
+    let row = history::StampedTurn {
+        revision,
+        generation: generation.map(|generation| generation.0),
+        role: history::role_of(turn),
+        text: turn.to_string(),
+    };
+    insert_row(tx, conversation_id, &row, operation_id, now).await
+}
+
+/// Insert a turn's row as [`history::StampedTurn`] holds it.
+async fn insert_row<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    row: &history::StampedTurn,
+    operation_id: Option<&str>,
+    now: Timestamp,
+) -> Result<(), StoreError> {
     tx.execute(
         "INSERT INTO turns (conversation_id, revision, role, generation, operation_id, turn, committed_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
         &[
             conversation_id.into(),
-            revision.0.into(),
-            history::role_of(turn).into(),
-            generation.map(|generation| generation.0).into(),
+            row.revision.0.into(),
+            row.role.as_str().into(),
+            row.generation.into(),
             operation_id.into(),
-            turn.to_string().into(),
+            row.text.as_str().into(),
             ts(now),
         ],
     )

@@ -24,7 +24,7 @@ use std::time::Duration;
 use turnstile_adapters::decode::StreamApi;
 use turnstile_adapters::output_format::OutputFormat;
 use turnstile_adapters::prepare::{
-    PrepareOutcome, PrepareRequest, SettingError, Settings, prepare_with_settings,
+    PrepareOutcome, PrepareRequest, Prepared, SettingError, Settings, prepare_with_settings,
 };
 use turnstile_adapters::registry::AdapterId;
 use turnstile_adapters::render::{Graph, NotRenderable};
@@ -1257,8 +1257,13 @@ fn prepare_target(
         }
     };
     // The render policy the manifest pins (`policy_digest`) is kept beside it, to be shown.
-    let policy = serde_json::to_value(&prepared.rendered.policy).ok();
-    Ok(Ok((prepared.manifest, prepared.rendered.body, policy)))
+    let Prepared {
+        manifest,
+        rendered,
+        policy,
+        ..
+    } = *prepared;
+    Ok(Ok((manifest, rendered.body, Some(policy))))
 }
 
 /// The client-event hub of a dispatch: its live hub in this process, a new driver for a
