@@ -346,7 +346,8 @@ pub(crate) fn state_at(
 /// stored and the validator's state after the last one (for the [`ValidationCache`] once the
 /// import committed, so the first commit after an import checks its new turn only).
 pub(crate) struct CheckedImport {
-    /// Each turn's row, written out here, on the caller: the writer only binds them.
+    /// Each turn's row, written out here, on the caller: the writer only copies them into its
+    /// statement's parameters.
     pub turns: Vec<StampedTurn>,
     pub revision: Revision,
     /// The validator's state after the history, until the write that stored it takes it to

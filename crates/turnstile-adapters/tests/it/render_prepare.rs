@@ -51,6 +51,12 @@ fn the_manifest_pins_the_exact_body_bytes_and_every_spec_field() {
         );
         assert_eq!(manifest.body.prompt_tokens, prepared.rendered.prompt_tokens);
         assert_eq!(manifest.body.policy_digest, prepared.rendered.policy.digest());
+        // The policy kept beside the dispatch is the one the digest pins.
+        assert_eq!(
+            prepared.policy,
+            serde_json::to_value(&prepared.rendered.policy).unwrap()
+        );
+        assert_eq!(Digest::of_value(&prepared.policy), manifest.body.policy_digest);
         assert_eq!(&manifest.body.adapter_digest, adapter.adapter_digest());
         assert_eq!(manifest.body.adapter, adapter.as_str());
         assert_eq!(manifest.body.provider, adapter.provider());
