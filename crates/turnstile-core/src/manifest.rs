@@ -64,6 +64,20 @@ impl ManifestBody {
         }
     }
 
+    /// Whether every integer of the body is at most 2^53, so exact as an IEEE double, which is
+    /// how RFC 8785 (and so `manifest_digest`) reads JSON numbers. Above it two integers can be
+    /// one double, and so one canonical body: the digest would not pin the number (the store
+    /// refuses such a manifest).
+    pub fn numbers_exact(&self) -> bool {
+        [
+            self.conversation_revision.0,
+            self.max_output_tokens,
+            self.prompt_tokens,
+        ]
+        .into_iter()
+        .all(|number| number <= EXACT_INTEGER_MAX)
+    }
+
     /// `sha256:` over the RFC 8785 form of the body: what `manifest_digest` is.
     ///
     /// The body holds only strings and integers, so serde_json's compact serialisation of its
@@ -92,10 +106,7 @@ impl ManifestBody {
             prompt_tokens,
             request_digest,
         } = self;
-        let exact = [conversation_revision.0, *max_output_tokens, *prompt_tokens]
-            .into_iter()
-            .all(|number| number <= EXACT_INTEGER_MAX);
-        if !exact {
+        if !self.numbers_exact() {
             return Digest::of_canonical(self);
         }
         Digest::of_sorted_serialization(&SortedBody {

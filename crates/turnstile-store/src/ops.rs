@@ -601,10 +601,6 @@ async fn dispatch_state<T: Tx>(
 }
 
 /// Why one target's manifest, bytes and policy cannot be stored (None: they can).
-/// Largest integer a manifest may hold: every integer up to 2^53 is exact as an IEEE double,
-/// which is how RFC 8785 (and so `manifest_digest`) reads JSON numbers.
-const MANIFEST_INTEGER_MAX: u64 = 1 << 53;
-
 fn target_invalid(
     manifest: &DispatchManifest,
     request_bytes: &[u8],
@@ -613,17 +609,8 @@ fn target_invalid(
     if !manifest.is_intact() {
         return Some("manifest_digest does not match the manifest");
     }
-    // Above 2^53 two integers can be one IEEE double, and so one canonical manifest: the
-    // digest would not pin the number sent (no real count or revision comes near it).
-    let body = &manifest.body;
-    if [
-        body.conversation_revision.0,
-        body.max_output_tokens,
-        body.prompt_tokens,
-    ]
-    .into_iter()
-    .any(|number| number > MANIFEST_INTEGER_MAX)
-    {
+    // The digest would not pin a number above 2^53 (no real count or revision comes near it).
+    if !manifest.body.numbers_exact() {
         return Some("a manifest integer is above 2^53, where its digest cannot pin it");
     }
     if let Some(policy) = policy
