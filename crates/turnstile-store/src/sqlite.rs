@@ -30,6 +30,11 @@
 //! acknowledged transactions can roll back after a power loss or OS crash, which means a
 //! request may have been sent for an attempt whose DISPATCHING row is gone. Use it only where
 //! that is acceptable (tests, throwaway gateways).
+//!
+//! **Checkpoints off the writer.** The writer's WAL hook wakes a checkpoint thread of the
+//! ledger's own, which copies the WAL back into the database file on its own connection while
+//! the writer goes on committing; the writer checkpoints itself only when the WAL outgrew its
+//! bound ([`start_checkpointer`]).
 
 use crate::clock::StoreClock;
 use crate::error::StoreError;
@@ -250,6 +255,9 @@ impl Tx for SqliteTx<'_> {
 pub struct SqliteLedger {
     jobs: Option<mpsc::Sender<Job>>,
     writer: Option<JoinHandle<()>>,
+    /// The checkpoint thread ([`start_checkpointer`]); it ends after the writer's connection
+    /// closes.
+    checkpointer: Option<JoinHandle<()>>,
     faults: Arc<FaultInjector>,
     counters: Arc<WriterCounters>,
     validation: Arc<ValidationCache>,
@@ -270,6 +278,13 @@ struct WriterCounters {
     /// Groups rolled back and run again, each operation in its own savepoint, because one
     /// failed after writing ([`run_batch`], [`SqliteLedger::reruns`]).
     reruns: std::sync::atomic::AtomicU64,
+    /// Checkpoints the checkpoint thread ran ([`SqliteLedger::checkpoints`]).
+    checkpoints: std::sync::atomic::AtomicU64,
+    /// Checkpoints the writer ran after its own commit, the WAL having grown past
+    /// `SQLITE_CHECKPOINT_WRITER_PAGES` ([`SqliteLedger::checkpoints`]).
+    writer_checkpoints: std::sync::atomic::AtomicU64,
+    /// Checkpoints that failed, on either thread.
+    checkpoint_failures: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -458,6 +473,7 @@ impl SqliteLedger {
         let thread_faults = Arc::clone(&faults);
         let counters = Arc::new(WriterCounters::default());
         let thread_counters = Arc::clone(&counters);
+        let checkpointer = start_checkpointer(&mut connection, &path, &clock, synchronous, &counters)?;
         let writer = std::thread::Builder::new()
             .name("turnstile-sqlite-writer".into())
             .spawn(move || writer_loop(connection, queue, thread_faults, thread_counters))
@@ -465,6 +481,7 @@ impl SqliteLedger {
         Ok(SqliteLedger {
             jobs: Some(jobs),
             writer: Some(writer),
+            checkpointer: Some(checkpointer),
             faults,
             counters,
             validation: Arc::default(),
@@ -502,6 +519,20 @@ impl SqliteLedger {
     #[doc(hidden)]
     pub fn reruns(&self) -> u64 {
         self.counters.reruns.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Checkpoints since this ledger opened: `(by the checkpoint thread, by the writer after
+    /// its commit, failed)` ([`start_checkpointer`]). The writer checkpoints only when the WAL
+    /// outgrew `SQLITE_CHECKPOINT_WRITER_PAGES`.
+    #[doc(hidden)]
+    pub fn checkpoints(&self) -> (u64, u64, u64) {
+        let load =
+            |counter: &std::sync::atomic::AtomicU64| counter.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            load(&self.counters.checkpoints),
+            load(&self.counters.writer_checkpoints),
+            load(&self.counters.checkpoint_failures),
+        )
     }
 
     /// The query plan SQLite chose for each sweep that should read a partial state index
@@ -701,7 +732,78 @@ impl Drop for SqliteLedger {
             // to every waiting caller as `WriterGone`.
             let _ = writer.join();
         }
+        if let Some(checkpointer) = self.checkpointer.take() {
+            // The writer's connection, which held the only sender, is closed: the thread
+            // ends after the checkpoint it may be running.
+            let _ = checkpointer.join();
+        }
     }
+}
+
+/// Start the ledger's checkpoint thread and hand it the writer's WAL hook.
+///
+/// SQLite checkpoints in the connection that commits, once the WAL holds
+/// `wal_autocheckpoint` pages: the writer then copies up to a thousand pages into the
+/// database file and syncs it inside a commit, and every operation queued behind waits
+/// (docs/decisions.md, "Checkpoints off the writer"). Instead the writer's hook (which
+/// replaces SQLite's automatic checkpoint; it runs after each commit with the WAL's size in
+/// pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection: it never
+/// takes the write lock, so the writer goes on committing while it copies. Past
+/// `SQLITE_CHECKPOINT_WRITER_PAGES` (the thread stalled or behind) the writer checkpoints
+/// itself, as SQLite would have, so the WAL stays bounded either way.
+fn start_checkpointer(
+    writer: &mut Connection,
+    path: &Path,
+    clock: &StoreClock,
+    synchronous: Synchronous,
+    counters: &Arc<WriterCounters>,
+) -> Result<JoinHandle<()>, StoreError> {
+    let connection = open_connection(path, clock)?;
+    // A checkpoint syncs the WAL before copying and the database file after at either
+    // setting; the same setting as the writer's, so the two connections never differ.
+    connection.execute_batch(match synchronous {
+        Synchronous::Full => "PRAGMA synchronous = FULL;",
+        Synchronous::Normal => "PRAGMA synchronous = NORMAL;",
+    })?;
+    // A capacity of one: a wake-up while one is pending is dropped (the pending checkpoint
+    // takes what it brought), so the writer's hook never blocks.
+    let (wake, woken) = mpsc::sync_channel::<()>(1);
+    let hook_counters = Arc::clone(counters);
+    writer.wal_hook(Some(
+        move |wal: &mut rusqlite::hooks::Wal, pages: std::ffi::c_int| {
+            if pages >= SQLITE_CHECKPOINT_WRITER_PAGES {
+                let counter = match wal.checkpoint_v2(rusqlite::wal::CheckpointMode::PASSIVE) {
+                    Ok(_) => Some(&hook_counters.writer_checkpoints),
+                    // The checkpoint thread is running one: the next commit tries again.
+                    Err(error) if error.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
+                        None
+                    }
+                    Err(_) => Some(&hook_counters.checkpoint_failures),
+                };
+                if let Some(counter) = counter {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            } else if pages >= SQLITE_CHECKPOINT_PAGES {
+                let _ = wake.try_send(());
+            }
+            Ok(())
+        },
+    ))?;
+    let thread_counters = Arc::clone(counters);
+    std::thread::Builder::new()
+        .name("turnstile-sqlite-checkpoint".into())
+        .spawn(move || {
+            while woken.recv().is_ok() {
+                // A checkpoint the writer is running meanwhile is reported in the row's first
+                // column, not as an error; either way the next wake-up tries again.
+                let counter = match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                    Ok(()) => &thread_counters.checkpoints,
+                    Err(_) => &thread_counters.checkpoint_failures,
+                };
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        })
+        .map_err(|error| StoreError::CommitFailed(format!("cannot start the checkpoint thread: {error}")))
 }
 
 fn writer_loop(

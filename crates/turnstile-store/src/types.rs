@@ -25,6 +25,12 @@ pub const SQLITE_PAGE_SIZE_BYTES: usize = 2048;
 /// Most idle read connections a SQLite ledger keeps open (reads run on the calling thread, so
 /// as many run at once as threads call; the ones above this are closed after their read).
 pub const SQLITE_READERS_IDLE_MAX: usize = 8;
+/// WAL frames (pages) at which a SQLite ledger's checkpoint thread copies the WAL back into
+/// the database file: SQLite's own default for `wal_autocheckpoint`, run off the writer.
+pub const SQLITE_CHECKPOINT_PAGES: i32 = 1000;
+/// WAL frames past which the writer checkpoints after its commit itself, as SQLite would:
+/// the bound on the WAL when the checkpoint thread falls behind (32 MiB at 2 KiB pages).
+pub const SQLITE_CHECKPOINT_WRITER_PAGES: i32 = 16_000;
 
 /// Answer of [`crate::Ledger::conversation_since`].
 #[derive(Clone, Debug, PartialEq)]

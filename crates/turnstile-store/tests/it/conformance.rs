@@ -3196,3 +3196,117 @@ pub async fn a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_hist
     ));
     check_invariants(&*other, &["c".into()]).await;
 }
+
+/// Import conversations of `text_bytes` of text each, named `prefix`0.., until `stop` says so
+/// (checked after every import, with the number imported); at most `max` of them.
+async fn import_until(
+    store: &SqliteLedger,
+    prefix: &str,
+    text_bytes: usize,
+    max: usize,
+    mut stop: impl FnMut(usize) -> bool,
+) -> usize {
+    let text = "x".repeat(text_bytes);
+    for index in 0..max {
+        let turn = json!({"id": "t", "role": "user", "blocks": [{"id": "b", "kind": "text", "text": text}]});
+        let outcome = store
+            .import_conversation(&format!("{prefix}{index}"), &tools(), &[turn], at(10))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, ImportOutcome::Created { .. }), "{outcome:?}");
+        if stop(index + 1) {
+            return index + 1;
+        }
+    }
+    max
+}
+
+/// Frames in the WAL of the ledger at `path` and how many of them are copied back, asked of
+/// SQLite on a connection of the test's own (a `PASSIVE` checkpoint: it copies what it can).
+fn wal_frames(connection: &rusqlite::Connection) -> (i64, i64) {
+    connection
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
+            Ok((row.get(1)?, row.get(2)?))
+        })
+        .unwrap()
+}
+
+/// Issue 21: the writer never copies the WAL back into the database inside its commits
+/// (SQLite's automatic checkpoint did, a thousand pages and a sync of the database file with
+/// every operation queued behind it waiting): the checkpoint thread does, on its own
+/// connection, and the WAL starts over. Red with the writer's hook waking nothing (the thread
+/// never checkpoints) and with SQLite's automatic checkpoint left on (the WAL starts over
+/// though the thread ran none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checkpoint_thread_copies_the_wal_back_and_the_writer_does_not() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("ledger.db");
+    let store = SqliteLedger::open(&path, Synchronous::Normal).expect("open sqlite");
+    // About 8 KiB of text: a few pages per import, past the threshold within a few hundred.
+    let imported = import_until(&store, "c", 8 * 1024, 2_000, |_| store.checkpoints().0 > 0).await;
+    assert!(
+        imported < 2_000,
+        "no checkpoint after {imported} imports: {:?}",
+        store.checkpoints()
+    );
+    // The WAL starts over at the next write after a checkpoint that copied all of it; the
+    // thread's checkpoint may still be copying: wait for it (bounded), writing meanwhile.
+    let observer = rusqlite::Connection::open(&path).unwrap();
+    let mut restarted = false;
+    for round in 0..200 {
+        import_until(&store, &format!("after{round}-"), 16, 1, |_| true).await;
+        let (frames, _) = wal_frames(&observer);
+        if frames < i64::from(SQLITE_CHECKPOINT_PAGES) {
+            restarted = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(restarted, "the WAL never started over: {:?}", store.checkpoints());
+    let (by_thread, by_writer, failed) = store.checkpoints();
+    assert!(by_thread >= 1);
+    assert_eq!(
+        (by_writer, failed),
+        (0, 0),
+        "the writer checkpointed, or a checkpoint failed"
+    );
+}
+
+/// Issue 21: the WAL stays bounded when the checkpoint thread cannot keep it small: here a
+/// reader holds the WAL's first snapshot, so no checkpoint can copy past it and the WAL cannot
+/// start over. Past `SQLITE_CHECKPOINT_WRITER_PAGES` the writer checkpoints after its commit
+/// itself, as SQLite would have; once the reader ends, the WAL starts over. Red with the
+/// writer's own checkpoint taken out of its hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_bound_the_writer_checkpoints_itself() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("ledger.db");
+    let store = SqliteLedger::open(&path, Synchronous::Normal).expect("open sqlite");
+    import_until(&store, "first", 16, 1, |_| true).await;
+    let reader = rusqlite::Connection::open(&path).unwrap();
+    reader.execute_batch("BEGIN").unwrap();
+    let _: i64 = reader
+        .query_row("SELECT COUNT(*) FROM conversations", [], |row| row.get(0))
+        .unwrap();
+    // About 64 KiB of text: some 40 pages per import, past the bound within a thousand.
+    let imported = import_until(&store, "c", 64 * 1024, 1_000, |_| store.checkpoints().1 > 0).await;
+    let (_, by_writer, failed) = store.checkpoints();
+    assert!(
+        by_writer >= 1,
+        "the writer never checkpointed after {imported} imports"
+    );
+    assert_eq!(failed, 0);
+    reader.execute_batch("COMMIT").unwrap();
+    let observer = rusqlite::Connection::open(&path).unwrap();
+    let (frames, copied) = wal_frames(&observer);
+    assert_eq!(
+        frames, copied,
+        "with the reader gone, all of the WAL is copied back"
+    );
+    import_until(&store, "last", 16, 1, |_| true).await;
+    let (frames, _) = wal_frames(&observer);
+    assert!(
+        frames < i64::from(SQLITE_CHECKPOINT_PAGES),
+        "the WAL started over: {frames} frames"
+    );
+}
