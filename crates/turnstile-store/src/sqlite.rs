@@ -281,10 +281,13 @@ struct WriterCounters {
     /// Checkpoints the checkpoint thread ran ([`SqliteLedger::checkpoints`]).
     checkpoints: std::sync::atomic::AtomicU64,
     /// Checkpoints the writer ran after its own commit, the WAL having grown past
-    /// `SQLITE_CHECKPOINT_WRITER_PAGES` ([`SqliteLedger::checkpoints`]).
+    /// `SQLITE_WAL_PAGES_MAX` ([`SqliteLedger::checkpoints`]).
     writer_checkpoints: std::sync::atomic::AtomicU64,
     /// Checkpoints that failed, on either thread.
     checkpoint_failures: std::sync::atomic::AtomicU64,
+    /// Pages in the WAL after the writer's last commit, as its WAL hook was told
+    /// ([`SqliteLedger::wal_pages`]).
+    wal_pages: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SqliteLedger {
@@ -521,9 +524,16 @@ impl SqliteLedger {
         self.counters.reruns.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Checkpoints since this ledger opened: `(by the checkpoint thread, by the writer after
+    /// Pages in the WAL after the writer's last commit (0 before the first): what SQLite told
+    /// the writer's WAL hook, observed without touching the WAL.
+    #[doc(hidden)]
+    pub fn wal_pages(&self) -> u64 {
+        self.counters.wal_pages.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Checkpoints since this ledger opened: `(passes of the checkpoint thread, by the writer after
     /// its commit, failed)` ([`start_checkpointer`]). The writer checkpoints only when the WAL
-    /// outgrew `SQLITE_CHECKPOINT_WRITER_PAGES`.
+    /// outgrew `SQLITE_WAL_PAGES_MAX`.
     #[doc(hidden)]
     pub fn checkpoints(&self) -> (u64, u64, u64) {
         let load =
@@ -749,7 +759,7 @@ impl Drop for SqliteLedger {
 /// replaces SQLite's automatic checkpoint; it runs after each commit with the WAL's size in
 /// pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection: it never
 /// takes the write lock, so the writer goes on committing while it copies. Past
-/// `SQLITE_CHECKPOINT_WRITER_PAGES` (the thread stalled or behind) the writer checkpoints
+/// `SQLITE_WAL_PAGES_MAX` (the thread stalled or behind) the writer checkpoints
 /// itself, as SQLite would have, so the WAL stays bounded either way.
 fn start_checkpointer(
     writer: &mut Connection,
@@ -775,11 +785,17 @@ fn start_checkpointer(
     // commit adds (44 % more fsyncs in all on disk, and the WAL started over less often).
     let mut wake_at = SQLITE_CHECKPOINT_PAGES;
     writer.wal_hook(Some(
+        // It always answers `Ok`: SQLite runs it after the commit, and an error would make
+        // the COMMIT statement fail on a transaction already written.
         move |wal: &mut rusqlite::hooks::Wal, pages: std::ffi::c_int| {
+            hook_counters.wal_pages.store(
+                u64::try_from(pages).unwrap_or(0),
+                std::sync::atomic::Ordering::Relaxed,
+            );
             if pages < wake_at - SQLITE_CHECKPOINT_PAGES {
                 wake_at = SQLITE_CHECKPOINT_PAGES;
             }
-            if pages >= SQLITE_CHECKPOINT_WRITER_PAGES {
+            if pages >= SQLITE_WAL_PAGES_MAX {
                 let counter = match wal.checkpoint_v2(rusqlite::wal::CheckpointMode::PASSIVE) {
                     Ok(_) => Some(&hook_counters.writer_checkpoints),
                     // The checkpoint thread is running one: the next commit tries again.
@@ -805,18 +821,26 @@ fn start_checkpointer(
             while woken.recv().is_ok() {
                 // The writer commits while a pass copies: the next pass copies what those
                 // commits added, far less. Once a pass leaves nothing uncopied, the writer's
-                // next transaction starts the WAL over. A checkpoint the writer is running
+                // next transaction starts the WAL over (when no reader still needs it). A checkpoint the writer is running
                 // meanwhile is reported in the row's first column, not as an error.
-                for _ in 0..SQLITE_CHECKPOINT_PASSES {
+                for _ in 0..SQLITE_CHECKPOINT_PASSES_MAX {
                     let pass = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
-                        Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
+                        Ok((
+                            row.get::<_, i64>(0)?,
+                            row.get::<_, i64>(1)?,
+                            row.get::<_, i64>(2)?,
+                        ))
                     });
-                    let (counter, caught_up) = match pass {
-                        Ok((frames, copied)) => (&thread_counters.checkpoints, copied >= frames),
-                        Err(_) => (&thread_counters.checkpoint_failures, true),
+                    let (counter, done) = match pass {
+                        // The writer was running one: it copies what this pass would have.
+                        Ok((1, _, _)) => (None, true),
+                        Ok((_, frames, copied)) => (Some(&thread_counters.checkpoints), copied >= frames),
+                        Err(_) => (Some(&thread_counters.checkpoint_failures), true),
                     };
-                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if caught_up {
+                    if let Some(counter) = counter {
+                        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    if done {
                         break;
                     }
                 }
@@ -826,7 +850,7 @@ fn start_checkpointer(
 }
 
 fn writer_loop(
-    connection: Connection,
+    mut connection: Connection,
     queue: mpsc::Receiver<Job>,
     faults: Arc<FaultInjector>,
     counters: Arc<WriterCounters>,
@@ -841,6 +865,11 @@ fn writer_loop(
         }
         run_batch(&connection, batch, &queue, &faults, &counters);
     }
+    // The hook holds the checkpoint thread's only sender, and `Drop` joins that thread: take
+    // it off here rather than trust the connection's close to free it (a close that fails,
+    // for a statement still open, frees nothing).
+    let _ =
+        connection.wal_hook(None::<fn(&mut rusqlite::hooks::Wal, std::ffi::c_int) -> rusqlite::Result<()>>);
 }
 
 /// One transaction-control statement through the statement cache: `execute_batch` would

@@ -30,10 +30,10 @@ pub const SQLITE_READERS_IDLE_MAX: usize = 8;
 pub const SQLITE_CHECKPOINT_PAGES: i32 = 1000;
 /// WAL frames past which the writer checkpoints after its commit itself, as SQLite would:
 /// the bound on the WAL when the checkpoint thread falls behind (32 MiB at 2 KiB pages).
-pub const SQLITE_CHECKPOINT_WRITER_PAGES: i32 = 16_000;
+pub const SQLITE_WAL_PAGES_MAX: i32 = 16_000;
 /// Most checkpoint passes the checkpoint thread runs per wake-up, each copying what the
 /// writer committed during the one before, until one leaves nothing uncopied.
-pub const SQLITE_CHECKPOINT_PASSES: usize = 3;
+pub const SQLITE_CHECKPOINT_PASSES_MAX: usize = 3;
 
 /// Answer of [`crate::Ledger::conversation_since`].
 #[derive(Clone, Debug, PartialEq)]
