@@ -278,7 +278,7 @@ struct WriterCounters {
     /// Groups rolled back and run again, each operation in its own savepoint, because one
     /// failed after writing ([`run_batch`], [`SqliteLedger::reruns`]).
     reruns: std::sync::atomic::AtomicU64,
-    /// Checkpoints the checkpoint thread ran ([`SqliteLedger::checkpoints`]).
+    /// Checkpoint passes the checkpoint thread ran ([`SqliteLedger::checkpoints`]).
     checkpoints: std::sync::atomic::AtomicU64,
     /// Checkpoints the writer ran after its own commit, the WAL having grown past
     /// `SQLITE_WAL_PAGES_MAX` ([`SqliteLedger::checkpoints`]).
@@ -531,9 +531,9 @@ impl SqliteLedger {
         self.counters.wal_pages.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Checkpoints since this ledger opened: `(passes of the checkpoint thread, by the writer after
-    /// its commit, failed)` ([`start_checkpointer`]). The writer checkpoints only when the WAL
-    /// outgrew `SQLITE_WAL_PAGES_MAX`.
+    /// Checkpoints since this ledger opened: `(passes of the checkpoint thread, checkpoints
+    /// by the writer after its commit, failures)` ([`start_checkpointer`]). The writer
+    /// checkpoints only when the WAL outgrew `SQLITE_WAL_PAGES_MAX`.
     #[doc(hidden)]
     pub fn checkpoints(&self) -> (u64, u64, u64) {
         let load =
@@ -821,8 +821,9 @@ fn start_checkpointer(
             while woken.recv().is_ok() {
                 // The writer commits while a pass copies: the next pass copies what those
                 // commits added, far less. Once a pass leaves nothing uncopied, the writer's
-                // next transaction starts the WAL over (when no reader still needs it). A checkpoint the writer is running
-                // meanwhile is reported in the row's first column, not as an error.
+                // next transaction starts the WAL over (when no reader still needs it). A
+                // checkpoint the writer is running meanwhile is reported in the row's first
+                // column, not as an error.
                 for _ in 0..SQLITE_CHECKPOINT_PASSES_MAX {
                     let pass = connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
                         Ok((
