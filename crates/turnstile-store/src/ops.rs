@@ -347,12 +347,8 @@ async fn insert_turn<T: Tx>(
     operation_id: Option<&str>,
     now: Timestamp,
 ) -> Result<(), StoreError> {
-    let row = history::StampedTurn {
-        revision,
-        generation: generation.map(|generation| generation.0),
-        role: history::role_of(turn),
-        text: turn.to_string(),
-    };
+    let mut row = history::StampedTurn::of(turn, revision);
+    row.generation = generation.map(|generation| generation.0);
     insert_row(tx, conversation_id, &row, operation_id, now).await
 }
 

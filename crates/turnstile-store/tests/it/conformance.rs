@@ -3198,13 +3198,13 @@ pub async fn a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_hist
 }
 
 /// Import conversations of `text_bytes` of text each, named `prefix`0.., until `stop` says so
-/// (checked after every import, with the number imported); at most `max` of them.
+/// (checked after every import); at most `max` of them. Returns how many were imported.
 async fn import_until(
     store: &SqliteLedger,
     prefix: &str,
     text_bytes: usize,
     max: usize,
-    mut stop: impl FnMut(usize) -> bool,
+    mut stop: impl FnMut() -> bool,
 ) -> usize {
     let text = "x".repeat(text_bytes);
     for index in 0..max {
@@ -3214,7 +3214,7 @@ async fn import_until(
             .await
             .unwrap();
         assert!(matches!(outcome, ImportOutcome::Created { .. }), "{outcome:?}");
-        if stop(index + 1) {
+        if stop() {
             return index + 1;
         }
     }
@@ -3233,7 +3233,7 @@ async fn the_checkpoint_thread_copies_the_wal_back_and_the_writer_does_not() {
     let path = dir.path().join("ledger.db");
     let store = SqliteLedger::open(&path, Synchronous::Normal).expect("open sqlite");
     // About 8 KiB of text: a few pages per import, past the threshold within a few hundred.
-    let imported = import_until(&store, "c", 8 * 1024, 2_000, |_| store.checkpoints().0 > 0).await;
+    let imported = import_until(&store, "c", 8 * 1024, 2_000, || store.checkpoints().0 > 0).await;
     assert!(
         imported < 2_000,
         "no checkpoint after {imported} imports: {:?}",
@@ -3244,7 +3244,7 @@ async fn the_checkpoint_thread_copies_the_wal_back_and_the_writer_does_not() {
     // may still be copying: write until it did (a bounded poll on the WAL's size).
     let mut restarted = false;
     for round in 0..500 {
-        import_until(&store, &format!("after{round}-"), 16, 1, |_| true).await;
+        import_until(&store, &format!("after{round}-"), 16, 1, || true).await;
         if store.wal_pages() < SQLITE_CHECKPOINT_PAGES as u64 {
             restarted = true;
             break;
@@ -3278,14 +3278,14 @@ async fn past_its_bound_the_writer_checkpoints_itself() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let path = dir.path().join("ledger.db");
     let store = SqliteLedger::open(&path, Synchronous::Normal).expect("open sqlite");
-    import_until(&store, "first", 16, 1, |_| true).await;
+    import_until(&store, "first", 16, 1, || true).await;
     let reader = rusqlite::Connection::open(&path).unwrap();
     reader.execute_batch("BEGIN").unwrap();
     let _: i64 = reader
         .query_row("SELECT COUNT(*) FROM conversations", [], |row| row.get(0))
         .unwrap();
     // About 64 KiB of text: some 40 pages per import, past the bound within a thousand.
-    let imported = import_until(&store, "c", 64 * 1024, 1_000, |_| store.checkpoints().1 > 0).await;
+    let imported = import_until(&store, "c", 64 * 1024, 1_000, || store.checkpoints().1 > 0).await;
     let (by_thread, by_writer, failed) = store.checkpoints();
     assert!(
         by_writer >= 1,
@@ -3304,7 +3304,7 @@ async fn past_its_bound_the_writer_checkpoints_itself() {
     // the bound still), and the write after that starts it over.
     let mut writes = 0;
     while store.wal_pages() >= SQLITE_CHECKPOINT_PAGES as u64 && writes < 10 {
-        import_until(&store, &format!("last{writes}-"), 16, 1, |_| true).await;
+        import_until(&store, &format!("last{writes}-"), 16, 1, || true).await;
         writes += 1;
     }
     assert!(
