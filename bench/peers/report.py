@@ -95,11 +95,23 @@ def load(path):
         elif "unavailable" in record:
             unavailable[(record["workload"], record["system"])] = record["unavailable"]
         else:
+            key = (record["workload"], record["system"])
+            earlier = measurements.get(key)
+            if earlier is not None:
+                # The same system measured again (the gateway's interleaved rounds): its runs
+                # are pooled, per-run lists appended and error counts added.
+                record["samples"] = earlier["samples"] + record["samples"]
+                extra, before = record.setdefault("extra", {}), earlier.get("extra", {})
+                for field, value in before.items():
+                    if isinstance(value, list) and isinstance(extra.get(field), list):
+                        extra[field] = value + extra[field]
+                    elif field == "errors" and isinstance(extra.get(field), int):
+                        extra[field] = value + extra[field]
             samples = record["samples"]
             record["median"] = statistics.median(samples)
             record["min"] = min(samples)
             record["max"] = max(samples)
-            measurements[(record["workload"], record["system"])] = record
+            measurements[key] = record
     return measurements, unavailable, probes
 
 
