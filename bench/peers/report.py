@@ -151,6 +151,10 @@ def table(workload, measurements, unavailable, meta):
         row = {"system": system, "median": record["median"], "min": record["min"], "max": record["max"],
                "runs": len(record["samples"]), "iterations_per_run": record["iterations_per_run"],
                "extra": record.get("extra", {})}
+        # Pooled rounds (the gateway's): a round that failed leaves fewer runs behind, said so.
+        failed = unavailable.get((workload, system))
+        if failed:
+            row["failed"] = failed
         if base and system != base_name:
             row["ratio"] = record["median"] / base["median"]
         rows.append(row)
@@ -190,7 +194,8 @@ def markdown_table(workload, rows, meta):
             extra = row["extra"]
             p50 = statistics.median(extra.get("p50_s", [0]))
             p99 = statistics.median(extra.get("p99_s", [0]))
-            out.append(f"| {name} | {fmt_time(row['median'])} | {fmt_time(row['min'])}–{fmt_time(row['max'])} | "
+            runs = f" ({row['runs']} runs" + (f"; a round failed: {row['failed'][:80]}" if "failed" in row else "") + ")"
+            out.append(f"| {name} | {fmt_time(row['median'])} | {fmt_time(row['min'])}–{fmt_time(row['max'])}{runs} | "
                        f"{1 / row['median']:,.0f} | {p50 * 1e3:.1f} / {p99 * 1e3:.1f} ms | {ratio_text} |")
         else:
             out.append(f"| {name} | {fmt_time(row['median'])} | {fmt_time(row['min'])}–{fmt_time(row['max'])} | "

@@ -190,6 +190,32 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<ImportPrepared, StoreError>;
 
+    /// [`Ledger::prepare_and_begin`] (with `begin`) or [`Ledger::prepare_targets`] (without)
+    /// of targets sealed in this process: `target` is the dispatch's own, `fallbacks` the
+    /// failover targets in order. Their digests are not computed again ([`SealedTarget`]);
+    /// everything else is checked and stored as by those two.
+    async fn prepare_sealed(
+        &self,
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError>;
+
+    /// [`Ledger::import_and_prepare`] of targets sealed in this process, their digests not
+    /// computed again ([`Ledger::prepare_sealed`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn import_and_prepare_sealed(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError>;
+
     /// The failover targets of a dispatch (positions 1.., in order; its own manifest, target
     /// 0, is the dispatch record); empty for most dispatches.
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError>;

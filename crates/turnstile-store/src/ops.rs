@@ -597,7 +597,7 @@ async fn dispatch_state<T: Tx>(
 }
 
 /// Why one target's manifest, bytes and policy cannot be stored (None: they can).
-fn target_invalid(
+pub(crate) fn target_invalid(
     manifest: &DispatchManifest,
     request_bytes: &[u8],
     policy: Option<&Value>,
@@ -624,10 +624,54 @@ fn target_invalid(
     None
 }
 
+/// Which of a target's digests does not match what it names (None: all three do), hashing
+/// all of them whatever their size: the check behind [`crate::SealedTarget::vouched`] in
+/// debug builds.
+pub(crate) fn digests_mismatch(
+    manifest: &DispatchManifest,
+    request_bytes: &[u8],
+    policy: Option<&Value>,
+) -> Option<&'static str> {
+    if !manifest.is_intact() {
+        return Some("manifest_digest does not match the manifest");
+    }
+    if let Some(policy) = policy
+        && Digest::of_value(policy) != manifest.body.policy_digest
+    {
+        return Some("the policy does not match policy_digest");
+    }
+    if Digest::of_bytes(request_bytes) != manifest.body.request_digest {
+        return Some("request bytes do not match request_digest");
+    }
+    None
+}
+
+/// [`target_invalid`] less what hashes: for a [`crate::SealedTarget`], whose digests are
+/// known to match.
+fn bounds_invalid(manifest: &DispatchManifest, request_bytes: &[u8]) -> Option<&'static str> {
+    if !manifest.body.numbers_exact() {
+        return Some("a manifest integer is above 2^53, where its digest cannot pin it");
+    }
+    if request_bytes.len() > REQUEST_BYTES_MAX {
+        return Some("request bytes exceed REQUEST_BYTES_MAX");
+    }
+    None
+}
+
+/// How a prepare's targets are checked before anything is stored ([`prepare_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Checks {
+    /// Every digest hashed and compared ([`target_invalid`]): targets from elsewhere.
+    Hash,
+    /// [`crate::SealedTarget`]s: their digests match; only the bounds are checked.
+    Sealed,
+}
+
 /// What a prepare stores besides the caller's bytes, worked out before its transaction: every
-/// check that needs no store (digests of the manifests, bodies and policies; the targets'
-/// agreement) and the serialised JSON. Pure, so the SQLite ledger computes it before it queues
-/// the SQL for its writer (`sqlite.rs::PrepareInputs::checked`).
+/// check that needs no store (the digests of the manifests, bodies and policies unless the
+/// targets are sealed; the bounds; the targets' agreement) and the serialised JSON. Pure, so
+/// the SQLite ledger computes it before it queues the SQL for its writer
+/// (`sqlite.rs::PrepareInputs::checked`, `::sealed`).
 pub(crate) struct PrepareRows {
     /// The manifest the rows are for (checked again by [`prepare_targets`]).
     manifest_digest: String,
@@ -646,13 +690,19 @@ pub(crate) fn prepare_rows(
     request_bytes: &[u8],
     policy: Option<&Value>,
     fallbacks: &[PreparedTarget],
+    checks: Checks,
 ) -> Result<Result<PrepareRows, &'static str>, StoreError> {
     let invalid = |why| Ok(Err(why));
+    let one_invalid = |manifest: &DispatchManifest, request_bytes: &[u8], policy: Option<&Value>| match checks
+    {
+        Checks::Hash => target_invalid(manifest, request_bytes, policy),
+        Checks::Sealed => bounds_invalid(manifest, request_bytes),
+    };
     if fallbacks.len() + 1 > TARGETS_PER_DISPATCH_MAX {
         return invalid("more targets than TARGETS_PER_DISPATCH_MAX");
     }
     for fallback in fallbacks {
-        if let Some(why) = target_invalid(
+        if let Some(why) = one_invalid(
             &fallback.manifest,
             &fallback.request_bytes,
             fallback.policy.as_ref(),
@@ -670,7 +720,7 @@ pub(crate) fn prepare_rows(
             );
         }
     }
-    if let Some(why) = target_invalid(manifest, request_bytes, policy) {
+    if let Some(why) = one_invalid(manifest, request_bytes, policy) {
         return invalid(why);
     }
     let serialised = |manifest: &DispatchManifest| {
@@ -2663,4 +2713,116 @@ pub(crate) async fn counters<T: Tx>(tx: &mut T) -> Result<Counters, StoreError> 
         }
     }
     Ok(counters)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnstile_core::manifest::{MANIFEST_FORMAT_V1, ManifestBody};
+
+    fn target(prompt_tokens: u64) -> PreparedTarget {
+        let bytes = b"{\"model\":\"m\"}".to_vec();
+        let zero = Digest::of_bytes(b"");
+        let body = ManifestBody {
+            format: MANIFEST_FORMAT_V1.into(),
+            operation_id: "op".into(),
+            conversation_id: "c".into(),
+            conversation_revision: Revision(1),
+            sequence_digest: zero.clone(),
+            adapter: "sim@1".into(),
+            adapter_digest: zero.clone(),
+            provider: "sim".into(),
+            model: "m".into(),
+            toolset_digest: zero.clone(),
+            policy_digest: zero,
+            max_output_tokens: 256,
+            prompt_tokens,
+            request_digest: Digest::of_bytes(&bytes),
+        };
+        PreparedTarget {
+            manifest: body.seal(),
+            request_bytes: bytes,
+            policy: None,
+        }
+    }
+
+    /// The sealed checks hash nothing: a body, manifest and policy none of whose digests match
+    /// pass them (a `SealedTarget` cannot hold such a target; the hashed checks refuse it),
+    /// while a bound is still refused either way.
+    #[test]
+    fn sealed_checks_hash_nothing_and_still_check_the_bounds() {
+        let mut wrong = target(10);
+        wrong.request_bytes.push(b' ');
+        wrong.manifest.body.model = "not what was sealed".into();
+        wrong.policy = Some(serde_json::json!({"sampling": {"temperature": 0.5}}));
+        let rows = |target: &PreparedTarget, checks| {
+            prepare_rows(
+                &target.manifest,
+                &target.request_bytes,
+                target.policy.as_ref(),
+                std::slice::from_ref(target),
+                checks,
+            )
+            .unwrap()
+        };
+        assert!(rows(&wrong, Checks::Sealed).is_ok());
+        assert_eq!(
+            rows(&wrong, Checks::Hash).err(),
+            Some("manifest_digest does not match the manifest")
+        );
+        let huge = target(u64::MAX);
+        for checks in [Checks::Sealed, Checks::Hash] {
+            assert_eq!(
+                rows(&huge, checks).err(),
+                Some("a manifest integer is above 2^53, where its digest cannot pin it")
+            );
+        }
+        // The body's size, the number of targets and their agreement, in both modes.
+        let mut oversized = target(10);
+        oversized.request_bytes = vec![b' '; REQUEST_BYTES_MAX + 1];
+        let mut body = oversized.manifest.body.clone();
+        body.request_digest = Digest::of_bytes(&oversized.request_bytes);
+        oversized.manifest = body.seal();
+        let mut body = target(10).manifest.body;
+        body.conversation_revision = Revision(2);
+        let other = PreparedTarget {
+            manifest: body.seal(),
+            ..target(10)
+        };
+        let one = target(10);
+        for checks in [Checks::Sealed, Checks::Hash] {
+            assert_eq!(
+                rows(&oversized, checks).err(),
+                Some("request bytes exceed REQUEST_BYTES_MAX")
+            );
+            let too_many = vec![one.clone(); TARGETS_PER_DISPATCH_MAX];
+            let refused = prepare_rows(&one.manifest, &one.request_bytes, None, &too_many, checks).unwrap();
+            assert_eq!(refused.err(), Some("more targets than TARGETS_PER_DISPATCH_MAX"));
+            let disagreeing = prepare_rows(
+                &one.manifest,
+                &one.request_bytes,
+                None,
+                std::slice::from_ref(&other),
+                checks,
+            )
+            .unwrap();
+            assert_eq!(
+                disagreeing.err(),
+                Some(
+                    "a failover target's manifest is for another operation, conversation, revision or sequence"
+                )
+            );
+        }
+    }
+
+    /// What stands in for the hashing the store no longer does: a debug build (every test)
+    /// hashes a vouched target and panics when it does not match.
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "a vouched target's digests do not match")]
+    fn a_vouched_target_that_does_not_match_panics_in_a_debug_build() {
+        let mut wrong = target(10);
+        wrong.request_bytes.push(b' ');
+        let _ = crate::SealedTarget::vouched(wrong);
+    }
 }

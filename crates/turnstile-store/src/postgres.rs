@@ -286,6 +286,47 @@ macro_rules! in_tx {
     }};
 }
 
+impl PgLedger {
+    /// The transaction of an import and its prepare, the history and the prepare's inputs
+    /// checked.
+    #[allow(clippy::too_many_arguments)]
+    async fn import_rows(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        checked: history::CheckedImport,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        fallbacks: &[PreparedTarget],
+        rows: ops::PrepareRows,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let outcome = in_tx!(self, |tx| ops::import_and_prepare(
+            &mut tx,
+            conversation_id,
+            tools,
+            &checked,
+            manifest,
+            request_bytes,
+            fallbacks,
+            rows,
+            begin,
+            now
+        ))?;
+        if let ImportPrepared::Prepared { revision, .. } = &outcome
+            && let Some(history) = checked.history
+        {
+            self.validation.put(Checked {
+                conversation_id: conversation_id.to_owned(),
+                revision: *revision,
+                history,
+            });
+        }
+        Ok(outcome)
+    }
+}
+
 #[async_trait::async_trait]
 impl Ledger for PgLedger {
     fn history_walks(&self) -> u64 {
@@ -424,7 +465,7 @@ impl Ledger for PgLedger {
         now: Timestamp,
     ) -> Result<PrepareOutcome, StoreError> {
         // Checked before the transaction, as on SQLite.
-        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks, ops::Checks::Hash)? {
             Ok(rows) => rows,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
@@ -448,7 +489,7 @@ impl Ledger for PgLedger {
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
         // Checked before the transaction, as on SQLite.
-        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks, ops::Checks::Hash)? {
             Ok(rows) => rows,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
@@ -479,32 +520,105 @@ impl Ledger for PgLedger {
             Ok(checked) => checked,
             Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
         };
-        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks)? {
+        let rows = match ops::prepare_rows(manifest, request_bytes, policy, fallbacks, ops::Checks::Hash)? {
             Ok(rows) => rows,
             Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
         };
-        let outcome = in_tx!(self, |tx| ops::import_and_prepare(
-            &mut tx,
+        self.import_rows(
             conversation_id,
             tools,
-            &checked,
+            checked,
             manifest,
             request_bytes,
             fallbacks,
             rows,
             begin,
-            now
-        ))?;
-        if let ImportPrepared::Prepared { revision, .. } = &outcome
-            && let Some(history) = checked.history
-        {
-            self.validation.put(Checked {
-                conversation_id: conversation_id.to_owned(),
-                revision: *revision,
-                history,
-            });
+            now,
+        )
+        .await
+    }
+
+    async fn prepare_sealed(
+        &self,
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        let target = target.into_target();
+        let fallbacks: Vec<PreparedTarget> = fallbacks.into_iter().map(SealedTarget::into_target).collect();
+        let (manifest, request_bytes) = (&target.manifest, target.request_bytes.as_slice());
+        let rows = match ops::prepare_rows(
+            manifest,
+            request_bytes,
+            target.policy.as_ref(),
+            &fallbacks,
+            ops::Checks::Sealed,
+        )? {
+            Ok(rows) => rows,
+            Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
+        };
+        match begin {
+            Some(begin) => in_tx!(self, |tx| ops::prepare_and_begin(
+                &mut tx,
+                manifest,
+                request_bytes,
+                &fallbacks,
+                rows,
+                begin,
+                now
+            )),
+            None => in_tx!(self, |tx| ops::prepare_targets(
+                &mut tx,
+                manifest,
+                request_bytes,
+                &fallbacks,
+                rows,
+                now
+            ))
+            .map(|outcome| (outcome, None)),
         }
-        Ok(outcome)
+    }
+
+    async fn import_and_prepare_sealed(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
+        };
+        let target = target.into_target();
+        let fallbacks: Vec<PreparedTarget> = fallbacks.into_iter().map(SealedTarget::into_target).collect();
+        let (manifest, request_bytes) = (&target.manifest, target.request_bytes.as_slice());
+        let rows = match ops::prepare_rows(
+            manifest,
+            request_bytes,
+            target.policy.as_ref(),
+            &fallbacks,
+            ops::Checks::Sealed,
+        )? {
+            Ok(rows) => rows,
+            Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
+        };
+        self.import_rows(
+            conversation_id,
+            tools,
+            checked,
+            manifest,
+            request_bytes,
+            &fallbacks,
+            rows,
+            begin,
+            now,
+        )
+        .await
     }
 
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {

@@ -1125,6 +1125,8 @@ struct PrepareInputs {
     bytes: Vec<u8>,
     policy: Option<Value>,
     fallbacks: Vec<PreparedTarget>,
+    /// How they were checked (and are checked again by a second run of their group).
+    checks: ops::Checks,
 }
 
 impl PrepareInputs {
@@ -1142,6 +1144,7 @@ impl PrepareInputs {
             bytes: request_bytes.to_vec(),
             policy: policy.cloned(),
             fallbacks: fallbacks.to_vec(),
+            checks: ops::Checks::Hash,
         };
         let check = move || {
             let checked = ops::prepare_rows(
@@ -1149,6 +1152,7 @@ impl PrepareInputs {
                 &inputs.bytes,
                 inputs.policy.as_ref(),
                 &inputs.fallbacks,
+                inputs.checks,
             );
             (checked, inputs)
         };
@@ -1173,6 +1177,34 @@ impl PrepareInputs {
         };
         Ok(checked?.map(|rows| (inputs, rows)))
     }
+
+    /// [`PrepareInputs::checked`] of sealed targets, moved in: nothing is copied or hashed,
+    /// so it runs on the calling worker whatever the bodies' size.
+    fn sealed(
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+    ) -> Result<Result<(PrepareInputs, ops::PrepareRows), &'static str>, StoreError> {
+        let PreparedTarget {
+            manifest,
+            request_bytes,
+            policy,
+        } = target.into_target();
+        let inputs = PrepareInputs {
+            manifest,
+            bytes: request_bytes,
+            policy,
+            fallbacks: fallbacks.into_iter().map(SealedTarget::into_target).collect(),
+            checks: ops::Checks::Sealed,
+        };
+        let rows = ops::prepare_rows(
+            &inputs.manifest,
+            &inputs.bytes,
+            inputs.policy.as_ref(),
+            &inputs.fallbacks,
+            inputs.checks,
+        )?;
+        Ok(rows.map(|rows| (inputs, rows)))
+    }
 }
 
 impl PrepareInputs {
@@ -1183,11 +1215,100 @@ impl PrepareInputs {
     fn rows(&self, rows: &mut Option<ops::PrepareRows>) -> Result<ops::PrepareRows, StoreError> {
         match rows.take() {
             Some(rows) => Ok(rows),
-            None => ops::prepare_rows(&self.manifest, &self.bytes, self.policy.as_ref(), &self.fallbacks)?
-                .map_err(|why| {
-                    StoreError::Corrupt(format!("a prepare checked before its run no longer does: {why}"))
-                }),
+            None => ops::prepare_rows(
+                &self.manifest,
+                &self.bytes,
+                self.policy.as_ref(),
+                &self.fallbacks,
+                self.checks,
+            )?
+            .map_err(|why| {
+                StoreError::Corrupt(format!("a prepare checked before its run no longer does: {why}"))
+            }),
         }
+    }
+}
+
+impl SqliteLedger {
+    /// The SQL of a prepare whose inputs are checked: with `begin`, [`ops::prepare_and_begin`],
+    /// else [`ops::prepare_targets`].
+    async fn prepare_inputs(
+        &self,
+        inputs: PrepareInputs,
+        rows: ops::PrepareRows,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        let mut rows = Some(rows);
+        match begin.cloned() {
+            Some(begin) => {
+                self.run(move |tx| {
+                    block_on_ready(ops::prepare_and_begin(
+                        tx,
+                        &inputs.manifest,
+                        &inputs.bytes,
+                        &inputs.fallbacks,
+                        inputs.rows(&mut rows)?,
+                        &begin,
+                        now,
+                    ))
+                })
+                .await
+            }
+            None => self
+                .run(move |tx| {
+                    block_on_ready(ops::prepare_targets(
+                        tx,
+                        &inputs.manifest,
+                        &inputs.bytes,
+                        &inputs.fallbacks,
+                        inputs.rows(&mut rows)?,
+                        now,
+                    ))
+                })
+                .await
+                .map(|outcome| (outcome, None)),
+        }
+    }
+
+    /// The SQL of an import and its prepare, the history and the prepare's inputs checked.
+    #[allow(clippy::too_many_arguments)]
+    async fn import_inputs(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        checked: history::CheckedImport,
+        inputs: PrepareInputs,
+        rows: ops::PrepareRows,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let (id, tools, begin, mut checked) =
+            (conversation_id.to_owned(), tools.clone(), begin.cloned(), checked);
+        let mut rows = Some(rows);
+        self.run_checked(move |tx, _, next| {
+            let outcome = block_on_ready(ops::import_and_prepare(
+                tx,
+                &id,
+                &tools,
+                &checked,
+                &inputs.manifest,
+                &inputs.bytes,
+                &inputs.fallbacks,
+                inputs.rows(&mut rows)?,
+                begin.as_ref(),
+                now,
+            ))?;
+            if let ImportPrepared::Prepared { revision, .. } = &outcome {
+                *next = checked.history.take().map(|history| Checked {
+                    conversation_id: id.clone(),
+                    revision: *revision,
+                    history,
+                });
+            }
+            Ok(outcome)
+        })
+        .await
     }
 }
 
@@ -1311,18 +1432,7 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
-        let mut rows = Some(rows);
-        self.run(move |tx| {
-            block_on_ready(ops::prepare_targets(
-                tx,
-                &inputs.manifest,
-                &inputs.bytes,
-                &inputs.fallbacks,
-                inputs.rows(&mut rows)?,
-                now,
-            ))
-        })
-        .await
+        Ok(self.prepare_inputs(inputs, rows, None, now).await?.0)
     }
 
     async fn prepare_and_begin(
@@ -1338,20 +1448,21 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
-        let begin = begin.clone();
-        let mut rows = Some(rows);
-        self.run(move |tx| {
-            block_on_ready(ops::prepare_and_begin(
-                tx,
-                &inputs.manifest,
-                &inputs.bytes,
-                &inputs.fallbacks,
-                inputs.rows(&mut rows)?,
-                &begin,
-                now,
-            ))
-        })
-        .await
+        self.prepare_inputs(inputs, rows, Some(begin), now).await
+    }
+
+    async fn prepare_sealed(
+        &self,
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        let (inputs, rows) = match PrepareInputs::sealed(target, fallbacks)? {
+            Ok(checked) => checked,
+            Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
+        };
+        self.prepare_inputs(inputs, rows, begin, now).await
     }
 
     async fn import_and_prepare(
@@ -1374,34 +1485,31 @@ impl Ledger for SqliteLedger {
             Ok(checked) => checked,
             Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
         };
-        let (id, tools, begin, mut checked) =
-            (conversation_id.to_owned(), tools.clone(), begin.cloned(), checked);
-        let mut rows = Some(rows);
-        self.run_checked(move |tx, _, next| {
-            let outcome = block_on_ready(ops::import_and_prepare(
-                tx,
-                &id,
-                &tools,
-                &checked,
-                &inputs.manifest,
-                &inputs.bytes,
-                &inputs.fallbacks,
-                inputs.rows(&mut rows)?,
-                begin.as_ref(),
-                now,
-            ))?;
-            if let ImportPrepared::Prepared { revision, .. } = &outcome {
-                *next = checked.history.take().map(|history| Checked {
-                    conversation_id: id.clone(),
-                    revision: *revision,
-                    history,
-                });
-            }
-            Ok(outcome)
-        })
-        .await
+        self.import_inputs(conversation_id, tools, checked, inputs, rows, begin, now)
+            .await
     }
 
+    async fn import_and_prepare_sealed(
+        &self,
+        conversation_id: &str,
+        tools: &Value,
+        turns: &[Value],
+        target: SealedTarget,
+        fallbacks: Vec<SealedTarget>,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<ImportPrepared, StoreError> {
+        let checked = match history::check_import(conversation_id, tools, turns) {
+            Ok(checked) => checked,
+            Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
+        };
+        let (inputs, rows) = match PrepareInputs::sealed(target, fallbacks)? {
+            Ok(checked) => checked,
+            Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
+        };
+        self.import_inputs(conversation_id, tools, checked, inputs, rows, begin, now)
+            .await
+    }
     async fn dispatch_fallbacks(&self, operation_id: &str) -> Result<Vec<TargetRecord>, StoreError> {
         let op = operation_id.to_owned();
         self.read(|tx| block_on_ready(ops::dispatch_fallbacks(tx, &op)))

@@ -173,6 +173,52 @@ pub struct PreparedTarget {
     pub policy: Option<Value>,
 }
 
+/// A [`PreparedTarget`] whose digests are known to match what they name: `manifest_digest`
+/// its manifest, `request_digest` its bytes, `policy_digest` its policy. The target inside
+/// is reachable only through `&`, so nothing checked can change afterwards, and the store
+/// takes it ([`crate::Ledger::prepare_sealed`], [`crate::Ledger::import_and_prepare_sealed`])
+/// without hashing any of it again: a dispatch's body is hashed once, by the render that
+/// produced it (issue 21, "hash once"). The store still checks what costs no hashing (the
+/// bounds, the targets' agreement).
+#[derive(Clone, Debug)]
+pub struct SealedTarget {
+    target: PreparedTarget,
+}
+
+impl SealedTarget {
+    /// Hash and compare every digest of `target` (a manifest from elsewhere); `Err` is why a
+    /// checked prepare answers `Invalid` (`ops::target_invalid`).
+    pub fn check(target: PreparedTarget) -> Result<SealedTarget, &'static str> {
+        match crate::ops::target_invalid(&target.manifest, &target.request_bytes, target.policy.as_ref()) {
+            Some(why) => Err(why),
+            None => Ok(SealedTarget { target }),
+        }
+    }
+
+    /// A target whose digests the caller has just computed from exactly these bytes and this
+    /// policy: the render's prepare (`turnstile_adapters::prepare`, which hashes the body
+    /// incrementally and the policy and manifest whole) and nothing else. Not hashed again;
+    /// debug builds (every test) hash and compare anyway, and panic on a mismatch.
+    pub fn vouched(target: PreparedTarget) -> SealedTarget {
+        debug_assert_eq!(
+            crate::ops::digests_mismatch(&target.manifest, &target.request_bytes, target.policy.as_ref()),
+            None,
+            "a vouched target's digests do not match"
+        );
+        SealedTarget { target }
+    }
+
+    /// The target.
+    pub fn target(&self) -> &PreparedTarget {
+        &self.target
+    }
+
+    /// The target, no longer known to be intact once it can be changed.
+    pub fn into_target(self) -> PreparedTarget {
+        self.target
+    }
+}
+
 /// One target of a stored dispatch ([`crate::Ledger::dispatch_targets`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TargetRecord {

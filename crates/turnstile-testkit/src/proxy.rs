@@ -332,7 +332,7 @@ impl World {
             }
         };
         self.proxy_renders.insert(operation_id.clone(), render);
-        let prompt_tokens = rendered.manifest.body.prompt_tokens;
+        let prompt_tokens = rendered.manifest().body.prompt_tokens;
         let now = self.local_now(replica);
         self.sync_store_clock();
         // As the gateway's `prepare_dispatch`: the prepare begins the first attempt.
@@ -748,13 +748,14 @@ impl World {
                 turnstile_core::Conversation::from_value(document).map_err(|e| format!("{e:?}"))?;
             let rendered = self.render_proxied(&conversation, op, &render)?;
             let manifest = if target == 0 {
-                rendered.manifest
+                rendered.target.into_target().manifest
             } else {
                 rendered
                     .fallbacks
                     .into_iter()
                     .nth(target as usize - 1)
                     .ok_or("no such target")?
+                    .into_target()
                     .manifest
             };
             Ok::<_, String>(manifest.body.request_digest.as_str().to_owned())

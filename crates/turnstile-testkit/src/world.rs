@@ -555,11 +555,13 @@ impl World {
             self.report.fault(FaultKind::FailoverTargets);
             let (manifest, request_bytes) =
                 self.render_for(revision, adapter, &operation_id, None, FALLBACK_MODEL)?;
-            fallbacks.push(turnstile_store::PreparedTarget {
-                manifest,
-                request_bytes,
-                policy: None,
-            });
+            fallbacks.push(turnstile_store::SealedTarget::vouched(
+                turnstile_store::PreparedTarget {
+                    manifest,
+                    request_bytes,
+                    policy: None,
+                },
+            ));
         }
         // The replica's own clock stamps what it prepares, as the gateway's does.
         let now = self.local_now(replica);
@@ -570,10 +572,13 @@ impl World {
             lease_ms: LEASE_MS,
             target: 0,
         };
-        let prepared = store!(
-            self,
-            prepare_and_begin(&manifest, &bytes, None, &fallbacks, &begin, now)
-        );
+        // As the gateway's: the targets the render just sealed, not hashed again by the store.
+        let target = turnstile_store::SealedTarget::vouched(turnstile_store::PreparedTarget {
+            manifest,
+            request_bytes: bytes,
+            policy: None,
+        });
+        let prepared = store!(self, prepare_sealed(target, fallbacks, Some(&begin), now));
         let (prepared, began) = prepared.map_err(|e| e.to_string())?;
         let record = match prepared {
             StorePrepare::Created(record) | StorePrepare::Existing(record) => record,

@@ -913,8 +913,10 @@ pub(crate) async fn prepare_dispatch(
             // The prepare begins the first attempt in its own transaction (one durable write
             // for both), unless the dispatch's own target is cooling down: then the driver
             // chooses the target and begins on its own.
-            let label =
-                driver::breaker_label(&rendered.manifest.body.provider, &rendered.manifest.body.model);
+            let label = driver::breaker_label(
+                &rendered.manifest().body.provider,
+                &rendered.manifest().body.model,
+            );
             let begin = (!shared.breaker.cooling(&label, now())).then(|| turnstile_store::BeginAtOnce {
                 holder: shared.holder.clone(),
                 lease_ms: shared.lease_ms,
@@ -962,7 +964,8 @@ fn blocks_to_render(
         .sum()
 }
 
-/// The first attempt a prepare began in its own transaction (`Ledger::prepare_and_begin`).
+/// The first attempt a prepare began in its own transaction (`Ledger::prepare_sealed` with a
+/// begin).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Began {
     /// The target it sends.
@@ -976,12 +979,18 @@ pub struct Began {
 }
 
 /// Every target of a dispatch rendered and sealed, before anything is stored: target 0's
-/// manifest, bytes and render policy, then the failover targets'.
+/// manifest, bytes and render policy, then the failover targets', each as the prepare sealed
+/// it (the store hashes none of them again).
 pub struct Rendered {
-    pub manifest: turnstile_core::manifest::DispatchManifest,
-    pub body: Vec<u8>,
-    pub policy: Option<Value>,
-    pub fallbacks: Vec<turnstile_store::PreparedTarget>,
+    pub target: turnstile_store::SealedTarget,
+    pub fallbacks: Vec<turnstile_store::SealedTarget>,
+}
+
+impl Rendered {
+    /// Target 0's manifest.
+    pub fn manifest(&self) -> &turnstile_core::manifest::DispatchManifest {
+        &self.target.target().manifest
+    }
 }
 
 /// Render → admission → manifest for every target, without I/O (the gateway's
@@ -1036,32 +1045,21 @@ pub fn render_targets(
         }
     }
     let mut prepared = prepared.into_iter();
-    let Some((manifest, body, policy)) = prepared.next() else {
+    let Some(target) = prepared.next() else {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::InvalidRequest,
             "a dispatch needs a target",
         ));
     };
-    let fallbacks: Vec<turnstile_store::PreparedTarget> = prepared
-        .map(
-            |(manifest, request_bytes, policy)| turnstile_store::PreparedTarget {
-                manifest,
-                request_bytes,
-                policy,
-            },
-        )
-        .collect();
     Ok(Ok(Rendered {
-        manifest,
-        body,
-        policy,
-        fallbacks,
+        target,
+        fallbacks: prepared.collect(),
     }))
 }
 
 /// A fresh conversation imported in the transaction that prepares its first dispatch (the
-/// drop-in proxy's fresh request: `Ledger::import_and_prepare`).
+/// drop-in proxy's fresh request: `Ledger::import_and_prepare_sealed`).
 #[derive(Clone, Debug)]
 pub struct NewConversation {
     /// Its id.
@@ -1072,8 +1070,8 @@ pub struct NewConversation {
     pub turns: Vec<Value>,
 }
 
-/// `ledger.prepare` (or `prepare_targets`) of what [`render_targets`] sealed, its outcome as
-/// the API's answer.
+/// `ledger.prepare_sealed` of what [`render_targets`] sealed (nothing hashed again), its
+/// outcome as the API's answer.
 pub async fn store_rendered(
     ledger: &dyn turnstile_store::Ledger,
     rendered: Rendered,
@@ -1102,25 +1100,18 @@ pub async fn store_rendered_importing(
     now: Timestamp,
 ) -> Result<Result<(turnstile_store::DispatchRecord, Option<Began>), turnstile_store::ImportOutcome>, ApiError>
 {
-    let Rendered {
-        manifest,
-        body,
-        policy,
-        fallbacks,
-    } = rendered;
+    let Rendered { target, fallbacks } = rendered;
     let fallback_count = fallbacks.len();
-    let (outcome, begun) = match (import, begin) {
-        (Some(import), _) => {
+    let (outcome, begun) = match import {
+        Some(import) => {
             use turnstile_store::ImportPrepared;
             let imported = ledger
-                .import_and_prepare(
+                .import_and_prepare_sealed(
                     &import.conversation_id,
                     &import.tools,
                     &import.turns,
-                    &manifest,
-                    &body,
-                    policy.as_ref(),
-                    &fallbacks,
+                    target,
+                    fallbacks,
                     begin,
                     now,
                 )
@@ -1132,19 +1123,7 @@ pub async fn store_rendered_importing(
                 ImportPrepared::Prepared { prepared, began, .. } => Ok((prepared, began)),
             }
         }
-        (None, Some(begin)) => {
-            ledger
-                .prepare_and_begin(&manifest, &body, policy.as_ref(), &fallbacks, begin, now)
-                .await
-        }
-        (None, None) if fallbacks.is_empty() => ledger
-            .prepare_with_policy(&manifest, &body, policy.as_ref(), now)
-            .await
-            .map(|outcome| (outcome, None)),
-        (None, None) => ledger
-            .prepare_targets(&manifest, &body, policy.as_ref(), &fallbacks, now)
-            .await
-            .map(|outcome| (outcome, None)),
+        None => ledger.prepare_sealed(target, fallbacks, begin, now).await,
     }
     .map_err(ApiError::store)?;
     // A refused begin (the conversation moved on in between) leaves what the store decided:
@@ -1199,7 +1178,7 @@ fn prepare_target(
     target: &Target,
     max_output_tokens: Option<u64>,
     settings: &Settings,
-) -> Result<Result<(turnstile_core::manifest::DispatchManifest, Vec<u8>, Option<Value>), Early>, ApiError> {
+) -> Result<Result<turnstile_store::SealedTarget, Early>, ApiError> {
     let adapter: AdapterId = target.adapter.parse().map_err(|_| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -1263,7 +1242,15 @@ fn prepare_target(
         policy,
         ..
     } = *prepared;
-    Ok(Ok((manifest, rendered.body, Some(policy))))
+    // The prepare just computed every digest of the manifest from exactly these bytes and this
+    // policy: the store takes them as they are, without hashing them again.
+    Ok(Ok(turnstile_store::SealedTarget::vouched(
+        turnstile_store::PreparedTarget {
+            manifest,
+            request_bytes: rendered.body,
+            policy: Some(policy),
+        },
+    )))
 }
 
 /// The client-event hub of a dispatch: its live hub in this process, a new driver for a

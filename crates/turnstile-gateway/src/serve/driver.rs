@@ -148,7 +148,8 @@ pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
     run(shared, ctx, drive).await;
 }
 
-/// Drive a dispatch whose first attempt its prepare began (`Ledger::prepare_and_begin`).
+/// Drive a dispatch whose first attempt its prepare began (`Ledger::prepare_sealed` with a
+/// begin).
 pub async fn drive_begun(shared: Arc<Shared>, ctx: DriveContext, began: super::api::Began) {
     let spec = spec_of(&shared, &ctx, true).await;
     let drive = Drive::begun(spec, now(), began.target, began.generation, began.idempotency_key);

@@ -73,7 +73,277 @@ suite!(
     a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_checks_the_new_turn_only,
     a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_history,
     a_begin_at_once_naming_a_target_the_dispatch_lacks_prepares_and_begins_nothing,
+    sealed_targets_are_stored_as_checked_ones_and_a_target_that_does_not_match_cannot_be_sealed,
 );
+
+/// Targets sealed in this process (`prepare_sealed`, `import_and_prepare_sealed`: what the
+/// gateway stores, its digests not computed again) are stored as the checked entry points store
+/// them: one write that prepares and begins, the record read back as it was answered, the
+/// bytes and fallbacks kept, `Existing` when asked again and `Conflict` for another manifest,
+/// PREPARED without a begin, and the bounds still checked. A target whose digests do not match
+/// cannot be sealed: `SealedTarget::check` refuses it with the reason a checked prepare gives.
+pub async fn sealed_targets_are_stored_as_checked_ones_and_a_target_that_does_not_match_cannot_be_sealed(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    conversation_at_1(&*store, "d").await;
+    let begin = begin_at_once();
+    let sealed = |(manifest, request_bytes): (turnstile_core::manifest::DispatchManifest, Vec<u8>)| {
+        SealedTarget::check(PreparedTarget {
+            manifest,
+            request_bytes,
+            policy: None,
+        })
+        .expect("a target the test built matches its digests")
+    };
+    let (manifest_c, bytes_c) = manifest("op-c", "c", 1, "m");
+    let fallback = {
+        let bytes = b"{\"model\":\"m-b\"}".to_vec();
+        let mut body = manifest_c.body.clone();
+        body.model = "m-b".into();
+        body.request_digest = turnstile_core::Digest::of_bytes(&bytes);
+        (body.seal(), bytes)
+    };
+    let writes = store.write_ops();
+    let (prepared, began) = store
+        .prepare_sealed(
+            sealed((manifest_c.clone(), bytes_c.clone())),
+            vec![sealed(fallback.clone())],
+            Some(&begin),
+            at(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.write_ops() - writes, 1, "prepare and begin are one write");
+    let PrepareOutcome::Created(record) = prepared else {
+        panic!("not created: {prepared:?}")
+    };
+    assert!(
+        matches!(
+            began,
+            Some(BeginOutcome::Began {
+                generation: Generation(1),
+                ..
+            })
+        ),
+        "{began:?}"
+    );
+    assert_eq!(record.state, DispatchState::Dispatching);
+    assert_eq!(record.request_bytes, bytes_c);
+    assert_eq!(record.manifest_digest, manifest_c.manifest_digest.as_str());
+    assert_eq!(store.dispatch("op-c").await.unwrap(), Some(record.clone()));
+    let targets = store.dispatch_fallbacks("op-c").await.unwrap();
+    assert_eq!(targets.len(), 1);
+    assert_eq!(targets[0].request_bytes, fallback.1);
+    assert_eq!(targets[0].manifest_digest, fallback.0.manifest_digest.as_str());
+    // The checked entry point stores the same dispatch for the same kind of target.
+    let (manifest_d, bytes_d) = manifest("op-d", "d", 1, "m");
+    let (checked, _) = store
+        .prepare_and_begin(&manifest_d, &bytes_d, None, &[], &begin, at(10))
+        .await
+        .unwrap();
+    let PrepareOutcome::Created(checked) = checked else {
+        panic!("not created: {checked:?}")
+    };
+    assert_eq!(
+        (checked.state, checked.revision, checked.active_generation),
+        (record.state, record.revision, record.active_generation)
+    );
+    // Asked again: the existing dispatch, not begun again; another manifest: a conflict.
+    let (again, began_again) = store
+        .prepare_sealed(
+            sealed((manifest_c.clone(), bytes_c.clone())),
+            vec![sealed(fallback.clone())],
+            Some(&begin),
+            at(11),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again, PrepareOutcome::Existing(_)), "{again:?}");
+    assert_eq!(began_again, None);
+    let (other, _) = store
+        .prepare_sealed(
+            sealed(manifest("op-c", "c", 1, "m-other")),
+            vec![],
+            Some(&begin),
+            at(12),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(other, PrepareOutcome::Conflict { .. }), "{other:?}");
+    // Without a begin the dispatch is PREPARED.
+    conversation_at_1(&*store, "e").await;
+    let (unbegun, none) = store
+        .prepare_sealed(sealed(manifest("op-e", "e", 1, "m")), vec![], None, at(13))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&unbegun, PrepareOutcome::Created(record) if record.state == DispatchState::Prepared),
+        "{unbegun:?}"
+    );
+    assert_eq!(none, None);
+    // The bounds are still the store's to check: an integer its digest cannot pin.
+    conversation_at_1(&*store, "f").await;
+    let (huge, huge_bytes) = manifest("op-f", "f", 1, "m");
+    let mut body = huge.body.clone();
+    body.prompt_tokens = (1 << 53) + 1;
+    let vouched = SealedTarget::vouched(PreparedTarget {
+        manifest: body.seal(),
+        request_bytes: huge_bytes,
+        policy: None,
+    });
+    let (refused, _) = store
+        .prepare_sealed(vouched, vec![], Some(&begin), at(14))
+        .await
+        .unwrap();
+    assert_eq!(
+        refused,
+        PrepareOutcome::Invalid("a manifest integer is above 2^53, where its digest cannot pin it")
+    );
+    assert_eq!(store.dispatch("op-f").await.unwrap(), None);
+    // A policy the manifest pins is kept with the sealed dispatch.
+    conversation_at_1(&*store, "p").await;
+    let policy = json!({"sampling": {"temperature": 0.25}});
+    let (manifest_p, bytes_p) = manifest("op-p", "p", 1, "m");
+    let mut body = manifest_p.body.clone();
+    body.policy_digest = turnstile_core::Digest::of_canonical(&policy);
+    let with_policy = SealedTarget::check(PreparedTarget {
+        manifest: body.seal(),
+        request_bytes: bytes_p,
+        policy: Some(policy.clone()),
+    })
+    .unwrap();
+    let (kept, _) = store
+        .prepare_sealed(with_policy, vec![], Some(&begin), at(14))
+        .await
+        .unwrap();
+    assert!(matches!(kept, PrepareOutcome::Created(_)), "{kept:?}");
+    assert_eq!(store.dispatch_policy("op-p").await.unwrap(), Some(policy));
+    // A fresh import and its first prepare, sealed: one write, and the validator's state kept,
+    // so its commit walks no history.
+    let (manifest_g, bytes_g) = manifest("op-g", "g", 1, "m");
+    let (writes, walks) = (store.write_ops(), store.history_walks());
+    let imported = store
+        .import_and_prepare_sealed(
+            "g",
+            &tools(),
+            &[user_turn("g-u1")],
+            sealed((manifest_g, bytes_g.clone())),
+            vec![],
+            Some(&begin),
+            at(15),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.write_ops() - writes,
+        1,
+        "import, prepare and begin are one write"
+    );
+    let ImportPrepared::Prepared {
+        revision: Revision(1),
+        prepared: PrepareOutcome::Created(imported),
+        began: Some(BeginOutcome::Began { generation, .. }),
+    } = imported
+    else {
+        panic!("not imported, prepared and begun: {imported:?}")
+    };
+    assert_eq!(imported.request_bytes, bytes_g);
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: None,
+    };
+    let committed = store
+        .commit_carrying(
+            "op-g",
+            generation,
+            Revision(1),
+            &assistant_turn("g-a", 1),
+            None,
+            &carried,
+            at(16),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{committed:?}"
+    );
+    assert_eq!(
+        store.history_walks() - walks,
+        0,
+        "the sealed import kept the validator's state"
+    );
+    // A sealed import whose target is out of bounds writes nothing, the history included.
+    let (huge, huge_bytes) = manifest("op-i", "i", 1, "m");
+    let mut body = huge.body.clone();
+    body.max_output_tokens = (1 << 53) + 1;
+    let writes = store.write_ops();
+    let refused = store
+        .import_and_prepare_sealed(
+            "i",
+            &tools(),
+            &[user_turn("i-u1")],
+            SealedTarget::vouched(PreparedTarget {
+                manifest: body.seal(),
+                request_bytes: huge_bytes,
+                policy: None,
+            }),
+            vec![],
+            Some(&begin),
+            at(17),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(refused, ImportPrepared::NotPrepared(PrepareOutcome::Invalid(_))),
+        "{refused:?}"
+    );
+    assert_eq!(store.write_ops(), writes, "nothing is written");
+    assert_eq!(store.conversation("i").await.unwrap(), None);
+    // Digests that do not match what they name: no seal, and the reason a checked prepare gives.
+    let (manifest_h, bytes_h) = manifest("op-h", "c", 1, "m");
+    let mut other_bytes = bytes_h.clone();
+    other_bytes.push(b' ');
+    let mut tampered = manifest_h.clone();
+    tampered.body.model = "tampered".into();
+    let policy = json!({"sampling": {"temperature": 0.5}});
+    for (manifest, bytes, policy, why) in [
+        (
+            manifest_h.clone(),
+            other_bytes,
+            None,
+            "request bytes do not match request_digest",
+        ),
+        (
+            tampered,
+            bytes_h.clone(),
+            None,
+            "manifest_digest does not match the manifest",
+        ),
+        (
+            manifest_h.clone(),
+            bytes_h.clone(),
+            Some(policy),
+            "the policy does not match policy_digest",
+        ),
+    ] {
+        let checked = store
+            .prepare_with_policy(&manifest, &bytes, policy.as_ref(), at(16))
+            .await
+            .unwrap();
+        assert_eq!(checked, PrepareOutcome::Invalid(why));
+        let refused = SealedTarget::check(PreparedTarget {
+            manifest,
+            request_bytes: bytes,
+            policy,
+        });
+        assert_eq!(refused.err(), Some(why));
+    }
+    assert_eq!(store.dispatch("op-h").await.unwrap(), None);
+}
 
 /// `prepare_with_policy` keeps the policy the manifest pins, and refuses one that does not hash
 /// to `policy_digest`.
