@@ -286,7 +286,66 @@ macro_rules! in_tx {
     }};
 }
 
+/// Sealed targets out of their seals, with their rows (`Checks::Sealed`: nothing hashed) or
+/// why they are `Invalid`.
+#[allow(clippy::type_complexity)]
+fn unsealed(
+    target: SealedTarget,
+    fallbacks: Vec<SealedTarget>,
+) -> Result<
+    (
+        PreparedTarget,
+        Vec<PreparedTarget>,
+        Result<ops::PrepareRows, &'static str>,
+    ),
+    StoreError,
+> {
+    let target = target.into_target();
+    let fallbacks: Vec<PreparedTarget> = fallbacks.into_iter().map(SealedTarget::into_target).collect();
+    let rows = ops::prepare_rows(
+        &target.manifest,
+        &target.request_bytes,
+        target.policy.as_ref(),
+        &fallbacks,
+        ops::Checks::Sealed,
+    )?;
+    Ok((target, fallbacks, rows))
+}
+
 impl PgLedger {
+    /// The transaction of a prepare whose inputs are checked: with `begin`,
+    /// [`ops::prepare_and_begin`], else [`ops::prepare_targets`].
+    async fn prepare_with_rows(
+        &self,
+        manifest: &DispatchManifest,
+        request_bytes: &[u8],
+        fallbacks: &[PreparedTarget],
+        rows: ops::PrepareRows,
+        begin: Option<&BeginAtOnce>,
+        now: Timestamp,
+    ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
+        match begin {
+            Some(begin) => in_tx!(self, |tx| ops::prepare_and_begin(
+                &mut tx,
+                manifest,
+                request_bytes,
+                fallbacks,
+                rows,
+                begin,
+                now
+            )),
+            None => in_tx!(self, |tx| ops::prepare_targets(
+                &mut tx,
+                manifest,
+                request_bytes,
+                fallbacks,
+                rows,
+                now
+            ))
+            .map(|outcome| (outcome, None)),
+        }
+    }
+
     /// The transaction of an import and its prepare, the history and the prepare's inputs
     /// checked.
     #[allow(clippy::too_many_arguments)]
@@ -469,14 +528,9 @@ impl Ledger for PgLedger {
             Ok(rows) => rows,
             Err(why) => return Ok(PrepareOutcome::Invalid(why)),
         };
-        in_tx!(self, |tx| ops::prepare_targets(
-            &mut tx,
-            manifest,
-            request_bytes,
-            fallbacks,
-            rows,
-            now
-        ))
+        self.prepare_with_rows(manifest, request_bytes, fallbacks, rows, None, now)
+            .await
+            .map(|(outcome, _)| outcome)
     }
 
     async fn prepare_and_begin(
@@ -493,15 +547,8 @@ impl Ledger for PgLedger {
             Ok(rows) => rows,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
-        in_tx!(self, |tx| ops::prepare_and_begin(
-            &mut tx,
-            manifest,
-            request_bytes,
-            fallbacks,
-            rows,
-            begin,
-            now
-        ))
+        self.prepare_with_rows(manifest, request_bytes, fallbacks, rows, Some(begin), now)
+            .await
     }
 
     async fn import_and_prepare(
@@ -545,39 +592,20 @@ impl Ledger for PgLedger {
         begin: Option<&BeginAtOnce>,
         now: Timestamp,
     ) -> Result<(PrepareOutcome, Option<BeginOutcome>), StoreError> {
-        let target = target.into_target();
-        let fallbacks: Vec<PreparedTarget> = fallbacks.into_iter().map(SealedTarget::into_target).collect();
-        let (manifest, request_bytes) = (&target.manifest, target.request_bytes.as_slice());
-        let rows = match ops::prepare_rows(
-            manifest,
-            request_bytes,
-            target.policy.as_ref(),
-            &fallbacks,
-            ops::Checks::Sealed,
-        )? {
+        let (target, fallbacks, rows) = unsealed(target, fallbacks)?;
+        let rows = match rows {
             Ok(rows) => rows,
             Err(why) => return Ok((PrepareOutcome::Invalid(why), None)),
         };
-        match begin {
-            Some(begin) => in_tx!(self, |tx| ops::prepare_and_begin(
-                &mut tx,
-                manifest,
-                request_bytes,
-                &fallbacks,
-                rows,
-                begin,
-                now
-            )),
-            None => in_tx!(self, |tx| ops::prepare_targets(
-                &mut tx,
-                manifest,
-                request_bytes,
-                &fallbacks,
-                rows,
-                now
-            ))
-            .map(|outcome| (outcome, None)),
-        }
+        self.prepare_with_rows(
+            &target.manifest,
+            &target.request_bytes,
+            &fallbacks,
+            rows,
+            begin,
+            now,
+        )
+        .await
     }
 
     async fn import_and_prepare_sealed(
@@ -594,16 +622,8 @@ impl Ledger for PgLedger {
             Ok(checked) => checked,
             Err(violations) => return Ok(ImportPrepared::NotImported(ImportOutcome::Rejected(violations))),
         };
-        let target = target.into_target();
-        let fallbacks: Vec<PreparedTarget> = fallbacks.into_iter().map(SealedTarget::into_target).collect();
-        let (manifest, request_bytes) = (&target.manifest, target.request_bytes.as_slice());
-        let rows = match ops::prepare_rows(
-            manifest,
-            request_bytes,
-            target.policy.as_ref(),
-            &fallbacks,
-            ops::Checks::Sealed,
-        )? {
+        let (target, fallbacks, rows) = unsealed(target, fallbacks)?;
+        let rows = match rows {
             Ok(rows) => rows,
             Err(why) => return Ok(ImportPrepared::NotPrepared(PrepareOutcome::Invalid(why))),
         };
@@ -611,8 +631,8 @@ impl Ledger for PgLedger {
             conversation_id,
             tools,
             checked,
-            manifest,
-            request_bytes,
+            &target.manifest,
+            &target.request_bytes,
             &fallbacks,
             rows,
             begin,

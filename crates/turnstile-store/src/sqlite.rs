@@ -1146,16 +1146,7 @@ impl PrepareInputs {
             fallbacks: fallbacks.to_vec(),
             checks: ops::Checks::Hash,
         };
-        let check = move || {
-            let checked = ops::prepare_rows(
-                &inputs.manifest,
-                &inputs.bytes,
-                inputs.policy.as_ref(),
-                &inputs.fallbacks,
-                inputs.checks,
-            );
-            (checked, inputs)
-        };
+        let check = move || (inputs.check(), inputs);
         let bytes = request_bytes.len()
             + fallbacks
                 .iter()
@@ -1196,14 +1187,18 @@ impl PrepareInputs {
             fallbacks: fallbacks.into_iter().map(SealedTarget::into_target).collect(),
             checks: ops::Checks::Sealed,
         };
-        let rows = ops::prepare_rows(
-            &inputs.manifest,
-            &inputs.bytes,
-            inputs.policy.as_ref(),
-            &inputs.fallbacks,
-            inputs.checks,
-        )?;
-        Ok(rows.map(|rows| (inputs, rows)))
+        Ok(inputs.check()?.map(|rows| (inputs, rows)))
+    }
+
+    /// Their rows ([`ops::prepare_rows`] with their own checks), or why they are `Invalid`.
+    fn check(&self) -> Result<Result<ops::PrepareRows, &'static str>, StoreError> {
+        ops::prepare_rows(
+            &self.manifest,
+            &self.bytes,
+            self.policy.as_ref(),
+            &self.fallbacks,
+            self.checks,
+        )
     }
 }
 
@@ -1215,14 +1210,7 @@ impl PrepareInputs {
     fn rows(&self, rows: &mut Option<ops::PrepareRows>) -> Result<ops::PrepareRows, StoreError> {
         match rows.take() {
             Some(rows) => Ok(rows),
-            None => ops::prepare_rows(
-                &self.manifest,
-                &self.bytes,
-                self.policy.as_ref(),
-                &self.fallbacks,
-                self.checks,
-            )?
-            .map_err(|why| {
+            None => self.check()?.map_err(|why| {
                 StoreError::Corrupt(format!("a prepare checked before its run no longer does: {why}"))
             }),
         }
