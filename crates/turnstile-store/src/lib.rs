@@ -59,6 +59,12 @@ pub trait Ledger: Send + Sync {
     /// an operation undid to a savepoint of its own still counts it.
     fn write_ops(&self) -> u64;
 
+    /// Operations of this process that changed no stored row (a count in memory, from zero at
+    /// open): every read, and every write that answered without changing anything (an
+    /// existing dispatch, a refusal). With [`Ledger::write_ops`], the store round trips a
+    /// workload costs.
+    fn read_ops(&self) -> u64;
+
     /// Appends and commits of this process whose history check read and walked the whole
     /// stored history (no validator state kept for its revision); the others checked the new
     /// turn only.

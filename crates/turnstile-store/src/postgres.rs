@@ -131,6 +131,8 @@ pub struct PgLedger {
     pool: Pool,
     faults: Arc<FaultInjector>,
     write_ops: std::sync::atomic::AtomicU64,
+    /// Committed transactions that changed no row (`Ledger::read_ops`).
+    read_ops: std::sync::atomic::AtomicU64,
     validation: crate::history::ValidationCache,
 }
 
@@ -176,6 +178,7 @@ impl PgLedger {
             pool,
             faults: Arc::new(FaultInjector::default()),
             write_ops: std::sync::atomic::AtomicU64::new(0),
+            read_ops: std::sync::atomic::AtomicU64::new(0),
             validation: Default::default(),
         };
         ledger.migrate(schema).await?;
@@ -258,9 +261,8 @@ macro_rules! in_tx {
                     None => {
                         let wrote = $tx.wrote;
                         $tx.inner.commit().await?;
-                        if wrote {
-                            $self.write_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
+                        let counter = if wrote { &$self.write_ops } else { &$self.read_ops };
+                        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         Ok(value)
                     }
                     Some(Fault::DropBeforeCommit) => {
@@ -270,9 +272,8 @@ macro_rules! in_tx {
                     Some(Fault::DropAfterCommit) => {
                         let wrote = $tx.wrote;
                         $tx.inner.commit().await?;
-                        if wrote {
-                            $self.write_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
+                        let counter = if wrote { &$self.write_ops } else { &$self.read_ops };
+                        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         Err(StoreError::ConnectionLost("after commit"))
                     }
                 },
@@ -398,6 +399,10 @@ impl Ledger for PgLedger {
 
     fn write_ops(&self) -> u64 {
         self.write_ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn read_ops(&self) -> u64 {
+        self.read_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn create_conversation(

@@ -269,6 +269,9 @@ pub struct SqliteLedger {
 struct WriterCounters {
     /// Committed operations that changed a row (`Ledger::write_ops`).
     write_ops: std::sync::atomic::AtomicU64,
+    /// Read transactions, and committed operations of the writer that changed no row
+    /// (`Ledger::read_ops`).
+    read_ops: std::sync::atomic::AtomicU64,
     /// Times a cached statement was parsed and planned again
     /// ([`SqliteLedger::reprepares`]).
     reprepares: std::sync::atomic::AtomicU64,
@@ -617,6 +620,9 @@ impl SqliteLedger {
     ) -> Result<T, StoreError> {
         let connection = self.readers.take()?;
         control(&connection, "BEGIN DEFERRED")?;
+        self.counters
+            .read_ops
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tx = SqliteTx {
             connection: &connection,
             counters: &self.counters,
@@ -907,7 +913,7 @@ fn run_batch(
         return;
     }
     let mut done: Vec<Job> = Vec::with_capacity(batch.len());
-    let mut wrote = 0;
+    let (mut wrote, mut unchanged) = (0, 0);
     let mut taken = batch.len();
     let mut pending = batch.into_iter();
     loop {
@@ -945,6 +951,8 @@ fn run_batch(
             Ok(Ran::Ok) => {
                 if changed {
                     wrote += 1;
+                } else {
+                    unchanged += 1;
                 }
                 done.push(job);
                 false
@@ -982,7 +990,7 @@ fn run_batch(
             return;
         }
     }
-    end_group(connection, done, wrote, faults, counters);
+    end_group(connection, done, (wrote, unchanged), faults, counters);
 }
 
 /// Answer every operation of `jobs` with how the group ended.
@@ -1017,7 +1025,7 @@ fn run_in_savepoints(
         return;
     }
     let mut done = Vec::with_capacity(jobs.len());
-    let mut wrote = 0;
+    let (mut wrote, mut unchanged) = (0, 0);
     let mut pending = jobs.into_iter();
     while let Some(mut job) = pending.next() {
         if !job.runnable() {
@@ -1056,24 +1064,27 @@ fn run_in_savepoints(
         }
         if ok && connection.total_changes() > changes_before {
             wrote += 1;
+        } else if ok {
+            unchanged += 1;
         }
     }
-    end_group(connection, done, wrote, faults, counters);
+    end_group(connection, done, (wrote, unchanged), faults, counters);
 }
 
 /// Commit the group's transaction and answer its operations (`done`: those with an answer to
-/// give), or roll it back and tell them why; `wrote` of them changed a row.
+/// give), or roll it back and tell them why; `wrote` of them changed a row, `unchanged` ran to
+/// the end and changed none.
 fn end_group(
     connection: &Connection,
     done: Vec<Job>,
-    wrote: u64,
+    (wrote, unchanged): (u64, u64),
     faults: &FaultInjector,
     counters: &WriterCounters,
 ) {
-    let count = |wrote: u64| {
-        counters
-            .write_ops
-            .fetch_add(wrote, std::sync::atomic::Ordering::Relaxed);
+    let count = || {
+        use std::sync::atomic::Ordering::Relaxed;
+        counters.write_ops.fetch_add(wrote, Relaxed);
+        counters.read_ops.fetch_add(unchanged, Relaxed);
     };
     if done.is_empty() {
         // Every operation of the group answered already and wrote nothing.
@@ -1089,7 +1100,7 @@ fn end_group(
         Some(Fault::DropAfterCommit) => {
             let end = match control(connection, "COMMIT") {
                 Ok(()) => {
-                    count(wrote);
+                    count();
                     BatchEnd::Lost("after commit")
                 }
                 Err(error) => {
@@ -1104,7 +1115,7 @@ fn end_group(
     }
     match control(connection, "COMMIT") {
         Ok(()) => {
-            count(wrote);
+            count();
             finish(done, &BatchEnd::Committed);
         }
         Err(error) => {
@@ -1312,6 +1323,10 @@ impl Ledger for SqliteLedger {
 
     fn write_ops(&self) -> u64 {
         self.counters.write_ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn read_ops(&self) -> u64 {
+        self.counters.read_ops.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     async fn create_conversation(

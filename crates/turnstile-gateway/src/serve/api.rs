@@ -706,30 +706,64 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     }
     let conversation_id = caller.store_id(&id);
     let operation_id = caller.store_id(&request.operation_id);
+    let stream = request.stream;
 
-    if let Some(record) = shared
-        .ledger
-        .dispatch(&operation_id)
-        .await
-        .map_err(ApiError::store)?
-    {
-        if record.conversation_id != conversation_id {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::OperationConflict,
-                "that operation id belongs to another conversation",
-            ));
+    // No read of the operation id first: the prepare answers whether it exists, in the
+    // transaction that stores it (`ops::prepare_beginning` looks it up before anything else).
+    // Only an answer that stored nothing (an error, waiting, rejected, paused) asks the store
+    // whether the operation exists after all, and then attaches to it as the read first did:
+    // a client asking again with the same operation id gets that dispatch, whatever the
+    // conversation became since (docs/decisions.md, "A dispatch reads its operation id only
+    // when its prepare stored nothing").
+    let stored = match super::kept::current(&shared, &conversation_id).await {
+        // The kept history plus the turns committed since, or the whole document (`kept.rs`).
+        Ok(Some(current)) => {
+            let answer = dispatch_current(
+                &shared,
+                caller.clone(),
+                &current.kept,
+                request,
+                operation_id.clone(),
+                &targets,
+            )
+            .await;
+            shared.kept.put(&conversation_id, current);
+            answer
         }
-        return attach(shared, caller, record, None, request.stream, None).await;
+        Ok(None) => Dispatched::NotStored(Err(ApiError::not_found("conversation"))),
+        Err(error) => Dispatched::NotStored(Err(error)),
+    };
+    match stored {
+        Dispatched::Stored(answer) => answer,
+        Dispatched::NotStored(answer) => {
+            let Some(record) = shared
+                .ledger
+                .dispatch(&operation_id)
+                .await
+                .map_err(ApiError::store)?
+            else {
+                return answer;
+            };
+            if record.conversation_id != conversation_id {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    ErrorCode::OperationConflict,
+                    "that operation id belongs to another conversation",
+                ));
+            }
+            attach(shared, caller, record, None, stream, None).await
+        }
     }
+}
 
-    // The kept history plus the turns committed since, or the whole document (`kept.rs`).
-    let current = super::kept::current(&shared, &conversation_id)
-        .await?
-        .ok_or_else(|| ApiError::not_found("conversation"))?;
-    let answer = dispatch_current(&shared, caller, &current.kept, request, operation_id, &targets).await;
-    shared.kept.put(&conversation_id, current);
-    answer
+/// How a dispatch request ended: with a dispatch the store holds for its operation id
+/// (created by this request, or found by its prepare), or with nothing stored for it.
+enum Dispatched {
+    /// The answer of the stored dispatch (attached to).
+    Stored(ApiResult),
+    /// The answer when nothing was stored: an error, or waiting, rejected or paused. The
+    /// operation id may still name an earlier dispatch, which the caller looks for.
+    NotStored(ApiResult),
 }
 
 /// The rest of a dispatch of a stored conversation, once it is current: the revision check,
@@ -741,17 +775,17 @@ async fn dispatch_current(
     request: DispatchBody,
     operation_id: String,
     targets: &[Target],
-) -> ApiResult {
+) -> Dispatched {
     let conversation = kept.conversation();
     if let Some(expected) = request.expected_revision
         && expected != conversation.revision.0
     {
-        return Err(ApiError::new(
+        return Dispatched::NotStored(Err(ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::RevisionConflict,
             "the conversation is not at the expected revision",
         )
-        .with(json!({"current_revision": conversation.revision.0})));
+        .with(json!({"current_revision": conversation.revision.0}))));
     }
     // Validated once, when each turn was kept: the proof and the sequence go on into the render.
     // The kept conversation's graph carries its turn stamps, so the render resumes from the
@@ -760,21 +794,21 @@ async fn dispatch_current(
         (Verdict::Ready, Some(graph)) => graph,
         (Verdict::Waiting { pending }, _) => {
             let pending = pending.into_iter().map(|call| call.0).collect();
-            return Ok(early_response(Early::Waiting(pending), request.stream));
+            return Dispatched::NotStored(Ok(early_response(Early::Waiting(pending), request.stream)));
         }
         (Verdict::Rejected(violations), _) => {
             metrics::rejected(&violations);
-            return Ok(early_response(Early::Rejected(violations), request.stream));
+            return Dispatched::NotStored(Ok(early_response(Early::Rejected(violations), request.stream)));
         }
         (Verdict::Ready, None) => {
-            return Err(ApiError::new(
+            return Dispatched::NotStored(Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 ErrorCode::Internal,
                 "a ready verdict without its proof",
-            ));
+            )));
         }
     };
-    match prepare_dispatch(
+    let started = prepare_dispatch(
         shared,
         graph,
         operation_id,
@@ -791,9 +825,9 @@ async fn dispatch_current(
         },
         None,
     )
-    .await?
-    {
-        Started::Record(record, began) => {
+    .await;
+    match started {
+        Ok(Started::Record(record, began)) => Dispatched::Stored(
             attach(
                 shared.clone(),
                 caller,
@@ -802,15 +836,16 @@ async fn dispatch_current(
                 request.stream,
                 Some(conversation),
             )
-            .await
-        }
-        Started::Early(early) => Ok(early_response(early, request.stream)),
+            .await,
+        ),
+        Ok(Started::Early(early)) => Dispatched::NotStored(Ok(early_response(early, request.stream))),
         // This endpoint imports nothing.
-        Started::NotImported(_) => Err(ApiError::new(
+        Ok(Started::NotImported(_)) => Dispatched::NotStored(Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::Internal,
             "an import refused without an import",
-        )),
+        ))),
+        Err(error) => Dispatched::NotStored(Err(error)),
     }
 }
 
@@ -2244,6 +2279,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
         metrics::unknown_age(age_ms as f64 / 1000.0);
     }
     metrics::store_write_ops(shared.ledger.write_ops());
+    metrics::store_read_ops(shared.ledger.read_ops());
     let (kept, whole) = shared.kept.stats();
     metrics::conversation_reads(kept, whole);
     let (renders, resumed) = shared.render_caches.renders().await;

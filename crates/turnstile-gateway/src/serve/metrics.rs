@@ -68,6 +68,10 @@ pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
 /// Store operations of this process that changed a row and were committed (durable writes;
 /// `Ledger::write_ops`, read at each scrape).
 pub const STORE_WRITE_OPS: &str = "turnstile_store_write_ops_total";
+/// Store operations of this process that changed no row (reads, and writes that answered
+/// without changing anything; `Ledger::read_ops`, read at each scrape, after the scrape's
+/// own read of the store).
+pub const STORE_READ_OPS: &str = "turnstile_store_read_ops_total";
 /// Dispatches of a stored conversation by how its history was read (`kept.rs`): `kept` (the
 /// history kept in memory plus the turns since), `whole` (the whole document); read at each
 /// scrape.
@@ -187,6 +191,11 @@ pub fn failover(from: &str, to: &str, reason: &str) {
 /// The ledger's count of durable writes, at a scrape.
 pub fn store_write_ops(total: u64) {
     counter!(STORE_WRITE_OPS).absolute(total);
+}
+
+/// The ledger's count of operations that changed nothing, at a scrape.
+pub fn store_read_ops(total: u64) {
+    counter!(STORE_READ_OPS).absolute(total);
 }
 
 /// The kept-history counts (`KeptConversations::stats`), at a scrape.

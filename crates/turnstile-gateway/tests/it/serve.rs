@@ -1372,6 +1372,148 @@ fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
     }
 }
 
+/// A successful result for each ready tool call of conversation `id` (two here: the
+/// simulator's `two_calls`), as tool-turn blocks.
+fn results_of_ready_calls(gateway: &Gateway, id: &str) -> Vec<Value> {
+    let ready = gateway.get("/v1/tool-calls?state=ready")["tool_calls"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let results: Vec<Value> = ready
+        .iter()
+        .filter(|call| call["conversation_id"] == id)
+        .enumerate()
+        .map(|(i, call)| {
+            json!({"id": format!("r{i}"), "kind": "tool_result", "call_id": call["call_id"], "tool": call["tool"],
+                   "args_digest": call["args_digest"], "generation": call["generation"], "status": "success",
+                   "content": [{"kind": "text", "text": format!("{i}C")}]})
+        })
+        .collect();
+    assert_eq!(results.len(), 2, "{id}: {ready:?}");
+    results
+}
+
+/// Issue 21: a dispatch with a new operation id asks the store nothing before its prepare but
+/// its conversation (the prepare answers whether the operation exists), so it costs one read
+/// and two durable writes; an agent loop's next dispatch, one read of the turns since. A client
+/// asking again with the same operation id still gets that dispatch, though the conversation
+/// moved on and now waits for tool results (the render answers "waiting", and only then is the
+/// operation looked up), and the same id on another conversation is still a conflict. SQLite
+/// and PostgreSQL. (A long lease keeps the lease sweep, a read, out of the counts.)
+#[test]
+fn a_new_dispatch_reads_only_its_conversation_and_a_repeated_operation_id_still_attaches() {
+    let url = std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    );
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let pg_dir = tempfile::tempdir().unwrap();
+    let run = run_id();
+    let adapter = "anthropic-messages@1";
+    for (store, gateway) in [
+        (
+            "sqlite",
+            Gateway::start(&dir, &sqlite(&dir), &sim, "lease_ms = 600000"),
+        ),
+        (
+            "postgres",
+            Gateway::start(&pg_dir, &url, &sim, "lease_ms = 600000"),
+        ),
+    ] {
+        let reads = || gateway.metric("turnstile_store_read_ops_total");
+        let writes = || gateway.metric("turnstile_store_write_ops_total");
+        // What a scrape itself reads (the oldest stuck attempt), between two scrapes: each
+        // count below is taken right before and right after what it counts.
+        let first = reads();
+        let scrape = reads() - first;
+        let id = format!("c-reads-{run}-{store}");
+        let other = format!("c-reads-other-{run}-{store}");
+        let model = format!("m-{id}");
+        conversation_with_question(&gateway, &id);
+        conversation_with_question(&gateway, &other);
+
+        // A new operation id, the conversation not kept yet: its whole document, read once.
+        sim.script(&model, json!([two_calls(json!({}))]));
+        let (writes_before, reads_before) = (writes(), reads());
+        let events = gateway.dispatch(&id, &format!("op-{id}-1"), adapter, &model);
+        assert_eq!(named(&events, "committed").len(), 1, "{store}: {events:?}");
+        assert_eq!(
+            reads() - reads_before - scrape,
+            1.0,
+            "{store}: reads of a new dispatch"
+        );
+        assert_eq!(
+            writes() - writes_before,
+            2.0,
+            "{store}: durable writes of a new dispatch"
+        );
+        let sent = sim.requests().len();
+
+        // Asked again: the conversation now waits for the two results, yet the client gets the
+        // committed dispatch, and nothing is sent or written.
+        let writes_before = writes();
+        let again = gateway.dispatch(&id, &format!("op-{id}-1"), adapter, &model);
+        assert_eq!(named(&again, "committed").len(), 1, "{store}: {again:?}");
+        assert_eq!(named(&again, "committed")[0]["revision"], 2, "{store}");
+        assert!(named(&again, "waiting").is_empty(), "{store}: {again:?}");
+        let (status, body) = gateway.post(
+            &format!("/v1/conversations/{id}/dispatch"),
+            json!({"operation_id": format!("op-{id}-1"), "stream": false,
+                   "target": {"provider": "sim", "model": model, "adapter": adapter}}),
+        );
+        assert_eq!(
+            (status, &body["state"]),
+            (200, &json!("COMMITTED")),
+            "{store}: {body}"
+        );
+        // The same id on another conversation.
+        let (status, body) = gateway.post(
+            &format!("/v1/conversations/{other}/dispatch"),
+            json!({"operation_id": format!("op-{id}-1"), "stream": false,
+                   "target": {"provider": "sim", "model": model, "adapter": adapter}}),
+        );
+        assert_eq!(
+            (status, &body["error"]["code"]),
+            (409, &json!("operation_conflict")),
+            "{store}: {body}"
+        );
+        assert_eq!(
+            sim.requests().len(),
+            sent,
+            "{store}: a repeated operation id sends nothing"
+        );
+        assert_eq!(
+            writes(),
+            writes_before,
+            "{store}: a repeated operation id writes nothing"
+        );
+
+        // The results, then the agent loop's next dispatch: the kept history plus the one new
+        // turn, read once.
+        let (status, body) = gateway.post(
+            &format!("/v1/conversations/{id}/turns"),
+            json!({"expected_revision": 2, "turn": {"id": "t-results", "role": "tool",
+                   "blocks": results_of_ready_calls(&gateway, &id)}}),
+        );
+        assert_eq!(status, 200, "{store}: {body}");
+        sim.script(&model, json!([{"text": "Sunny in Paris, rain in Tokyo."}]));
+        let (writes_before, reads_before) = (writes(), reads());
+        let events = gateway.dispatch(&id, &format!("op-{id}-2"), adapter, &model);
+        assert_eq!(
+            named(&events, "committed")[0]["revision"],
+            4,
+            "{store}: {events:?}"
+        );
+        assert_eq!(
+            reads() - reads_before - scrape,
+            1.0,
+            "{store}: reads of an agent loop's dispatch"
+        );
+        assert_eq!(writes() - writes_before, 2.0, "{store}");
+        assert_safety_metrics_zero(&gateway);
+    }
+}
+
 /// Issue 21: a gateway keeps a stored conversation decoded between dispatches, so an agent
 /// loop's next dispatch reads and checks only the turns committed since its last one
 /// (`turnstile_conversation_reads_total`): the first dispatch reads the whole history, the
@@ -1417,24 +1559,10 @@ fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends()
         let events = warm.dispatch(&id, &op("1"), adapter, &model);
         assert_eq!(named(&events, "committed").len(), 1, "{store}: {events:?}");
         // The results, appended through the other replica (revision 3).
-        let ready = warm.get("/v1/tool-calls?state=ready")["tool_calls"]
-            .as_array()
-            .unwrap()
-            .clone();
-        let results: Vec<Value> = ready
-            .iter()
-            .filter(|call| call["conversation_id"] == id.as_str())
-            .enumerate()
-            .map(|(i, call)| {
-                json!({"id": format!("r{i}"), "kind": "tool_result", "call_id": call["call_id"], "tool": call["tool"],
-                       "args_digest": call["args_digest"], "generation": call["generation"], "status": "success",
-                       "content": [{"kind": "text", "text": format!("{i}C")}]})
-            })
-            .collect();
-        assert_eq!(results.len(), 2, "{store}: {ready:?}");
         let (status, body) = other.post(
             &format!("/v1/conversations/{id}/turns"),
-            json!({"expected_revision": 2, "turn": {"id": "t-results", "role": "tool", "blocks": results}}),
+            json!({"expected_revision": 2, "turn": {"id": "t-results", "role": "tool",
+                   "blocks": results_of_ready_calls(&warm, &id)}}),
         );
         assert_eq!(status, 200, "{store}: {body}");
 
