@@ -1829,12 +1829,9 @@ pub(crate) async fn commit<T: Tx>(
         quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
         return Ok(CommitOutcome::Rejected(Vec::new()));
     };
-    if conversation_revision(tx, &conversation_id, false)
-        .await?
-        .is_none()
-    {
-        return Ok(refuse(CommitRefusal::NotFound));
-    }
+    // The conversation is not read here: the dispatch row refers to it (a foreign key) and no
+    // write deletes one, and the claim of its revision below is the compare-and-set. A claim
+    // that fails asks whether it exists (`NotFound`) before anything else.
     // Only the new turn is checked when the validator's state after the stored history is
     // kept; else the whole history is read and walked once.
     let checked = check_turn(
@@ -1892,6 +1889,12 @@ pub(crate) async fn commit<T: Tx>(
     if !won {
         tx.execute("ROLLBACK TO SAVEPOINT canonical", &[]).await?;
         tx.execute("RELEASE SAVEPOINT canonical", &[]).await?;
+        if conversation_revision(tx, &conversation_id, false)
+            .await?
+            .is_none()
+        {
+            return Ok(refuse(CommitRefusal::NotFound));
+        }
         let reason = commit_refusal(tx, operation_id, generation, carried.from).await?;
         quarantine_turn(tx, operation_id, generation, "commit_refused", turn, now).await?;
         bump_counter(tx, "canonical_cas_conflicts").await?;

@@ -873,8 +873,9 @@ async fn the_sqlite_writer_never_parses_a_cached_statement_again() {
 /// conversation's head and the store's clock: 7 statements (11 when it inserted a PREPARED row
 /// and then ran `begin_attempt`, which read back the rows it had just written). A winning
 /// commit carrying a handle moves the attempt and takes its handle in one update that returns
-/// its target, and binds the handle without reading the dispatch again: 11 statements with
-/// one tool call (14 before), its own `SAVEPOINT canonical` and release included. The writer's
+/// its target, and binds the handle without reading the dispatch again, nor the conversation
+/// (its revision's claim is the compare-and-set): 10 statements with one tool call (14, then
+/// 11 before), its own `SAVEPOINT canonical` and release included. The writer's
 /// transaction control around each operation (BEGIN, SAVEPOINT op, RELEASE, COMMIT) is not
 /// counted. The history rows are the two-step path's: PREPARED (no generation, the caller's
 /// clock), then DISPATCHING at generation 1 on the store's.
@@ -934,7 +935,7 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
         )
         .await
         .unwrap();
-    assert_eq!(store.statements() - before, 11, "statements of the commit");
+    assert_eq!(store.statements() - before, 10, "statements of the commit");
     assert!(matches!(outcome, CommitOutcome::Committed { .. }), "{outcome:?}");
     let attempt = &store.attempts("op-c").await.unwrap()[0];
     assert_eq!(
