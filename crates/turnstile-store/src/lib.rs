@@ -59,10 +59,12 @@ pub trait Ledger: Send + Sync {
     /// an operation undid to a savepoint of its own still counts it.
     fn write_ops(&self) -> u64;
 
-    /// Operations of this process that changed no stored row (a count in memory, from zero at
-    /// open): every read, and every write that answered without changing anything (an
-    /// existing dispatch, a refusal). With [`Ledger::write_ops`], the store round trips a
-    /// workload costs.
+    /// Operations of this process that ended without changing a stored row (a count in
+    /// memory, from zero at open): every read that succeeded, and every write that committed
+    /// having changed nothing (an existing dispatch, a refusal that writes no row). With
+    /// [`Ledger::write_ops`], the store round trips a workload costs. SQLite also counts the
+    /// read a check makes of a history it has no validator state for, before its write;
+    /// PostgreSQL makes that read inside the write.
     fn read_ops(&self) -> u64;
 
     /// Appends and commits of this process whose history check read and walked the whole

@@ -620,9 +620,6 @@ impl SqliteLedger {
     ) -> Result<T, StoreError> {
         let connection = self.readers.take()?;
         control(&connection, "BEGIN DEFERRED")?;
-        self.counters
-            .read_ops
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut tx = SqliteTx {
             connection: &connection,
             counters: &self.counters,
@@ -640,6 +637,10 @@ impl SqliteLedger {
         }
         let value = result?;
         ended?;
+        // Counted once ended, as PostgreSQL counts a read once committed.
+        self.counters
+            .read_ops
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(value)
     }
 }

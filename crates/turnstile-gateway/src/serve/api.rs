@@ -709,12 +709,12 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     let stream = request.stream;
 
     // No read of the operation id first: the prepare answers whether it exists, in the
-    // transaction that stores it (`ops::prepare_beginning` looks it up before anything else).
-    // Only an answer that stored nothing (an error, waiting, rejected, paused) asks the store
-    // whether the operation exists after all, and then attaches to it as the read first did:
-    // a client asking again with the same operation id gets that dispatch, whatever the
-    // conversation became since (docs/decisions.md, "A dispatch reads its operation id only
-    // when its prepare stored nothing").
+    // transaction that stores it (`ops::prepare_beginning` looks it up before it reads the
+    // conversation or writes). Only an answer that stored nothing (an error, waiting,
+    // rejected, paused) asks the store whether the operation exists after all, and then
+    // attaches to it as the read first did: a client asking again with the same operation id
+    // gets that dispatch, whatever the conversation became since (docs/decisions.md, "A
+    // dispatch reads its operation id only when its prepare stored nothing").
     let stored = match super::kept::current(&shared, &conversation_id).await {
         // The kept history plus the turns committed since, or the whole document (`kept.rs`).
         Ok(Some(current)) => {
@@ -736,24 +736,38 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     match stored {
         Dispatched::Stored(answer) => answer,
         Dispatched::NotStored(answer) => {
-            let Some(record) = shared
-                .ledger
-                .dispatch(&operation_id)
-                .await
-                .map_err(ApiError::store)?
-            else {
-                return answer;
-            };
-            if record.conversation_id != conversation_id {
-                return Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    ErrorCode::OperationConflict,
-                    "that operation id belongs to another conversation",
-                ));
-            }
-            attach(shared, caller, record, None, stream, None).await
+            attach_existing(shared, caller, &conversation_id, &operation_id, stream, answer).await
         }
     }
+}
+
+/// After a dispatch request that stored nothing: attach to the dispatch its operation id
+/// already names (`operation_conflict` when that dispatch is another conversation's), else
+/// give the request's own `answer`.
+async fn attach_existing(
+    shared: Arc<Shared>,
+    caller: Caller,
+    conversation_id: &str,
+    operation_id: &str,
+    stream: bool,
+    answer: ApiResult,
+) -> ApiResult {
+    let Some(record) = shared
+        .ledger
+        .dispatch(operation_id)
+        .await
+        .map_err(ApiError::store)?
+    else {
+        return answer;
+    };
+    if record.conversation_id != conversation_id {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::OperationConflict,
+            "that operation id belongs to another conversation",
+        ));
+    }
+    attach(shared, caller, record, None, stream, None).await
 }
 
 /// How a dispatch request ended: with a dispatch the store holds for its operation id
