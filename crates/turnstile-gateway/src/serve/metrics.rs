@@ -68,9 +68,9 @@ pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
 /// Store operations of this process that changed a row and were committed (durable writes;
 /// `Ledger::write_ops`, read at each scrape).
 pub const STORE_WRITE_OPS: &str = "turnstile_store_write_ops_total";
-/// Store operations of this process that changed no row (reads, and writes that answered
-/// without changing anything; `Ledger::read_ops`, read at each scrape, after the scrape's
-/// own read of the store).
+/// Store operations of this process that ended without changing a row (reads that succeeded,
+/// and writes that committed having changed nothing; `Ledger::read_ops`, read at each scrape,
+/// after the scrape's own read of the store).
 pub const STORE_READ_OPS: &str = "turnstile_store_read_ops_total";
 /// Dispatches of a stored conversation by how its history was read (`kept.rs`): `kept` (the
 /// history kept in memory plus the turns since), `whole` (the whole document); read at each

@@ -251,31 +251,7 @@ pub async fn sealed_targets_are_stored_as_checked_ones_and_a_target_that_does_no
         panic!("not imported, prepared and begun: {imported:?}")
     };
     assert_eq!(imported.request_bytes, bytes_g);
-    let carried = Carried {
-        from: DispatchState::Dispatching,
-        handle: None,
-    };
-    let committed = store
-        .commit_carrying(
-            "op-g",
-            generation,
-            Revision(1),
-            &assistant_turn("g-a", 1),
-            None,
-            &carried,
-            at(16),
-        )
-        .await
-        .unwrap();
-    assert!(
-        matches!(committed, CommitOutcome::Committed { .. }),
-        "{committed:?}"
-    );
-    assert_eq!(
-        store.history_walks() - walks,
-        0,
-        "the sealed import kept the validator's state"
-    );
+    commit_walking_nothing(&*store, "op-g", generation, "g-a", at(16), walks).await;
     // A sealed import whose target is out of bounds writes nothing, the history included.
     let (huge, huge_bytes) = manifest("op-i", "i", 1, "m");
     let mut body = huge.body.clone();
@@ -3191,6 +3167,44 @@ pub async fn a_large_body_is_checked_off_the_writer_and_stored_exactly(backend: 
     assert_eq!(fallbacks[0].request_bytes, second_bytes);
 }
 
+/// Commit the first attempt of `operation_id` (begun at revision 1, carried from DISPATCHING)
+/// and check that neither the import before it nor the commit walked the history: the store's
+/// walk count is still `walks`.
+async fn commit_walking_nothing(
+    store: &dyn Ledger,
+    operation_id: &str,
+    generation: Generation,
+    turn_tag: &str,
+    now: Timestamp,
+    walks: u64,
+) {
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: None,
+    };
+    let committed = store
+        .commit_carrying(
+            operation_id,
+            generation,
+            Revision(1),
+            &assistant_turn(turn_tag, 1),
+            None,
+            &carried,
+            now,
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{operation_id}: {committed:?}"
+    );
+    assert_eq!(
+        store.history_walks() - walks,
+        0,
+        "{operation_id}: the import kept the validator's state, so neither it nor the commit walked the history"
+    );
+}
+
 /// Issue 21: a fresh proxy request's import, prepare and acceptance point are one durable write
 /// (`import_and_prepare`), and the import leaves the validator's state, so the dispatch's
 /// commit checks its own turn only. A history the validator refuses, an id that is taken, a
@@ -3238,31 +3252,7 @@ pub async fn a_fresh_import_and_its_first_prepare_are_one_write_and_its_commit_c
     let stored = store.conversation("c").await.unwrap().expect("imported");
     assert_eq!(stored["turns"].as_array().unwrap().len(), 1, "{stored}");
     assert_eq!(stored["turns"][0]["revision"], 1, "{stored}");
-    let carried = Carried {
-        from: DispatchState::Dispatching,
-        handle: None,
-    };
-    let committed = store
-        .commit_carrying(
-            "op-c",
-            generation,
-            Revision(1),
-            &assistant_turn("a", 1),
-            None,
-            &carried,
-            at(11),
-        )
-        .await
-        .unwrap();
-    assert!(
-        matches!(committed, CommitOutcome::Committed { .. }),
-        "{committed:?}"
-    );
-    assert_eq!(
-        store.history_walks() - walks,
-        0,
-        "the import kept the validator's state: neither it nor the commit walked the history"
-    );
+    commit_walking_nothing(&*store, "op-c", generation, "a", at(11), walks).await;
 
     let nothing_written = |what: &str, writes: u64| {
         assert_eq!(store.write_ops(), writes, "{what}: nothing is written");
