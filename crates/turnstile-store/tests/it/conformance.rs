@@ -1177,6 +1177,31 @@ async fn a_new_sqlite_ledger_has_small_pages_and_an_old_one_keeps_its_own() {
     assert_eq!(page_size(&old), 4096);
 }
 
+/// Issue 21: the bundled SQLite is built with three of SQLite's recommended compile-time
+/// options (`.cargo/config.toml`, `LIBSQLITE3_FLAGS`): no memory statistics (so no global mutex
+/// in every `sqlite3_malloc`), LIKE that never matches a BLOB, and `alloca` for scratch space.
+/// Read back from `PRAGMA compile_options` on the ledger's own file, so the setting cannot be
+/// dropped without this test going red.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bundled_sqlite_is_built_with_the_recommended_options() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("ledger.db");
+    drop(SqliteLedger::open(&path, Synchronous::Full).expect("open sqlite"));
+    let connection = rusqlite::Connection::open(&path).unwrap();
+    let mut statement = connection.prepare("PRAGMA compile_options").unwrap();
+    let options: Vec<String> = statement
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    for wanted in ["DEFAULT_MEMSTATUS=0", "LIKE_DOESNT_MATCH_BLOBS", "USE_ALLOCA"] {
+        assert!(
+            options.iter().any(|option| option == wanted),
+            "{wanted} is not among SQLite's compile options: {options:?}"
+        );
+    }
+}
+
 pub async fn a_stale_expected_revision_is_a_conflict_and_an_illegal_history_is_rejected(
     backend: Backend,
     name: &str,
