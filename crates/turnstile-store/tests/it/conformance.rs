@@ -1180,8 +1180,8 @@ async fn a_new_sqlite_ledger_has_small_pages_and_an_old_one_keeps_its_own() {
 /// Issue 21: the bundled SQLite is built with three of SQLite's recommended compile-time
 /// options (`.cargo/config.toml`, `LIBSQLITE3_FLAGS`): no memory statistics (so no global mutex
 /// in every `sqlite3_malloc`), LIKE that never matches a BLOB, and `alloca` for scratch space.
-/// Read back from `PRAGMA compile_options` on the ledger's own file, so the setting cannot be
-/// dropped without this test going red.
+/// Read back from the SQLite linked into the store (`PRAGMA compile_options`, on a connection
+/// to a ledger file), so the setting cannot be dropped without this test going red.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bundled_sqlite_is_built_with_the_recommended_options() {
     let dir = tempfile::tempdir().expect("temporary directory");
