@@ -6,7 +6,7 @@
 //! result are refused as stale, and the conversation proceeds. Tenant scoping, strict bodies and
 //! the metrics ride along.
 
-use crate::serve::{Gateway, client, sqlite};
+use crate::serve::{Gateway, client, pg_url, sqlite};
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -182,9 +182,7 @@ fn an_executor_that_dies_mid_call_is_taken_over_with_the_same_key_and_its_late_r
 /// one replica granted runs out on the store's clock for the other.
 #[test]
 fn on_two_gateways_sharing_postgresql_an_executor_on_one_takes_over_the_dead_executor_s_call_on_the_other() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let sim = SimProcess::start();
     // Tenant names unique to this run keep its calls apart from earlier runs on the same database.
     let run = format!(

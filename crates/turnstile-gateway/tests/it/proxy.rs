@@ -3,7 +3,7 @@
 //! `proxy_sdk.rs`). Each test checks what the client got, what the simulator received (every
 //! body our way hashes to its manifest's request digest) and the metrics.
 
-use crate::serve::{Gateway, client, hex, run_id};
+use crate::serve::{Gateway, client, hex, pg_url, run_id};
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
@@ -2321,9 +2321,7 @@ adapter = "openai-chat@2"
 /// PostgreSQL.
 #[test]
 fn a_fresh_proxy_request_costs_two_durable_writes_and_a_refused_one_none() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let config = r#"
 [[routes]]
 api = "openai-chat"

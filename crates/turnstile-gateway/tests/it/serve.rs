@@ -314,6 +314,14 @@ pub fn run_id() -> String {
     )
 }
 
+/// The PostgreSQL server the suite runs against (`TURNSTILE_PG_URL`, which scripts/test sets);
+/// a test that calls it fails without one, never skips.
+pub fn pg_url() -> String {
+    std::env::var("TURNSTILE_PG_URL").expect(
+        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
+    )
+}
+
 pub fn sqlite(dir: &tempfile::TempDir) -> String {
     format!("sqlite:{}", dir.path().join("turnstile.db").display())
 }
@@ -1017,9 +1025,7 @@ fn metrics_expose_every_required_name() {
 
 #[test]
 fn two_gateways_on_one_postgresql_commit_at_most_one_turn_per_revision() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let sim = SimProcess::start();
     let dir_a = tempfile::tempdir().unwrap();
     let dir_b = tempfile::tempdir().unwrap();
@@ -1303,9 +1309,7 @@ fn the_dispatch_view_shows_the_render_policy_that_hashes_to_the_manifests_policy
 /// embedded SQLite and on PostgreSQL.
 #[test]
 fn a_committed_dispatch_costs_two_durable_writes_and_keeps_every_transition() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
     let pg_dir = tempfile::tempdir().unwrap();
@@ -1402,9 +1406,7 @@ fn results_of_ready_calls(gateway: &Gateway, id: &str) -> Vec<Value> {
 /// and PostgreSQL. (A long lease keeps the lease sweep, a read, out of the counts.)
 #[test]
 fn a_new_dispatch_reads_only_its_conversation_and_a_repeated_operation_id_still_attaches() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let sim = SimProcess::start();
     let dir = tempfile::tempdir().unwrap();
     let pg_dir = tempfile::tempdir().unwrap();
@@ -1524,9 +1526,7 @@ fn a_new_dispatch_reads_only_its_conversation_and_a_repeated_operation_id_still_
 /// its manifest's request digest. SQLite and PostgreSQL.
 #[test]
 fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends() {
-    let url = std::env::var("TURNSTILE_PG_URL").expect(
-        "TURNSTILE_PG_URL must point at a PostgreSQL server (scripts/test starts one); this test never skips",
-    );
+    let url = pg_url();
     let sim = SimProcess::start();
     let run = run_id();
     let adapter = "anthropic-messages@1";
