@@ -1641,3 +1641,30 @@ fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends()
         }
     }
 }
+
+/// The `turnstile` binary's SQLite syncs with `fdatasync(2)`, never `fsync(2)`
+/// (`-DHAVE_FDATASYNC=1` in `.cargo/config.toml`'s `LIBSQLITE3_FLAGS`; docs/decisions.md,
+/// "SQLite syncs with fdatasync"). Without the option the amalgamation defines `fdatasync` as
+/// `fsync`, and every sync of the WAL and the database file is an `fsync`: the binary then
+/// imports `fsync` and not `fdatasync`. Nothing else in the binary syncs a file, so its
+/// imports say which call the ledger makes. On macOS SQLite uses `F_FULLFSYNC` either way.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_turnstile_binary_syncs_with_fdatasync() {
+    use object::{Object as _, ObjectSymbol as _};
+    let bytes = std::fs::read(env!("CARGO_BIN_EXE_turnstile")).unwrap();
+    let binary = object::File::parse(&*bytes).unwrap();
+    let imported: Vec<&str> = binary
+        .dynamic_symbols()
+        .filter(|symbol| symbol.is_undefined())
+        .filter_map(|symbol| symbol.name().ok())
+        .collect();
+    assert!(
+        imported.contains(&"fdatasync"),
+        "the binary does not import fdatasync: is -DHAVE_FDATASYNC=1 missing from LIBSQLITE3_FLAGS?"
+    );
+    assert!(
+        !imported.contains(&"fsync"),
+        "the binary imports fsync: some sync is not an fdatasync"
+    );
+}
