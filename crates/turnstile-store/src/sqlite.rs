@@ -29,7 +29,9 @@
 //! checkpoints: still safe against a process crash and never corrupt, but the last
 //! acknowledged transactions can roll back after a power loss or OS crash, which means a
 //! request may have been sent for an attempt whose DISPATCHING row is gone. Use it only where
-//! that is acceptable (tests, throwaway gateways).
+//! that is acceptable (tests, throwaway gateways). On Linux each sync is an `fdatasync(2)`:
+//! the bundled SQLite is built with `HAVE_FDATASYNC` (`.cargo/config.toml`), which writes the
+//! data and the size a later read needs, not the mtime.
 //!
 //! **Checkpoints off the writer.** The writer's WAL hook wakes a checkpoint thread of the
 //! ledger's own, which copies the WAL back into the database file on its own connection while
