@@ -28,6 +28,28 @@ pub const PROVIDER_IDLE_TIMEOUT_MS_DEFAULT: u64 = 60_000;
 /// Default whole-attempt bound (10 minutes).
 pub const PROVIDER_ATTEMPT_TIMEOUT_MS_DEFAULT: u64 = 600_000;
 
+/// Why a route's provider is refused; `sim` says when it exists.
+fn unknown_provider(name: &str) -> String {
+    if name == "sim" {
+        "provider \"sim\" exists only on the embedded default (no providers, no tenants) or with \
+         sim_url"
+            .to_owned()
+    } else {
+        format!("unknown provider {name:?}")
+    }
+}
+
+/// Where provider `sim` is ([`Config::simulator`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Simulator {
+    /// The built-in simulator, with its control routes on the gateway.
+    Embedded,
+    /// An external `turnstile sim` at this base URL (`sim_url`).
+    External(String),
+    /// No provider `sim` and no `/sim/*` route.
+    Off,
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -293,6 +315,19 @@ impl Config {
         toml::from_str(&text).map_err(|error| format!("{path}: {error}"))
     }
 
+    /// Where provider `sim` is, if anywhere. The built-in simulator (whose `/sim/*` control
+    /// routes are mounted on the gateway, with no token) runs only on the embedded default: no
+    /// `sim_url`, no real provider and no tenant. With tenants or real providers there is no
+    /// provider `sim` and no `/sim/*` route unless `sim_url` names an external simulator on
+    /// purpose (its control routes are then that process's, never the gateway's).
+    pub fn simulator(&self) -> Simulator {
+        match &self.sim_url {
+            Some(url) => Simulator::External(url.trim_end_matches('/').to_owned()),
+            None if self.providers.is_empty() && self.tenants.is_empty() => Simulator::Embedded,
+            None => Simulator::Off,
+        }
+    }
+
     /// Refuse configurations that would be unsafe to run.
     pub fn check(&self) -> Result<SocketAddr, String> {
         let address: SocketAddr = self
@@ -328,7 +363,8 @@ impl Config {
             }
         }
         for (index, route) in self.routes.iter().enumerate() {
-            let known = |name: &str| name == "sim" || self.providers.contains_key(name);
+            let simulator = !matches!(self.simulator(), Simulator::Off);
+            let known = |name: &str| (simulator && name == "sim") || self.providers.contains_key(name);
             if !matches!(
                 route.api.as_str(),
                 "openai-chat" | "openai-responses" | "anthropic-messages" | "gemini"
@@ -339,11 +375,14 @@ impl Config {
                 return Err(format!("routes[{index}]: unknown adapter {:?}", route.adapter));
             }
             if !known(&route.provider) {
-                return Err(format!("routes[{index}]: unknown provider {:?}", route.provider));
+                return Err(format!("routes[{index}]: {}", unknown_provider(&route.provider)));
             }
             if let Some(original) = &route.original_provider {
                 if !known(original) {
-                    return Err(format!("routes[{index}]: unknown original_provider {original:?}"));
+                    return Err(format!(
+                        "routes[{index}]: original_provider: {}",
+                        unknown_provider(original)
+                    ));
                 }
             }
             if route.fallbacks.len() + 1 > turnstile_store::TARGETS_PER_DISPATCH_MAX {
@@ -361,8 +400,8 @@ impl Config {
                 }
                 if !known(&fallback.provider) {
                     return Err(format!(
-                        "routes[{index}].fallbacks[{position}]: unknown provider {:?}",
-                        fallback.provider
+                        "routes[{index}].fallbacks[{position}]: {}",
+                        unknown_provider(&fallback.provider)
                     ));
                 }
             }
@@ -412,5 +451,26 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn the_built_in_simulator_runs_only_on_the_embedded_default() {
+        let config = |text: &str| toml::from_str::<Config>(text).unwrap();
+        assert_eq!(config("").simulator(), Simulator::Embedded);
+        let tenant = "[[tenants]]\nname = \"acme\"\ntoken = \"t\"\n";
+        let provider = "[providers.openai]\nbase_url = \"https://api.openai.com\"\n";
+        assert_eq!(config(tenant).simulator(), Simulator::Off);
+        assert_eq!(config(provider).simulator(), Simulator::Off);
+        assert_eq!(
+            config(&format!("sim_url = \"http://127.0.0.1:9/\"\n{tenant}")).simulator(),
+            Simulator::External("http://127.0.0.1:9".into())
+        );
+        // A route to `sim` with no simulator is refused at start-up, naming when it exists.
+        let route = "[[routes]]\napi = \"openai-chat\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n";
+        let error = config(&format!("{tenant}{route}")).check().unwrap_err();
+        assert!(error.contains("embedded default"), "{error}");
+        let error = config(&format!("{provider}{route}")).check().unwrap_err();
+        assert!(error.contains("embedded default"), "{error}");
+        assert!(config(route).check().is_ok());
     }
 }

@@ -261,13 +261,14 @@ pub async fn run(flags: Flags) -> Result<(), String> {
             .map_err(|error| format!("store {}: {error}", redact(&config.store)))?,
     );
 
-    // The built-in simulator, unless an external one is named.
-    // It listens on its own loopback port (real HTTP between gateway and simulator) and its
-    // scripting routes are also mounted on the gateway, so `POST /sim/script` works there.
+    // The built-in simulator only on the embedded default (`Config::simulator`): it listens on
+    // its own loopback port (real HTTP between gateway and simulator) and its scripting routes
+    // are also mounted on the gateway, so `POST /sim/script` works there. With tenants or real
+    // providers there is no provider `sim` and no `/sim/*` route unless `sim_url` names one.
     let mut sim_control = None;
-    let sim_url = match &config.sim_url {
-        Some(url) => url.trim_end_matches('/').to_owned(),
-        None => {
+    let sim_url = match config.simulator() {
+        config::Simulator::External(url) => Some(url),
+        config::Simulator::Embedded => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                 .await
                 .map_err(|error| format!("built-in simulator: {error}"))?;
@@ -275,19 +276,22 @@ pub async fn run(flags: Flags) -> Result<(), String> {
             let sim = crate::sim::Sim::default();
             sim_control = Some(crate::sim::control_router(sim.clone()));
             tokio::spawn(crate::sim::serve(listener, sim));
-            format!("http://{sim_address}")
+            Some(format!("http://{sim_address}"))
         }
+        config::Simulator::Off => None,
     };
     let mut endpoints = HashMap::new();
-    endpoints.insert(
-        "sim".to_owned(),
-        Endpoint {
-            base_url: sim_url.clone(),
-            api_key_env: None,
-            resume_by_handle: true,
-            honours_idempotency_key: false,
-        },
-    );
+    if let Some(sim_url) = &sim_url {
+        endpoints.insert(
+            "sim".to_owned(),
+            Endpoint {
+                base_url: sim_url.clone(),
+                api_key_env: None,
+                resume_by_handle: true,
+                honours_idempotency_key: false,
+            },
+        );
+    }
     for (name, provider) in &config.providers {
         // A missing key would only show up as the provider's 401 on the first dispatch.
         if let Some(variable) = &provider.api_key_env {
@@ -380,8 +384,9 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         .map_err(|error| format!("listen on {address}: {error}"))?;
     let bound = listener.local_addr().map_err(|error| error.to_string())?;
     println!(
-        "turnstile serve listening on http://{bound} (store {}, sim {sim_url})",
-        redact(&config.store)
+        "turnstile serve listening on http://{bound} (store {}, sim {})",
+        redact(&config.store),
+        sim_url.as_deref().unwrap_or("off")
     );
     let mut app = api::harden(router(shared));
     if let Some(control) = sim_control {

@@ -872,6 +872,104 @@ fn tenants_see_only_their_own_conversations_and_need_a_token() {
 }
 
 #[test]
+fn the_simulators_routes_and_provider_exist_only_on_the_embedded_default() {
+    let request =
+        |gateway: &Gateway, method: reqwest::Method, path: &str, token: Option<&str>, body: Value| {
+            let mut request = client().request(method, format!("{}{path}", gateway.base));
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.json(&body).send().unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().unwrap_or(Value::Null),
+            )
+        };
+    let script = json!({"model": "m", "replies": [{"text": "leaked"}]});
+    // Tenants and no sim_url: no /sim route for anyone, no provider `sim`, and the proxy with
+    // no routes refuses instead of answering from a simulator.
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = "[[tenants]]\nname = \"acme\"\ntoken = \"tok-acme\"\n";
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, tenants).unwrap();
+    for token in [None, Some("tok-acme")] {
+        for (method, path) in [
+            (reqwest::Method::GET, "/sim/requests"),
+            (reqwest::Method::POST, "/sim/script"),
+            (reqwest::Method::POST, "/sim/reset"),
+        ] {
+            let (status, _) = request(&gateway, method.clone(), path, token, script.clone());
+            assert!(
+                status == 404 || status == 401,
+                "{method} {path} with {token:?}: {status}"
+            );
+        }
+    }
+    conversation_with_question_as(&gateway, "c-nosim", "tok-acme");
+    let (status, body) = request(
+        &gateway,
+        reqwest::Method::POST,
+        "/v1/conversations/c-nosim/dispatch",
+        Some("tok-acme"),
+        json!({"operation_id": "op-nosim", "target": {"provider": "sim", "model": "m", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("unknown_provider")),
+        "{body}"
+    );
+    let (status, body) = request(
+        &gateway,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some("tok-acme"),
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found", "{body}");
+    drop(gateway);
+    // A route to `sim` without a simulator is refused at start-up, with the reason.
+    let dir = tempfile::tempdir().unwrap();
+    let error = Gateway::start_with(
+        &dir,
+        &sqlite(&dir),
+        None,
+        &format!(
+            "{tenants}[[routes]]\napi = \"openai-chat\"\nprovider = \"sim\"\nadapter = \"openai-chat@2\"\n"
+        ),
+    )
+    .err()
+    .expect("refused");
+    assert!(error.contains("embedded default"), "{error}");
+    // The embedded default (no tenants, no providers) keeps the simulator and its routes.
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, "").unwrap();
+    let (status, _) = request(&gateway, reqwest::Method::POST, "/sim/script", None, script);
+    assert_eq!(status, 200);
+    let (status, requests) = request(&gateway, reqwest::Method::GET, "/sim/requests", None, Value::Null);
+    assert_eq!((status, requests.is_array()), (200, true));
+}
+
+fn conversation_with_question_as(gateway: &Gateway, id: &str, token: &str) {
+    let response = client()
+        .post(format!("{}/v1/conversations", gateway.base))
+        .bearer_auth(token)
+        .json(&json!({"conversation_id": id}))
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let response = client()
+        .post(format!("{}/v1/conversations/{id}/turns", gateway.base))
+        .bearer_auth(token)
+        .json(
+            &json!({"expected_revision": 0, "turn": {"id": "t1", "role": "user",
+               "blocks": [{"id": "u1", "kind": "text", "text": "Hello?"}]}}),
+        )
+        .send()
+        .unwrap();
+    assert_eq!(response.status(), 200);
+}
+
+#[test]
 fn without_tenants_the_gateway_refuses_a_non_loopback_address() {
     let dir = tempfile::tempdir().unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))

@@ -105,9 +105,13 @@ fn newest_adapter(api: Api) -> AdapterId {
         .unwrap_or(AdapterId::OpenaiChatV1)
 }
 
-/// First matching route; with no routes configured, the simulator with the endpoint's API.
-fn route_for(routes: &[Route], api: Api, model: &str) -> Option<RouteSpec> {
+/// First matching route; with no routes configured, the simulator with the endpoint's API when
+/// there is one (`sim`: the embedded default or `sim_url`), else none.
+fn route_for(routes: &[Route], simulator: bool, api: Api, model: &str) -> Option<RouteSpec> {
     if routes.is_empty() {
+        if !simulator {
+            return None;
+        }
         return Some(RouteSpec {
             mode: Mode::On,
             mode_label: "on",
@@ -368,7 +372,8 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
         Some(call) => call.model.clone(),
         None => peek.model.clone().unwrap_or_default(),
     };
-    let Some(route) = route_for(&shared.routes, api, &model) else {
+    let simulator = shared.endpoints.contains_key("sim");
+    let Some(route) = route_for(&shared.routes, simulator, api, &model) else {
         return provider_error(
             api,
             StatusCode::NOT_FOUND,
