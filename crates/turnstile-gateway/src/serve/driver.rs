@@ -175,8 +175,9 @@ struct Pump {
     ctx: DriveContext,
     sender: mpsc::Sender<(ConnectionId, TransportEvent)>,
     connections: HashMap<ConnectionId, JoinHandle<()>>,
-    /// Which target each connection went to (the circuit breaker's record of outcomes).
-    provider_of: HashMap<ConnectionId, (usize, bool)>,
+    /// Which target each connection went to, whether it is a response (not a question), and
+    /// the status of its head once it came (the circuit breaker's record of outcomes).
+    provider_of: HashMap<ConnectionId, (usize, bool, Option<u16>)>,
     /// This dispatch's spans (a no-op when traces are off).
     trace: traces::Hook,
 }
@@ -378,7 +379,7 @@ impl Pump {
         let index = (target as usize).min(self.ctx.targets.len() - 1);
         let to = &self.ctx.targets[index];
         let streams = matches!(request, Request::Send { .. } | Request::Resume { .. });
-        self.provider_of.insert(connection, (index, streams));
+        self.provider_of.insert(connection, (index, streams, None));
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &to.endpoint,
@@ -421,12 +422,15 @@ impl Pump {
     /// questions are not counted): a refusal with a failover status, no connection or a broken
     /// stream is a failure; only a stream that ended cleanly is a success (a 200 whose stream is
     /// then cut is not).
-    fn provider_outcome(&self, connection: ConnectionId, outcome: Outcome) {
-        let Some((target, true)) = self
-            .provider_of
-            .get(&connection)
-            .and_then(|&(index, streams)| self.ctx.targets.get(index).map(|target| (target, streams)))
-        else {
+    fn provider_outcome(&mut self, connection: ConnectionId, outcome: Outcome) {
+        let Some(&mut (index, true, ref mut head)) = self.provider_of.get_mut(&connection) else {
+            return;
+        };
+        if let Outcome::Head(status, _) = outcome {
+            *head = Some(status);
+        }
+        let head = *head;
+        let Some(target) = self.ctx.targets.get(index) else {
             return;
         };
         let label = target.label();
@@ -438,7 +442,11 @@ impl Pump {
                     self.shared.breaker.failure(&label, retry_after, now());
                 }
             }
-            Outcome::End => self.shared.breaker.success(&label),
+            // The clean end of a refusal's error body is not a success: its head was counted.
+            Outcome::End if head.is_some_and(|status| (200..300).contains(&status)) => {
+                self.shared.breaker.success(&label)
+            }
+            Outcome::End => {}
             Outcome::Broken | Outcome::Unreachable => self.shared.breaker.failure(&label, None, now()),
         }
     }

@@ -198,6 +198,58 @@ fn a_refusal_429_or_503_moves_a_streamed_dispatch_to_the_fallback_and_commits_on
 }
 
 #[test]
+fn a_primary_that_answers_503_every_time_opens_its_breaker() {
+    // The clean end of a 503's error body once counted as a success and reset the count, so
+    // the breaker never opened (issue 48, item 6).
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_fallback(
+        &dir,
+        &sim,
+        &b,
+        "failover_breaker_failures = 2\nfailover_cooldown_ms = 600000",
+    );
+    let refusal = json!({"text": "never", "faults": {"status": 503}});
+    sim.script("m-brk", json!([refusal, refusal, refusal]));
+    b.script(
+        "m-brk-fb",
+        json!([{"text": FALLBACK_TEXT}, {"text": FALLBACK_TEXT}, {"text": FALLBACK_TEXT}]),
+    );
+    for round in 0..3 {
+        let conversation = format!("c-brk-{round}");
+        conversation_with_question(&gateway, &conversation);
+        let operation = format!("op-brk-{round}");
+        let (status, body) = gateway.post(
+            &format!("/v1/conversations/{conversation}/dispatch"),
+            json!({"operation_id": operation, "targets": [
+                {"provider": "sim", "model": "m-brk", "adapter": "openai-chat@2"},
+                {"provider": "b", "model": "m-brk-fb", "adapter": "openai-chat@2"}]}),
+        );
+        assert_eq!(status, 200, "{body}");
+        let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+        assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+        let attempts = dispatch["attempts"].as_array().unwrap();
+        if round < 2 {
+            assert_eq!(attempts.len(), 2, "round {round}: {dispatch}");
+            assert_eq!(attempts[0]["provider"], "sim", "round {round}: {dispatch}");
+        } else {
+            assert_eq!(
+                attempts.len(),
+                1,
+                "the open breaker skips the primary: {dispatch}"
+            );
+            assert_eq!(attempts[0]["provider"], "b", "{dispatch}");
+        }
+    }
+    assert_eq!(
+        bodies_for(&sim, "m-brk").len(),
+        2,
+        "the primary was called twice, then skipped"
+    );
+}
+
+#[test]
 fn a_dispatch_without_fallbacks_still_fails_on_a_503_and_a_400_never_fails_over() {
     let sim = SimProcess::start();
     let b = SimProcess::start();
