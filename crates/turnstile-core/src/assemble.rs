@@ -814,6 +814,7 @@ impl Assembler {
                 });
             }
             StreamEvent::Malformed { detail } => return Err(RetractReason::ProtocolViolation { detail }),
+            StreamEvent::Notice { .. } => {}
             StreamEvent::ProviderError { code, message } => {
                 return Err(RetractReason::ProviderError {
                     provider_code: code,

@@ -177,6 +177,15 @@ pub enum StreamEvent {
         /// What was wrong.
         detail: String,
     },
+    /// Something the decoder noticed that decides nothing about the turn: a heuristic that
+    /// did not hold where the upstream need not follow the vendor (a usage count off the
+    /// vendor's tokenizer). The driver counts and logs it; the assembler ignores it.
+    Notice {
+        /// A stable code for metrics (`usage_mismatch`).
+        code: String,
+        /// What was noticed.
+        detail: String,
+    },
     /// An error the provider sent inside the stream.
     ProviderError {
         /// The provider's error code or type (`overloaded_error`, `insufficient_quota`).

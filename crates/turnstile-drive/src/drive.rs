@@ -1529,7 +1529,10 @@ impl Drive {
             connection,
             Connection {
                 generation,
-                decoder: self.target_spec(generation).api.decoder(),
+                decoder: {
+                    let target = self.target_spec(generation);
+                    target.api.decoder_with(target.decoder)
+                },
                 status: None,
                 saw_event: false,
                 resume,
@@ -1993,6 +1996,14 @@ impl Drive {
                         cache_read_input_tokens: *cache_read_input_tokens,
                     };
                     self.emit(DriveEvent::Usage { generation, usage });
+                }
+                if let StreamEvent::Notice { code, detail } = &sequenced.event {
+                    let target = self.target_spec(generation).label.clone();
+                    self.actions.push_back(Action::Count(Count::Notice {
+                        target,
+                        code: code.clone(),
+                        detail: detail.clone(),
+                    }));
                 }
                 self.work.push_front(Work::Event {
                     connection,

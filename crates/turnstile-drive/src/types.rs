@@ -58,6 +58,8 @@ pub struct DriveTarget {
     pub recovery: turnstile_core::dispatch::ProviderRecovery,
     /// How metrics name it: its provider (a configured name, so label values stay bounded).
     pub label: String,
+    /// What its decoder may assume of the upstream beyond the wire format.
+    pub decoder: turnstile_adapters::decode::DecoderOptions,
 }
 
 /// Resumes and replays already made of one generation, by every driver on every replica (the
@@ -398,6 +400,17 @@ pub enum Count {
     Timeout,
     /// An input the driver ignored, with the reason (stale, duplicate, foreign).
     Ignored(&'static str),
+    /// Something a decoder noticed that decided nothing ([`StreamEvent::Notice`]).
+    ///
+    /// [`StreamEvent::Notice`]: turnstile_core::stream::StreamEvent::Notice
+    Notice {
+        /// The target's label.
+        target: String,
+        /// The notice's code (`usage_mismatch`).
+        code: String,
+        /// What was noticed.
+        detail: String,
+    },
     /// The dispatch moved from one target to the next (labels as in [`DriveTarget::label`]).
     Failover {
         /// The index of the target that failed.

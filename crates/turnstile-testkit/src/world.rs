@@ -676,6 +676,7 @@ impl World {
             api: self.api,
             recovery: self.provider_recovery(),
             label: "sim".to_owned(),
+            decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
         }];
         // As the gateway's `context_with`: every failover target with its own bytes.
         let fallbacks = store!(self, dispatch_fallbacks(&record.operation_id)).unwrap_or_default();
@@ -686,6 +687,7 @@ impl World {
                 api: self.api,
                 recovery: self.provider_recovery(),
                 label: fallback.provider,
+                decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
             });
         }
         let cooling = vec![false; targets.len()];

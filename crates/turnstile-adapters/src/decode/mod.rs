@@ -105,10 +105,16 @@ impl StreamApi {
         }
     }
 
-    /// A fresh decoder for one connection.
+    /// A fresh decoder for one connection, holding the upstream to its vendor's habits
+    /// ([`DecoderOptions::VENDOR`]: captures, the simulator, the vendor's own API).
     pub fn decoder(self) -> Box<dyn Decoder> {
+        self.decoder_with(DecoderOptions::VENDOR)
+    }
+
+    /// A fresh decoder for one connection to an upstream described by `options`.
+    pub fn decoder_with(self, options: DecoderOptions) -> Box<dyn Decoder> {
         match self {
-            StreamApi::OpenAiChat => Box::new(openai_chat::OpenAiChatDecoder::new()),
+            StreamApi::OpenAiChat => Box::new(openai_chat::OpenAiChatDecoder::with_options(options)),
             StreamApi::OpenAiResponses => Box::new(openai_responses::OpenAiResponsesDecoder::new()),
             StreamApi::AnthropicMessages => Box::new(anthropic_messages::AnthropicDecoder::new()),
             StreamApi::Gemini => Box::new(gemini::GeminiDecoder::new()),
@@ -122,6 +128,25 @@ impl StreamApi {
         StreamApi::AnthropicMessages,
         StreamApi::Gemini,
     ];
+}
+
+/// What a decoder may assume of the upstream beyond the wire format. Nothing here can make a
+/// partial or altered turn commit: it only decides whether a heuristic that holds for the
+/// vendor's own API is a protocol violation (the vendor) or a [`StreamEvent::Notice`] (a
+/// compatible server, a proxy, another gateway).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecoderOptions {
+    /// Usage is counted with the vendor's own tokenizer: OpenAI Chat output that carries more
+    /// tokens than `completion_tokens` reports means a delta arrived twice (retracted). Off, the
+    /// mismatch is a notice.
+    pub vendor_usage: bool,
+}
+
+impl DecoderOptions {
+    /// The vendor's own API (and the simulator, which counts as it does).
+    pub const VENDOR: DecoderOptions = DecoderOptions { vendor_usage: true };
+    /// A compatible upstream that need not count as the vendor does.
+    pub const COMPATIBLE: DecoderOptions = DecoderOptions { vendor_usage: false };
 }
 
 /// Decode a whole live byte stream at once (tests, benchmarks): every event, in order. The
@@ -142,6 +167,13 @@ pub(crate) trait EventDecoder {
         false
     }
     fn event(&mut self, event: &SseEvent, payload: Value, out: &mut Emitter);
+    /// A live body ended cleanly (the transport saw its whole length). An API whose stream can
+    /// be known complete without its own end marker says so here; most say nothing. Not called
+    /// at the end of a stored file: there a last line cut in storage is still decoded, and a
+    /// cut inside what follows the stop (usage, the marker) would read as malformed.
+    fn end_of_input(&mut self, out: &mut Emitter) {
+        let _ = out;
+    }
     /// Called when the SSE data is not JSON. Most APIs: a malformed event.
     fn non_json(&mut self, event: &SseEvent, out: &mut Emitter) {
         let _ = event;
@@ -247,6 +279,10 @@ impl<D: EventDecoder> SseDecoder<D> {
 
     pub(crate) fn handle_end_of_input(&mut self) {
         self.sse.handle_end_of_input();
+        if !self.poisoned {
+            self.out.begin(None);
+            self.api.end_of_input(&mut self.out);
+        }
     }
 
     pub(crate) fn handle_end_of_file(&mut self) {

@@ -2,7 +2,9 @@
 //!
 //! Wire format (openai-openapi `CreateChatCompletionStreamResponse`, l.33665; recorded in
 //! openai-python `.inline-snapshot/external/*.bin`, see shared `provider-streams/openai-chat/`):
-//! `data: <chunk>` events with no `event:` field, ended by `data: [DONE]`.
+//! `data: <chunk>` events with no `event:` field, ended by `data: [DONE]` — or, as many
+//! compatible servers do, by the clean end of a live body after choice 0's `finish_reason`
+//! (the stop reason is what the seed requires; `EventDecoder::end_of_input`).
 //! - `choices[0].delta.content` is text; `delta.refusal` is text too (the model's words).
 //! - `delta.tool_calls[].index` is a *key*, not an array position (a compatible endpoint
 //!   starts at 1: `compat-tool-call-index-starts-at-1.sse`); `id` and `function.name` come
@@ -20,13 +22,16 @@
 //! generated, and every byte of visible output (text, refusal, each call's arguments) was
 //! generated, so for a model whose tokenizer we have exactly (an OpenAI model the catalog knows,
 //! [`crate::catalog::exact_openai_tokenizer`]) the BPE count of the assembled output cannot
-//! exceed `completion_tokens − reasoning_tokens`. When it does, some delta arrived twice, and
-//! the decoder emits a malformed event (the assembler retracts, nothing commits). It is
+//! exceed `completion_tokens − reasoning_tokens`. When it does, and the upstream counts as the
+//! vendor does ([`super::DecoderOptions::vendor_usage`]: OpenAI's own API, the simulator), some
+//! delta arrived twice and the decoder emits a malformed event (the assembler retracts, nothing
+//! commits). A compatible server serving an OpenAI model name may count its own way (a LiteLLM
+//! alias, vLLM's `--served-model-name`, a mock), so there the mismatch is a
+//! [`StreamEvent::Notice`] (a metric and a log line), never a failure. It is
 //! one-sided on purpose: hidden tokens (reasoning, tool-call framing) only raise the reported
 //! count. Not detectable: a stream without a usage chunk, a model we cannot count exactly
 //! (compatible endpoints), and a duplicate small enough to stay under the hidden tokens of a
 //! reply with tool calls (`docs/decisions.md`, 2026-12-01).
-
 //!
 //! Decoding: every chunk is read into the borrowing [`Chunk`] (no `serde_json::Value`, strings
 //! borrowed from the event data when unescaped; `decode/json.rs` says why that reads exactly
@@ -47,8 +52,15 @@ const TEXT_BLOCK: BlockIndex = BlockIndex(0);
 
 sse_decoder!(
     /// Decoder for `openai-chat@*`.
-    OpenAiChatDecoder, Chat, Chat::default()
+    OpenAiChatDecoder, Chat, Chat::with_options(super::DecoderOptions::VENDOR)
 );
+
+impl OpenAiChatDecoder {
+    /// A decoder for an upstream described by `options`.
+    pub fn with_options(options: super::DecoderOptions) -> OpenAiChatDecoder {
+        OpenAiChatDecoder(SseDecoder::with(Chat::with_options(options)))
+    }
+}
 
 /// Most output bytes kept for the usage cross-check; a longer reply is not checked (the
 /// assembler's own `ASSEMBLE_TURN_BYTES_MAX` bounds what can commit).
@@ -59,6 +71,11 @@ pub(crate) struct Chat {
     handle: Option<String>,
     started: BTreeSet<BlockIndex>,
     stopped: bool,
+    /// `data: [DONE]` arrived.
+    done: bool,
+    /// A usage short of the streamed output is a protocol violation (the vendor's own
+    /// count), not a notice.
+    vendor_usage: bool,
     /// The model the chunks name (the first one that names one).
     model: Option<String>,
     /// Visible output of choice 0 per block key, as received, for the usage cross-check.
@@ -299,6 +316,15 @@ impl Template {
     }
 }
 
+impl Chat {
+    fn with_options(options: super::DecoderOptions) -> Chat {
+        Chat {
+            vendor_usage: options.vendor_usage,
+            ..Chat::default()
+        }
+    }
+}
+
 impl EventDecoder for Chat {
     fn fast(&mut self, event: &SseEvent, out: &mut Emitter) -> bool {
         let data = event.data.as_str();
@@ -326,11 +352,23 @@ impl EventDecoder for Chat {
 
     fn non_json(&mut self, event: &SseEvent, out: &mut Emitter) {
         if event.data.trim() == "[DONE]" {
+            self.done = true;
             out.push(StreamEvent::End);
         } else {
             out.push(StreamEvent::Malformed {
                 detail: "a chunk whose data is not JSON".into(),
             });
+        }
+    }
+
+    /// `data: [DONE]` is OpenAI's marker, not a rule of the format: many compatible servers end
+    /// the body after the chunk with `finish_reason` (and usage). A body that ended cleanly
+    /// after choice 0's finish reason is complete; one cut before it still has no stop and is
+    /// retracted. The stop reason, which the seed requires, is what decides.
+    fn end_of_input(&mut self, out: &mut Emitter) {
+        if self.stopped && !self.done {
+            self.done = true;
+            out.push(StreamEvent::End);
         }
     }
 
@@ -413,11 +451,22 @@ impl Chat {
         let visible_max = reported.saturating_sub(reasoning);
         let visible: u64 = self.output.values().map(|text| tokenizer.count(text)).sum();
         if visible > visible_max {
-            out.push(StreamEvent::Malformed {
-                detail: format!(
-                    "the stream carried {visible} tokens of output but the provider reported \
-                     {visible_max} generated: a delta was delivered more than once"
-                ),
+            let detail = format!(
+                "the stream carried {visible} tokens of output but the provider reported \
+                 {visible_max} generated"
+            );
+            // Only the vendor's own count proves a delta arrived twice; a compatible server
+            // serving an OpenAI model name may count its own way (a LiteLLM alias, vLLM's
+            // `--served-model-name`, a mock).
+            out.push(if self.vendor_usage {
+                StreamEvent::Malformed {
+                    detail: format!("{detail}: a delta was delivered more than once"),
+                }
+            } else {
+                StreamEvent::Notice {
+                    code: "usage_mismatch".into(),
+                    detail,
+                }
             });
         }
     }

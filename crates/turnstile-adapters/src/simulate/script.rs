@@ -80,6 +80,18 @@ pub struct Faults {
     /// A repeated idempotency key gets the same reply instead of the next scripted one.
     #[serde(default)]
     pub idempotent: bool,
+    /// The world's dialects (not faults of the spec: what compatible servers do). Answer with
+    /// this response id, as a server that numbers its ids per process does after a restart.
+    pub handle: Option<String>,
+    /// OpenAI Chat: end the body after the usage chunk, without `data: [DONE]`.
+    #[serde(default)]
+    pub omit_done: bool,
+    /// Report this many output tokens, as a server that counts its own way does.
+    pub usage_output_tokens: Option<u64>,
+    /// Answer a stream request with the whole JSON body (`application/json`), as a server
+    /// that ignores `stream: true` does.
+    #[serde(default)]
+    pub json_answer: bool,
 }
 
 /// The reply for a model with nothing queued.

@@ -119,7 +119,11 @@ fn usage_tokens(reply: &Reply, prompt_bytes: usize) -> (u64, u64) {
             .iter()
             .map(|c| c.arguments_text().len())
             .sum::<usize>();
-    ((prompt_bytes / 4).max(1) as u64, (output / 4).max(1) as u64)
+    let output = reply
+        .faults
+        .usage_output_tokens
+        .unwrap_or((output / 4).max(1) as u64);
+    ((prompt_bytes / 4).max(1) as u64, output)
 }
 
 /// OpenAI's output usage as a real model reports it: the BPE count of everything it generated
@@ -128,6 +132,9 @@ fn usage_tokens(reply: &Reply, prompt_bytes: usize) -> (u64, u64) {
 /// know it), so the Chat decoder's usage cross-check holds for an honest reply and catches a
 /// duplicated one (`decode/openai_chat.rs`). `fallback` when there is no output at all.
 fn openai_output_tokens(reply: &Reply, model: &str, fallback: u64) -> u64 {
+    if let Some(reported) = reply.faults.usage_output_tokens {
+        return reported;
+    }
     let tokenizer =
         crate::catalog::exact_openai_tokenizer(model).unwrap_or(crate::tokens::Tokenizer::O200kBase);
     let generated = tokenizer.count(&reply.text)
@@ -205,11 +212,13 @@ fn chat_frames(
                 "total_tokens": input + output}}),
         false,
     ));
-    frames.push(Frame {
-        bytes: b"data: [DONE]\n\n".to_vec(),
-        stop: true,
-        sequence: None,
-    });
+    if !reply.faults.omit_done {
+        frames.push(Frame {
+            bytes: b"data: [DONE]\n\n".to_vec(),
+            stop: true,
+            sequence: None,
+        });
+    }
     frames
 }
 

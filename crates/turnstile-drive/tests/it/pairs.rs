@@ -18,6 +18,7 @@ fn target(body: &[u8], api: StreamApi, recovery: ProviderRecovery, label: &str) 
         api,
         recovery,
         label: label.to_owned(),
+        decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
     }
 }
 

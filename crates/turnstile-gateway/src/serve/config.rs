@@ -261,6 +261,36 @@ pub struct Provider {
     /// The provider honours our idempotency key (no real one does today).
     #[serde(default)]
     pub honours_idempotency_key: bool,
+    /// What an OpenAI Chat usage short of the streamed output means: `strict` (a delta
+    /// arrived twice: the attempt is retracted) or `notice` (the upstream counts its own way:
+    /// a metric and a log line). Default: `strict` for OpenAI's own API
+    /// (`https://api.openai.com`), `notice` for every other base URL ([`Provider::vendor_usage`]).
+    #[serde(default)]
+    pub usage_check: Option<UsageCheck>,
+}
+
+/// [`Provider::usage_check`].
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageCheck {
+    /// The upstream counts usage with the vendor's tokenizer.
+    Strict,
+    /// The upstream may count its own way.
+    Notice,
+}
+
+impl Provider {
+    /// Whether the upstream counts usage as the vendor does (see [`Provider::usage_check`]).
+    pub fn vendor_usage(&self) -> bool {
+        match self.usage_check {
+            Some(check) => check == UsageCheck::Strict,
+            None => {
+                let rest = self.base_url.strip_prefix("https://").unwrap_or("");
+                let host = rest.split(['/', ':']).next().unwrap_or("");
+                host.eq_ignore_ascii_case("api.openai.com")
+            }
+        }
+    }
 }
 
 fn listen_default() -> String {

@@ -113,6 +113,9 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext, fresh: bool) -> DriveSpec 
             api: target.api,
             recovery: provider_recovery(&target.endpoint, target.api),
             label: target.provider.clone(),
+            decoder: turnstile_adapters::decode::DecoderOptions {
+                vendor_usage: target.endpoint.vendor_usage,
+            },
         })
         .collect();
     let cooling = ctx
@@ -477,6 +480,10 @@ impl Pump {
             }
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
             Count::Ignored(reason) => metrics::ignored(reason),
+            Count::Notice { target, code, detail } => {
+                tracing::warn!(operation_id = %self.ctx.record.operation_id, provider = %target, %code, %detail, "provider stream notice");
+                metrics::notice(&target, &code);
+            }
             Count::Timeout => metrics::bump(metrics::PROVIDER_TIMEOUTS),
             Count::Failover {
                 from_target,

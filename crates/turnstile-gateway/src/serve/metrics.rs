@@ -54,6 +54,9 @@ pub const OUTPUT_BYTES: &str = "turnstile_provider_output_bytes";
 pub const FAILOVERS: &str = "turnstile_failovers_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
 pub const DRIVER_IGNORED: &str = "turnstile_driver_ignored_inputs_total";
+/// Provider stream notices by provider and code (`usage_mismatch`): what a decoder noticed
+/// that decided nothing about the turn.
+pub const PROVIDER_NOTICES: &str = "turnstile_provider_notices_total";
 /// Claims granted to executors on the tool-call ledger (takeovers of expired claims included).
 pub const TOOL_CALL_CLAIMS: &str = "turnstile_tool_call_claims_total";
 /// Claim leases extended by their current claim.
@@ -180,6 +183,11 @@ pub fn rejected_codes(codes: &[ViolationCode]) {
 /// Count an input the driver ignored.
 pub fn ignored(reason: &'static str) {
     counter!(DRIVER_IGNORED, "reason" => reason).increment(1);
+}
+
+/// Count a provider stream notice (a heuristic that did not hold and decided nothing).
+pub fn notice(provider: &str, code: &str) {
+    counter!(PROVIDER_NOTICES, "provider" => provider.to_owned(), "code" => code.to_owned()).increment(1);
 }
 
 /// Count a failover.

@@ -289,6 +289,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 api_key_env: None,
                 resume_by_handle: true,
                 honours_idempotency_key: false,
+                // The simulator counts usage as the vendors do (`simulate::wire`).
+                vendor_usage: true,
             },
         );
     }
@@ -308,6 +310,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 api_key_env: provider.api_key_env.clone(),
                 resume_by_handle: provider.resume_by_handle,
                 honours_idempotency_key: provider.honours_idempotency_key,
+                vendor_usage: provider.vendor_usage(),
             },
         );
     }

@@ -43,6 +43,8 @@ pub struct Endpoint {
     pub resume_by_handle: bool,
     /// The provider honours our idempotency key.
     pub honours_idempotency_key: bool,
+    /// The provider counts usage as its vendor does (`config::Provider::vendor_usage`).
+    pub vendor_usage: bool,
 }
 
 /// The adapters' API for a stream API: where the path and non-secret headers of a stored

@@ -338,12 +338,12 @@ async fn provider_request(
                 // reused by a restarted simulator would (rightly) be refused by a ledger that
                 // bound it to another manifest.
                 let instance = &state.instance;
-                let handle = match api {
+                let handle = reply.faults.handle.clone().unwrap_or_else(|| match api {
                     Api::OpenAiChat => format!("chatcmpl-sim{instance}n{number}"),
                     Api::OpenAiResponses => format!("resp_sim{instance}n{number}"),
                     Api::Anthropic => format!("msg_sim{instance}n{number}"),
                     Api::Gemini => format!("sim-{instance}n{number}"),
-                };
+                });
                 let ids = wire::call_ids(api, &reply, number);
                 let frames = wire::frames(api, &reply, &handle, &model, &ids, body.len());
                 let whole = wire::whole_body(api, &reply, &handle, &model, &ids, body.len());
@@ -367,7 +367,7 @@ async fn provider_request(
         }
     };
     let _ = handle;
-    if stream {
+    if stream && !faults.json_answer {
         stream_response(produced.frames, &faults, Some(produced.progress.clone()))
     } else {
         axum::Json(produced.whole).into_response()

@@ -7,6 +7,7 @@ mod console_api;
 mod executor;
 mod failover;
 mod listener;
+mod open_world;
 mod proxy;
 mod proxy_sdk;
 mod recovery;

@@ -4,10 +4,11 @@
 //! by index; and what cannot be detected is pinned as such.
 
 use super::support::{Ending, Outcome, assembler, decode_chunks, feed, finish, own_fixtures, toolset};
-use turnstile_adapters::decode::StreamApi;
+use turnstile_adapters::decode::{DecoderOptions, StreamApi};
 use turnstile_adapters::simulate::script::Reply;
 use turnstile_adapters::simulate::wire::{Api, frames};
 use turnstile_adapters::tokens::Tokenizer;
+use turnstile_core::stream::StreamEvent;
 
 fn assemble(api: StreamApi, chunks: &[&[u8]]) -> Outcome {
     let mut assembler = assembler(Some(toolset()));
@@ -164,6 +165,88 @@ fn openai_chat_usage_is_only_held_against_models_counted_exactly() {
     assert_eq!(
         assemble(StreamApi::OpenAiChat, &[short.as_bytes()]),
         Outcome::Retracted("protocol_violation".into())
+    );
+}
+
+/// A Chat stream as many compatible servers send it: text, a chunk with `finish_reason`, a
+/// usage chunk reporting `completion_tokens`, and no `data: [DONE]`.
+fn chat_stream_without_done(completion_tokens: usize) -> String {
+    format!(
+        "data: {{\"id\":\"c\",\"model\":\"gpt-4o\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{text}}},\"finish_reason\":null}}]}}\n\n\
+         data: {{\"id\":\"c\",\"model\":\"gpt-4o\",\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}]}}\n\n\
+         data: {{\"id\":\"c\",\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{{\"prompt_tokens\":9,\"completion_tokens\":{completion_tokens}}}}}\n\n",
+        text = serde_json::to_string(TEXT).unwrap()
+    )
+}
+
+fn assemble_with(options: DecoderOptions, bytes: &[u8]) -> (Outcome, Vec<StreamEvent>) {
+    let mut decoder = StreamApi::OpenAiChat.decoder_with(options);
+    decoder.handle_bytes(bytes);
+    decoder.handle_end_of_input();
+    let events: Vec<_> = std::iter::from_fn(|| decoder.poll_event()).collect();
+    let kept = events.iter().map(|sequenced| sequenced.event.clone()).collect();
+    let mut assembler = assembler(Some(toolset()));
+    feed(&mut assembler, events);
+    (finish(&mut assembler), kept)
+}
+
+#[test]
+fn an_openai_chat_stream_that_ends_cleanly_after_its_finish_reason_needs_no_done() {
+    // `data: [DONE]` is OpenAI's habit, not a rule: a body that ended cleanly after choice 0's
+    // finish reason is complete (issue 48, item 2).
+    let exact = Tokenizer::O200kBase.count(TEXT) as usize;
+    let stream = chat_stream_without_done(exact);
+    assert_eq!(
+        committed_text(&assemble(StreamApi::OpenAiChat, &[stream.as_bytes()])).as_deref(),
+        Some(TEXT)
+    );
+    // Without usage too: the stop reason decides.
+    let no_usage = &stream[..stream.rfind("data: ").unwrap()];
+    assert_eq!(
+        committed_text(&assemble(StreamApi::OpenAiChat, &[no_usage.as_bytes()])).as_deref(),
+        Some(TEXT)
+    );
+    // Cut before the finish reason: still a cut stream, whatever the ending.
+    let cut = &stream[..stream.find("data: ").unwrap() + stream[6..].find("data: ").unwrap() + 6];
+    assert!(!cut.contains("finish_reason\":\"stop"), "{cut}");
+    assert_eq!(
+        assemble(StreamApi::OpenAiChat, &[cut.as_bytes()]),
+        Outcome::Retracted("cut_stream".into())
+    );
+    // The marker, when it comes, ends the stream once.
+    let with_done = format!("{stream}data: [DONE]\n\n");
+    let (outcome, events) = assemble_with(DecoderOptions::VENDOR, with_done.as_bytes());
+    assert_eq!(committed_text(&outcome).as_deref(), Some(TEXT));
+    assert_eq!(
+        events.iter().filter(|event| **event == StreamEvent::End).count(),
+        1
+    );
+}
+
+#[test]
+fn a_compatible_upstreams_own_usage_count_is_a_notice_and_the_vendors_a_violation() {
+    // A compatible server that serves an OpenAI model name but counts its own way (issue 48,
+    // item 3): one token fewer reported than carried.
+    let exact = Tokenizer::O200kBase.count(TEXT) as usize;
+    let short = format!("{}data: [DONE]\n\n", chat_stream_without_done(exact - 1));
+    let (outcome, events) = assemble_with(DecoderOptions::COMPATIBLE, short.as_bytes());
+    assert_eq!(committed_text(&outcome).as_deref(), Some(TEXT));
+    assert!(
+        events
+            .iter()
+            .any(|event| matches!(event, StreamEvent::Notice { code, .. } if code == "usage_mismatch")),
+        "{events:?}"
+    );
+    let (outcome, _) = assemble_with(DecoderOptions::VENDOR, short.as_bytes());
+    assert_eq!(outcome, Outcome::Retracted("protocol_violation".into()));
+    // An honest count is neither.
+    let exact = format!("{}data: [DONE]\n\n", chat_stream_without_done(exact));
+    let (outcome, events) = assemble_with(DecoderOptions::COMPATIBLE, exact.as_bytes());
+    assert_eq!(committed_text(&outcome).as_deref(), Some(TEXT));
+    assert!(
+        !events
+            .iter()
+            .any(|event| matches!(event, StreamEvent::Notice { .. }))
     );
 }
 

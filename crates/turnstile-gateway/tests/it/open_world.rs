@@ -1,0 +1,138 @@
+//! Issue 48: the world's dialects. Compatible servers do things our simulator's reading of the
+//! APIs never did: no `data: [DONE]`, usage counted their own way, response ids numbered per
+//! process, a JSON answer to a stream request. The simulator speaks each dialect on request
+//! (its `faults`), behind a provider entry (`[providers.compat]`) as an operator configures a
+//! compatible upstream; each dispatch must commit on its first attempt, once.
+
+use crate::serve::{
+    Gateway, assert_safety_metrics_zero, assistant_turns, client, client_events, conversation_with_question,
+    history_is_legal, named, sqlite,
+};
+use crate::sim::SimProcess;
+use serde_json::{Value, json};
+use std::io::Read;
+
+const TEXT: &str = "It is sunny in Paris.";
+
+/// A gateway with the simulator also configured as a compatible provider `compat`.
+fn compat_gateway(dir: &tempfile::TempDir, sim: &SimProcess, extra: &str) -> Gateway {
+    Gateway::start(
+        dir,
+        &sqlite(dir),
+        sim,
+        &format!("{extra}\n[providers.compat]\nbase_url = \"{}\"\n", sim.base),
+    )
+}
+
+/// Stream a dispatch of `conversation` to one target; the client events.
+pub fn dispatch_to(
+    gateway: &Gateway,
+    conversation: &str,
+    operation: &str,
+    provider: &str,
+    adapter: &str,
+    model: &str,
+) -> Vec<(String, Value)> {
+    let body = json!({"operation_id": operation, "stream": true, "max_output_tokens": 256,
+                      "target": {"provider": provider, "model": model, "adapter": adapter}});
+    let response = client()
+        .post(format!(
+            "{}/v1/conversations/{conversation}/dispatch",
+            gateway.base
+        ))
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut text = String::new();
+    std::io::BufReader::new(response)
+        .read_to_string(&mut text)
+        .unwrap();
+    client_events(&text)
+}
+
+/// The dispatch committed `TEXT` on its first attempt, with no error and no retraction.
+fn committed_first_time(gateway: &Gateway, conversation: &str, operation: &str, events: &[(String, Value)]) {
+    let committed = named(events, "committed");
+    assert_eq!(committed.len(), 1, "{events:?}");
+    assert_eq!(committed[0]["turn"]["blocks"][0]["text"], TEXT, "{events:?}");
+    assert!(named(events, "error").is_empty(), "{events:?}");
+    assert!(named(events, "retract").is_empty(), "{events:?}");
+    let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    assert_eq!(dispatch["attempts"].as_array().unwrap().len(), 1, "{dispatch}");
+    assert_eq!(assistant_turns(&history_is_legal(gateway, conversation)), 1);
+}
+
+#[test]
+fn a_chat_stream_without_done_commits_on_its_first_attempt() {
+    // Item 2: the body ends after the finish reason and the usage chunk.
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = compat_gateway(&dir, &sim, "");
+    for (provider, adapter) in [("compat", "openai-chat@2"), ("sim", "openai-chat@1")] {
+        let conversation = format!("c-nodone-{provider}");
+        let model = format!("m-nodone-{provider}");
+        conversation_with_question(&gateway, &conversation);
+        sim.script(&model, json!([{"text": TEXT, "faults": {"omit_done": true}}]));
+        let operation = format!("op-nodone-{provider}");
+        let events = dispatch_to(&gateway, &conversation, &operation, provider, adapter, &model);
+        committed_first_time(&gateway, &conversation, &operation, &events);
+    }
+    let sent = sim
+        .requests()
+        .iter()
+        .filter(|request| {
+            request["body"]
+                .as_str()
+                .is_some_and(|body| body.contains("m-nodone-"))
+        })
+        .count();
+    assert_eq!(sent, 2, "one request each");
+    assert_safety_metrics_zero(&gateway);
+}
+
+#[test]
+fn a_compatible_upstreams_own_usage_count_is_a_notice_not_a_failure() {
+    // Item 3: an OpenAI model name served by an upstream that counts its own way.
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = compat_gateway(&dir, &sim, "");
+    conversation_with_question(&gateway, "c-usage");
+    sim.script(
+        "gpt-4o",
+        json!([{"text": TEXT, "faults": {"usage_output_tokens": 1}}]),
+    );
+    let events = dispatch_to(
+        &gateway,
+        "c-usage",
+        "op-usage",
+        "compat",
+        "openai-chat@2",
+        "gpt-4o",
+    );
+    committed_first_time(&gateway, "c-usage", "op-usage", &events);
+    assert_eq!(
+        gateway.metric("turnstile_provider_notices_total{provider=\"compat\",code=\"usage_mismatch\"}"),
+        1.0
+    );
+    // The vendor's own count (the simulator as provider `sim` counts as OpenAI does) still
+    // holds a short usage to be a delivered-twice delta: retracted, the next attempt commits.
+    conversation_with_question(&gateway, "c-usage-vendor");
+    sim.script(
+        "gpt-4o",
+        json!([{"text": TEXT, "faults": {"usage_output_tokens": 1}}, {"text": TEXT}]),
+    );
+    let events = dispatch_to(
+        &gateway,
+        "c-usage-vendor",
+        "op-usage-vendor",
+        "sim",
+        "openai-chat@2",
+        "gpt-4o",
+    );
+    let retracts = named(&events, "retract");
+    assert_eq!(retracts.len(), 1, "{events:?}");
+    assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+    assert_safety_metrics_zero(&gateway);
+}
