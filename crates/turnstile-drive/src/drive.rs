@@ -42,6 +42,10 @@ const REARM_MARGIN_MS: u64 = 50;
 /// Largest status or cancel answer read (a Responses object without its output is far
 /// smaller; a bigger one is cut and read as no word).
 const PROBE_BODY_MAX: usize = 256 * 1024;
+/// Most bytes of a refusal's body kept for its message.
+const REFUSAL_BODY_MAX: usize = 16 * 1024;
+/// Most bytes of a provider's refusal message passed on to the client.
+const REFUSAL_MESSAGE_MAX: usize = 1024;
 /// Most decoded events of a foreign handle's stream kept in its quarantine entry.
 const FOREIGN_EVENTS_KEPT_MAX: usize = 1_024;
 /// Most pieces of queued input (a pump that outruns the driver is a bug).
@@ -808,7 +812,7 @@ impl Drive {
     fn emit_error(&mut self, code: &str) {
         self.emit(DriveEvent::Error {
             code: code.to_owned(),
-            message: error_message(code),
+            message: error_message(code).into(),
         });
     }
 
@@ -1844,6 +1848,10 @@ impl Drive {
                 };
                 open.active_at = self.now;
                 if open.status.is_some_and(|status| !(200..300).contains(&status)) {
+                    // A refusal's body: its words are the client's only clue (a bad model
+                    // name, a context overflow, a content filter).
+                    let room = REFUSAL_BODY_MAX.saturating_sub(open.body.len());
+                    open.body.extend_from_slice(&bytes[..bytes.len().min(room)]);
                     return;
                 }
                 if open.probe.is_some() {
@@ -2171,9 +2179,10 @@ impl Drive {
                 );
                 return;
             }
+            let message = refusal_message(open.status, &open.body);
             self.emit(DriveEvent::Error {
                 code,
-                message: error_message("provider_status"),
+                message: message.into(),
             });
             let handled = self
                 .machine
@@ -2219,4 +2228,39 @@ pub(crate) fn tool_arguments_complete(turn: &Value) -> bool {
                 _ => false,
             })
     })
+}
+
+/// The client's message for a provider's refusal: its status and the provider's own words,
+/// from any of the four APIs' error shapes (`{"error": {"message"}}`, `{"error": "…"}`,
+/// `{"message"}`, Gemini's `[{"error": …}]`), else the start of the body as text.
+pub fn refusal_message(status: Option<u16>, body: &[u8]) -> String {
+    let Some(status) = status else {
+        return error_message("provider_unreachable").to_owned();
+    };
+    let from_json = turnstile_core::parse::bounded_value(body).and_then(|value| {
+        let value = match value {
+            Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
+            value => value,
+        };
+        let error = value.get("error").unwrap_or(&value);
+        match error {
+            Value::String(text) => Some(text.clone()),
+            _ => error.get("message").and_then(Value::as_str).map(str::to_owned),
+        }
+    });
+    let words = from_json.unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_owned());
+    let mut words: String = words.chars().filter(|c| !c.is_control() || *c == ' ').collect();
+    if words.len() > REFUSAL_MESSAGE_MAX {
+        let mut end = REFUSAL_MESSAGE_MAX;
+        while !words.is_char_boundary(end) {
+            end -= 1;
+        }
+        words.truncate(end);
+        words.push('…');
+    }
+    if words.is_empty() {
+        format!("the provider refused the request with HTTP {status} and no message")
+    } else {
+        format!("the provider refused the request with HTTP {status}: {words}")
+    }
 }

@@ -21,6 +21,6 @@ mod types;
 
 pub use drive::{
     ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, REPLAYS_PER_GENERATION_MAX, RESUMES_PER_GENERATION_MAX,
-    fails_over_on,
+    fails_over_on, refusal_message,
 };
 pub use types::*;

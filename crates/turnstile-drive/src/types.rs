@@ -361,8 +361,9 @@ pub enum DriveEvent {
     Error {
         /// Code.
         code: String,
-        /// Human text.
-        message: &'static str,
+        /// Human text: [`error_message`] of the code, or the provider's own words for a refusal
+        /// (`provider_status_*`).
+        message: std::borrow::Cow<'static, str>,
     },
 }
 

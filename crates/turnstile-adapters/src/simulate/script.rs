@@ -75,6 +75,8 @@ pub struct Faults {
     pub delay_ms: Option<u64>,
     /// Answer with this HTTP status (and the provider's error body) instead of a stream.
     pub status: Option<u16>,
+    /// The message of that error body (default `simulated error <status>`).
+    pub error_message: Option<String>,
     /// The handle can be resumed from the last sequence number (Responses API).
     pub resumable: Option<bool>,
     /// A repeated idempotency key gets the same reply instead of the next scripted one.

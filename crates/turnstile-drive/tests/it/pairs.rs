@@ -610,3 +610,31 @@ fn the_commit_carries_sent_streaming_and_the_handle_and_a_foreign_one_is_quarant
         );
     }
 }
+
+#[test]
+fn a_refusal_keeps_the_providers_own_words_in_each_apis_error_shape() {
+    let says = |body: &str| refusal_message(Some(400), body.as_bytes());
+    let expected = "the provider refused the request with HTTP 400: model \"gpt-9\" does not exist";
+    // OpenAI, Anthropic, Gemini (an object, and the array some endpoints send), a plain
+    // `{"message"}`, a bare string error, and text.
+    for body in [
+        r#"{"error": {"message": "model \"gpt-9\" does not exist", "type": "invalid_request_error"}}"#,
+        r#"{"type": "error", "error": {"type": "invalid_request_error", "message": "model \"gpt-9\" does not exist"}}"#,
+        r#"{"error": {"code": 400, "message": "model \"gpt-9\" does not exist", "status": "INVALID_ARGUMENT"}}"#,
+        r#"[{"error": {"code": 400, "message": "model \"gpt-9\" does not exist", "status": "INVALID_ARGUMENT"}}]"#,
+        r#"{"message": "model \"gpt-9\" does not exist"}"#,
+        r#"{"error": "model \"gpt-9\" does not exist"}"#,
+        "model \"gpt-9\" does not exist\n",
+    ] {
+        assert_eq!(says(body), expected, "{body}");
+    }
+    assert_eq!(
+        says(""),
+        "the provider refused the request with HTTP 400 and no message"
+    );
+    // Bounded, and cut on a character boundary.
+    let long = format!("{{\"error\": {{\"message\": \"{}\"}}}}", "é".repeat(4_000));
+    let message = says(&long);
+    assert!(message.len() < 1_200, "{}", message.len());
+    assert!(message.ends_with('…'));
+}

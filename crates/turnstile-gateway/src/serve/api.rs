@@ -2497,7 +2497,10 @@ mod tests {
                 text(),
                 prop::sample::select(vec!["the provider failed", "a \"quoted\"\n message"])
             )
-                .prop_map(|(code, message)| DriveEvent::Error { code, message }),
+                .prop_map(|(code, message)| DriveEvent::Error {
+                    code,
+                    message: message.into()
+                }),
         ]
     }
 
@@ -2592,7 +2595,7 @@ mod tests {
         check(
             DriveEvent::Error {
                 code: "begin_refused".into(),
-                message: "no",
+                message: "no".into(),
             },
             "event: error\ndata: {\"code\":\"begin_refused\",\"message\":\"no\"}\n\n",
         );

@@ -301,7 +301,7 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
             // Nobody drives it: the conversation moved on, or the dispatch was cancelled.
             pump.ctx.hub.send(DriveEvent::Error {
                 code: "begin_refused".into(),
-                message: turnstile_drive::error_message("begin_refused"),
+                message: turnstile_drive::error_message("begin_refused").into(),
             });
         }
         pump.ctx.hub.finish();

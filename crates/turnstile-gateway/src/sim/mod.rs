@@ -262,8 +262,18 @@ async fn gemini(
 }
 
 fn error_response(api: Api, status: u16) -> Response {
+    error_response_saying(api, status, None)
+}
+
+fn error_response_saying(api: Api, status: u16, message: Option<&str>) -> Response {
     let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = (code, axum::Json(wire::error_body(api, status))).into_response();
+    let mut body = wire::error_body(api, status);
+    if let Some(message) = message {
+        if let Some(error) = body.get_mut("error") {
+            error["message"] = serde_json::json!(message);
+        }
+    }
+    let mut response = (code, axum::Json(body)).into_response();
     if status == 429 {
         response
             .headers_mut()
@@ -330,7 +340,7 @@ async fn provider_request(
                     .unwrap_or_else(script::default_reply);
                 if let Some(status) = reply.faults.status {
                     drop(state);
-                    return error_response(api, status);
+                    return error_response_saying(api, status, reply.faults.error_message.as_deref());
                 }
                 state.handles_issued += 1;
                 let number = state.handles_issued;

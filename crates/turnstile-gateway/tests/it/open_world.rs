@@ -136,3 +136,54 @@ fn a_compatible_upstreams_own_usage_count_is_a_notice_not_a_failure() {
     assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
     assert_safety_metrics_zero(&gateway);
 }
+
+#[test]
+fn a_providers_refusal_reaches_the_client_in_its_own_words() {
+    // Item 7: "the provider produced nothing" hid the only clue a user has.
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = compat_gateway(&dir, &sim, "");
+    let words = "The model `gpt-9` does not exist or you do not have access to it.";
+    conversation_with_question(&gateway, "c-refused");
+    sim.script(
+        "gpt-9",
+        json!([{"text": "never", "faults": {"status": 404, "error_message": words}}]),
+    );
+    let events = dispatch_to(
+        &gateway,
+        "c-refused",
+        "op-refused",
+        "compat",
+        "openai-chat@2",
+        "gpt-9",
+    );
+    let errors = named(&events, "error");
+    assert_eq!(errors.len(), 1, "{events:?}");
+    assert_eq!(errors[0]["code"], "provider_status_404", "{events:?}");
+    let message = errors[0]["message"].as_str().unwrap();
+    assert!(message.contains(words) && message.contains("404"), "{message}");
+    // The drop-in proxy answers in the client's API's error shape, with the same words.
+    let config = format!(
+        "[[routes]]\napi = \"anthropic-messages\"\nprovider = \"compat\"\nadapter = \"anthropic-messages@2\"\n\
+         [providers.compat]\nbase_url = \"{}\"\n",
+        sim.base
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, &config).unwrap();
+    sim.script("claude-9", json!([{"text": "never", "faults": {"status": 400, "error_message": "prompt is too long: 210000 tokens > 200000 maximum"}}]));
+    let response = client()
+        .post(format!("{}/v1/messages", gateway.base))
+        .json(
+            &json!({"model": "claude-9", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]}),
+        )
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    let body: Value = response.json().unwrap();
+    assert_eq!(body["type"], "error", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("prompt is too long: 210000 tokens > 200000 maximum"),
+        "{body}"
+    );
+}

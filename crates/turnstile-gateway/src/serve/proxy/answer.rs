@@ -78,7 +78,7 @@ fn outcome_of(event: &ClientEvent) -> Option<Outcome> {
         DriveEvent::Committed { .. } => Some(Outcome::Committed(event.clone())),
         DriveEvent::Error { code, message } => Some(Outcome::Failed {
             code: code.clone(),
-            message: (*message).to_owned(),
+            message: message.to_string(),
         }),
         DriveEvent::State { state, .. }
             if matches!(state, DispatchState::Failed | DispatchState::Abandoned) =>
@@ -406,7 +406,7 @@ mod tests {
         assert_eq!(answer.before_head(state(DispatchState::Dispatching)), Head::Wait);
         let error = Arc::new(DriveEvent::Error {
             code: "provider_status_429".into(),
-            message: "slow down",
+            message: "slow down".into(),
         });
         match answer.before_head(error) {
             Head::Fail(failure) => {
@@ -486,7 +486,7 @@ mod tests {
         let mut answer = WholeAnswer::new(to(Api::OpenaiChat), 5);
         let failed = Arc::new(DriveEvent::Error {
             code: "provider_status_503".into(),
-            message: "down",
+            message: "down".into(),
         });
         assert!(answer.push(&failed).is_none());
         let body = answer.push(&committed("Hello")).expect("the commit answers");
