@@ -745,6 +745,7 @@ impl Drive {
                     outcome,
                     from,
                     handle,
+                    bind: self.handle_is_identity(generation),
                 }
             }
             // None of them moves the attempt: they need nothing in the store first (a bind is
@@ -803,6 +804,20 @@ impl Drive {
         !self.target_spec(generation).recovery.resume_by_handle
             && !self.recovered_generations.contains(&generation)
             && !self.replays.contains_key(&generation)
+    }
+
+    /// Whether `generation`'s handle names its response anywhere but on its own connection:
+    /// a resume or replay (recovery goes by it), a Responses target (status and cancel
+    /// questions, `previous_response_id`), a provider that deduplicates by our key. Only
+    /// then is it bound, unique per provider; elsewhere it is recorded on the attempt, and a
+    /// server that reuses ids (`chatcmpl-1` again after its restart) commits as any other.
+    fn handle_is_identity(&self, generation: Generation) -> bool {
+        let target = self.target_spec(generation);
+        target.api == StreamApi::OpenAiResponses
+            || target.recovery.resume_by_handle
+            || target.recovery.honours_idempotency_key
+            || self.recovered_generations.contains(&generation)
+            || self.replays.contains_key(&generation)
     }
 
     fn emit(&mut self, event: DriveEvent) {
@@ -1227,6 +1242,7 @@ impl Drive {
                         outcome,
                         from: DispatchState::Streaming,
                         handle: None,
+                        bind: true,
                     },
                     WriteKind::Commit { generation },
                 )

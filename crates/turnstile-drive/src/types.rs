@@ -162,8 +162,11 @@ pub enum StoreOp {
         /// The attempt's state as the store holds it (DISPATCHING, SENT or STREAMING): the
         /// commit writes the transitions held back since then, in its own transaction.
         from: DispatchState,
-        /// A provider handle held back for the commit to bind (and check).
+        /// A provider handle held back for the commit to record.
         handle: Option<String>,
+        /// Whether the commit also binds it (unique per provider, checked against the
+        /// manifest): only where the handle is an identity (`Drive::handle_is_identity`).
+        bind: bool,
     },
     /// Cancel the dispatch.
     Cancel {

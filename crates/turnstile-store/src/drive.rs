@@ -177,6 +177,7 @@ pub async fn perform(
             outcome,
             from,
             handle,
+            bind,
         } => match ledger
             .commit_carrying(
                 operation_id,
@@ -187,6 +188,7 @@ pub async fn perform(
                 &Carried {
                     from: *from,
                     handle: handle.clone(),
+                    bind: *bind,
                 },
                 now,
             )

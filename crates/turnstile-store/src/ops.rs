@@ -1877,6 +1877,7 @@ pub(crate) async fn commit<T: Tx>(
     // never commits, the same refusal a bind of its own would have met. The attempt row took
     // the handle with its move above (rolled back with it on a refusal).
     if let Some(target) = carried_target
+        && carried.bind
         && let Some(handle) = &carried.handle
         && let BindOutcome::Refused { .. } =
             insert_handle(tx, &record, operation_id, generation, target, handle, now).await?

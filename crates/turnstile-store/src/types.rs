@@ -376,6 +376,12 @@ pub struct Carried {
     pub from: DispatchState,
     /// A provider handle not bound yet.
     pub handle: Option<String>,
+    /// Whether the handle is bound (unique per provider, checked against the manifest) or only
+    /// recorded on the attempt: a handle is an identity only where something looks a response
+    /// up by it (a resume, a status or cancel question, `previous_response_id`). The answer to
+    /// a fresh send arrived on the attempt's own connection whatever id it names, and
+    /// compatible servers reuse ids (`chatcmpl-1` again after a restart).
+    pub bind: bool,
 }
 
 impl Default for Carried {
@@ -383,6 +389,7 @@ impl Default for Carried {
         Carried {
             from: DispatchState::Streaming,
             handle: None,
+            bind: true,
         }
     }
 }

@@ -355,13 +355,16 @@ fn a_commit_answered_at_another_revision_trips_the_pair_assertion() {
 
 /// The simulator's Anthropic stream of a one-text reply ("Sunny in Paris.") under `handle`.
 fn anthropic_reply(handle: &str) -> Vec<u8> {
+    reply_of(turnstile_adapters::simulate::wire::Api::Anthropic, handle)
+}
+
+fn reply_of(api: turnstile_adapters::simulate::wire::Api, handle: &str) -> Vec<u8> {
     use turnstile_adapters::simulate::script::Reply;
-    use turnstile_adapters::simulate::wire::Api;
     let reply = Reply {
         text: "Sunny in Paris.".into(),
         ..Reply::default()
     };
-    turnstile_adapters::simulate::wire::frames(Api::Anthropic, &reply, handle, "m", &[], 40)
+    turnstile_adapters::simulate::wire::frames(api, &reply, handle, "m", &[], 40)
         .into_iter()
         .flat_map(|frame| frame.bytes)
         .collect()
@@ -526,10 +529,41 @@ fn the_commit_carries_sent_streaming_and_the_handle_and_a_foreign_one_is_quarant
         resume_by_handle: false,
         honours_idempotency_key: false,
     };
-    let body = anthropic_reply("msg_other");
-    for foreign in [false, true] {
-        let mut spec = spec(none, 0);
-        spec.targets[0].api = StreamApi::AnthropicMessages;
+    use turnstile_adapters::simulate::wire::Api;
+    // A handle is bound (and can be foreign) only where it is an identity, e.g. a provider that
+    // deduplicates by our key. Elsewhere the commit records it without binding it: the answer
+    // to a fresh send came on its own connection (issue 48, item 1).
+    let idempotent = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: true,
+    };
+    for (api, wire, handle, recovery, foreign) in [
+        (
+            StreamApi::AnthropicMessages,
+            Api::Anthropic,
+            "msg_other",
+            none,
+            false,
+        ),
+        (StreamApi::OpenAiChat, Api::OpenAiChat, "chatcmpl-1", none, false),
+        (
+            StreamApi::AnthropicMessages,
+            Api::Anthropic,
+            "msg_other",
+            idempotent,
+            false,
+        ),
+        (
+            StreamApi::AnthropicMessages,
+            Api::Anthropic,
+            "msg_other",
+            idempotent,
+            true,
+        ),
+    ] {
+        let body = reply_of(wire, handle);
+        let mut spec = spec(recovery, 0);
+        spec.targets[0].api = api;
         let mut drive = Drive::begun(spec, Timestamp(1_000), 0, Generation(1), "key-1".into());
         let mut ops = Vec::new();
         let mut quarantined = None;
@@ -540,9 +574,15 @@ fn the_commit_carries_sent_streaming_and_the_handle_and_a_foreign_one_is_quarant
             match drive.poll_action() {
                 Some(Action::Store(op)) => {
                     let result = match &op {
-                        StoreOp::Commit { from, handle, .. } => {
+                        StoreOp::Commit {
+                            from,
+                            handle: carried,
+                            bind,
+                            ..
+                        } => {
                             assert_eq!(*from, DispatchState::Dispatching, "{ops:?}");
-                            assert_eq!(handle.as_deref(), Some("msg_other"));
+                            assert_eq!(carried.as_deref(), Some(handle));
+                            assert_eq!(*bind, recovery.honours_idempotency_key, "{api:?}");
                             if foreign {
                                 StoreResult::BindRefused
                             } else {

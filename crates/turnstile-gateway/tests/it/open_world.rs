@@ -187,3 +187,31 @@ fn a_providers_refusal_reaches_the_client_in_its_own_words() {
         "{body}"
     );
 }
+
+#[test]
+fn a_server_that_reuses_its_response_ids_commits_every_dispatch_first_time() {
+    // Item 1: `chatcmpl-1` again after the server's restart was a foreign handle: a lease's
+    // wait, a resend, and after four attempts a failed dispatch.
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = compat_gateway(&dir, &sim, "");
+    for (adapter, handle) in [
+        ("openai-chat@2", "chatcmpl-1"),
+        ("anthropic-messages@2", "msg_1"),
+        ("gemini@1", "resp-1"),
+    ] {
+        for round in 0..2 {
+            let conversation = format!("c-reuse-{}-{round}", adapter.replace('@', "-"));
+            let model = format!("m-reuse-{round}");
+            conversation_with_question(&gateway, &conversation);
+            sim.script(&model, json!([{"text": TEXT, "faults": {"handle": handle}}]));
+            let operation = format!("op-{conversation}");
+            let events = dispatch_to(&gateway, &conversation, &operation, "compat", adapter, &model);
+            committed_first_time(&gateway, &conversation, &operation, &events);
+            let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+            assert_eq!(dispatch["attempts"][0]["handle"], handle, "recorded: {dispatch}");
+        }
+    }
+    assert_eq!(gateway.metric("turnstile_foreign_handle_refusals_total"), 0.0);
+    assert_safety_metrics_zero(&gateway);
+}

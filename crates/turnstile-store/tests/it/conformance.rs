@@ -897,6 +897,7 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
     let carried = Carried {
         from: DispatchState::Dispatching,
         handle: Some("resp_c".to_owned()),
+        bind: true,
     };
     let before = store.statements();
     let outcome = store
@@ -2468,9 +2469,9 @@ pub async fn an_import_writes_a_whole_legal_history_at_once_or_nothing(backend: 
 }
 
 /// Issue 21's two durable writes: the prepare that begins the first attempt, then the commit
-/// that carries SENT, STREAMING and the handle (a history row each). A carried handle bound to
-/// another manifest refuses the commit and moves nothing; a prepare of an existing dispatch
-/// begins nothing.
+/// that carries SENT, STREAMING and the handle (a history row each). A carried handle to bind
+/// that is bound to another manifest refuses the commit and moves nothing; one only recorded
+/// commits; a prepare of an existing dispatch begins nothing.
 pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle(
     backend: Backend,
     name: &str,
@@ -2529,6 +2530,7 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
     let carried = |handle: &str| Carried {
         from: DispatchState::Dispatching,
         handle: Some(handle.to_owned()),
+        bind: true,
     };
     let turn = assistant_turn("a", 1);
     assert_eq!(
@@ -2553,7 +2555,9 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
         (DispatchState::Dispatching, None)
     );
     assert_eq!(store.conversation("c").await.unwrap().unwrap()["revision"], 1);
-    // Its own handle commits, from DISPATCHING, in one write with every state on the way.
+    // The same handle recorded without binding it (a fresh send's answer came on its own
+    // connection whatever id it names: issue 48, item 1) commits, from DISPATCHING, in one
+    // write with every state on the way.
     let writes = store.write_ops();
     let outcome = store
         .commit_carrying(
@@ -2562,7 +2566,10 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
             Revision(1),
             &turn,
             None,
-            &carried("resp_c"),
+            &Carried {
+                bind: false,
+                ..carried("resp_x")
+            },
             at(15),
         )
         .await
@@ -2583,7 +2590,8 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
             DispatchState::Committed
         ]
     );
-    assert_eq!(attempt.handle.as_deref(), Some("resp_c"));
+    assert_eq!(attempt.handle.as_deref(), Some("resp_x"));
+    assert_eq!(store.counters().await.unwrap().foreign_handle_refusals, 1);
     assert_eq!(store.tool_calls(None).await.unwrap().len(), 1);
     // A commit cannot carry an attempt from a state that is not on the way to COMMITTED.
     assert!(
@@ -2596,7 +2604,8 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
                 None,
                 &Carried {
                     from: DispatchState::Unknown,
-                    handle: None
+                    handle: None,
+                    bind: true,
                 },
                 at(16)
             )
@@ -3206,6 +3215,7 @@ async fn commit_walking_nothing(
     let carried = Carried {
         from: DispatchState::Dispatching,
         handle: None,
+        bind: true,
     };
     let committed = store
         .commit_carrying(

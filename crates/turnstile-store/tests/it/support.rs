@@ -275,6 +275,7 @@ pub async fn commit_from_dispatching(
     let carried = Carried {
         from: DispatchState::Dispatching,
         handle: handle.map(str::to_owned),
+        bind: true,
     };
     store
         .commit_carrying(
