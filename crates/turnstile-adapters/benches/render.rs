@@ -82,6 +82,7 @@ fn request(adapter: AdapterId) -> PrepareRequest {
         max_output_tokens: Some(1024),
         stream: true,
         background: false,
+        text_content: Default::default(),
     }
 }
 

@@ -36,6 +36,6 @@ pub use prepare::{
     prepare_with_settings,
 };
 pub use registry::{AdapterId, Api};
-pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered};
+pub use render::{Graph, RenderCache, RenderOptions, RenderOutcome, Rendered, TextContent};
 pub use sampling::{Sampling, SamplingError, Setting};
 pub use tool_choice::{Choice, ToolChoice, ToolChoiceError};

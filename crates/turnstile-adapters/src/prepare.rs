@@ -17,7 +17,7 @@ use crate::catalog::{Catalog, Match, ModelInfo};
 use crate::output_format::{OutputFormat, OutputFormatError};
 use crate::passthrough::{Passthrough, PassthroughError};
 use crate::registry::AdapterId;
-use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, render};
+use crate::render::{Graph, Pause, RenderCache, RenderOptions, RenderOutcome, Rendered, TextContent, render};
 use crate::sampling::{Sampling, SamplingError};
 use crate::tool_choice::{ToolChoice, ToolChoiceError};
 use turnstile_core::Digest;
@@ -41,6 +41,9 @@ pub struct PrepareRequest {
     pub stream: bool,
     /// OpenAI Responses background mode (resumable by handle); other APIs ignore it.
     pub background: bool,
+    /// OpenAI Chat: how all-text messages carry their text (the provider's `text_content`);
+    /// other APIs ignore it. Pinned by the policy when not the default.
+    pub text_content: TextContent,
 }
 
 /// A prepared dispatch: bytes, manifest and the policy the manifest pins.
@@ -202,6 +205,7 @@ pub fn prepare_with_settings(
         tool_choice: settings.tool_choice.clone(),
         output_format: settings.output_format.clone(),
         passthrough: settings.passthrough.clone(),
+        text_content: request.text_content,
     };
     let rendered = match render(request.adapter, graph, &options, model.tokenizer, cache) {
         RenderOutcome::Rendered(rendered) => rendered,

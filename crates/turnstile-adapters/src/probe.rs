@@ -39,6 +39,9 @@ fn outcome(adapter: AdapterId, text: &str) -> Value {
         tool_choice: crate::tool_choice::ToolChoice::default(),
         output_format: crate::output_format::OutputFormat::default(),
         passthrough: crate::passthrough::Passthrough::default(),
+        // Probes and adapter digests render the default text form, as they render no
+        // background mode.
+        text_content: crate::render::TextContent::Parts,
     };
     let mut cache = RenderCache::new();
     // The estimator keeps digest computation free of tokenizer loading; counts are not

@@ -53,6 +53,30 @@ pub struct RenderOptions {
     /// adapter speaks that API, refused by name ([`RenderOutcome::RefusedPassthrough`]) when it
     /// does not. The default writes nothing.
     pub passthrough: Passthrough,
+    /// OpenAI Chat only: how a message whose parts are all text carries them (an array of
+    /// parts by default). Set per provider; every other API ignores it.
+    pub text_content: TextContent,
+}
+
+/// How an OpenAI Chat message whose parts are all text carries them. Both forms are legal
+/// OpenAI (`ChatCompletionRequestUserMessage.content` is a string or an array of parts);
+/// minimal compatible servers take only the string. A message with an image or a file keeps
+/// its array either way, and the policy records the choice ([`RenderPolicy::text_content`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextContent {
+    /// An array of `text` parts, one per block (what the adapter always wrote).
+    #[default]
+    Parts,
+    /// One string: the texts of the message's blocks joined by a newline.
+    String,
+}
+
+impl TextContent {
+    /// Whether this is the default ([`TextContent::Parts`]).
+    pub fn is_parts(&self) -> bool {
+        *self == TextContent::Parts
+    }
 }
 
 /// A validated, non-waiting conversation together with its `MessageSequence`. Only this type
@@ -216,6 +240,10 @@ pub struct RenderPolicy {
     /// digest, so this is where the manifest pins them.
     #[serde(skip_serializing_if = "CachePolicy::is_unset")]
     pub cache: CachePolicy,
+    /// How all-text Chat messages carried their text (left out when it is the default array
+    /// of parts, so such a request has the policy digest it always had).
+    #[serde(skip_serializing_if = "TextContent::is_parts")]
+    pub text_content: TextContent,
 }
 
 impl RenderPolicy {
@@ -1041,6 +1069,9 @@ pub(crate) struct Ctx<'c> {
     output_format: OutputFormat,
     passthrough: Passthrough,
     cache_policy: CachePolicy,
+    /// The text form this render wrote (a renderer that honours [`RenderOptions::text_content`]
+    /// sets it; the others leave the default, so their policy does not claim a form).
+    pub text_content: TextContent,
     /// The buffer fragments are built in (see [`Ctx::fragment`]).
     scratch: Vec<u8>,
     /// Where this render resumes from ([`render`] sets it up; the renderer takes the body).
@@ -1070,6 +1101,7 @@ impl<'c> Ctx<'c> {
             output_format: options.output_format.clone(),
             passthrough: options.passthrough.clone(),
             cache_policy: CachePolicy::default(),
+            text_content: TextContent::Parts,
             scratch: Vec::with_capacity(1024),
             resume: None,
             checkpoint: None,
@@ -1340,6 +1372,7 @@ impl<'c> Ctx<'c> {
                 output_format: std::mem::take(&mut self.output_format),
                 passthrough: std::mem::take(&mut self.passthrough),
                 cache: std::mem::take(&mut self.cache_policy),
+                text_content: self.text_content,
             },
         })
     }

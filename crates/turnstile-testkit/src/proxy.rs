@@ -27,7 +27,9 @@ use turnstile_core::Generation;
 use turnstile_core::assemble::{Assembler, AssemblerConfig, Output};
 use turnstile_core::digest::Digest;
 use turnstile_drive::DriveEvent;
-use turnstile_gateway::serve::api::{Early, Target, render_targets, store_rendered_importing};
+use turnstile_gateway::serve::api::{
+    Early, ProviderRendering, Target, render_targets, store_rendered_importing,
+};
 use turnstile_gateway::serve::config::{Fallback, Mode};
 use turnstile_gateway::serve::proxy::answer::{Head, StreamAnswer, WholeAnswer};
 use turnstile_gateway::serve::proxy::respond::{Addressee, Part, parts_of};
@@ -784,7 +786,12 @@ impl World {
         match render_targets(
             &self.catalog,
             &mut cache,
-            &|_| Some(resume),
+            &|_| {
+                Some(ProviderRendering {
+                    background: resume,
+                    text_content: Default::default(),
+                })
+            },
             &graph,
             op,
             &render.targets,

@@ -513,6 +513,7 @@ impl World {
             max_output_tokens,
             stream: true,
             background: false,
+            text_content: Default::default(),
         };
         let mut cache = self
             .render_caches

@@ -22,8 +22,8 @@ use crate::call_ids::CallIdRule;
 use crate::passthrough::ElementKind;
 use crate::registry::AdapterId;
 use crate::render::{
-    Body, Ctx, Fold, Graph, PauseReason, Reasoning, RenderOptions, Segment, Writer, data_url, inline_len,
-    reasoning_for, segments_from, status_note, wrap_context,
+    Body, Ctx, Fold, Graph, PauseReason, Reasoning, RenderOptions, Segment, TextContent, Writer, data_url,
+    inline_len, reasoning_for, segments_from, status_note, wrap_context,
 };
 use crate::tokens::{self, Tokenizer};
 use serde_json::Value;
@@ -51,6 +51,10 @@ const TAG_CONTENT_PART: u8 = 1;
 const TAG_TOOL_CALL: u8 = 2;
 const TAG_TOOL_MESSAGE: u8 = 3;
 const TAG_TOOLS: u8 = 4;
+/// The string form ([`TextContent::String`]): one text block's text as a JSON string, and a
+/// tool message with string content.
+const TAG_CONTENT_STRING: u8 = 5;
+const TAG_TOOL_MESSAGE_STRING: u8 = 6;
 
 pub(crate) fn render(
     version: &ChatVersion,
@@ -65,6 +69,7 @@ pub(crate) fn render(
     let (from, mut out, fold) = ctx.begin();
     ctx.pause_unrepresentable_kinds(conversation, from);
     ctx.map_call_ids(conversation, CALL_ID_RULE);
+    ctx.text_content = options.text_content;
     let tokenizer = ctx.tokenizer;
     let role_tokens = RoleTokens::new(tokenizer, version.system_role);
 
@@ -267,8 +272,57 @@ fn message_name(turn: &Turn, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
     ctx.tokens += ctx.tokenizer.count(&name);
 }
 
-/// `,"content":[…]` of a system or user message: each block its own part.
+/// The model-visible text of a text or context block (None: another kind).
+fn block_text(block: &Block) -> Option<std::borrow::Cow<'_, str>> {
+    match &block.body {
+        BlockBody::Text { text } => Some(std::borrow::Cow::Borrowed(text.as_str())),
+        BlockBody::Context { source, trust, text } => Some(std::borrow::Cow::Owned(wrap_context(
+            source.as_deref(),
+            *trust,
+            text,
+        ))),
+        _ => None,
+    }
+}
+
+/// `,"content":"…"` of a message whose `blocks` are all text ([`TextContent::String`]): one
+/// block is its cached fragment; more are joined by a newline, built uncached (the joined
+/// string is not a function of one block's digest).
+fn content_string(blocks: &[&Block], out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
+    out.extend_from_slice(b",\"content\":");
+    match blocks {
+        [block] => ctx.fragment(out, TAG_CONTENT_STRING, &block.digest, |w| {
+            if let Some(text) = block_text(block) {
+                w.text(&text);
+            }
+        }),
+        _ => {
+            let texts: Vec<_> = blocks.iter().filter_map(|block| block_text(block)).collect();
+            let joined = texts.join("\n");
+            let _ = ctx.uncached(out, |w| {
+                w.text(&joined);
+            });
+        }
+    }
+}
+
+/// `,"content":[…]` of a system or user message: each block its own part; or one string when
+/// the provider asked for it and every represented block is text.
 fn content_parts(version: &ChatVersion, turn: &Turn, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
+    if ctx.text_content == TextContent::String {
+        let texts: Option<Vec<&Block>> = turn
+            .blocks
+            .iter()
+            .filter(|block| ctx.adapter.represents(block.body.kind()))
+            .map(|block| block_text(block).map(|_| block))
+            .collect();
+        if let Some(texts) = texts
+            && !texts.is_empty()
+        {
+            content_string(&texts, out, ctx);
+            return;
+        }
+    }
     out.extend_from_slice(b",\"content\":[");
     let mut first = true;
     for block in &turn.blocks {
@@ -365,7 +419,14 @@ fn assistant_message(
     open_message(out, first_message, "assistant");
     message_name(turn, out, ctx);
     ctx.tokens += role_tokens;
-    if has_text {
+    if has_text && ctx.text_content == TextContent::String {
+        let texts: Vec<&Block> = turn
+            .blocks
+            .iter()
+            .filter(|block| matches!(block.body, BlockBody::Text { .. }))
+            .collect();
+        content_string(&texts, out, ctx);
+    } else if has_text {
         out.extend_from_slice(b",\"content\":[");
         let mut first = true;
         for block in &turn.blocks {
@@ -431,7 +492,13 @@ fn tool_message(result: &Block, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
             PauseReason::UnrepresentablePart,
         );
     }
-    ctx.fragment(out, TAG_TOOL_MESSAGE, &result.digest, |w| {
+    let string = ctx.text_content == TextContent::String;
+    let tag = if string {
+        TAG_TOOL_MESSAGE_STRING
+    } else {
+        TAG_TOOL_MESSAGE
+    };
+    ctx.fragment(out, tag, &result.digest, |w| {
         let id = crate::call_ids::map(call_id.as_str(), CALL_ID_RULE);
         w.raw("{\"role\":\"tool\",\"tool_call_id\":")
             .string(&id)
@@ -447,6 +514,8 @@ fn tool_message(result: &Block, out: &mut Vec<u8>, ctx: &mut Ctx<'_>) {
             .collect();
         if texts.is_empty() {
             w.raw("\"\"");
+        } else if string {
+            w.text(&texts.join("\n"));
         } else {
             w.raw("[");
             for (index, text) in texts.iter().enumerate() {

@@ -19,6 +19,7 @@ mod render_rules;
 mod render_sampling;
 mod render_step;
 mod render_support;
+mod render_text_content;
 mod render_tool_choice;
 mod render_upgrade;
 mod stream;

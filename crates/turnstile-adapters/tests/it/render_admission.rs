@@ -250,6 +250,7 @@ fn the_defs_tool_over_an_8000_token_window_is_refused_on_every_adapter() {
             max_output_tokens: None,
             stream: true,
             background: false,
+            text_content: Default::default(),
         };
         match prepare(graph, &request, &catalog, &mut RenderCache::new()) {
             PrepareOutcome::OverBudget(over) => {

@@ -70,6 +70,7 @@ fn render_imported(
         max_output_tokens: 1024,
         stream: true,
         background: false,
+        text_content: Default::default(),
         sampling: imported.sampling.clone(),
         tool_choice: Default::default(),
         output_format: Default::default(),

@@ -22,6 +22,7 @@ fn request(adapter: AdapterId, model: &str, max_output_tokens: Option<u64>) -> P
         max_output_tokens,
         stream: true,
         background: false,
+        text_content: Default::default(),
     }
 }
 

@@ -28,6 +28,7 @@ fn request(adapter: AdapterId, max_output_tokens: u64) -> PrepareRequest {
         max_output_tokens: Some(max_output_tokens),
         stream: true,
         background: false,
+        text_content: Default::default(),
     }
 }
 

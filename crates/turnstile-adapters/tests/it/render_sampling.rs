@@ -493,6 +493,7 @@ fn prepared(
         max_output_tokens: Some(512),
         stream: true,
         background: false,
+        text_content: Default::default(),
     };
     prepare_with_sampling(
         graph,
@@ -542,6 +543,7 @@ fn prepare_pins_the_settings_in_the_policy_digest_of_the_manifest() {
             max_output_tokens: Some(512),
             stream: true,
             background: false,
+            text_content: Default::default(),
         };
         let PrepareOutcome::Prepared(same) =
             turnstile_adapters::prepare(graph, &request, &Catalog::builtin(), &mut RenderCache::new())

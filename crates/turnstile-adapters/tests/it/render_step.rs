@@ -22,6 +22,7 @@ fn request(adapter: AdapterId) -> PrepareRequest {
         max_output_tokens: Some(512),
         stream: true,
         background: false,
+        text_content: Default::default(),
     }
 }
 

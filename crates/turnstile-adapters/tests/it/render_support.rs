@@ -56,6 +56,7 @@ pub fn options_for(adapter: AdapterId) -> RenderOptions {
         max_output_tokens: 1024,
         stream: true,
         background: false,
+        text_content: Default::default(),
         sampling: Sampling::default(),
         tool_choice: Default::default(),
         output_format: Default::default(),

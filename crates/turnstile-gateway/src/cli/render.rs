@@ -117,6 +117,7 @@ pub fn run(args: &RenderArgs) -> Exit {
         max_output_tokens: Some(max_output_tokens),
         stream: true,
         background: false,
+        text_content: Default::default(),
     };
     let mut cache = RenderCache::new();
     match prepare(graph, &request, &catalog, &mut cache) {

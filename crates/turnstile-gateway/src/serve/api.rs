@@ -27,7 +27,7 @@ use turnstile_adapters::prepare::{
     PrepareOutcome, PrepareRequest, Prepared, SettingError, Settings, prepare_with_settings,
 };
 use turnstile_adapters::registry::AdapterId;
-use turnstile_adapters::render::{Graph, NotRenderable};
+use turnstile_adapters::render::{Graph, NotRenderable, TextContent};
 use turnstile_adapters::sampling::{Sampling, SamplingError};
 use turnstile_adapters::tool_choice::{Choice, ToolChoice};
 use turnstile_adapters::{Catalog, RenderCache};
@@ -913,11 +913,11 @@ pub(crate) async fn prepare_dispatch(
     settings: Settings,
     import: Option<&NewConversation>,
 ) -> Result<Started, ApiError> {
-    let resume_by_handle = |provider: &str| {
-        shared
-            .endpoints
-            .get(provider)
-            .map(|endpoint| endpoint.resume_by_handle)
+    let rendering = |provider: &str| {
+        shared.endpoints.get(provider).map(|endpoint| ProviderRendering {
+            background: endpoint.resume_by_handle,
+            text_content: endpoint.text_content,
+        })
     };
     // The graph is built (by the caller) before its conversation's render cache is locked; a
     // graph that cannot be built renders nothing, through any cache.
@@ -935,7 +935,7 @@ pub(crate) async fn prepare_dispatch(
             render_targets(
                 &shared.catalog,
                 &mut cache,
-                &resume_by_handle,
+                &rendering,
                 &graph,
                 &operation_id,
                 targets,
@@ -1042,16 +1042,25 @@ impl Rendered {
     }
 }
 
+/// What a provider's configuration changes in the requests rendered for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProviderRendering {
+    /// OpenAI Responses background mode: the provider resumes streams by handle.
+    pub background: bool,
+    /// OpenAI Chat: all-text messages as one string (`[providers.NAME] text_content`).
+    pub text_content: TextContent,
+}
+
 /// Render → admission → manifest for every target, without I/O (the gateway's
 /// [`prepare_dispatch`] and the deterministic simulation's proxy clients call it). `graph` is
 /// the one graph of the validated history every target renders (its validation proof came
 /// in with it: nothing here validates again).
-/// `resume_by_handle(provider)`: None when the provider is not configured.
+/// `rendering(provider)`: None when the provider is not configured.
 #[allow(clippy::too_many_arguments)]
 pub fn render_targets(
     catalog: &Catalog,
     cache: &mut RenderCache,
-    resume_by_handle: &dyn Fn(&str) -> Option<bool>,
+    rendering: &dyn Fn(&str) -> Option<ProviderRendering>,
     graph: &Result<Graph<'_>, NotRenderable>,
     operation_id: &str,
     targets: &[Target],
@@ -1074,7 +1083,7 @@ pub fn render_targets(
         match prepare_target(
             catalog,
             cache,
-            resume_by_handle,
+            rendering,
             graph,
             operation_id,
             target,
@@ -1221,7 +1230,7 @@ pub async fn store_rendered_importing(
 fn prepare_target(
     catalog: &Catalog,
     cache: &mut RenderCache,
-    resume_by_handle: &dyn Fn(&str) -> Option<bool>,
+    rendering: &dyn Fn(&str) -> Option<ProviderRendering>,
     graph: &Result<Graph<'_>, NotRenderable>,
     operation_id: &str,
     target: &Target,
@@ -1239,7 +1248,11 @@ fn prepare_target(
         .sampling
         .check(adapter.api())
         .map_err(|error| setting_error(SettingError::Sampling(error), adapter))?;
-    let Some(background) = resume_by_handle(&target.provider) else {
+    let Some(ProviderRendering {
+        background,
+        text_content,
+    }) = rendering(&target.provider)
+    else {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             ErrorCode::UnknownProvider,
@@ -1263,6 +1276,8 @@ fn prepare_target(
         stream: true,
         // Resumable by handle where the provider is configured for it (Responses only).
         background,
+        // Chat text as one string where the provider asks for it (`text_content`).
+        text_content,
     };
     let outcome = prepare_with_settings(graph, &prepare_request, settings, catalog, cache);
     let prepared = match outcome.map_err(|error| setting_error(error, adapter))? {

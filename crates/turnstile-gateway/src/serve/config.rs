@@ -267,6 +267,11 @@ pub struct Provider {
     /// (`https://api.openai.com`), `notice` for every other base URL ([`Provider::vendor_usage`]).
     #[serde(default)]
     pub usage_check: Option<UsageCheck>,
+    /// OpenAI Chat: `parts` (default) writes a message's text as an array of text parts,
+    /// `string` as one string where every part of the message is text, for compatible
+    /// servers that take only that form. Other APIs ignore it.
+    #[serde(default)]
+    pub text_content: turnstile_adapters::TextContent,
 }
 
 /// [`Provider::usage_check`].

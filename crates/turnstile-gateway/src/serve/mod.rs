@@ -291,6 +291,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 honours_idempotency_key: false,
                 // The simulator counts usage as the vendors do (`simulate::wire`).
                 vendor_usage: true,
+                text_content: turnstile_adapters::TextContent::Parts,
             },
         );
     }
@@ -311,6 +312,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 resume_by_handle: provider.resume_by_handle,
                 honours_idempotency_key: provider.honours_idempotency_key,
                 vendor_usage: provider.vendor_usage(),
+                text_content: provider.text_content,
             },
         );
     }

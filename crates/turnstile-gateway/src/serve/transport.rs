@@ -45,6 +45,8 @@ pub struct Endpoint {
     pub honours_idempotency_key: bool,
     /// The provider counts usage as its vendor does (`config::Provider::vendor_usage`).
     pub vendor_usage: bool,
+    /// OpenAI Chat: how all-text messages carry their text (`text_content`).
+    pub text_content: turnstile_adapters::TextContent,
 }
 
 /// The adapters' API for a stream API: where the path and non-secret headers of a stored

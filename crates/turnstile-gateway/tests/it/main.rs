@@ -2,6 +2,7 @@
 
 mod api_errors;
 mod assemble;
+mod compatible;
 mod console;
 mod console_api;
 mod executor;

@@ -877,6 +877,7 @@ fn micro(args: &Args) {
         max_output_tokens: Some(1024),
         stream: false,
         background: false,
+        text_content: Default::default(),
     };
     for blocks in ["20", "200", "2000"] {
         let workload = format!("prepare/{blocks}");

@@ -292,6 +292,12 @@ pub fn compare(
         max_output_tokens: imported.max_output_tokens,
         stream: imported.stream,
         background: false,
+        // The bytes the route's provider would get.
+        text_content: shared
+            .endpoints
+            .get(&route.provider)
+            .map(|endpoint| endpoint.text_content)
+            .unwrap_or_default(),
     };
     // A private cache: shadow traffic must not evict the live path's fragments.
     let mut cache = RenderCache::new();
