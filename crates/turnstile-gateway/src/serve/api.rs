@@ -401,8 +401,36 @@ fn client_document(caller: &Caller, mut document: Value) -> Value {
     document
 }
 
+/// Fields of OpenAI's Conversations API create (`items`, `metadata`) that the native create
+/// does not take: a body naming one is that API's, not a mistaken native one.
+const OPENAI_CONVERSATIONS_FIELDS: &[&str] = &["items", "metadata"];
+
+/// OpenAI's Conversations API (`POST /v1/conversations` with `items`, `/v1/conversations/{id}/
+/// items`) shares the native API's path and is not served. Its clients (the OpenAI Agents SDK's
+/// conversation session) get 404 in OpenAI's error shape naming it and what to use instead,
+/// never the native "unknown field items". 404, not 501: the OpenAI SDKs retry every 5xx, and
+/// retrying cannot help (docs/decisions.md, 2026-12-07).
+pub async fn openai_conversations_refused() -> Response {
+    super::proxy::provider_error(
+        turnstile_adapters::Api::OpenaiResponses,
+        StatusCode::NOT_FOUND,
+        "unsupported_endpoint",
+        "OpenAI's Conversations API (/v1/conversations with items, /v1/conversations/{id}/items) \
+         is not served by this gateway: send the whole input with each request, or continue a \
+         response with previous_response_id on /v1/responses. Turnstile's own /v1/conversations \
+         takes conversation_id and tools.",
+        &Value::Null,
+    )
+}
+
 pub async fn create_conversation(State(shared): State<Arc<Shared>>, request: Request) -> ApiResult {
     let (caller, body) = authenticated_json(&shared, request).await?;
+    if OPENAI_CONVERSATIONS_FIELDS
+        .iter()
+        .any(|field| body.get(field).is_some())
+    {
+        return Ok(openai_conversations_refused().await);
+    }
     let body = strict_object(body, &["conversation_id", "tools"])?;
     let id = match body.get("conversation_id") {
         Some(Value::String(id)) => id.clone(),

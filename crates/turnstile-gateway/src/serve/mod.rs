@@ -18,7 +18,7 @@ pub mod traces;
 pub mod transport;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use config::Config;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -193,6 +193,15 @@ pub fn router(shared: Arc<Shared>) -> Router {
         )
         .route("/v1/conversations/{id}", get(api::get_conversation))
         .route("/v1/conversations/{id}/turns", post(api::append_turn))
+        // OpenAI's Conversations API: refused in OpenAI's error shape, whatever the method.
+        .route(
+            "/v1/conversations/{id}/items",
+            any(api::openai_conversations_refused),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            any(api::openai_conversations_refused),
+        )
         .route("/v1/conversations/{id}/dispatch", post(api::dispatch))
         .route("/v1/dispatches/{operation_id}", get(api::get_dispatch))
         .route("/v1/tool-calls", get(api::tool_calls))

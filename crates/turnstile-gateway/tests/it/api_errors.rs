@@ -119,6 +119,9 @@ fn cases() -> Vec<Case> {
         case("GET", "/v1/tool-calls?bogus=1", None, 400, "invalid_request"),
         case("GET", "/v1/tool-calls?state=ready&state=done", None, 400, "invalid_request"),
         case("GET", "/v1/tool-calls?state=soon", None, 422, "invalid_request"),
+        // OpenAI's Conversations API on the native path: refused as that API (its own test below).
+        case("POST", "/v1/conversations", Some(br#"{"items": []}"#), 404, "unsupported_endpoint"),
+        case("GET", "/v1/conversations/c-known/items", None, 404, "unsupported_endpoint"),
         // A request target over URI_BYTES_MAX.
         case("GET", &format!("/v1/conversations/{long_id}"), None, 414, "uri_too_long"),
         case("POST", &format!("/v1/conversations/{long_id}/dispatch"), Some(b"{}"), 414, "uri_too_long"),
@@ -168,6 +171,69 @@ fn every_native_endpoint_answers_bad_bodies_methods_paths_and_queries_with_a_typ
     assert_eq!(
         status, 201,
         "c-new was not created by the refused request with an unknown field"
+    );
+}
+
+/// Issue 48, item 14: OpenAI's Conversations API (`POST /v1/conversations` with `items` or
+/// `metadata`, `/v1/conversations/{id}/items[/{item_id}]`), which the OpenAI Agents SDK's
+/// conversation session calls, shares the native path. It is refused with 404 in OpenAI's
+/// error shape, code `unsupported_endpoint`, creating nothing; the native API keeps working.
+#[test]
+fn openais_conversations_api_is_refused_in_openais_error_shape_and_the_native_api_still_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, "").unwrap();
+    let item = json!({"type": "message", "role": "user", "content": "Hello!"});
+    let requests = [
+        ("POST", "/v1/conversations", Some(json!({"items": []}))),
+        ("POST", "/v1/conversations", Some(json!({"items": [item]}))),
+        (
+            "POST",
+            "/v1/conversations",
+            Some(json!({"metadata": {"topic": "demo"}})),
+        ),
+        (
+            "POST",
+            "/v1/conversations",
+            Some(json!({"conversation_id": "c-openai", "items": [item]})),
+        ),
+        ("GET", "/v1/conversations/conv_123/items?limit=10&order=asc", None),
+        (
+            "POST",
+            "/v1/conversations/conv_123/items",
+            Some(json!({"items": [item]})),
+        ),
+        ("GET", "/v1/conversations/conv_123/items/msg_1", None),
+        ("DELETE", "/v1/conversations/conv_123/items/msg_1", None),
+    ];
+    for (method, path, body) in requests {
+        let method_value = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = client().request(method_value, format!("{}{path}", gateway.base));
+        if let Some(body) = &body {
+            request = request.json(body);
+        }
+        let response = request.send().unwrap();
+        let status = response.status().as_u16();
+        let body: Value = response.json().unwrap_or(Value::Null);
+        let error = &body["error"];
+        assert_eq!(status, 404, "{method} {path}: {body}");
+        assert_eq!(error["code"], "unsupported_endpoint", "{method} {path}: {body}");
+        assert_eq!(error["type"], "not_found_error", "{method} {path}: {body}");
+        assert!(error["message"].is_string(), "{method} {path}: {body}");
+        assert!(
+            error.as_object().is_some_and(|error| error.contains_key("param")),
+            "{method} {path}: {body}"
+        );
+    }
+    // Nothing was created, and the native API works as before.
+    assert_eq!(gateway.get("/v1/conversations")["conversations"], json!([]));
+    let (status, body) = gateway.post("/v1/conversations", json!({"conversation_id": "c-native"}));
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(gateway.get("/v1/conversations/c-native")["revision"], 0);
+    let (status, body) = gateway.post("/v1/conversations", json!({"conversation_id": "c-x", "bogus": 1}));
+    assert_eq!(
+        (status, body["error"]["code"].clone()),
+        (422, json!("invalid_request")),
+        "{body}"
     );
 }
 

@@ -4,7 +4,8 @@
 //! Completions, Responses and Messages, streaming and not, parallel tool calls and their results
 //! in a stateless follow-up, an illegal history refused with the SDK's own error type, a forced
 //! tool and pydantic structured output reaching the provider, and Anthropic's tool runner
-//! (whose `thread` is refused with the code it falls back on). The
+//! (whose `thread` is refused with the code it falls back on), and OpenAI's Conversations API
+//! refused as the SDK's own `NotFoundError`. The
 //! gateway runs on its embedded default (built-in simulator). Without the venv this test fails,
 //! never skips.
 

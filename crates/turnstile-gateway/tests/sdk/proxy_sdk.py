@@ -337,6 +337,26 @@ def gemini_default_api_version():
         raise AssertionError("embed_content was answered")
 
 
+def openai_conversations_refused():
+    """OpenAI's Conversations API (the Agents SDK's conversation session creates one with
+    `items`) is refused as the SDK's own NotFoundError, code `unsupported_endpoint`."""
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-proxy-test", max_retries=0)
+    calls = [
+        lambda: client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello!"}]),
+        lambda: client.conversations.create(items=[], metadata={"topic": "demo"}),
+        lambda: client.conversations.items.list("conv_123", limit=10),
+        lambda: client.conversations.items.create("conv_123", items=[{"role": "user", "content": "Hi"}]),
+    ]
+    for call in calls:
+        try:
+            call()
+        except openai.NotFoundError as error:
+            assert error.code == "unsupported_endpoint", error.body
+            assert error.type == "not_found_error", error.body
+        else:
+            raise AssertionError("OpenAI's Conversations API was answered")
+
+
 if __name__ == "__main__":
     for streaming in (False, True):
         openai_chat(streaming)
@@ -347,4 +367,5 @@ if __name__ == "__main__":
     anthropic_tool_runner()
     anthropic_streamed_usage()
     gemini_default_api_version()
+    openai_conversations_refused()
     print(f"ok: openai {openai.__version__}, anthropic {anthropic.__version__}, google-genai {genai.__version__}")
