@@ -2117,11 +2117,13 @@ impl Drive {
                     self.actions.push_back(Action::Count(Count::PartialToolDispatch));
                     return;
                 }
-                // `usage`: `input_tokens`, `output_tokens`, and the cache counters when reported.
+                // `usage`: `input_tokens`, `output_tokens`, and the cache counters when reported;
+                // `target`: the index of the target that answered (who answered, after failover).
                 let usage = offer.usage.unwrap_or_default();
                 self.offer_facts.insert(
                     offer.generation,
-                    json!({"stop_reason": offer.stop_reason, "usage": usage}),
+                    json!({"stop_reason": offer.stop_reason, "usage": usage,
+                           "target": self.target_of(offer.generation)}),
                 );
                 let handled = self.machine.handle_provider(
                     self.now,

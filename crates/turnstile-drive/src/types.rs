@@ -348,7 +348,8 @@ pub enum DriveEvent {
         revision: Revision,
         /// The committed turn, stamped with its revision.
         turn: Value,
-        /// Stop reason and usage of the commit offer (`{"stop_reason", "usage"}`), if known.
+        /// Stop reason, usage and the answering target's index of the commit offer
+        /// (`{"stop_reason", "usage", "target"}`), if known.
         facts: Option<Value>,
     },
     /// The provider's token counts as a stream reports them (Anthropic's `message_start`

@@ -374,6 +374,7 @@ impl World {
             model: imported.model.clone(),
             created: 0,
             include_usage: false,
+            served_by: Vec::new(),
         };
         let reading = if stream {
             Reading::Stream {

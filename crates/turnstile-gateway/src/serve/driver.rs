@@ -346,6 +346,9 @@ impl Pump {
                     target,
                     request,
                 } => {
+                    // Who answers: the proxy names the target of the generation whose preview
+                    // opens its stream (`hub::Receiver::target_of`).
+                    self.ctx.hub.opened(generation, target as usize);
                     let trace_headers = self.trace.open(connection, generation.0, &request);
                     self.open(drive, connection, target, request, trace_headers);
                 }

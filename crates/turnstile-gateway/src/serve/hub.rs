@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 pub use tokio::sync::broadcast::error::RecvError;
+use turnstile_core::Generation;
 use turnstile_drive::DriveEvent;
 
 /// Most events kept for late attachers.
@@ -24,6 +25,10 @@ struct Inner {
     /// Events not kept because the backlog was full.
     dropped: u64,
     finished: bool,
+    /// The target each generation's connections went to, as the pump opened them (at most one
+    /// entry per attempt: bounded by the attempt budget): a proxy stream names the target
+    /// whose preview opened it ([`Receiver::target_of`]).
+    targets: Vec<(Generation, usize)>,
 }
 
 /// The fan-out point. The backlog is the only copy of the events: a receiver is a cursor into
@@ -85,6 +90,16 @@ impl Receiver {
         }
     }
 
+    /// The target `generation`'s connections went to, if this process opened one.
+    pub fn target_of(&self, generation: Generation) -> Option<usize> {
+        let inner = self.hub.lock();
+        inner
+            .targets
+            .iter()
+            .find(|(opened, _)| *opened == generation)
+            .map(|(_, target)| *target)
+    }
+
     /// The next event if the hub already has it; `None` when the receiver would have to wait
     /// (or the stream ended: [`Receiver::recv`] tells which).
     pub fn try_recv(&mut self) -> Option<ClientEvent> {
@@ -105,6 +120,7 @@ impl Hub {
                 backlog: Vec::new(),
                 dropped: 0,
                 finished: false,
+                targets: Vec::new(),
             }),
             grew: Notify::new(),
             observer: None,
@@ -158,6 +174,15 @@ impl Hub {
             }
         }
         self.grew.notify_waiters();
+    }
+
+    /// The pump opened a connection of `generation` to `target`: recorded before any of its
+    /// events can be sent.
+    pub fn opened(&self, generation: Generation, target: usize) {
+        let mut inner = self.lock();
+        if !inner.targets.iter().any(|(known, _)| *known == generation) {
+            inner.targets.push((generation, target));
+        }
     }
 
     /// The dispatch driver is done: no more events.

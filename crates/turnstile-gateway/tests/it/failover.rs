@@ -425,11 +425,27 @@ fn a_stream_cut_before_its_stop_is_retracted_and_nothing_of_it_reaches_the_fallb
 }
 
 fn proxy_config(b: &SimProcess) -> String {
-    format!(
-        "[providers.b]\nbase_url = \"{}\"\n\n[[routes]]\napi = \"openai-chat\"\nmodel = \"m-proxy*\"\nprovider = \"sim\"\n\
-         adapter = \"openai-chat@2\"\nfallbacks = [{{provider = \"b\", adapter = \"anthropic-messages@2\", target_model = \"m-proxy-fb\"}}]\n",
-        b.base
-    )
+    let mut config = format!("[providers.b]\nbase_url = \"{}\"\n", b.base);
+    for api in ["openai-chat", "openai-responses", "anthropic-messages", "gemini"] {
+        config.push_str(&format!(
+            "\n[[routes]]\napi = \"{api}\"\nmodel = \"m-proxy*\"\nprovider = \"sim\"\n\
+             adapter = \"openai-chat@2\"\nfallbacks = [{{provider = \"b\", adapter = \"anthropic-messages@2\", target_model = \"m-proxy-fb\"}}]\n"
+        ));
+    }
+    config
+}
+
+/// `x-turnstile-provider` and `x-turnstile-model` of a response.
+fn answered_by(response: &reqwest::blocking::Response) -> (String, String) {
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    (header("x-turnstile-provider"), header("x-turnstile-model"))
 }
 
 #[test]
@@ -454,22 +470,31 @@ fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not()
             .send()
             .unwrap()
     };
+    let fallback = ("b".to_owned(), "m-proxy-fb".to_owned());
     let response = request(false, "Weather in Paris?");
     assert_eq!(response.status().as_u16(), 200);
+    // Who answered, after the failover: the fallback, in the headers and the model field.
+    assert_eq!(answered_by(&response), fallback);
     let answer: Value = response.json().unwrap();
     assert_eq!(
         answer["choices"][0]["message"]["content"], FALLBACK_TEXT,
         "{answer}"
     );
     assert_eq!(answer["object"], "chat.completion", "{answer}");
+    assert_eq!(answer["model"], "m-proxy-fb", "{answer}");
     let response = request(true, "Weather in Lyon?");
     assert_eq!(response.status().as_u16(), 200);
+    // The 429 came before any preview: the fallback's generation opened the stream.
+    assert_eq!(answered_by(&response), fallback);
     let text = response.text().unwrap();
-    let streamed: String = text
+    let chunks: Vec<Value> = text
         .lines()
         .filter_map(|line| line.strip_prefix("data: "))
         .filter(|data| *data != "[DONE]")
         .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .collect();
+    let streamed: String = chunks
+        .iter()
         .filter_map(|chunk| {
             chunk["choices"][0]["delta"]["content"]
                 .as_str()
@@ -477,6 +502,10 @@ fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not()
         })
         .collect();
     assert_eq!(streamed, FALLBACK_TEXT, "{text}");
+    assert!(
+        chunks.iter().all(|chunk| chunk["model"] == "m-proxy-fb"),
+        "{text}"
+    );
     // Both sent bodies to the fallback are Anthropic Messages, each its attempt's manifest.
     let fallback_bodies = bodies_for(&b, "m-proxy-fb");
     assert_eq!(fallback_bodies.len(), 2, "{fallback_bodies:?}");
@@ -496,6 +525,52 @@ fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not()
         gateway.metric("turnstile_failovers_total{from=\"sim\",to=\"b\",reason=\"provider_status_429\"}")
             >= 1.0
     );
+    // Without failover the primary answers, and is named, streamed and not.
+    sim.script("m-proxy", json!([{"text": "Primary."}, {"text": "Primary."}]));
+    let primary = ("sim".to_owned(), "m-proxy".to_owned());
+    let response = request(false, "Weather in Nice?");
+    assert_eq!(answered_by(&response), primary);
+    let answer: Value = response.json().unwrap();
+    assert_eq!(answer["model"], "m-proxy", "{answer}");
+    let response = request(true, "Weather in Metz?");
+    assert_eq!(answered_by(&response), primary);
+    assert!(response.text().unwrap().contains("Primary."));
+    // Each API's own field names the fallback after a 503 on the first target (whole answers).
+    let gemini = "/v1beta/models/m-proxy-x:generateContent";
+    for (path, body, field) in [
+        (
+            "/v1/responses",
+            json!({"model": "m-proxy-x", "input": "Weather in Rome?"}),
+            "/model",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "m-proxy-x", "max_tokens": 64,
+                   "messages": [{"role": "user", "content": "Weather in Oslo?"}]}),
+            "/model",
+        ),
+        (
+            gemini,
+            json!({"contents": [{"role": "user", "parts": [{"text": "Weather in Bern?"}]}]}),
+            "/modelVersion",
+        ),
+    ] {
+        sim.script("m-proxy-x", json!([{"text": "never", "faults": {"status": 503}}]));
+        b.script("m-proxy-fb", json!([{"text": FALLBACK_TEXT}]));
+        let response = client()
+            .post(format!("{}{path}", gateway.base))
+            .json(&body)
+            .send()
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200, "{path}");
+        assert_eq!(answered_by(&response), fallback, "{path}");
+        let answer: Value = response.json().unwrap();
+        assert_eq!(
+            answer.pointer(field),
+            Some(&json!("m-proxy-fb")),
+            "{path}: {answer}"
+        );
+    }
     assert_safety_metrics_zero(&gateway);
 }
 

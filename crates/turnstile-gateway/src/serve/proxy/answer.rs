@@ -16,8 +16,14 @@
 //! only while it agrees with it; if it diverges (or the committed turn does), the stream ends
 //! with the provider's error event. The dispatch itself goes on and commits at most once; a
 //! client retrying with the same `Idempotency-Key` gets that commit.
+//!
+//! Who answered: a whole answer names the target that committed (the commit's `target` fact)
+//! in its model field, and [`WholeAnswer::answered_by`] for the headers. A stream names the
+//! target whose generation opened it ([`StreamAnswer::opener`], resolved by the caller): its
+//! headers go out with the status line, so a later failover in the same stream cannot rename
+//! them, and every frame names that target's model.
 
-use super::respond::{Addressee, Facts, Part, StreamEncoder, parts_of};
+use super::respond::{Addressee, Answerer, Facts, Part, StreamEncoder, parts_of};
 use crate::serve::hub::ClientEvent;
 use axum::http::StatusCode;
 use serde_json::Value;
@@ -103,11 +109,24 @@ fn answer_of(committed: &DriveEvent, prompt_tokens: u64) -> (Vec<Part>, Facts) {
     (parts, facts)
 }
 
+/// The index of the target that committed, from its `Committed` event's facts.
+fn committing_target(committed: &DriveEvent) -> Option<usize> {
+    match committed {
+        DriveEvent::Committed {
+            facts: Some(facts), ..
+        } => facts["target"]
+            .as_u64()
+            .and_then(|target| usize::try_from(target).ok()),
+        _ => None,
+    }
+}
+
 /// The non-streaming answer.
 pub struct WholeAnswer {
     to: Addressee,
     prompt_tokens: u64,
     failure: Option<Failure>,
+    answered_by: Option<Answerer>,
 }
 
 impl WholeAnswer {
@@ -116,14 +135,22 @@ impl WholeAnswer {
             to,
             prompt_tokens,
             failure: None,
+            answered_by: None,
         }
     }
 
-    /// Read one event: `Some` with the response body once the commit is read.
+    /// Read one event: `Some` with the response body once the commit is read. The body's
+    /// model field names the target that committed, when it is known.
     pub fn push(&mut self, event: &ClientEvent) -> Option<Value> {
         match outcome_of(event)? {
             Outcome::Committed(event) => {
                 let (parts, facts) = answer_of(&event, self.prompt_tokens);
+                self.answered_by = committing_target(&event)
+                    .and_then(|target| self.to.served_by.get(target))
+                    .cloned();
+                if let Some(answerer) = &self.answered_by {
+                    self.to.model = answerer.model.clone();
+                }
                 Some(super::respond::whole(&self.to, &parts, &facts))
             }
             // The first failure names the cause (a later FAILED state only repeats it).
@@ -134,6 +161,12 @@ impl WholeAnswer {
                 None
             }
         }
+    }
+
+    /// The target that committed, once [`WholeAnswer::push`] returned the body (None when it
+    /// is not known: the commit came without facts).
+    pub fn answered_by(&self) -> Option<&Answerer> {
+        self.answered_by.as_ref()
     }
 
     /// The events ended without a commit.
@@ -151,6 +184,16 @@ pub enum Head {
     Fail(Failure),
     /// Open the stream (status 200), then [`StreamAnswer::open`].
     Open,
+}
+
+/// What opened a stream: the preview of a generation (whose target the pump knows), or a
+/// commit that came first (its target is in its facts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opener {
+    /// A generation's preview.
+    Generation(Generation),
+    /// The commit, by this target.
+    Target(usize),
 }
 
 /// Frames for the client, and whether the stream is over.
@@ -212,6 +255,22 @@ impl StreamAnswer {
         };
         self.read.push(event);
         decided
+    }
+
+    /// After [`StreamAnswer::before_head`] said [`Head::Open`]: what opened the stream (None
+    /// when the events ended before any sign of an answer, or a commit without facts).
+    pub fn opener(&self) -> Option<Opener> {
+        match &**self.read.last()? {
+            DriveEvent::Preview { generation, .. } => Some(Opener::Generation(*generation)),
+            committed @ DriveEvent::Committed { .. } => committing_target(committed).map(Opener::Target),
+            _ => None,
+        }
+    }
+
+    /// Before [`StreamAnswer::open`]: target `target` answers, so every frame names its model.
+    /// Its provider and model for the headers, None when the target is unknown.
+    pub fn answered_by(&mut self, target: usize) -> Option<Answerer> {
+        self.encoder.answered_by(target)
     }
 
     /// The stream opened: `ready` is what the hub already has besides what was read (a commit
@@ -369,6 +428,16 @@ mod tests {
             model: "m".into(),
             created: 0,
             include_usage: false,
+            served_by: vec![
+                Answerer {
+                    provider: "p0".into(),
+                    model: "m0".into(),
+                },
+                Answerer {
+                    provider: "p1".into(),
+                    model: "m1".into(),
+                },
+            ],
         }
     }
 
@@ -479,6 +548,49 @@ mod tests {
             "Anthropic opens before its error: {all}"
         );
         assert!(all.contains("no_commit"), "{all}");
+    }
+
+    fn committed_by(target: u64, text: &str) -> ClientEvent {
+        Arc::new(DriveEvent::Committed {
+            revision: Revision(3),
+            turn: json!({"id": "op.g2", "role": "assistant", "revision": 3,
+                         "blocks": [{"id": "b", "kind": "text", "text": text}]}),
+            facts: Some(json!({"stop_reason": "end_turn", "usage": {}, "target": target})),
+        })
+    }
+
+    #[test]
+    fn a_whole_answer_names_the_target_that_committed_in_its_model_field() {
+        let mut answer = WholeAnswer::new(to(Api::OpenaiChat), 5);
+        let body = answer
+            .push(&committed_by(1, "Hello"))
+            .expect("the commit answers");
+        assert_eq!(body["model"], "m1");
+        let answerer = answer.answered_by().expect("the commit names its target");
+        assert_eq!(
+            (answerer.provider.as_str(), answerer.model.as_str()),
+            ("p1", "m1")
+        );
+        // A commit without facts (another replica's dispatch): the model asked for, no name.
+        let mut answer = WholeAnswer::new(to(Api::OpenaiChat), 5);
+        let body = answer.push(&committed("Hello")).expect("the commit answers");
+        assert_eq!(body["model"], "m");
+        assert!(answer.answered_by().is_none());
+    }
+
+    #[test]
+    fn a_stream_is_opened_by_a_generations_preview_or_a_commits_target_and_names_it() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(preview(2, "Hel")), Head::Open);
+        assert_eq!(answer.opener(), Some(Opener::Generation(Generation(2))));
+        let answerer = answer.answered_by(1).expect("target 1 is known");
+        assert_eq!(answerer.model, "m1");
+        let opened = text_of(&answer.open(Vec::new()).bytes);
+        assert!(opened.contains("\"model\":\"m1\""), "{opened}");
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(committed_by(0, "Hi")), Head::Open);
+        assert_eq!(answer.opener(), Some(Opener::Target(0)));
+        assert!(answer.answered_by(7).is_none(), "no such target");
     }
 
     #[test]

@@ -44,7 +44,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use respond::{Addressee, Part, parts_of};
+use respond::{Addressee, Answerer, Part, parts_of};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
@@ -919,6 +919,13 @@ async fn serve_ours(
         model: client_model,
         created: now().0 / 1000,
         include_usage,
+        served_by: targets
+            .iter()
+            .map(|target| Answerer {
+                provider: target.provider.clone(),
+                model: target.model.clone(),
+            })
+            .collect(),
     };
     let mut headers = vec![("x-turnstile-operation-id", local_part(&operation_id).to_owned())];
     // What the graph does not carry, and the client-only identifiers left out towards another
@@ -1109,10 +1116,23 @@ async fn whole_answer(follower: &mut Follower, to: Addressee, prompt_tokens: u64
     let mut answer = answer::WholeAnswer::new(to, prompt_tokens);
     while let Some(event) = follower.next().await {
         if let Some(body) = answer.push(&event) {
-            return Json(body).into_response();
+            let mut response = Json(body).into_response();
+            if let Some(answerer) = answer.answered_by() {
+                name_answerer(&mut response, answerer);
+            }
+            return response;
         }
     }
     failure_response(api, &answer.end())
+}
+
+/// `x-turnstile-provider` and `x-turnstile-model`: who answered.
+fn name_answerer(response: &mut Response, answerer: &Answerer) {
+    for (name, value) in answerer.headers() {
+        if let Ok(value) = header::HeaderValue::from_str(value) {
+            response.headers_mut().insert(name, value);
+        }
+    }
 }
 
 /// Stream the answer ([`answer::StreamAnswer`] decides what is sent; this pumps it).
@@ -1135,13 +1155,22 @@ async fn stream_answer(
             answer::Head::Open => break,
         }
     }
+    // Who answers: the target of the generation whose preview opened the stream (or of the
+    // commit that came first). The headers go out with the status line: a failover later in
+    // this stream cannot rename them.
+    let target = match answer.opener() {
+        Some(answer::Opener::Generation(generation)) => follower.receiver.target_of(generation),
+        Some(answer::Opener::Target(target)) => Some(target),
+        None => None,
+    };
+    let answerer = target.and_then(|target| answer.answered_by(target));
     // What the hub already has joins what was read.
     let mut ready = Vec::new();
     while let Some(event) = follower.next_ready().await {
         ready.push(event);
     }
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
-    let response = Response::builder()
+    let mut response = Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
@@ -1149,6 +1178,9 @@ async fn stream_answer(
             out,
         )))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    if let Some(answerer) = &answerer {
+        name_answerer(&mut response, answerer);
+    }
     if reply.send(response).is_err() {
         // The client left before the status line.
         return;

@@ -316,12 +316,36 @@ pub struct Addressee {
     pub api: Api,
     /// Response id shown to the client.
     pub id: String,
-    /// Model name shown to the client (the one it asked for).
+    /// Model name shown to the client: the one it asked for, until the target that answered
+    /// is known ([`Addressee::served_by`]).
     pub model: String,
     /// Unix seconds.
     pub created: u64,
     /// OpenAI Chat `stream_options.include_usage`.
     pub include_usage: bool,
+    /// The dispatch's targets in order (the route's, then its fallbacks): the provider and
+    /// model each would answer with. Empty when unknown.
+    pub served_by: Vec<Answerer>,
+}
+
+/// Who answered: one target's provider and model, named in the answer's model field and in
+/// the `x-turnstile-provider` / `x-turnstile-model` headers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answerer {
+    /// The provider entry's name.
+    pub provider: String,
+    /// The model sent to it.
+    pub model: String,
+}
+
+impl Answerer {
+    /// The response headers that name it.
+    pub fn headers(&self) -> [(&'static str, &str); 2] {
+        [
+            ("x-turnstile-provider", self.provider.as_str()),
+            ("x-turnstile-model", self.model.as_str()),
+        ]
+    }
 }
 
 /// The non-streaming response body.
@@ -491,6 +515,14 @@ impl StreamEncoder {
     /// input count and cache counters in its opening frame).
     pub fn opens_with_usage(&self) -> bool {
         self.to.api == Api::AnthropicMessages && self.known.is_none()
+    }
+
+    /// Target `target` answers ([`Addressee::served_by`]): every frame from here on names its
+    /// model. Its provider and model, None when the target is unknown (nothing changes).
+    pub fn answered_by(&mut self, target: usize) -> Option<Answerer> {
+        let answerer = self.to.served_by.get(target)?.clone();
+        self.to.model = answerer.model.clone();
+        Some(answerer)
     }
 
     /// Text forwarded so far.
@@ -925,6 +957,7 @@ mod tests {
             model: "m".into(),
             created: 1,
             include_usage: false,
+            served_by: Vec::new(),
         }
     }
 
