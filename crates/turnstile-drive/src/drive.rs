@@ -1862,7 +1862,12 @@ impl Drive {
                 let Some(open) = self.connections.get_mut(&connection) else {
                     return;
                 };
-                open.active_at = self.now;
+                if open.probe.is_some() || open.status.is_some_and(|status| !(200..300).contains(&status)) {
+                    // A stream's activity is what it decodes to (`Work::DrainDecoder`): bytes
+                    // that decode to nothing (Anthropic's `ping`, SSE comments) do not keep a
+                    // stalled stream alive past the idle bound.
+                    open.active_at = self.now;
+                }
                 if open.status.is_some_and(|status| !(200..300).contains(&status)) {
                     // A refusal's body: its words are the client's only clue (a bad model
                     // name, a context overflow, a content filter).
@@ -1900,6 +1905,7 @@ impl Drive {
                 let Some(sequenced) = open.decoder.poll_event() else {
                     return;
                 };
+                open.active_at = self.now;
                 if self.unchecked == Some(generation) && self.unchecked_events.len() < FOREIGN_EVENTS_KEPT_MAX
                 {
                     self.unchecked_events.push(sequenced.clone());

@@ -54,6 +54,7 @@ pub mod gemini;
 pub(crate) mod json;
 pub mod openai_chat;
 pub mod openai_responses;
+pub mod whole;
 
 use crate::sse::{SseEvent, SseParser};
 use serde_json::Value;
@@ -111,8 +112,14 @@ impl StreamApi {
         self.decoder_with(DecoderOptions::VENDOR)
     }
 
-    /// A fresh decoder for one connection to an upstream described by `options`.
+    /// A fresh decoder for one connection to an upstream described by `options`: the API's
+    /// stream decoder, which also reads a whole JSON answer to the stream request
+    /// ([`whole::Sniffing`]).
     pub fn decoder_with(self, options: DecoderOptions) -> Box<dyn Decoder> {
+        Box::new(whole::Sniffing::new(self, self.stream_decoder(options)))
+    }
+
+    fn stream_decoder(self, options: DecoderOptions) -> Box<dyn Decoder> {
         match self {
             StreamApi::OpenAiChat => Box::new(openai_chat::OpenAiChatDecoder::with_options(options)),
             StreamApi::OpenAiResponses => Box::new(openai_responses::OpenAiResponsesDecoder::new()),

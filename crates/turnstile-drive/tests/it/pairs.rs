@@ -678,3 +678,78 @@ fn a_refusal_keeps_the_providers_own_words_in_each_apis_error_shape() {
     assert!(message.len() < 1_200, "{}", message.len());
     assert!(message.ends_with('…'));
 }
+
+/// Issue 48, item 13: a stream that sends only keep-alives (Anthropic's `ping`) after its last
+/// event is stalled: the idle bound closes it as `idle_timeout`, as a silent stream of the
+/// other three APIs, not whenever the upstream gives up (`cut_stream`).
+#[test]
+fn pings_do_not_keep_a_stalled_stream_alive_past_the_idle_bound() {
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let mut spec = spec(none, 0);
+    spec.targets[0].api = StreamApi::AnthropicMessages;
+    spec.timeouts.idle_ms = 1_000;
+    let mut drive = Drive::new(spec, Timestamp(1_000));
+    assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
+    drive.handle_store(
+        Timestamp(1_001),
+        StoreResult::Began {
+            generation: Generation(1),
+            idempotency_key: "key-1".into(),
+        },
+    );
+    let mut connection = None;
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { connection: id, .. } => connection = Some(id),
+            Action::Store(_) => drive.handle_store(Timestamp(1_002), StoreResult::Applied),
+            _ => {}
+        }
+    }
+    let connection = connection.expect("opened");
+    let start = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n\
+        event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Sunny\"}}\n\n";
+    let mut closed = false;
+    let mut reasons = Vec::new();
+    let at = 2_021;
+    let drain = |drive: &mut Drive, closed: &mut bool, reasons: &mut Vec<String>| {
+        while let Some(action) = drive.poll_action() {
+            match action {
+                Action::Close { connection: id } if id == connection => *closed = true,
+                Action::Store(op) => {
+                    if let StoreOp::Transition {
+                        reason: Some(reason), ..
+                    } = &op
+                    {
+                        reasons.push(reason.clone());
+                    }
+                    drive.handle_store(Timestamp(at), StoreResult::Applied);
+                }
+                _ => {}
+            }
+        }
+    };
+    // As a pump does: each input, then the actions it leads to.
+    drive.handle_head(Timestamp(1_010), connection, 200);
+    drain(&mut drive, &mut closed, &mut reasons);
+    drive.handle_chunk(Timestamp(1_020), connection, start.to_vec());
+    drain(&mut drive, &mut closed, &mut reasons);
+    // Pings every 400 ms after the last event.
+    let ping = b"event: ping\ndata: {\"type\": \"ping\"}\n\n".to_vec();
+    for ping_at in [1_420, 1_820] {
+        drive.handle_chunk(Timestamp(ping_at), connection, ping.clone());
+        drain(&mut drive, &mut closed, &mut reasons);
+    }
+    // The deadline is the last event's time plus the bound, whatever pings came since.
+    assert_eq!(drive.poll_timeout(), Some(Timestamp(2_020)));
+    drive.handle_timeout(Timestamp(2_021));
+    drain(&mut drive, &mut closed, &mut reasons);
+    assert!(closed, "the stalled connection is closed");
+    assert!(
+        reasons.iter().any(|reason| reason == "idle_timeout"),
+        "{reasons:?}"
+    );
+}

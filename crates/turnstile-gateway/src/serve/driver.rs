@@ -25,6 +25,9 @@ use turnstile_core::dispatch::{DispatchState, ProviderRecovery, UnknownAttempt};
 use turnstile_drive::{Action, ConnectionId, Count, Drive, DriveEvent, DriveSpec, Ending, Request};
 use turnstile_store::DispatchRecord;
 
+/// How much longer than `provider_idle_timeout_ms` the transport waits for a body's next bytes.
+const IDLE_BACKSTOP: Duration = Duration::from_secs(2);
+
 /// What a response connection's target did, for the circuit breaker.
 enum Outcome {
     Head(u16, Option<u64>),
@@ -407,7 +410,10 @@ impl Pump {
         let client = self.shared.client.clone();
         let endpoint = to.endpoint.clone();
         let api = to.api;
-        let idle = self.shared.idle;
+        // A backstop: the driver enforces the idle bound on decoded events and closes the
+        // connection itself (`idle_timeout`); this timer only ends a body the pump stopped
+        // reading, later, so the two never race to name the end.
+        let idle = self.shared.idle + IDLE_BACKSTOP;
         let task = tokio::spawn(async move {
             let relay = async move {
                 while let Some(event) = events.recv().await {

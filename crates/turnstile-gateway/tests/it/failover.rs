@@ -525,13 +525,26 @@ fn a_proxy_route_with_fallbacks_answers_in_the_clients_format_streamed_and_not()
         gateway.metric("turnstile_failovers_total{from=\"sim\",to=\"b\",reason=\"provider_status_429\"}")
             >= 1.0
     );
-    // Without failover the primary answers, and is named, streamed and not.
-    sim.script("m-proxy", json!([{"text": "Primary."}, {"text": "Primary."}]));
-    let primary = ("sim".to_owned(), "m-proxy".to_owned());
+    // Without failover the primary answers, and is named, streamed and not. Another model of
+    // the route: `sim/m-proxy` cools for the 429's `retry-after` (its breaker), so a request
+    // now would rightly begin on the fallback.
+    sim.script(
+        "m-proxy-primary",
+        json!([{"text": "Primary."}, {"text": "Primary."}]),
+    );
+    let primary = ("sim".to_owned(), "m-proxy-primary".to_owned());
+    let request = |stream: bool, question: &str| {
+        client()
+            .post(format!("{}/v1/chat/completions", gateway.base))
+            .json(&json!({"model": "m-proxy-primary", "stream": stream,
+                          "messages": [{"role": "user", "content": question}]}))
+            .send()
+            .unwrap()
+    };
     let response = request(false, "Weather in Nice?");
     assert_eq!(answered_by(&response), primary);
     let answer: Value = response.json().unwrap();
-    assert_eq!(answer["model"], "m-proxy", "{answer}");
+    assert_eq!(answer["model"], "m-proxy-primary", "{answer}");
     let response = request(true, "Weather in Metz?");
     assert_eq!(answered_by(&response), primary);
     assert!(response.text().unwrap().contains("Primary."));

@@ -215,3 +215,48 @@ fn a_server_that_reuses_its_response_ids_commits_every_dispatch_first_time() {
     assert_eq!(gateway.metric("turnstile_foreign_handle_refusals_total"), 0.0);
     assert_safety_metrics_zero(&gateway);
 }
+
+#[test]
+fn a_whole_json_answer_to_a_stream_request_commits_on_its_first_attempt() {
+    // Item 4: a server that ignores `"stream": true` answers `application/json`; read as a
+    // stream it was a cut stream, four times.
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = compat_gateway(&dir, &sim, "");
+    for adapter in [
+        "openai-chat@2",
+        "openai-responses@1",
+        "anthropic-messages@2",
+        "gemini@1",
+    ] {
+        let conversation = format!("c-json-{}", adapter.replace('@', "-"));
+        let model = format!("m-json-{}", adapter.replace('@', "-"));
+        conversation_with_question(&gateway, &conversation);
+        sim.script(&model, json!([{"text": TEXT, "faults": {"json_answer": true}}]));
+        let operation = format!("op-{conversation}");
+        let events = dispatch_to(&gateway, &conversation, &operation, "compat", adapter, &model);
+        committed_first_time(&gateway, &conversation, &operation, &events);
+    }
+    // With tool calls too: the calls commit whole, with their ids.
+    conversation_with_question(&gateway, "c-json-calls");
+    sim.script(
+        "m-json-calls",
+        json!([{"text": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+                "faults": {"json_answer": true}}]),
+    );
+    let events = dispatch_to(
+        &gateway,
+        "c-json-calls",
+        "op-json-calls",
+        "compat",
+        "openai-chat@2",
+        "m-json-calls",
+    );
+    let committed = named(&events, "committed");
+    assert_eq!(committed.len(), 1, "{events:?}");
+    let call = &committed[0]["turn"]["blocks"][0];
+    assert_eq!(call["kind"], "tool_call", "{call}");
+    let arguments: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(arguments, json!({"city": "Paris"}), "{call}");
+    assert_safety_metrics_zero(&gateway);
+}

@@ -10,3 +10,4 @@ mod integrity;
 mod never_panics;
 mod sse;
 pub mod support;
+mod whole;
