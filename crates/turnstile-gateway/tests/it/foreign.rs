@@ -867,3 +867,78 @@ fn foreign_fakellm_commits_text_and_tool_calls_for_openai_and_anthropic() {
     proxy_round_trips(&gateway, &["openai-chat", "anthropic-messages"]);
     assert_safety_metrics_zero(&gateway);
 }
+
+/// Issue 48, item 7: a provider's refusal says why, and the client hears it. aimock's 400 and
+/// 429 fixtures and stubllm's 400 carry a message in each API's error envelope; the native
+/// dispatch's `error` event and the proxy client's error body carry that message, not "the
+/// provider produced nothing".
+#[test]
+fn foreign_servers_refusal_messages_reach_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let ai = aimock(&dir);
+    let stub = stubllm(&dir);
+    let gateway = gateway_for(
+        &dir,
+        "aimock",
+        &ai,
+        &format!("[providers.stubllm]\nbase_url = \"{}\"\n", stub.base),
+    );
+    for adapter in ADAPTERS {
+        for (provider, model, case, status, message) in [
+            (
+                "aimock",
+                "bad-400",
+                "text",
+                400,
+                "aimock says: model bad-400 does not accept this request",
+            ),
+            ("aimock", "busy-429", "text", 429, "Rate limited by aimock"),
+            (
+                "stubllm",
+                "m-any",
+                "badrequest",
+                400,
+                "stubllm says: this request is invalid",
+            ),
+        ] {
+            let id = format!("c-why-{}-{provider}-{status}", short(adapter));
+            question(&gateway, &id, &format!("case:{case}"));
+            let operation = format!("op-{id}");
+            let events = dispatch(&gateway, &id, &operation, &[(provider, model, adapter)], false);
+            refused_once(&gateway, &id, &operation, &events, status);
+            let errors = named(&events, "error");
+            assert!(
+                errors[0]["message"]
+                    .as_str()
+                    .is_some_and(|text| text.contains(message)),
+                "{operation}: the provider's own message is lost: {events:?}"
+            );
+        }
+    }
+    // Through the proxy, in each client's error shape.
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "bad-400", "messages": [{"role": "user", "content": "case:text"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "bad-400", "max_tokens": 64, "stream": true,
+                   "messages": [{"role": "user", "content": "case:text"}]}),
+        ),
+        (
+            "/v1beta/models/bad-400:generateContent",
+            json!({"contents": [{"role": "user", "parts": [{"text": "case:text"}]}]}),
+        ),
+    ] {
+        let (status, _, text) = post_raw(&gateway, path, &body);
+        assert_eq!(status, 400, "{path}: {text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|text| text.contains("aimock says: model bad-400 does not accept this request")),
+            "{path}: the provider's own message is lost: {body}"
+        );
+    }
+}
