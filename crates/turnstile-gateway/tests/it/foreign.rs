@@ -590,7 +590,7 @@ fn foreign_aimock_behind_the_proxy_answers_every_api_streamed_and_not() {
 
 /// aimock's own fault modes, per adapter, streamed: a stream truncated after N chunks, a
 /// disconnect after T ms mid-stream, a connection reset before any response (its chaos
-/// `disconnectRate`), a malformed 200 body (`malformedRate`) and tool arguments that are not
+/// `disconnectRate`), a malformed 200 JSON body (`malformedRate`) and tool arguments that are not
 /// JSON each abandon every attempt and commit nothing; a status from a fixture (429, 503) or its
 /// chaos (`dropRate`: 500, `rateLimitRate`: 429) fails the dispatch on its one attempt; a
 /// stream truncated once (`sequenceIndex`) commits on the second attempt, once.
@@ -608,9 +608,16 @@ fn foreign_aimock_faults_end_typed_and_commit_nothing_partial() {
             let events = dispatch(&gateway, &id, &operation, &[("aimock", model, adapter)], true);
             (id, operation, events)
         };
-        for case in ["truncate", "disconnect", "reset", "malformed"] {
+        // A broken JSON body is read as a whole answer (it begins with `{`) that is not JSON:
+        // a protocol violation, never a turn.
+        for (case, reason) in [
+            ("truncate", "cut_stream"),
+            ("disconnect", "cut_stream"),
+            ("reset", "cut_stream"),
+            ("malformed", "protocol_violation"),
+        ] {
             let (id, operation, events) = run(case, "m-any");
-            abandoned_after_every_attempt(&gateway, &id, &operation, &events, &["cut_stream"]);
+            abandoned_after_every_attempt(&gateway, &id, &operation, &events, &[reason]);
         }
         // Gemini's arguments are an object: aimock sends the broken string as a JSON string,
         // which the tool's schema refuses.
@@ -738,16 +745,9 @@ fn foreign_servers_stalling_past_the_idle_timeout_commit_nothing() {
             question(&gateway, &id, "case:stall");
             let operation = format!("op-{id}");
             let events = dispatch(&gateway, &id, &operation, &[(provider, "m-any", adapter)], true);
-            // The transport's idle timer and the driver's deadline are equally long; when the
-            // transport's fires first the attempt is recorded `cut_stream`, the driver's
-            // `idle_timeout` (the log says "idle timeout" either way).
-            abandoned_after_every_attempt(
-                &gateway,
-                &id,
-                &operation,
-                &events,
-                &["idle_timeout", "cut_stream"],
-            );
+            // The driver names the stall: the transport's own timer is a later backstop
+            // (`IDLE_BACKSTOP`), so the two no longer race to record `cut_stream`.
+            abandoned_after_every_attempt(&gateway, &id, &operation, &events, &["idle_timeout"]);
             let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
             assert!(
                 dispatch["attempts"]
