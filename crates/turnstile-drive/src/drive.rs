@@ -806,6 +806,26 @@ impl Drive {
             && !self.replays.contains_key(&generation)
     }
 
+    /// Whether this driver held the only connection to `generation`'s response and it is
+    /// closed (the provider ended it, it broke under us, or we closed it): its one request was
+    /// this driver's own send (no replay, resume or recovery: a refused replay or resume is no
+    /// proof the first request ended), and the target offers no other way to read a response
+    /// (no resume by handle, no deduplication by our key). Then no one can deliver that
+    /// response any more, and the new generation need not wait for the lease. A crash, another
+    /// replica's attempt or a resumable target still waits for it.
+    fn closed_here(&self, generation: Generation) -> bool {
+        let recovery = self.target_spec(generation).recovery;
+        !recovery.resume_by_handle
+            && !recovery.honours_idempotency_key
+            && !self.recovered_generations.contains(&generation)
+            && self.replays.get(&generation).copied().unwrap_or(0) == 0
+            && self.resumes.get(&generation).copied().unwrap_or(0) == 0
+            && !self
+                .connections
+                .values()
+                .any(|connection| connection.generation == generation && connection.probe.is_none())
+    }
+
     /// Whether `generation`'s handle names its response anywhere but on its own connection:
     /// a resume or replay (recovery goes by it), a Responses target (status and cancel
     /// questions, `previous_response_id`), a provider that deduplicates by our key. Only
@@ -1750,11 +1770,24 @@ impl Drive {
         if provider_ended {
             self.provider_ended.insert(generation);
         }
+        let mut attempt = attempt;
+        if !provider_ended && self.closed_here(generation) {
+            // The only connection to this generation's response was this driver's, and it is
+            // closed: nothing can deliver that response to anyone any more, so its end is
+            // confirmed here, without waiting for the lease (`docs/decisions.md`).
+            attempt.provider_confirmed_ended = true;
+            self.provider_words
+                .insert(generation, "connection_closed".to_owned());
+        }
         if let Some(handle) = &attempt.handle {
             self.handles.insert(generation, handle.clone());
         }
         let recovery = self.recovery_for(generation, provider_ended);
         let decision = recovery_decision(&attempt, recovery, self.now);
+        if !matches!(decision, RecoveryDecision::AbandonThenNewGeneration { .. }) {
+            // Not abandoned now: the word must not outlive this decision.
+            self.provider_words.remove(&generation);
+        }
         // The interruption's own effects (UNKNOWN, retract unless resuming) run next.
         self.suppress_interrupt_retract = matches!(decision, RecoveryDecision::ResumeByHandle { .. });
         if interrupt {

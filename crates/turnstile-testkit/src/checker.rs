@@ -112,33 +112,43 @@ impl World {
         }
     }
 
-    /// At the send of a generation: every older generation of the operation is over — its
-    /// lease ran out by the store's clock, or the provider ended it (an error status, or its
-    /// body delivered to the end) — and the operation stays within its attempt budget.
-    pub(crate) fn check_new_generation(&mut self, op: &str, generation: Generation) {
+    /// At the send of a generation (by a driver on `replica`): no older generation of the
+    /// operation still has a provider connection that a live driver reads — the checker looks
+    /// at connections, not leases, so "its lease expired" (the code's own assumption) is no
+    /// excuse for a holder that keeps reading — and the operation stays within its attempt
+    /// budget. A stray stream no live driver reads (one a crash left running) is no
+    /// violation: nothing of it can reach a client or the ledger.
+    pub(crate) fn check_new_generation(&mut self, op: &str, generation: Generation, replica: usize) {
         self.report.checks += 1;
         let step = self.step;
-        let attempts = {
-            let witness = self.witness();
-            self.rt.block_on(witness.attempts(op)).unwrap_or_default()
-        };
         let store_now = self.now;
-        for attempt in attempts.iter().filter(|attempt| attempt.generation < generation) {
-            let over = self
-                .history
-                .provider_over
-                .contains(&(op.to_owned(), attempt.generation.0))
-                || attempt.lease_expires_at.0 <= store_now;
-            if !over {
-                self.report.violate(
-                    step,
-                    Invariant::EarlyNewGeneration,
-                    format!(
-                        "{op}: g{} sent while g{} may still run (lease until {} > store now {store_now}, provider has not ended it)",
-                        generation.0, attempt.generation.0, attempt.lease_expires_at.0
-                    ),
-                );
-            }
+        let mut still_read: Vec<(u64, usize)> = self
+            .conns
+            .values()
+            .filter(|conn| {
+                conn.op == op && conn.generation < generation && conn.connection.is_some() && !conn.probe
+            })
+            .filter(|conn| {
+                !self.dead(conn.replica)
+                    && (conn.replica == replica
+                        || self
+                            .drivers
+                            .iter()
+                            .any(|driver| driver.op == op && driver.replica == conn.replica))
+            })
+            .map(|conn| (conn.generation.0, conn.replica))
+            .collect();
+        still_read.sort_unstable();
+        still_read.dedup();
+        for (old, holder) in still_read {
+            self.report.violate(
+                step,
+                Invariant::EarlyNewGeneration,
+                format!(
+                    "{op}: g{} sent while g{old} is still read by a live driver on replica {holder} (store now {store_now})",
+                    generation.0
+                ),
+            );
         }
         if generation.0 > crate::world::ATTEMPTS_PER_DISPATCH_MAX {
             self.report.violate(

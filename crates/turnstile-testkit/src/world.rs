@@ -91,13 +91,15 @@ pub(crate) struct Conn {
     pub(crate) op: String,
     pub(crate) generation: Generation,
     /// The replica whose transport holds it.
-    replica: usize,
+    pub(crate) replica: usize,
     /// The head never arrives.
     hang: bool,
     /// Pings for ever after the chunks.
     endless: bool,
     /// The driver's number for it (None: a stray stream no live driver opened).
-    connection: Option<ConnectionId>,
+    pub(crate) connection: Option<ConnectionId>,
+    /// A status or cancel question about the response, not the response itself.
+    pub(crate) probe: bool,
     status: u16,
     head_delivered: bool,
     chunks: std::collections::VecDeque<Vec<u8>>,
@@ -112,7 +114,7 @@ pub(crate) struct SimDriver {
     pub(crate) op: String,
     pub(crate) drive: Drive,
     /// The replica running it.
-    replica: usize,
+    pub(crate) replica: usize,
 }
 
 /// One gateway process sharing the store.
@@ -208,7 +210,7 @@ pub struct World {
     /// renders through the shard its conversation hashes to, as `prepare_dispatch` does.
     pub(crate) render_caches: turnstile_gateway::serve::RenderCaches,
     pub(crate) toolset: Arc<Toolset>,
-    conns: BTreeMap<u64, Conn>,
+    pub(crate) conns: BTreeMap<u64, Conn>,
     conn_next: u64,
     replicas: Vec<Replica>,
     /// The replica a pending crash kills.
@@ -749,7 +751,7 @@ impl World {
     }
 
     /// A crash of `replica` is pending: it does nothing more until it restarts.
-    fn dead(&self, replica: usize) -> bool {
+    pub(crate) fn dead(&self, replica: usize) -> bool {
         self.crashed && self.crash_replica == replica
     }
 
@@ -964,6 +966,7 @@ impl World {
         request: Request,
     ) {
         let send = matches!(request, Request::Send { .. });
+        let probe = matches!(request, Request::Status { .. } | Request::Cancel { .. });
         if matches!(request, Request::Send { .. } | Request::Resume { .. }) {
             // Billed requests (status questions and cancels are not).
             *self
@@ -993,7 +996,7 @@ impl World {
                     }
                 }
                 self.check_send(&driver.op, Some(generation), target, &body);
-                self.check_new_generation(&driver.op, generation);
+                self.check_new_generation(&driver.op, generation, driver.replica);
                 self.history.sent_ops.insert(driver.op.clone());
                 self.report.sends += 1;
                 self.trace(format!(
@@ -1059,7 +1062,7 @@ impl World {
                 .insert((driver.op.clone(), generation.0));
         }
         let op = driver.op.clone();
-        self.open_connection(&op, generation, driver.replica, Some(connection), answer);
+        self.open_connection(&op, generation, driver.replica, Some(connection), probe, answer);
         // An older stream of this dispatch, kept alive across a crash, delivers again now.
         let mut index = 0;
         while index < self.limbo.len() {
@@ -1084,6 +1087,7 @@ impl World {
         generation: Generation,
         replica: usize,
         connection: Option<ConnectionId>,
+        probe: bool,
         answer: Answer,
     ) {
         let id = self.conn_next;
@@ -1097,6 +1101,7 @@ impl World {
                 hang: answer.hang,
                 endless: answer.endless,
                 connection,
+                probe,
                 status: answer.status,
                 head_delivered: false,
                 chunks: answer.chunks,
@@ -1360,6 +1365,9 @@ impl World {
         for (op, replica) in finished {
             // The hub finished: its followers read the end.
             self.proxy_events_end(Some(&op), replica, false);
+            // As the gateway's pump: a finished driver reads none of its connections any more.
+            self.conns
+                .retain(|_, conn| !(conn.op == op && conn.replica == replica && conn.connection.is_some()));
         }
         self.drivers.retain(|driver| !driver.drive.is_finished());
         // Timers that are due fire first (each replica's timer, on the virtual clock).

@@ -753,3 +753,102 @@ fn pings_do_not_keep_a_stalled_stream_alive_past_the_idle_bound() {
         "{reasons:?}"
     );
 }
+
+/// Issue 48, item 5: a stream cut under the only driver that read it is confirmed over by that
+/// driver (`connection_closed`), and the next generation begins at once; where the response
+/// could still be read elsewhere (a provider that deduplicates by our key) the driver's word
+/// is not enough and the lease decides.
+#[test]
+fn a_connection_closed_under_its_only_reader_is_over_without_waiting_for_the_lease() {
+    for honours_idempotency_key in [false, true] {
+        let recovery = ProviderRecovery {
+            resume_by_handle: false,
+            honours_idempotency_key,
+        };
+        let mut spec = spec(recovery, 0);
+        spec.targets[0].api = StreamApi::AnthropicMessages;
+        let mut drive = Drive::new(spec, Timestamp(1_000));
+        assert!(matches!(next_store_op(&mut drive), Some(StoreOp::Begin { .. })));
+        drive.handle_store(
+            Timestamp(1_001),
+            StoreResult::Began {
+                generation: Generation(1),
+                idempotency_key: "key-1".into(),
+            },
+        );
+        let mut connection = None;
+        let mut ops = Vec::new();
+        let mut step =
+            |drive: &mut Drive, at: u64, ops: &mut Vec<StoreOp>, connection: &mut Option<ConnectionId>| {
+                while let Some(action) = drive.poll_action() {
+                    match action {
+                        Action::Open { connection: id, .. } => *connection = Some(id),
+                        Action::Store(op) => {
+                            let result = match &op {
+                                StoreOp::ReadAttempts => StoreResult::Attempts(vec![AttemptView {
+                                    generation: Generation(1),
+                                    handle: None,
+                                    idempotency_key: "key-1".into(),
+                                    lease_expires_at: Timestamp(6_001),
+                                    spent: RecoverySpent::default(),
+                                    target: 0,
+                                }]),
+                                StoreOp::Begin { .. } => StoreResult::Began {
+                                    generation: Generation(2),
+                                    idempotency_key: "key-2".into(),
+                                },
+                                _ => StoreResult::Applied,
+                            };
+                            ops.push(op);
+                            drive.handle_store(Timestamp(at), result);
+                        }
+                        _ => {}
+                    }
+                }
+            };
+        step(&mut drive, 1_002, &mut ops, &mut connection);
+        let first = connection.take().expect("opened");
+        let body = anthropic_reply("msg_1");
+        drive.handle_head(Timestamp(1_010), first, 200);
+        drive.handle_chunk(Timestamp(1_020), first, body[..body.len() / 2].to_vec());
+        step(&mut drive, 1_020, &mut ops, &mut connection);
+        drive.handle_end(Timestamp(1_030), first, Ending::Broken);
+        step(&mut drive, 1_030, &mut ops, &mut connection);
+        let abandoned = ops.iter().find_map(|op| match op {
+            StoreOp::AbandonAndRearm {
+                provider_ended,
+                provider_word,
+                ..
+            } => Some((*provider_ended, provider_word.clone())),
+            _ => None,
+        });
+        if honours_idempotency_key {
+            // A replay under the same key could still bring that response back to someone:
+            // the lease decides.
+            assert_eq!(abandoned, None, "{ops:?}");
+            assert!(
+                !ops.iter().any(|op| matches!(op, StoreOp::Begin { .. })),
+                "{ops:?}"
+            );
+            assert!(
+                drive.poll_timeout().is_some_and(|at| at.0 >= 6_001),
+                "waits for the lease"
+            );
+        } else {
+            assert_eq!(
+                abandoned,
+                Some((true, Some("connection_closed".to_owned()))),
+                "{ops:?}"
+            );
+            // At once, long before the lease (6,001) ran out: the next generation began.
+            assert!(
+                ops.iter()
+                    .filter(|op| matches!(op, StoreOp::Begin { .. }))
+                    .count()
+                    == 1
+                    && connection.is_some(),
+                "{ops:?}"
+            );
+        }
+    }
+}

@@ -444,7 +444,8 @@ fn a_cut_stream_is_retracted_and_a_new_attempt_re_sends_the_same_bytes_and_commi
     // (The assembler's own code for a body that stopped before its stop signal.)
     assert_eq!(attempts[0]["end_reason"], "cut_stream", "{dispatch}");
     assert!(
-        ["lease_expired", "provider_ended"].contains(&attempts[0]["confirmed_over"].as_str().unwrap_or("")),
+        ["connection_closed", "provider_ended"]
+            .contains(&attempts[0]["confirmed_over"].as_str().unwrap_or("")),
         "{dispatch}"
     );
     assert_eq!(attempts[1]["end_reason"], "committed", "{dispatch}");
