@@ -102,11 +102,14 @@ struct Connection {
     /// When it was opened, and when something last arrived on it.
     opened_at: Timestamp,
     active_at: Timestamp,
+    /// Its target's bounds (the target's own, else the spec's), fixed when it opens.
+    timeouts: Timeouts,
 }
 
 impl Connection {
-    /// When this connection has waited too long, by the driver's bounds.
-    fn deadline(&self, timeouts: Timeouts) -> Timestamp {
+    /// When this connection has waited too long, by its target's bounds.
+    fn deadline(&self) -> Timestamp {
+        let timeouts = self.timeouts;
         if self.probe.is_some() {
             // A question, not a stream: its whole answer within the head bound.
             return self.opened_at.plus_ms(timeouts.head_ms);
@@ -579,12 +582,7 @@ impl Drive {
         if self.stopped {
             return None;
         }
-        let timeouts = self.spec.timeouts;
-        let connections = self
-            .connections
-            .values()
-            .map(|connection| connection.deadline(timeouts))
-            .min();
+        let connections = self.connections.values().map(Connection::deadline).min();
         match (self.machine.poll_timeout(), connections) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -1580,6 +1578,10 @@ impl Drive {
                 body: Vec::new(),
                 opened_at: self.now,
                 active_at: self.now,
+                timeouts: self
+                    .target_spec(generation)
+                    .timeouts
+                    .unwrap_or(self.spec.timeouts),
             },
         );
         let target = self.target_of(generation) as u32;
@@ -1842,12 +1844,11 @@ impl Drive {
                 // Every wait has a bound: a connection past its deadline (no head, idle, or
                 // the whole attempt) is closed and ends as broken (its outcome at the provider
                 // is unknown, so recovery decides, never a blind resend).
-                let timeouts = self.spec.timeouts;
                 let now = self.now;
                 let expired: Vec<ConnectionId> = self
                     .connections
                     .iter()
-                    .filter(|(_, connection)| connection.deadline(timeouts) <= now)
+                    .filter(|(_, connection)| connection.deadline() <= now)
                     .map(|(id, _)| *id)
                     .collect();
                 let connection_deadline = !expired.is_empty();
@@ -1855,7 +1856,7 @@ impl Drive {
                     if let Some(open) = self.connections.get(&connection)
                         && open.probe.is_none()
                     {
-                        let reason = if open.opened_at.plus_ms(timeouts.attempt_ms) <= now {
+                        let reason = if open.opened_at.plus_ms(open.timeouts.attempt_ms) <= now {
                             "attempt_timeout"
                         } else if open.status.is_none() {
                             "head_timeout"

@@ -60,6 +60,9 @@ pub struct DriveTarget {
     pub label: String,
     /// What its decoder may assume of the upstream beyond the wire format.
     pub decoder: turnstile_adapters::decode::DecoderOptions,
+    /// Its provider's own bounds on an attempt's waits; `None`: the spec's
+    /// ([`crate::DriveSpec::timeouts`]). Fixed for a connection when it opens.
+    pub timeouts: Option<Timeouts>,
 }
 
 /// Resumes and replays already made of one generation, by every driver on every replica (the

@@ -680,6 +680,7 @@ impl World {
             recovery: self.provider_recovery(),
             label: "sim".to_owned(),
             decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
+            timeouts: None,
         }];
         // As the gateway's `context_with`: every failover target with its own bytes.
         let fallbacks = store!(self, dispatch_fallbacks(&record.operation_id)).unwrap_or_default();
@@ -691,6 +692,7 @@ impl World {
                 recovery: self.provider_recovery(),
                 label: fallback.provider,
                 decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
+                timeouts: None,
             });
         }
         let cooling = vec![false; targets.len()];

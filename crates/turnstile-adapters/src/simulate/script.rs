@@ -73,6 +73,9 @@ pub struct Faults {
     pub disconnect_after_events: Option<usize>,
     /// Sleep this long before each event.
     pub delay_ms: Option<u64>,
+    /// Sleep this long before the response head, as an upstream that retries internally
+    /// (a LiteLLM proxy with its default retries) answers late.
+    pub head_delay_ms: Option<u64>,
     /// Answer with this HTTP status (and the provider's error body) instead of a stream.
     pub status: Option<u16>,
     /// The message of that error body (default `simulated error <status>`).

@@ -19,6 +19,7 @@ fn target(body: &[u8], api: StreamApi, recovery: ProviderRecovery, label: &str) 
         recovery,
         label: label.to_owned(),
         decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
+        timeouts: None,
     }
 }
 
@@ -752,6 +753,110 @@ fn pings_do_not_keep_a_stalled_stream_alive_past_the_idle_bound() {
         reasons.iter().any(|reason| reason == "idle_timeout"),
         "{reasons:?}"
     );
+}
+
+/// Issue 48, item 11: each target's connection is bounded by its own provider's timeouts
+/// (`DriveTarget::timeouts`), the spec's where it sets none. Two targets, idle bounds 1 s (the
+/// spec's) and 3 s (its own): a stream stalled after its first text closes at its own
+/// target's bound, not before, and as `idle_timeout`.
+#[test]
+fn each_target_closes_a_stalled_stream_at_its_own_idle_bound() {
+    let none = ProviderRecovery {
+        resume_by_handle: false,
+        honours_idempotency_key: false,
+    };
+    let two_targets = |cooling: Vec<bool>| {
+        let mut spec = spec(none, 0);
+        spec.timeouts.idle_ms = 1_000;
+        spec.targets[0].api = StreamApi::AnthropicMessages;
+        let mut own = target(
+            br#"{"model":"fallback"}"#,
+            StreamApi::AnthropicMessages,
+            none,
+            "b/m",
+        );
+        own.timeouts = Some(Timeouts {
+            idle_ms: 3_000,
+            ..spec.timeouts
+        });
+        spec.targets.push(own);
+        spec.cooling = cooling;
+        spec
+    };
+    // Target 0 first; then target 1, the first cooling down.
+    assert_eq!(idle_close(two_targets(vec![false, false])), (0, 2_020));
+    assert_eq!(idle_close(two_targets(vec![true, false])), (1, 4_020));
+}
+
+/// Drives `spec`'s first attempt to a head at 1 010 ms and one text event at 1 020 ms, then
+/// only time passes: which target was opened, and when its connection closed.
+fn idle_close(spec: DriveSpec) -> (u32, u64) {
+    let mut drive = Drive::new(spec, Timestamp(1_000));
+    let mut opened = None;
+    let mut at = 1_000;
+    while let Some(action) = drive.poll_action() {
+        at += 1;
+        match action {
+            Action::Store(StoreOp::Begin { .. }) => drive.handle_store(
+                Timestamp(at),
+                StoreResult::Began {
+                    generation: Generation(1),
+                    idempotency_key: "key-1".into(),
+                },
+            ),
+            Action::Store(_) => drive.handle_store(Timestamp(at), StoreResult::Applied),
+            Action::Open {
+                connection, target, ..
+            } => opened = Some((connection, target)),
+            _ => {}
+        }
+    }
+    let (connection, target) = opened.expect("opened");
+    let text = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n\
+        event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Sunny\"}}\n\n";
+    let mut closed = false;
+    let mut reasons = Vec::new();
+    let mut drain = |drive: &mut Drive, now: u64, closed: &mut bool| {
+        while let Some(action) = drive.poll_action() {
+            match action {
+                Action::Close { connection: id } if id == connection => *closed = true,
+                Action::Store(op) => {
+                    if let StoreOp::Transition {
+                        reason: Some(reason), ..
+                    } = &op
+                    {
+                        reasons.push(reason.clone());
+                    }
+                    drive.handle_store(Timestamp(now), StoreResult::Applied);
+                }
+                _ => {}
+            }
+        }
+    };
+    drive.handle_head(Timestamp(1_010), connection, 200);
+    drain(&mut drive, 1_010, &mut closed);
+    drive.handle_chunk(Timestamp(1_020), connection, text.to_vec());
+    drain(&mut drive, 1_020, &mut closed);
+    // Only time passes: each wake-up the driver asks for, until the connection closes (a
+    // bounded number of them: lease renewals may come first).
+    for _ in 0..32 {
+        let wake = drive.poll_timeout().expect("a deadline while the stream is open");
+        // Nothing closes it a millisecond before its deadline.
+        drive.handle_timeout(Timestamp(wake.0 - 1));
+        drain(&mut drive, wake.0 - 1, &mut closed);
+        assert!(!closed, "closed before its bound, at {}", wake.0 - 1);
+        drive.handle_timeout(wake);
+        drain(&mut drive, wake.0, &mut closed);
+        if closed {
+            assert!(
+                reasons.iter().any(|reason| reason == "idle_timeout"),
+                "{reasons:?}"
+            );
+            return (target, wake.0);
+        }
+    }
+    panic!("the stalled connection never closed");
 }
 
 /// Issue 48, item 5: a stream cut under the only driver that read it is confirmed over by that

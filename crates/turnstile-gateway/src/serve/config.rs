@@ -272,6 +272,17 @@ pub struct Provider {
     /// servers that take only that form. Other APIs ignore it.
     #[serde(default)]
     pub text_content: turnstile_adapters::TextContent,
+    /// This provider's connect + response-head bound; default `provider_connect_timeout_ms`.
+    /// An upstream that retries internally (a LiteLLM proxy) needs one above its own retry
+    /// budget, or its late answer is an unknown outcome (decisions: per-provider timeouts).
+    #[serde(default)]
+    pub connect_timeout_ms: Option<u64>,
+    /// This provider's longest gap between stream chunks; default `provider_idle_timeout_ms`.
+    #[serde(default)]
+    pub idle_timeout_ms: Option<u64>,
+    /// This provider's bound on one whole attempt; default `provider_attempt_timeout_ms`.
+    #[serde(default)]
+    pub attempt_timeout_ms: Option<u64>,
 }
 
 /// [`Provider::usage_check`].
@@ -285,6 +296,22 @@ pub enum UsageCheck {
 }
 
 impl Provider {
+    /// This provider's own bounds on an attempt's waits, each defaulting to the global one;
+    /// `None` if it sets none (its targets use the global bounds).
+    pub fn timeouts(&self, global: turnstile_drive::Timeouts) -> Option<turnstile_drive::Timeouts> {
+        if self.connect_timeout_ms.is_none()
+            && self.idle_timeout_ms.is_none()
+            && self.attempt_timeout_ms.is_none()
+        {
+            return None;
+        }
+        Some(turnstile_drive::Timeouts {
+            head_ms: self.connect_timeout_ms.unwrap_or(global.head_ms),
+            idle_ms: self.idle_timeout_ms.unwrap_or(global.idle_ms),
+            attempt_ms: self.attempt_timeout_ms.unwrap_or(global.attempt_ms),
+        })
+    }
+
     /// Whether the upstream counts usage as the vendor does (see [`Provider::usage_check`]).
     pub fn vendor_usage(&self) -> bool {
         match self.usage_check {

@@ -119,6 +119,7 @@ async fn spec_of(shared: &Shared, ctx: &DriveContext, fresh: bool) -> DriveSpec 
             decoder: turnstile_adapters::decode::DecoderOptions {
                 vendor_usage: target.endpoint.vendor_usage,
             },
+            timeouts: target.endpoint.timeouts,
         })
         .collect();
     let cooling = ctx
@@ -412,8 +413,12 @@ impl Pump {
         let api = to.api;
         // A backstop: the driver enforces the idle bound on decoded events and closes the
         // connection itself (`idle_timeout`); this timer only ends a body the pump stopped
-        // reading, later, so the two never race to name the end.
-        let idle = self.shared.idle + IDLE_BACKSTOP;
+        // reading, later, so the two never race to name the end. The target's own idle bound
+        // where its provider sets one.
+        let idle = match to.endpoint.timeouts {
+            Some(own) => Duration::from_millis(own.idle_ms),
+            None => self.shared.idle,
+        } + IDLE_BACKSTOP;
         let task = tokio::spawn(async move {
             let relay = async move {
                 while let Some(event) = events.recv().await {

@@ -289,6 +289,11 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         }
         config::Simulator::Off => None,
     };
+    let timeouts = turnstile_drive::Timeouts {
+        head_ms: config.provider_connect_timeout_ms,
+        idle_ms: config.provider_idle_timeout_ms,
+        attempt_ms: config.provider_attempt_timeout_ms,
+    };
     let mut endpoints = HashMap::new();
     if let Some(sim_url) = &sim_url {
         endpoints.insert(
@@ -301,6 +306,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 // The simulator counts usage as the vendors do (`simulate::wire`).
                 vendor_usage: true,
                 text_content: turnstile_adapters::TextContent::Parts,
+                timeouts: None,
             },
         );
     }
@@ -322,6 +328,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
                 honours_idempotency_key: provider.honours_idempotency_key,
                 vendor_usage: provider.vendor_usage(),
                 text_content: provider.text_content,
+                timeouts: provider.timeouts(timeouts),
             },
         );
     }
@@ -342,8 +349,14 @@ pub async fn run(flags: Flags) -> Result<(), String> {
             .apply_overrides(value)
             .map_err(|error| format!("models: {error}"))?;
     }
+    // Process-wide, so the longest head bound of any provider: an upper bound only; each
+    // target's own head bound is the driver's deadline (decisions: per-provider timeouts).
+    let connect_timeout_ms = endpoints
+        .values()
+        .filter_map(|endpoint| endpoint.timeouts.map(|own| own.head_ms))
+        .fold(config.provider_connect_timeout_ms, u64::max);
     let client = reqwest::Client::builder()
-        .connect_timeout(Duration::from_millis(config.provider_connect_timeout_ms))
+        .connect_timeout(Duration::from_millis(connect_timeout_ms))
         .build()
         .map_err(|error| format!("HTTP client: {error}"))?;
     // Unique per process unless configured: two processes never share a lease holder by
@@ -359,11 +372,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         endpoints,
         lease_ms: config.lease_ms.clamp(1, turnstile_core::dispatch::LEASE_MS_MAX),
         idle: Duration::from_millis(config.provider_idle_timeout_ms),
-        timeouts: turnstile_drive::Timeouts {
-            head_ms: config.provider_connect_timeout_ms,
-            idle_ms: config.provider_idle_timeout_ms,
-            attempt_ms: config.provider_attempt_timeout_ms,
-        },
+        timeouts,
         holder,
         tenants,
         body_bytes_max: config.body_bytes_max,

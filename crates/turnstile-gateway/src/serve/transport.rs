@@ -47,6 +47,9 @@ pub struct Endpoint {
     pub vendor_usage: bool,
     /// OpenAI Chat: how all-text messages carry their text (`text_content`).
     pub text_content: turnstile_adapters::TextContent,
+    /// The provider's own bounds on an attempt's waits (`connect_timeout_ms`,
+    /// `idle_timeout_ms`, `attempt_timeout_ms`); `None`: the global ones.
+    pub timeouts: Option<turnstile_drive::Timeouts>,
 }
 
 /// The adapters' API for a stream API: where the path and non-secret headers of a stored

@@ -377,6 +377,9 @@ async fn provider_request(
         }
     };
     let _ = handle;
+    if let Some(head_delay_ms) = faults.head_delay_ms {
+        tokio::time::sleep(Duration::from_millis(head_delay_ms)).await;
+    }
     if stream && !faults.json_answer {
         stream_response(produced.frames, &faults, Some(produced.progress.clone()))
     } else {

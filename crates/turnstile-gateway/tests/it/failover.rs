@@ -363,6 +363,54 @@ fn no_response_head_within_the_timeout_fails_over_once_the_old_attempt_is_over()
     );
 }
 
+/// Issue 48, item 11: an upstream that retries internally (a LiteLLM proxy) answers after the
+/// global head bound. Its provider entry's own `connect_timeout_ms` lets its late head in: one
+/// attempt, committed by it, the fallback never called. With only the global bound (300 ms)
+/// the attempt ends as `head_timeout` and the fallback answers instead.
+#[test]
+fn a_providers_own_head_timeout_waits_for_an_upstream_that_answers_late() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Provider `slow` is the second simulator too, under its own head bound.
+    let gateway = gateway_with_fallback(
+        &dir,
+        &sim,
+        &b,
+        &format!(
+            "provider_connect_timeout_ms = 300\n[providers.slow]\nbase_url = \"{}\"\nconnect_timeout_ms = 20000\n",
+            b.base
+        ),
+    );
+    conversation_with_question(&gateway, "c-late");
+    let late_text = "The late upstream answers: rain in Oslo.";
+    b.script(
+        "m-late",
+        json!([{"text": late_text, "faults": {"head_delay_ms": 1500}}]),
+    );
+    b.script("m-late-fb", json!([{"text": FALLBACK_TEXT}]));
+    let body = json!({"operation_id": "op-late", "stream": true, "targets": [
+        {"provider": "slow", "model": "m-late", "adapter": "openai-chat@2"},
+        {"provider": "b", "model": "m-late-fb", "adapter": "openai-chat@2"}]});
+    let events = stream_dispatch(&gateway, "c-late", &body);
+    assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+    let dispatch = gateway.get("/v1/dispatches/op-late");
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    let attempts = dispatch["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "one attempt, no head_timeout: {dispatch}");
+    assert_eq!(attempts[0]["provider"], "slow", "{dispatch}");
+    assert_eq!(attempts[0]["state"], "COMMITTED", "{dispatch}");
+    assert!(
+        bodies_for(&b, "m-late-fb").is_empty(),
+        "the fallback was not called"
+    );
+    let document = history_is_legal(&gateway, "c-late");
+    assert_eq!(assistant_turns(&document), 1, "{document}");
+    let turn = document["turns"].as_array().unwrap().last().unwrap();
+    assert_eq!(committed_text(turn), late_text, "{turn}");
+    assert_safety_metrics_zero(&gateway);
+}
+
 #[test]
 fn a_stream_cut_before_its_stop_is_retracted_and_nothing_of_it_reaches_the_fallback() {
     let sim = SimProcess::start();
