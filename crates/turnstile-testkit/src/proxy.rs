@@ -311,6 +311,7 @@ impl World {
             target_model: None,
             original_provider: "sim".to_owned(),
             fallbacks,
+            answer: turnstile_gateway::serve::config::AnswerMode::Stream,
         };
         let targets = proxy::targets_of(&route, &imported.model);
         let settings = proxy::settings_of(&imported);

@@ -883,7 +883,7 @@ fn a_connection_closed_under_its_only_reader_is_over_without_waiting_for_the_lea
         );
         let mut connection = None;
         let mut ops = Vec::new();
-        let mut step =
+        let step =
             |drive: &mut Drive, at: u64, ops: &mut Vec<StoreOp>, connection: &mut Option<ConnectionId>| {
                 while let Some(action) = drive.poll_action() {
                     match action {

@@ -155,6 +155,19 @@ pub enum Mode {
     On,
 }
 
+/// How a proxy route answers a streamed client request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AnswerMode {
+    /// Forward preview text as it arrives; a failover whose text diverges from what was sent
+    /// ends the stream with an error (`preview_diverged`).
+    #[default]
+    Stream,
+    /// Forward nothing until the commit, then stream the committed turn at once: after a
+    /// failover the client gets the fallback's whole answer, never an error for divergence.
+    Commit,
+}
+
 /// One proxy route: which client requests it takes and where they go.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -184,6 +197,9 @@ pub struct Route {
     /// history; its adapter's API may differ from the route's.
     #[serde(default)]
     pub fallbacks: Vec<Fallback>,
+    /// How a streamed client request is answered (default `stream`).
+    #[serde(default)]
+    pub answer: AnswerMode,
 }
 
 /// One failover target of a route.

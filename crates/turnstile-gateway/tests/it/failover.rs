@@ -674,3 +674,69 @@ fn targets_are_checked_one_by_one_and_a_setting_one_target_cannot_take_names_it(
         "nothing was sent"
     );
 }
+
+/// Issue 48, item 12: a route with `answer = "commit"` forwards nothing of a streamed answer
+/// before the commit, so a first target cut after its text began and a fallback that says
+/// something else give the client exactly the fallback's text, in the client's stream format,
+/// and no error. The same failover on a default route (`stream`) forwarded the first target's
+/// text and so ends with `preview_diverged`.
+#[test]
+fn a_commit_answer_route_streams_the_fallbacks_whole_answer_after_a_cut() {
+    let sim = SimProcess::start();
+    let b = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut routes = String::new();
+    for (model, answer) in [("m-commit", "\nanswer = \"commit\""), ("m-stream", "")] {
+        routes.push_str(&format!(
+            "[[routes]]\napi = \"openai-chat\"\nmodel = \"{model}\"\nprovider = \"sim\"\n\
+             adapter = \"openai-chat@2\"{answer}\nfallbacks = [{{provider = \"b\", adapter = \"anthropic-messages@2\", target_model = \"{model}-fb\"}}]\n\n"
+        ));
+    }
+    let gateway = gateway_with_fallback(&dir, &sim, &b, &routes);
+    let partial = "Zanzibar-partial-answer ".repeat(20);
+    for model in ["m-commit", "m-stream"] {
+        sim.script(model, json!([{"text": partial, "faults": {"cut_at_byte": 600}}]));
+        b.script(&format!("{model}-fb"), json!([{"text": FALLBACK_TEXT}]));
+    }
+    let streamed = |model: &str| {
+        let response = client()
+            .post(format!("{}/v1/chat/completions", gateway.base))
+            .json(&json!({"model": model, "stream": true,
+                          "messages": [{"role": "user", "content": "Weather in Paris?"}]}))
+            .send()
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let text = response.text().unwrap();
+        let chunks: Vec<Value> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("data: "))
+            .filter(|data| *data != "[DONE]")
+            .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+            .collect();
+        let content: String = chunks
+            .iter()
+            .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        let errors: Vec<Value> = chunks
+            .iter()
+            .filter(|chunk| !chunk["error"].is_null())
+            .cloned()
+            .collect();
+        (content, errors, text)
+    };
+    let (content, errors, text) = streamed("m-commit");
+    assert!(errors.is_empty(), "{text}");
+    assert_eq!(content, FALLBACK_TEXT, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // The first target's text was produced, and never reached the client.
+    assert!(
+        !bodies_for(&sim, "m-commit").is_empty(),
+        "the first target was called"
+    );
+    assert!(!text.contains("Zanzibar"), "{text}");
+    // The default route: the first target's text went out, the fallback's diverges.
+    let (content, errors, text) = streamed("m-stream");
+    assert_eq!(errors.len(), 1, "{text}");
+    assert_eq!(errors[0]["error"]["code"], "preview_diverged", "{text}");
+    assert!(content.starts_with("Zanzibar"), "{text}");
+}

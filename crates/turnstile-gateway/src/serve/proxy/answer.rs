@@ -16,6 +16,8 @@
 //! only while it agrees with it; if it diverges (or the committed turn does), the stream ends
 //! with the provider's error event. The dispatch itself goes on and commits at most once; a
 //! client retrying with the same `Idempotency-Key` gets that commit.
+//! A route with `answer = "commit"` ([`StreamAnswer::wait_for_commit`]) forwards no preview:
+//! the commit opens the stream and goes out whole, so nothing can diverge.
 //!
 //! Who answered: a whole answer names the target that committed (the commit's `target` fact)
 //! in its model field, and [`WholeAnswer::answered_by`] for the headers. A stream names the
@@ -223,6 +225,8 @@ pub struct StreamAnswer {
     first_block: String,
     /// A later block started: all further text waits for the commit.
     frozen: bool,
+    /// The route's `answer = "commit"`: no preview is forwarded; the commit opens the stream.
+    commit_first: bool,
     done: bool,
 }
 
@@ -236,14 +240,28 @@ impl StreamAnswer {
             generation: None,
             first_block: String::new(),
             frozen: false,
+            commit_first: false,
             done: false,
         }
+    }
+
+    /// Answer only from the commit (a route's `answer = "commit"`): previews neither open the
+    /// stream nor reach it, so nothing is sent before the commit, which then goes out whole in
+    /// the stream format; a failover's different text can never diverge from what was sent.
+    /// No keep-alive goes out while waiting: the status line waits with the rest, so a
+    /// dispatch that fails is still the HTTP error.
+    pub fn wait_for_commit(&mut self) {
+        self.commit_first = true;
     }
 
     /// Before the status line: read one event. A failure before any preview or commit is the
     /// answer; output (or a commit) opens the stream. Events that ended before either open it
     /// too (it then ends with `no_commit`).
     pub fn before_head(&mut self, event: ClientEvent) -> Head {
+        if self.commit_first && matches!(*event, DriveEvent::Preview { .. }) {
+            // Never forwarded: not kept either.
+            return Head::Wait;
+        }
         let decided = if matches!(*event, DriveEvent::Preview { .. }) {
             Head::Open
         } else {
@@ -309,6 +327,9 @@ impl StreamAnswer {
         let mut frames = Frames::default();
         if self.done {
             frames.done = true;
+            return frames;
+        }
+        if self.commit_first && matches!(**event, DriveEvent::Preview { .. }) {
             return frames;
         }
         if !self.opened {
@@ -504,6 +525,31 @@ mod tests {
         );
         // Nothing after the end.
         assert!(answer.push(&preview(1, "x")).bytes.is_empty());
+    }
+
+    #[test]
+    fn waiting_for_the_commit_forwards_no_preview_and_streams_the_committed_turn_whole() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        answer.wait_for_commit();
+        // Generation 1's text, then its retract, then generation 2's different text: none of
+        // it opens the stream.
+        assert_eq!(answer.before_head(preview(1, "Sunny")), Head::Wait);
+        let retract = Arc::new(DriveEvent::Retract {
+            generation: Generation(1),
+            reason: "cut_stream".into(),
+        });
+        assert_eq!(answer.before_head(retract), Head::Wait);
+        assert_eq!(answer.before_head(preview(2, "Rain")), Head::Wait);
+        assert_eq!(answer.before_head(committed("Rain")), Head::Open);
+        let frames = answer.open(vec![preview(2, "late")]);
+        assert!(frames.done);
+        let sent = text_of(&frames.bytes);
+        assert!(sent.contains("\"Rain\""), "{sent}");
+        assert!(
+            !sent.contains("Sunny") && !sent.contains("late") && !sent.contains("error"),
+            "{sent}"
+        );
+        assert!(sent.contains("\"finish_reason\":\"stop\""), "{sent}");
     }
 
     #[test]

@@ -81,6 +81,8 @@ pub struct RouteSpec {
     pub original_provider: String,
     /// Failover targets, in order.
     pub fallbacks: Vec<super::config::Fallback>,
+    /// How a streamed client request is answered.
+    pub answer: super::config::AnswerMode,
 }
 
 fn mode_label(mode: Mode) -> &'static str {
@@ -120,6 +122,7 @@ fn route_for(routes: &[Route], simulator: bool, api: Api, model: &str) -> Option
             target_model: None,
             original_provider: "sim".into(),
             fallbacks: Vec::new(),
+            answer: super::config::AnswerMode::Stream,
         });
     }
     let route = routes.iter().find(|route| route.matches(api.as_str(), model))?;
@@ -135,6 +138,7 @@ fn route_for(routes: &[Route], simulator: bool, api: Api, model: &str) -> Option
             .clone()
             .unwrap_or_else(|| route.provider.clone()),
         fallbacks: route.fallbacks.clone(),
+        answer: route.answer,
     })
 }
 
@@ -951,7 +955,15 @@ async fn serve_ours(
         ended: false,
     };
     let (reply, answer) = tokio::sync::oneshot::channel();
-    tokio::spawn(follow(follower, to, prompt_tokens, imported.stream, reply));
+    let commit_first = route.answer == super::config::AnswerMode::Commit;
+    tokio::spawn(follow(
+        follower,
+        to,
+        prompt_tokens,
+        imported.stream,
+        commit_first,
+        reply,
+    ));
     // Invariant: `follow` replies before it returns; only a panic there drops the sender.
     let mut response = answer.await.unwrap_or_else(|_| {
         provider_error(
@@ -1081,10 +1093,11 @@ async fn follow(
     to: Addressee,
     prompt_tokens: u64,
     stream: bool,
+    commit_first: bool,
     reply: tokio::sync::oneshot::Sender<Response>,
 ) {
     if stream {
-        stream_answer(&mut follower, to, prompt_tokens, reply).await;
+        stream_answer(&mut follower, to, prompt_tokens, commit_first, reply).await;
     } else {
         let response = whole_answer(&mut follower, to, prompt_tokens).await;
         let _ = reply.send(response);
@@ -1140,10 +1153,14 @@ async fn stream_answer(
     follower: &mut Follower,
     to: Addressee,
     prompt_tokens: u64,
+    commit_first: bool,
     reply: tokio::sync::oneshot::Sender<Response>,
 ) {
     let api = to.api;
     let mut answer = answer::StreamAnswer::new(to, prompt_tokens);
+    if commit_first {
+        answer.wait_for_commit();
+    }
     // The status line waits for the first sign of an answer.
     while let Some(event) = follower.next().await {
         match answer.before_head(event) {
