@@ -673,6 +673,7 @@ pub async fn dispatch(
 }
 
 async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) -> ApiResult {
+    let id_seen = Stream::id_seen(request.headers());
     let (caller, body) = authenticated_json(&shared, request).await?;
     let body = Value::Object(strict_object(
         body,
@@ -734,7 +735,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     }
     let conversation_id = caller.store_id(&id);
     let operation_id = caller.store_id(&request.operation_id);
-    let stream = request.stream;
+    let stream = Stream::of(request.stream, id_seen);
 
     // No read of the operation id first: the prepare answers whether it exists, in the
     // transaction that stores it (`ops::prepare_beginning` looks it up before it reads the
@@ -753,6 +754,7 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
                 request,
                 operation_id.clone(),
                 &targets,
+                stream,
             )
             .await;
             shared.kept.put(&conversation_id, current);
@@ -777,7 +779,7 @@ async fn attach_existing(
     caller: Caller,
     conversation_id: &str,
     operation_id: &str,
-    stream: bool,
+    stream: Stream,
     answer: ApiResult,
 ) -> ApiResult {
     let Some(record) = shared
@@ -817,6 +819,7 @@ async fn dispatch_current(
     request: DispatchBody,
     operation_id: String,
     targets: &[Target],
+    stream: Stream,
 ) -> Dispatched {
     let conversation = kept.conversation();
     if let Some(expected) = request.expected_revision
@@ -870,15 +873,7 @@ async fn dispatch_current(
     .await;
     match started {
         Ok(Started::Record(record, began)) => Dispatched::Stored(
-            attach(
-                shared.clone(),
-                caller,
-                record,
-                began,
-                request.stream,
-                Some(conversation),
-            )
-            .await,
+            attach(shared.clone(), caller, record, began, stream, Some(conversation)).await,
         ),
         Ok(Started::Early(early)) => Dispatched::NotStored(Ok(early_response(early, request.stream))),
         // This endpoint imports nothing.
@@ -1398,6 +1393,8 @@ pub(crate) async fn hub_for(
                 &conversation_id,
                 &operation_id,
             ));
+            // Its ids are its own, not the driver's: a `Last-Event-ID` is ignored.
+            hub.renumbered();
             tokio::spawn(watch(shared.clone(), operation_id.clone(), hub.clone()));
             hub
         }
@@ -1412,15 +1409,29 @@ async fn attach(
     caller: Caller,
     record: turnstile_store::DispatchRecord,
     began: Option<Began>,
-    stream: bool,
+    stream: Stream,
     prepared_from: Option<&Conversation>,
 ) -> ApiResult {
     let operation_id = record.operation_id.clone();
+    if let Stream::Sse { id_seen } = stream {
+        // A dispatch that finished here streams from its kept tail, under the ids its events
+        // were first sent with; one still driven here from its hub; any other from a watch of
+        // the ledger (new ids: the `Last-Event-ID` is ignored and the outcome sent again).
+        let tail = match began {
+            None if !shared.hubs.lock().await.contains_key(&operation_id) => {
+                finished_tail(&shared, &operation_id)
+            }
+            _ => None,
+        };
+        let hub = match tail {
+            Some(tail) => tail,
+            None => hub_for(&shared, record, began, prepared_from).await?,
+        };
+        return Ok(sse_response(hub.subscribe_after(id_seen)));
+    }
     let hub = hub_for(&shared, record, began, prepared_from).await?;
     let _ = caller;
-    if stream {
-        Ok(sse_response(hub.subscribe()))
-    } else {
+    {
         let mut receiver = hub.subscribe();
         let mut events = Vec::new();
         while let Ok(Some(event)) = receiver.recv().await {
@@ -1447,6 +1458,53 @@ async fn attach(
         );
         Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
+}
+
+/// How a dispatch request wants its answer.
+#[derive(Clone, Copy)]
+enum Stream {
+    /// One JSON body once the dispatch ends.
+    Whole,
+    /// The native SSE stream, after the event `id_seen` (the request's `Last-Event-ID`, when
+    /// it is a decimal id) or from the first.
+    Sse {
+        /// The client's `Last-Event-ID`.
+        id_seen: Option<u64>,
+    },
+}
+
+impl Stream {
+    fn of(stream: bool, id_seen: Option<u64>) -> Stream {
+        if stream {
+            Stream::Sse { id_seen }
+        } else {
+            Stream::Whole
+        }
+    }
+
+    /// A request's `Last-Event-ID`.
+    fn id_seen(headers: &HeaderMap) -> Option<u64> {
+        // Anything but a decimal id (garbage, or another server's) is as if absent: the whole
+        // stream, never a guess at where to start (docs/decisions.md, "Native streams resume
+        // by Last-Event-ID").
+        headers
+            .get("last-event-id")
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok())
+    }
+}
+
+/// The kept tail of a dispatch that finished in this process, if it is still kept.
+fn finished_tail(shared: &Shared, operation_id: &str) -> Option<Arc<Hub>> {
+    let tails = shared
+        .finished_tails
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    tails
+        .iter()
+        .rev()
+        .find(|(id, _)| id == operation_id)
+        .map(|(_, tail)| tail.clone())
 }
 
 /// Write `event`'s client JSON data (what [`client_event_json`] gives, serialised: members
@@ -1759,15 +1817,20 @@ fn client_event_json(event: &turnstile_drive::DriveEvent) -> (&'static str, Valu
     }
 }
 
-fn sse_frame(event: &str, data: &Value) -> Bytes {
-    Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
+/// One SSE event: its `id:` (the dispatch's event ordinal, what a client resumes after with
+/// `Last-Event-ID`), its `event:` name and its `data:`.
+fn sse_frame(id: u64, event: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("id: {id}\nevent: {event}\ndata: {data}\n\n"))
 }
 
 /// [`sse_frame`] of a hub event, its data written by [`push_event_data`] (the same bytes).
-fn sse_event_frame(event: &turnstile_drive::DriveEvent) -> Bytes {
+fn sse_event_frame(id: u64, event: &turnstile_drive::DriveEvent) -> Bytes {
+    use std::io::Write as _;
     let mut data = Vec::with_capacity(96);
     let name = push_event_data(&mut data, event);
-    let mut frame = Vec::with_capacity(data.len() + name.len() + 16);
+    let mut frame = Vec::with_capacity(data.len() + name.len() + 40);
+    // Writes into a Vec cannot fail.
+    let _ = write!(frame, "id: {id}\n");
     frame.extend_from_slice(b"event: ");
     frame.extend_from_slice(name.as_bytes());
     frame.extend_from_slice(b"\ndata: ");
@@ -1776,7 +1839,9 @@ fn sse_event_frame(event: &turnstile_drive::DriveEvent) -> Bytes {
     Bytes::from(frame)
 }
 
-/// An SSE response: every event of the dispatch from its first, until the end marker.
+/// An SSE response: every event of the dispatch from the receiver's position (its first, or
+/// the one after a client's `Last-Event-ID`), until the end marker. Each event carries its
+/// hub id as its SSE `id:`.
 fn sse_response(mut receiver: super::hub::Receiver) -> Response {
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     tokio::spawn(async move {
@@ -1785,14 +1850,20 @@ fn sse_response(mut receiver: super::hub::Receiver) -> Response {
                 // The spec's client events only: the hub's `usage` reports are for the proxy.
                 Ok(Some(event)) if matches!(*event, turnstile_drive::DriveEvent::Usage { .. }) => {}
                 Ok(Some(event)) => {
-                    if sender.send(Ok(sse_event_frame(&event))).await.is_err() {
+                    if sender
+                        .send(Ok(sse_event_frame(receiver.id_last(), &event)))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }
                 Ok(None) | Err(super::hub::RecvError::Closed) => return,
                 Err(super::hub::RecvError::Lagged(missed)) => {
                     let data = json!({"code": "client_lagged", "message": format!("{missed} events were skipped; GET /v1/dispatches/{{operation_id}} has the outcome")});
-                    let _ = sender.send(Ok(sse_frame("error", &data))).await;
+                    // Under the id of the last event dropped: a resume from it ends the same way.
+                    let id = receiver.id_sent_last();
+                    let _ = sender.send(Ok(sse_frame(id, "error", &data))).await;
                     return;
                 }
             }
@@ -1804,9 +1875,10 @@ fn sse_response(mut receiver: super::hub::Receiver) -> Response {
 }
 
 /// An SSE response of one event (an answer before any dispatch exists: `waiting`, `rejected`,
-/// `paused`), streamed like every other SSE body.
+/// `paused`), streamed like every other SSE body. Its id is 0, "nothing of a dispatch": a
+/// client that resumes from it gets the whole stream of whatever its request starts then.
 fn sse_once(event: &str, data: &Value) -> Response {
-    let frame = sse_frame(event, data);
+    let frame = sse_frame(0, event, data);
     sse_headers(Body::from_stream(tokio_stream::once(Ok::<_, Infallible>(frame))))
 }
 
@@ -2563,7 +2635,7 @@ mod tests {
             prop_assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(through_value).unwrap());
             for event in &events {
                 let (name, data) = super::client_event_json(event);
-                prop_assert_eq!(super::sse_event_frame(event), super::sse_frame(name, &data));
+                prop_assert_eq!(super::sse_event_frame(7, event), super::sse_frame(7, name, &data));
             }
         }
     }
@@ -2587,21 +2659,21 @@ mod tests {
         use turnstile_drive::DriveEvent;
         let check = |event: DriveEvent, expected: &str| {
             let (name, data) = client_event_json(&event);
-            assert_eq!(String::from_utf8_lossy(&sse_frame(name, &data)), expected);
+            assert_eq!(String::from_utf8_lossy(&sse_frame(5, name, &data)), expected);
         };
         check(
             DriveEvent::State {
                 state: DispatchState::Streaming,
                 generation: Some(Generation(3)),
             },
-            "event: state\ndata: {\"generation\":3,\"state\":\"STREAMING\"}\n\n",
+            "id: 5\nevent: state\ndata: {\"generation\":3,\"state\":\"STREAMING\"}\n\n",
         );
         check(
             DriveEvent::State {
                 state: DispatchState::Prepared,
                 generation: None,
             },
-            "event: state\ndata: {\"generation\":null,\"state\":\"PREPARED\"}\n\n",
+            "id: 5\nevent: state\ndata: {\"generation\":null,\"state\":\"PREPARED\"}\n\n",
         );
         check(
             DriveEvent::Preview {
@@ -2609,14 +2681,14 @@ mod tests {
                 block_index: 1,
                 delta: "Hi \"you\"".into(),
             },
-            "event: preview\ndata: {\"block_index\":1,\"delta\":\"Hi \\\"you\\\"\",\"generation\":3}\n\n",
+            "id: 5\nevent: preview\ndata: {\"block_index\":1,\"delta\":\"Hi \\\"you\\\"\",\"generation\":3}\n\n",
         );
         check(
             DriveEvent::Retract {
                 generation: Generation(3),
                 reason: "stream_broken".into(),
             },
-            "event: retract\ndata: {\"generation\":3,\"reason\":\"stream_broken\"}\n\n",
+            "id: 5\nevent: retract\ndata: {\"generation\":3,\"reason\":\"stream_broken\"}\n\n",
         );
         // The commit offer's facts sit beside the revision and the turn.
         check(
@@ -2625,7 +2697,7 @@ mod tests {
                 turn: json!({"id": "t", "revision": 5}),
                 facts: Some(json!({"stop_reason": "end_turn", "usage": {"input_tokens": 1}})),
             },
-            "event: committed\ndata: {\"revision\":5,\"stop_reason\":\"end_turn\",\"turn\":{\"id\":\"t\",\"revision\":5},\"usage\":{\"input_tokens\":1}}\n\n",
+            "id: 5\nevent: committed\ndata: {\"revision\":5,\"stop_reason\":\"end_turn\",\"turn\":{\"id\":\"t\",\"revision\":5},\"usage\":{\"input_tokens\":1}}\n\n",
         );
         check(
             DriveEvent::Committed {
@@ -2633,14 +2705,14 @@ mod tests {
                 turn: json!({"id": "t"}),
                 facts: None,
             },
-            "event: committed\ndata: {\"revision\":5,\"turn\":{\"id\":\"t\"}}\n\n",
+            "id: 5\nevent: committed\ndata: {\"revision\":5,\"turn\":{\"id\":\"t\"}}\n\n",
         );
         check(
             DriveEvent::Error {
                 code: "begin_refused".into(),
                 message: "no".into(),
             },
-            "event: error\ndata: {\"code\":\"begin_refused\",\"message\":\"no\"}\n\n",
+            "id: 5\nevent: error\ndata: {\"code\":\"begin_refused\",\"message\":\"no\"}\n\n",
         );
         // Not a native stream event (`sse_response` leaves it out), but listed by the
         // non-streaming answer.
@@ -2652,7 +2724,7 @@ mod tests {
                     ..Default::default()
                 },
             },
-            "event: usage\ndata: {\"generation\":3,\"usage\":{\"input_tokens\":7,\"output_tokens\":null}}\n\n",
+            "id: 5\nevent: usage\ndata: {\"generation\":3,\"usage\":{\"input_tokens\":7,\"output_tokens\":null}}\n\n",
         );
     }
 

@@ -320,6 +320,18 @@ async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
         .get(operation_id)
         .is_some_and(|current| Arc::ptr_eq(current, hub))
     {
+        // Its tail is kept before the hub is forgotten (under the same lock), so a stream
+        // resumed meanwhile finds one or the other.
+        if hub.is_finished() {
+            let mut tails = shared
+                .finished_tails
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if tails.len() >= super::hub::FINISHED_TAILS_MAX {
+                tails.pop_front();
+            }
+            tails.push_back((operation_id.to_owned(), Arc::new(hub.finished_tail())));
+        }
         hubs.remove(operation_id);
     }
 }

@@ -16,12 +16,19 @@ use turnstile_drive::DriveEvent;
 /// Most events kept for late attachers.
 pub const BACKLOG_EVENTS_MAX: usize = 100_000;
 
+/// Most finished dispatches whose tails ([`Hub::finished_tail`]) a process keeps for streams
+/// resumed after the end (a few events each).
+pub const FINISHED_TAILS_MAX: usize = 4096;
+
 /// One client event, shared by every subscriber (a preview delta or a committed turn is never
 /// copied per client).
 pub type ClientEvent = Arc<DriveEvent>;
 
 struct Inner {
-    backlog: Vec<ClientEvent>,
+    /// The events kept, each with its id: its ordinal in the dispatch's stream, from 1 (the
+    /// native stream's SSE `id:`). Ids increase; a driver's hub numbers every event, a
+    /// finished hub's tail ([`Hub::finished_tail`]) keeps the ids of the events it kept.
+    backlog: Vec<(u64, ClientEvent)>,
     /// Events not kept because the backlog was full.
     dropped: u64,
     finished: bool,
@@ -29,6 +36,9 @@ struct Inner {
     /// entry per attempt: bounded by the attempt budget): a proxy stream names the target
     /// whose preview opened it ([`Receiver::target_of`]).
     targets: Vec<(Generation, usize)>,
+    /// The ids are this hub's own, not those a driver gave the same dispatch's events (a watch
+    /// of the ledger relaying a stored outcome): a client's `Last-Event-ID` means nothing here.
+    renumbered: bool,
 }
 
 /// The fan-out point. The backlog is the only copy of the events: a receiver is a cursor into
@@ -61,6 +71,8 @@ impl Default for Hub {
 pub struct Receiver {
     hub: Arc<Hub>,
     cursor: usize,
+    /// The id of the event [`Receiver::recv`] or [`Receiver::try_recv`] returned last.
+    id_last: u64,
 }
 
 impl Receiver {
@@ -75,8 +87,9 @@ impl Receiver {
             grew.as_mut().enable();
             {
                 let inner = self.hub.lock();
-                if let Some(event) = inner.backlog.get(self.cursor) {
+                if let Some((id, event)) = inner.backlog.get(self.cursor) {
                     self.cursor += 1;
+                    self.id_last = *id;
                     return Ok(Some(event.clone()));
                 }
                 if inner.dropped > 0 {
@@ -104,11 +117,23 @@ impl Receiver {
     /// (or the stream ended: [`Receiver::recv`] tells which).
     pub fn try_recv(&mut self) -> Option<ClientEvent> {
         let inner = self.hub.lock();
-        let event = inner.backlog.get(self.cursor).cloned();
-        if event.is_some() {
-            self.cursor += 1;
-        }
-        event
+        let (id, event) = inner.backlog.get(self.cursor).cloned()?;
+        self.cursor += 1;
+        self.id_last = id;
+        Some(event)
+    }
+
+    /// The id of the event returned last (0 before the first): what the native stream writes
+    /// as its SSE `id:`.
+    pub fn id_last(&self) -> u64 {
+        self.id_last
+    }
+
+    /// The id of the last event the hub has sent or dropped so far (for an event that ends a
+    /// stream without being one of the hub's, such as the lagged error).
+    pub fn id_sent_last(&self) -> u64 {
+        let inner = self.hub.lock();
+        inner.backlog.last().map_or(0, |(id, _)| *id) + inner.dropped
     }
 }
 
@@ -121,6 +146,7 @@ impl Hub {
                 dropped: 0,
                 finished: false,
                 targets: Vec::new(),
+                renumbered: false,
             }),
             grew: Notify::new(),
             observer: None,
@@ -168,7 +194,8 @@ impl Hub {
         {
             let mut inner = self.lock();
             if inner.backlog.len() < BACKLOG_EVENTS_MAX {
-                inner.backlog.push(Arc::new(event));
+                let id = inner.backlog.last().map_or(0, |(id, _)| *id) + 1;
+                inner.backlog.push((id, Arc::new(event)));
             } else {
                 inner.dropped += 1;
             }
@@ -195,9 +222,65 @@ impl Hub {
     /// (`Ok(None)`). It reads the shared backlog by cursor, so there is no seam between
     /// "backlog" and "live" for an event to fall into, and subscribing copies nothing.
     pub fn subscribe(self: &Arc<Self>) -> Receiver {
+        self.subscribe_after(None)
+    }
+
+    /// A receiver of the events after the one whose id is `id_seen` (a client's
+    /// `Last-Event-ID`), or of the whole stream when that is not an id this hub has sent: none
+    /// given, greater than the last id sent so far, or the hub is [`Hub::renumbered`].
+    /// Resuming never repeats an event, and never skips one the hub still has.
+    pub fn subscribe_after(self: &Arc<Self>, id_seen: Option<u64>) -> Receiver {
+        let cursor = {
+            let inner = self.lock();
+            let id_sent_last = inner.backlog.last().map_or(0, |(id, _)| *id);
+            match id_seen {
+                Some(seen) if !inner.renumbered && seen <= id_sent_last => {
+                    inner.backlog.partition_point(|(id, _)| *id <= seen)
+                }
+                _ => 0,
+            }
+        };
         Receiver {
             hub: self.clone(),
-            cursor: 0,
+            cursor,
+            id_last: 0,
+        }
+    }
+
+    /// Mark this hub's ids as its own (a watch relaying a stored outcome under new ids), so a
+    /// client's `Last-Event-ID` is ignored by [`Hub::subscribe_after`].
+    pub fn renumbered(&self) {
+        self.lock().renumbered = true;
+    }
+
+    /// Whether the hub is finished (no more events).
+    pub fn is_finished(&self) -> bool {
+        self.lock().finished
+    }
+
+    /// What a client reconnecting to this finished dispatch still needs, under the same ids:
+    /// its state changes, retractions, commit and errors, without its previews (revocable, and
+    /// what was committed is in the commit). Kept after the dispatch's hub is gone, so that a
+    /// reconnect with a `Last-Event-ID` gets exactly the terminal events it missed, at a small
+    /// fraction of the backlog's size.
+    pub fn finished_tail(&self) -> Hub {
+        let inner = self.lock();
+        let backlog = inner
+            .backlog
+            .iter()
+            .filter(|(_, event)| !matches!(**event, DriveEvent::Preview { .. } | DriveEvent::Usage { .. }))
+            .cloned()
+            .collect();
+        Hub {
+            inner: Mutex::new(Inner {
+                backlog,
+                dropped: inner.dropped,
+                finished: true,
+                targets: inner.targets.clone(),
+                renumbered: inner.renumbered,
+            }),
+            grew: Notify::new(),
+            observer: None,
         }
     }
 }
@@ -339,5 +422,74 @@ mod tests {
         }
         // The preview was not announced: the feed carries ids and states only.
         assert!(changes.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_receiver_after_a_seen_id_gets_the_events_after_it_and_an_unknown_id_gets_all() {
+        let hub = Arc::new(Hub::new());
+        for number in 1..=5 {
+            hub.send(preview(number));
+        }
+        hub.finish();
+        let numbers = |mut receiver: Receiver| async move {
+            let (seen, ended) = read_all(&mut receiver).await;
+            assert!(ended.is_ok());
+            (
+                seen.iter()
+                    .filter_map(|event| number_of(event))
+                    .collect::<Vec<u64>>(),
+                receiver.id_last(),
+            )
+        };
+        // Ids are ordinals from 1: event `n` is id `n` here.
+        assert_eq!(numbers(hub.subscribe_after(Some(3))).await, (vec![4, 5], 5));
+        assert_eq!(numbers(hub.subscribe_after(Some(5))).await, (vec![], 0));
+        assert_eq!(
+            numbers(hub.subscribe_after(Some(0))).await,
+            (vec![1, 2, 3, 4, 5], 5)
+        );
+        // Not an id this hub has sent: the whole stream.
+        assert_eq!(
+            numbers(hub.subscribe_after(Some(6))).await,
+            (vec![1, 2, 3, 4, 5], 5)
+        );
+        // A renumbered hub's ids are not the ones a client has seen.
+        let watch = Arc::new(Hub::new());
+        watch.send(preview(1));
+        watch.renumbered();
+        watch.finish();
+        assert_eq!(numbers(watch.subscribe_after(Some(1))).await, (vec![1], 1));
+    }
+
+    #[tokio::test]
+    async fn a_finished_tail_keeps_the_terminal_events_under_their_first_ids() {
+        let hub = Arc::new(Hub::new());
+        hub.send(DriveEvent::State {
+            state: DispatchState::Streaming,
+            generation: Some(Generation(1)),
+        });
+        hub.send(preview(1));
+        hub.send(preview(2));
+        hub.send(DriveEvent::Committed {
+            revision: Revision(2),
+            turn: serde_json::json!({"revision": 2}),
+            facts: None,
+        });
+        hub.finish();
+        let tail = Arc::new(hub.finished_tail());
+        let mut all = tail.subscribe();
+        let (seen, ended) = read_all(&mut all).await;
+        assert!(ended.is_ok());
+        assert_eq!(seen.len(), 2);
+        assert!(matches!(*seen[1], DriveEvent::Committed { .. }));
+        assert_eq!(all.id_last(), 4);
+        // After a preview's id: the commit only, once.
+        let mut after = tail.subscribe_after(Some(2));
+        let (seen, _) = read_all(&mut after).await;
+        assert_eq!(seen.len(), 1);
+        assert!(matches!(*seen[0], DriveEvent::Committed { .. }));
+        // After the commit's id: nothing.
+        let mut done = tail.subscribe_after(Some(4));
+        assert!(matches!(done.recv().await, Ok(None)));
     }
 }

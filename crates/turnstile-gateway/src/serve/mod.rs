@@ -54,6 +54,10 @@ pub struct Shared {
     pub body_bytes_max: usize,
     /// Live client-event hubs by store operation id.
     pub hubs: Mutex<HashMap<String, Arc<hub::Hub>>>,
+    /// The tails of the dispatches driven here that finished, newest last, at most
+    /// [`hub::FINISHED_TAILS_MAX`]: what a stream resumed by `Last-Event-ID` after its dispatch
+    /// ended still gets, under the ids it was first sent with.
+    pub finished_tails: std::sync::Mutex<std::collections::VecDeque<(String, Arc<hub::Hub>)>>,
     /// Since when each dispatch driven here is UNKNOWN.
     pub unknown_since: Mutex<HashMap<String, Timestamp>>,
     /// Compiled tool schemas by toolset digest.
@@ -377,6 +381,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         tenants,
         body_bytes_max: config.body_bytes_max,
         hubs: Mutex::new(HashMap::new()),
+        finished_tails: std::sync::Mutex::new(std::collections::VecDeque::new()),
         unknown_since: Mutex::new(HashMap::new()),
         toolsets: Mutex::new(ToolsetCache::new()),
         render_caches: RenderCaches::new(RenderCaches::shards_for_this_machine()),

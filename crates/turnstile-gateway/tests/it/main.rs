@@ -14,6 +14,7 @@ mod proxy;
 mod proxy_sdk;
 mod recovery;
 mod render;
+mod resume;
 mod serve;
 mod sim;
 mod traces;
