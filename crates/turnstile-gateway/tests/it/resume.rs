@@ -95,8 +95,8 @@ fn a_stream_resumed_by_last_event_id_continues_after_it_without_repeating_and_co
     let body = json!({"operation_id": "op-resume", "stream": true,
                       "target": {"provider": "sim", "model": "m-resume", "adapter": "openai-responses@1"}});
 
-    // A client that leaves after three events.
-    let before = first_events(&gateway, &body, 3);
+    // A client that leaves after six events (the state changes and the first previews).
+    let before = first_events(&gateway, &body, 6);
     let seen = *ids(&before).last().unwrap();
     // A client that stays from the start, attached while the dispatch streams.
     let full = {
