@@ -808,12 +808,17 @@ impl Drive {
     /// closed (the provider ended it, it broke under us, or we closed it): its one request was
     /// this driver's own send (no replay, resume or recovery: a refused replay or resume is no
     /// proof the first request ended), and the target offers no other way to read a response
-    /// (no resume by handle, no deduplication by our key). Then no one can deliver that
+    /// (no resume by handle, no deduplication by our key, not Responses, whose response can be
+    /// asked about and cancelled by id). Then no one can deliver that
     /// response any more, and the new generation need not wait for the lease. A crash, another
     /// replica's attempt or a resumable target still waits for it.
     fn closed_here(&self, generation: Generation) -> bool {
-        let recovery = self.target_spec(generation).recovery;
-        !recovery.resume_by_handle
+        let target = self.target_spec(generation);
+        let recovery = target.recovery;
+        // A Responses response can be asked about and cancelled by its id: its own protocol
+        // (`ask_provider_first`) decides, and a "still running" must never be overruled here.
+        target.api != StreamApi::OpenAiResponses
+            && !recovery.resume_by_handle
             && !recovery.honours_idempotency_key
             && !self.recovered_generations.contains(&generation)
             && self.replays.get(&generation).copied().unwrap_or(0) == 0

@@ -150,6 +150,36 @@ impl World {
                 ),
             );
         }
+        // And the seed's rule, checked by the world's own facts: every older generation is
+        // over because the provider ended it, its lease ran out by the store's clock, or it was
+        // abandoned as `connection_closed` by the one process that ever opened it, alive and
+        // with every connection of it closed at that moment (`History::closed_by_opener`).
+        let attempts = {
+            let witness = self.witness();
+            self.rt.block_on(witness.attempts(op)).unwrap_or_default()
+        };
+        for attempt in attempts.iter().filter(|attempt| attempt.generation < generation) {
+            let key = (op.to_owned(), attempt.generation.0);
+            let provider_ended = self.history.provider_over.contains(&key);
+            let expired = attempt.lease_expires_at.0 <= store_now;
+            let closed_here = attempt.confirmed_over.as_deref() == Some("connection_closed")
+                && self.history.closed_by_opener.contains(&key)
+                && !self
+                    .conns
+                    .values()
+                    .chain(self.limbo.iter())
+                    .any(|conn| conn.op == op && conn.generation == attempt.generation && !conn.probe);
+            if !(provider_ended || expired || closed_here) {
+                self.report.violate(
+                    step,
+                    Invariant::EarlyNewGeneration,
+                    format!(
+                        "{op}: g{} sent while g{} may still run (lease until {} > store now {store_now}, provider has not ended it, not closed by its only reader: confirmed_over {:?})",
+                        generation.0, attempt.generation.0, attempt.lease_expires_at.0, attempt.confirmed_over
+                    ),
+                );
+            }
+        }
         if generation.0 > crate::world::ATTEMPTS_PER_DISPATCH_MAX {
             self.report.violate(
                 step,

@@ -55,6 +55,11 @@ pub enum FaultKind {
     ExecutorCrash,
     /// The operation was prepared with a failover target (its own manifest) beside its own.
     FailoverTargets,
+    /// A dialect, not a fault: an OpenAI Chat body ended after its finish reason and usage,
+    /// without `data: [DONE]`.
+    NoDone,
+    /// A dialect, not a fault: a whole JSON answer to the stream request.
+    JsonAnswer,
 }
 
 impl FaultKind {
@@ -85,6 +90,8 @@ impl FaultKind {
             FaultKind::ClientRetry => "client_retry",
             FaultKind::ExecutorCrash => "executor_crash",
             FaultKind::FailoverTargets => "failover_targets",
+            FaultKind::NoDone => "no_done",
+            FaultKind::JsonAnswer => "json_answer",
         }
     }
 }
@@ -138,6 +145,10 @@ pub struct FaultPlan {
     pub executor_crash: f64,
     /// An operation names a failover target beside its own (per operation).
     pub failover: f64,
+    /// How often the provider speaks a dialect compatible servers speak (per request): no
+    /// `[DONE]` on OpenAI Chat, a whole JSON answer to a stream request. Not a fault: it stays
+    /// in the liveness phase.
+    pub dialect: f64,
 }
 
 impl FaultPlan {
@@ -192,6 +203,7 @@ impl FaultPlan {
                 _ => -15_000,
             },
             failover: if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.6 },
+            dialect: if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.5 },
         }
     }
 
@@ -202,6 +214,7 @@ impl FaultPlan {
             honours_idempotency_key: self.honours_idempotency_key,
             resume_by_handle: self.resume_by_handle,
             skew_ms: self.skew_ms,
+            dialect: self.dialect,
             ..FaultPlan::default()
         }
     }

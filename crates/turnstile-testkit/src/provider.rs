@@ -139,7 +139,7 @@ impl Provider {
                 endless: false,
             };
         }
-        let reply = Provider::reply(rng, &["Paris", "Lagos", "Lima", "Osaka", "Zürich"]);
+        let mut reply = Provider::reply(rng, &["Paris", "Lagos", "Lima", "Osaka", "Zürich"]);
         self.handles_issued += 1;
         let number = self.handles_issued;
         let mut handle = match self.api {
@@ -154,8 +154,23 @@ impl Provider {
         }
         self.handles.push(handle.clone());
         let ids = wire::call_ids(self.api, &reply, number);
-        let frames = wire::frames(self.api, &reply, &handle, "dst-model", &ids, body.len());
         let resumable = plan.resume_by_handle && self.stream_api == StreamApi::OpenAiResponses;
+        // The world's dialects: what compatible servers do that the vendor does not.
+        if self.api == Api::OpenAiChat && rng.chance(plan.dialect) {
+            report.fault(FaultKind::NoDone);
+            reply.faults.omit_done = true;
+        }
+        let frames = if !resumable && rng.chance(plan.dialect) {
+            report.fault(FaultKind::JsonAnswer);
+            let whole = wire::whole_body(self.api, &reply, &handle, "dst-model", &ids, body.len());
+            vec![wire::Frame {
+                bytes: whole.to_string().into_bytes(),
+                stop: true,
+                sequence: None,
+            }]
+        } else {
+            wire::frames(self.api, &reply, &handle, "dst-model", &ids, body.len())
+        };
         self.produced.insert(
             handle.clone(),
             Produced {

@@ -119,12 +119,12 @@ pub(crate) struct SimDriver {
 
 /// One gateway process sharing the store.
 #[derive(Clone, Copy, Debug)]
-struct Replica {
+pub(crate) struct Replica {
     /// Its clock minus the store's (virtual) clock, ms.
     skew_ms: i64,
     /// Restarts so far: each incarnation is a new process with a new lease-holder id (the
     /// gateway's default replica id is unique per process).
-    incarnation: u64,
+    pub(crate) incarnation: u64,
     /// When its next lease sweep runs (virtual time): every replica sweeps every
     /// [`SWEEP_PERIOD_MS`] beside its live drivers, as `serve/mod.rs::sweep` does.
     sweep_at: u64,
@@ -154,6 +154,12 @@ pub(crate) struct History {
     /// (operation, generation) the provider is known to have ended (an error status, or a
     /// body delivered to its clean end): nothing of it runs any more.
     pub(crate) provider_over: HashSet<(String, u64)>,
+    /// (operation, generation) → every (replica, incarnation) that opened a provider request of
+    /// it (sends, replays, resumes; not status or cancel questions).
+    pub(crate) opened_by: HashMap<(String, u64), HashSet<(usize, u64)>>,
+    /// (operation, generation) abandoned as `connection_closed` by its only opener, in the same
+    /// incarnation, when no connection of it was open (the world's facts, not the driver's).
+    pub(crate) closed_by_opener: HashSet<(String, u64)>,
     /// Provider requests (sends, replays and resumes) per operation, across restarts.
     pub(crate) provider_requests: HashMap<String, u64>,
 }
@@ -212,10 +218,10 @@ pub struct World {
     pub(crate) toolset: Arc<Toolset>,
     pub(crate) conns: BTreeMap<u64, Conn>,
     conn_next: u64,
-    replicas: Vec<Replica>,
+    pub(crate) replicas: Vec<Replica>,
     /// The replica a pending crash kills.
     crash_replica: usize,
-    limbo: Vec<Conn>,
+    pub(crate) limbo: Vec<Conn>,
     pub(crate) drivers: Vec<SimDriver>,
     pub(crate) ops: Vec<String>,
     pub(crate) ops_in_round: u64,
@@ -912,6 +918,27 @@ impl World {
                 reason: None,
             };
         }
+        if let StoreOp::AbandonAndRearm {
+            generation,
+            provider_word: Some(word),
+            ..
+        } = &op
+            && word == "connection_closed"
+        {
+            let key = (driver.op.clone(), generation.0);
+            let incarnation = self.replicas[driver.replica].incarnation;
+            let only_opener = self.history.opened_by.get(&key).is_some_and(|openers| {
+                openers.len() == 1 && openers.contains(&(driver.replica, incarnation))
+            });
+            let none_open = !self
+                .conns
+                .values()
+                .chain(self.limbo.iter())
+                .any(|conn| conn.op == driver.op && conn.generation == *generation && !conn.probe);
+            if only_opener && none_open {
+                self.history.closed_by_opener.insert(key);
+            }
+        }
         // Faults on reads as well as writes.
         self.arm_store_fault();
         let now = self.local_now(driver.replica);
@@ -969,6 +996,14 @@ impl World {
     ) {
         let send = matches!(request, Request::Send { .. });
         let probe = matches!(request, Request::Status { .. } | Request::Cancel { .. });
+        if !probe {
+            let incarnation = self.replicas[driver.replica].incarnation;
+            self.history
+                .opened_by
+                .entry((driver.op.clone(), generation.0))
+                .or_default()
+                .insert((driver.replica, incarnation));
+        }
         if matches!(request, Request::Send { .. } | Request::Resume { .. }) {
             // Billed requests (status questions and cancels are not).
             *self

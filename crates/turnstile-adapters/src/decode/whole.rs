@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use turnstile_core::stream::{Seq, SeqSource, Sequenced, StreamEvent};
 
 /// Largest whole JSON answer kept (the assembler's own bounds apply to what it holds).
-pub const WHOLE_BODY_BYTES_MAX: usize = 32 * 1024 * 1024;
+pub const WHOLE_BODY_BYTES_MAX: usize = 16 * 1024 * 1024;
 /// Most leading white space looked past before the body is taken for a stream.
 const LEADING_SPACE_MAX: usize = 64 * 1024;
 
@@ -166,9 +166,14 @@ fn frame(out: &mut Vec<u8>, event: Option<&str>, data: &Value) {
 /// The stream `api` sends for `answer`, its whole (non-streaming) response.
 fn translate(api: StreamApi, answer: &Value) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
+    // Every value written into below is an object (serde_json's index assignment panics on
+    // anything else); an answer of another shape is no answer.
+    if api != StreamApi::Gemini && !answer.is_object() {
+        return Err("a JSON answer to a stream request that is not an object".into());
+    }
     match api {
         StreamApi::OpenAiChat => chat(&mut out, answer),
-        StreamApi::AnthropicMessages => anthropic(&mut out, answer),
+        StreamApi::AnthropicMessages => anthropic(&mut out, answer)?,
         StreamApi::Gemini => {
             // `streamGenerateContent` without `alt=sse` answers an array of the same chunks.
             let chunks = match answer {
@@ -179,7 +184,7 @@ fn translate(api: StreamApi, answer: &Value) -> Result<Vec<u8>, String> {
                 frame(&mut out, None, chunk);
             }
         }
-        StreamApi::OpenAiResponses => responses(&mut out, answer),
+        StreamApi::OpenAiResponses => responses(&mut out, answer)?,
     }
     Ok(out)
 }
@@ -238,14 +243,14 @@ fn chat(out: &mut Vec<u8>, answer: &Value) {
     out.extend_from_slice(b"data: [DONE]\n\n");
 }
 
-fn anthropic(out: &mut Vec<u8>, answer: &Value) {
+fn anthropic(out: &mut Vec<u8>, answer: &Value) -> Result<(), String> {
     if answer["type"] == "error" || answer.get("error").is_some_and(|error| !error.is_null()) {
         frame(
             out,
             Some("error"),
             &json!({"type": "error", "error": answer["error"]}),
         );
-        return;
+        return Ok(());
     }
     frame(
         out,
@@ -257,6 +262,9 @@ fn anthropic(out: &mut Vec<u8>, answer: &Value) {
                           "cache_read_input_tokens": answer["usage"]["cache_read_input_tokens"]}}}),
     );
     for (index, block) in answer["content"].as_array().into_iter().flatten().enumerate() {
+        if !block.is_object() {
+            return Err(format!("content block {index} of a JSON answer is not an object"));
+        }
         let mut start = block.clone();
         let mut deltas = Vec::new();
         match block["type"].as_str() {
@@ -305,25 +313,52 @@ fn anthropic(out: &mut Vec<u8>, answer: &Value) {
                 "usage": {"output_tokens": answer["usage"]["output_tokens"]}}),
     );
     frame(out, Some("message_stop"), &json!({"type": "message_stop"}));
+    Ok(())
 }
 
-fn responses(out: &mut Vec<u8>, answer: &Value) {
-    let mut sequence = 0u64;
-    let mut event = |out: &mut Vec<u8>, name: &str, mut data: Value| {
-        data["type"] = json!(name);
-        data["sequence_number"] = json!(sequence);
-        sequence += 1;
-        frame(out, Some(name), &data);
+fn responses(out: &mut Vec<u8>, answer: &Value) -> Result<(), String> {
+    // Only a finished response is a whole answer: any other status (queued, in_progress,
+    // cancelled, none) would read as a stop the provider never gave.
+    let terminal = match answer["status"].as_str() {
+        Some("completed") => "response.completed",
+        Some("incomplete") => "response.incomplete",
+        Some("failed") => "response.failed",
+        _ if answer.get("error").is_some_and(|error| !error.is_null()) => "error",
+        other => {
+            return Err(format!(
+                "a Responses JSON answer with status {other:?} is not finished"
+            ));
+        }
     };
-    if answer.get("error").is_some_and(|error| !error.is_null()) && answer.get("output").is_none() {
+    let mut sequence = 0u64;
+    let mut event = |out: &mut Vec<u8>, name: &str, data: Value| {
+        let mut data = match data {
+            Value::Object(map) => map,
+            other => {
+                let mut map = serde_json::Map::new();
+                map.insert("message".into(), other);
+                map
+            }
+        };
+        data.insert("type".into(), json!(name));
+        data.insert("sequence_number".into(), json!(sequence));
+        sequence += 1;
+        frame(out, Some(name), &Value::Object(data));
+    };
+    if terminal == "error" {
         event(out, "error", answer["error"].clone());
-        return;
+        return Ok(());
     }
     let mut started = answer.clone();
     started["status"] = json!("in_progress");
     started["output"] = json!([]);
     event(out, "response.created", json!({"response": started}));
     for (output_index, item) in answer["output"].as_array().into_iter().flatten().enumerate() {
+        if !item.is_object() {
+            return Err(format!(
+                "output item {output_index} of a JSON answer is not an object"
+            ));
+        }
         let mut added = item.clone();
         match item["type"].as_str() {
             Some("message") => added["content"] = json!([]),
@@ -339,6 +374,11 @@ fn responses(out: &mut Vec<u8>, answer: &Value) {
         match item["type"].as_str() {
             Some("message") => {
                 for (content_index, part) in item["content"].as_array().into_iter().flatten().enumerate() {
+                    if !part.is_object() {
+                        return Err(format!(
+                            "content part {content_index} of a JSON answer is not an object"
+                        ));
+                    }
                     let kind = part["type"].as_str().unwrap_or("");
                     let (field, delta_event) = match kind {
                         "refusal" => ("refusal", "response.refusal.delta"),
@@ -396,10 +436,6 @@ fn responses(out: &mut Vec<u8>, answer: &Value) {
             json!({"output_index": output_index, "item": item}),
         );
     }
-    let terminal = match answer["status"].as_str() {
-        Some("incomplete") => "response.incomplete",
-        Some("failed") => "response.failed",
-        _ => "response.completed",
-    };
     event(out, terminal, json!({"response": answer}));
+    Ok(())
 }

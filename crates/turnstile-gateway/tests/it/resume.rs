@@ -86,11 +86,13 @@ fn a_stream_resumed_by_last_event_id_continues_after_it_without_repeating_and_co
     let dir = tempfile::tempdir().unwrap();
     let gateway = Gateway::start(&dir, &sqlite(&dir), &sim, "");
     conversation_with_question(&gateway, "c-resume");
-    // About 1.5 s of stream at 50 ms per event: time to reconnect in the middle.
+    // About 5 s of stream at 150 ms per event: room for both clients to attach in the middle
+    // on a loaded machine (the attaches are loopback requests made at once; a gate the test
+    // releases would remove the margin altogether).
     sim.script(
         "m-resume",
         json!([{"text": "one two three four five six seven eight nine ten ".repeat(3),
-                                  "faults": {"delay_ms": 50}}]),
+                                  "faults": {"delay_ms": 150}}]),
     );
     let body = json!({"operation_id": "op-resume", "stream": true,
                       "target": {"provider": "sim", "model": "m-resume", "adapter": "openai-responses@1"}});

@@ -80,6 +80,15 @@ fn a_json_error_answer_or_junk_is_no_turn() {
             r#"{"not": "an answer"}"#,
             "{ not json",
             "[1, 2",
+            // Shapes whose members are not objects (once a panic on index assignment), and a
+            // Responses answer that is not finished (once read as a stop).
+            r#"{"error": "rate limited"}"#,
+            "[{}]",
+            "[1]",
+            r#"{"status": "completed", "output": [{"type": "message", "content": ["hi"]}]}"#,
+            r#"{"status": "completed", "output": ["hi"]}"#,
+            r#"{"content": ["hi"], "stop_reason": "end_turn"}"#,
+            r#"{"status": "in_progress", "output": [{"type": "message", "id": "m", "content": [{"type": "output_text", "text": "half"}]}]}"#,
         ] {
             let got = outcome(stream_api, body.as_bytes(), Ending::Live, Some(toolset()));
             assert!(
