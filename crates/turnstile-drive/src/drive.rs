@@ -1700,12 +1700,14 @@ impl Drive {
     /// `interrupt`: the machine still has to hear of the interruption.
     fn interrupted(&mut self, generation: Generation, provider_ended: bool, interrupt: bool) {
         // A handle held for the commit is checked first, so recovery decides knowing whether it
-        // is another manifest's (a refused one is never replayed or resumed).
+        // is another manifest's (a refused one is never replayed or resumed). A handle that is
+        // no identity (`handle_is_identity`) is never bound: recovery looks nothing up by it,
+        // and a server that reuses its ids must not turn a cut into a foreign handle.
         let (binds, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.behind).into_iter().partition(
             |(op, _)| matches!(op, StoreOp::BindHandle { generation: held, .. } if *held == generation),
         );
         self.behind = rest;
-        if !binds.is_empty() {
+        if !binds.is_empty() && self.handle_is_identity(generation) {
             if self.pending.is_none() && self.outbox.is_empty() {
                 let mut binds = binds.into_iter();
                 if let Some((op, pending)) = binds.next() {

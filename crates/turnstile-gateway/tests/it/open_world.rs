@@ -212,7 +212,36 @@ fn a_server_that_reuses_its_response_ids_commits_every_dispatch_first_time() {
             assert_eq!(dispatch["attempts"][0]["handle"], handle, "recorded: {dispatch}");
         }
     }
+    // Streams under a reused id that are cut are retried as any cut stream: no foreign handle
+    // (a cut once bound the id, and the next cut under it was refused as another's).
+    for round in 0..2 {
+        let conversation = format!("c-reuse-cut-{round}");
+        let model = format!("m-reuse-cut-{round}");
+        conversation_with_question(&gateway, &conversation);
+        sim.script(
+            &model,
+            json!([{"text": TEXT, "faults": {"handle": "chatcmpl-9", "disconnect_after_events": 2}},
+                   {"text": TEXT, "faults": {"handle": "chatcmpl-9"}}]),
+        );
+        let operation = format!("op-{conversation}");
+        let events = dispatch_to(
+            &gateway,
+            &conversation,
+            &operation,
+            "compat",
+            "openai-chat@2",
+            &model,
+        );
+        assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+        let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
+        assert_eq!(dispatch["attempts"].as_array().unwrap().len(), 2, "{dispatch}");
+    }
     assert_eq!(gateway.metric("turnstile_foreign_handle_refusals_total"), 0.0);
+    assert_eq!(
+        gateway.metric("turnstile_late_blocks_total"),
+        0.0,
+        "nothing quarantined"
+    );
     assert_safety_metrics_zero(&gateway);
 }
 
