@@ -2314,7 +2314,11 @@ pub fn refusal_message(status: Option<u16>, body: &[u8]) -> String {
         }
     });
     let words = from_json.unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_owned());
-    let mut words: String = words.chars().filter(|c| !c.is_control() || *c == ' ').collect();
+    let words: String = words
+        .chars()
+        .filter(|c| (!c.is_control() || *c == ' ') && !is_bidi_control(*c))
+        .collect();
+    let mut words = redact_keys(&words);
     if words.len() > REFUSAL_MESSAGE_MAX {
         let mut end = REFUSAL_MESSAGE_MAX;
         while !words.is_char_boundary(end) {
@@ -2328,4 +2332,32 @@ pub fn refusal_message(status: Option<u16>, body: &[u8]) -> String {
     } else {
         format!("the provider refused the request with HTTP {status}: {words}")
     }
+}
+
+/// Unicode's bidirectional formatting characters: text that reorders what follows it.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}')
+}
+
+/// A provider that echoes the request's credential in its refusal must not pass it on: a word
+/// shaped like an API key (`sk-…`, `sk_…`, `gsk_…`, `xai-…`, Google's `AIza…`) and the word after
+/// `Bearer` are replaced by `[redacted]`.
+fn redact_keys(text: &str) -> String {
+    const PREFIXES: [&str; 5] = ["sk-", "sk_", "gsk_", "xai-", "AIza"];
+    let mut out = String::with_capacity(text.len());
+    let mut after_bearer = false;
+    for (index, word) in text.split(' ').enumerate() {
+        if index > 0 {
+            out.push(' ');
+        }
+        let core = word.trim_matches(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'));
+        let key_like = core.len() >= 12 && PREFIXES.iter().any(|prefix| core.starts_with(prefix));
+        if (after_bearer && !core.is_empty()) || key_like {
+            out.push_str(&word.replace(core, "[redacted]"));
+        } else {
+            out.push_str(word);
+        }
+        after_bearer = core.eq_ignore_ascii_case("bearer");
+    }
+    out
 }

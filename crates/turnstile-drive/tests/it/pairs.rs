@@ -673,6 +673,19 @@ fn a_refusal_keeps_the_providers_own_words_in_each_apis_error_shape() {
         says(""),
         "the provider refused the request with HTTP 400 and no message"
     );
+    // A provider that echoes the credential does not pass it on; nor bidirectional controls.
+    let echoed = says(
+        r#"{"error": {"message": "Incorrect API key provided: sk-proj-AbC123xyz456. Header was 'Bearer sk-live-999888777666', key AIzaSyD-abcdefgh12345"}}"#,
+    );
+    assert!(
+        !echoed.contains("AbC123") && !echoed.contains("999888") && !echoed.contains("abcdefgh"),
+        "{echoed}"
+    );
+    assert!(
+        echoed.contains("Incorrect API key provided: [redacted]."),
+        "{echoed}"
+    );
+    assert!(!says(r#"{"message": "a\u202eb"}"#).contains('\u{202E}'));
     // Bounded, and cut on a character boundary.
     let long = format!("{{\"error\": {{\"message\": \"{}\"}}}}", "é".repeat(4_000));
     let message = says(&long);
