@@ -3,13 +3,9 @@
 //! end to end through a real `turnstile sim` process; the same server under a default entry
 //! still gets arrays of parts.
 
-use crate::serve::{
-    Gateway, assert_sent_bodies_match_manifest, client, client_events, conversation_with_question, named,
-    sqlite,
-};
+use crate::serve::{Gateway, assert_sent_bodies_match_manifest, conversation_with_question, named, sqlite};
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
-use std::io::Read;
 
 /// Stream a native dispatch of `conversation` to `provider`'s `model` on openai-chat@2; its
 /// client events.
@@ -19,23 +15,7 @@ fn dispatch_to(
     operation: &str,
     provider: &str,
 ) -> Vec<(String, Value)> {
-    let body = json!({"operation_id": operation,
-                      "target": {"provider": provider, "model": "m", "adapter": "openai-chat@2"},
-                      "stream": true, "max_output_tokens": 256});
-    let response = client()
-        .post(format!(
-            "{}/v1/conversations/{conversation}/dispatch",
-            gateway.base
-        ))
-        .json(&body)
-        .send()
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let mut text = String::new();
-    std::io::BufReader::new(response)
-        .read_to_string(&mut text)
-        .unwrap();
-    client_events(&text)
+    crate::open_world::dispatch_to(gateway, conversation, operation, provider, "openai-chat@2", "m")
 }
 
 /// The `messages` of every Chat body the simulator received, in order.

@@ -44,7 +44,7 @@ fn gateway_with_fallback(dir: &tempfile::TempDir, sim: &SimProcess, b: &SimProce
     )
 }
 
-fn stream_dispatch(gateway: &Gateway, conversation: &str, body: &Value) -> Vec<(String, Value)> {
+pub fn stream_dispatch(gateway: &Gateway, conversation: &str, body: &Value) -> Vec<(String, Value)> {
     let response = client()
         .post(format!(
             "{}/v1/conversations/{conversation}/dispatch",

@@ -5,12 +5,11 @@
 //! compatible upstream; each dispatch must commit on its first attempt, once.
 
 use crate::serve::{
-    Gateway, assert_safety_metrics_zero, assistant_turns, client, client_events, conversation_with_question,
+    Gateway, assert_safety_metrics_zero, assistant_turns, client, conversation_with_question,
     history_is_legal, named, sqlite,
 };
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
-use std::io::Read;
 
 const TEXT: &str = "It is sunny in Paris.";
 
@@ -35,20 +34,7 @@ pub fn dispatch_to(
 ) -> Vec<(String, Value)> {
     let body = json!({"operation_id": operation, "stream": true, "max_output_tokens": 256,
                       "target": {"provider": provider, "model": model, "adapter": adapter}});
-    let response = client()
-        .post(format!(
-            "{}/v1/conversations/{conversation}/dispatch",
-            gateway.base
-        ))
-        .json(&body)
-        .send()
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let mut text = String::new();
-    std::io::BufReader::new(response)
-        .read_to_string(&mut text)
-        .unwrap();
-    client_events(&text)
+    crate::failover::stream_dispatch(gateway, conversation, &body)
 }
 
 /// The dispatch committed `TEXT` on its first attempt, with no error and no retraction.
