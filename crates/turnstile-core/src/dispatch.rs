@@ -674,6 +674,16 @@ impl DispatchMachine {
         }
     }
 
+    /// A lease renewal failed (its outcome unknown): try again at `at` instead of half a lease
+    /// later, while the attempt is still this machine's. The holder stops on its own before the
+    /// lease it last renewed runs out (the driver's fence); a store that answers before then
+    /// lets the attempt go on.
+    pub fn renew_again_at(&mut self, at: Timestamp) {
+        if self.lease_renew_at.is_some() && self.state.is_live() && self.state != DispatchState::Unknown {
+            self.lease_renew_at = Some(at);
+        }
+    }
+
     /// The store answered a [`Write`].
     pub fn handle_store(&mut self, now: Timestamp, answer: StoreAnswer) -> Handled {
         match (self.awaiting, answer) {

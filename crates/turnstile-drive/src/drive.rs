@@ -37,6 +37,20 @@ pub const RESUMES_PER_GENERATION_MAX: u32 = 3;
 /// Most replays (same generation, same idempotency key) of one generation before recovery
 /// stops relying on the provider's deduplication and waits for the lease instead.
 pub const REPLAYS_PER_GENERATION_MAX: u32 = 3;
+/// The share of a lease its holder keeps as margin: a driver stops on its own this long before
+/// the end of the lease it last renewed (counted from when it asked for it, by its own clock,
+/// so the store's end is never earlier). It covers a late timer and a slow close; clock rates
+/// drift by parts per million. `docs/decisions.md`, "A holder fences itself".
+pub const FENCE_MARGIN_DIVISOR: u64 = 5;
+/// How soon a failed lease renewal is tried again, as a share of the lease.
+const RENEW_RETRY_DIVISOR: u64 = 20;
+
+/// When a holder that asked for a lease of `lease_ms` at `asked_at` (its own clock) must have
+/// stopped: before the store's end of that lease, by the margin.
+pub fn fence_deadline(asked_at: Timestamp, lease_ms: u64) -> Timestamp {
+    asked_at.plus_ms(lease_ms - lease_ms / FENCE_MARGIN_DIVISOR)
+}
+
 /// Slack added to a lease end read back from the store before a rearm is tried.
 const REARM_MARGIN_MS: u64 = 50;
 /// Largest status or cancel answer read (a Responses object without its output is far
@@ -343,6 +357,14 @@ pub struct Drive {
     /// go to the quarantine log with it, as the queued events of a handle refused at once do.
     unchecked: Option<Generation>,
     unchecked_events: Vec<Sequenced>,
+    /// When the outstanding lease write (begin, replay, resume, renewal) was asked for.
+    lease_asked_at: Option<Timestamp>,
+    /// This driver stopped on its own before its lease could run out: nothing of the machine
+    /// goes out any more (no send, no write, no event); the ledger decides.
+    fenced: bool,
+    /// While this driver holds an attempt's lease: when it must have stopped, by its own
+    /// clock ([`fence_deadline`] of the last lease write that landed).
+    fence_at: Option<Timestamp>,
 }
 
 impl std::fmt::Debug for Drive {
@@ -395,6 +417,8 @@ impl Drive {
         let mut drive = Drive::new(spec, now);
         drive.target = (target as usize).min(drive.spec.targets.len() - 1);
         drive.prebegun = Some((generation, idempotency_key));
+        // `now` is when the prepare asked for the attempt's lease: the fence counts from there.
+        drive.lease_asked_at = Some(now);
         // The store's count of attempts, read after that write, already holds this one.
         drive.attempts_started = generation.0.saturating_sub(1);
         drive
@@ -489,6 +513,9 @@ impl Drive {
             prebegun: None,
             unchecked: None,
             unchecked_events: Vec::new(),
+            lease_asked_at: None,
+            fenced: false,
+            fence_at: None,
         };
         // A dispatch rearmed after an attempt goes on from the target after that attempt's;
         // a fresh one starts at its own manifest (target 0), cooling targets skipped.
@@ -583,10 +610,65 @@ impl Drive {
             return None;
         }
         let connections = self.connections.values().map(Connection::deadline).min();
-        match (self.machine.poll_timeout(), connections) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        [self.machine.poll_timeout(), connections, self.fence()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// While this driver holds an attempt's lease: the moment it stops on its own, by its own
+    /// clock, unless a renewal lands first (`docs/decisions.md`, "A holder fences itself").
+    fn fence(&self) -> Option<Timestamp> {
+        let holds = matches!(
+            self.machine.state(),
+            DispatchState::Dispatching | DispatchState::Sent | DispatchState::Streaming
+        );
+        self.fence_at.filter(|_| holds && !self.stopped)
+    }
+
+    /// How long a pump may wait for the store while provider connections are open: until the
+    /// fence (then it answers the outstanding operation [`StoreResult::Failed`], whatever the
+    /// store does with it later). `None`: no connection depends on the lease.
+    pub fn store_wait_deadline(&self) -> Option<Timestamp> {
+        self.fence().filter(|_| !self.connections.is_empty())
+    }
+
+    /// A lease write landed: the fence moves to the lease it granted.
+    fn lease_granted(&mut self) {
+        if let Some(asked_at) = self.lease_asked_at.take() {
+            self.fence_at = Some(fence_deadline(asked_at, self.spec.lease_ms));
         }
+    }
+
+    /// Stop before the lease runs out: close every provider connection, void this driver's
+    /// preview, and leave the attempt to recovery by the store's clock. Nothing the machine
+    /// still has goes out (no send, write or event): the ledger tells the clients the rest.
+    fn self_fence(&mut self, reason: &'static str) {
+        if self.fenced {
+            return;
+        }
+        self.fenced = true;
+        self.stopped = true;
+        self.fence_at = None;
+        self.actions.push_back(Action::Count(Count::SelfFenced(reason)));
+        let open: Vec<ConnectionId> = self.connections.keys().copied().collect();
+        for connection in open {
+            self.actions.push_back(Action::Close { connection });
+        }
+        self.connections.clear();
+        self.work.clear();
+        self.outbox.clear();
+        self.behind.clear();
+        self.after_probe = None;
+        self.failover = None;
+        if let Some(generation) = self.machine.generation() {
+            self.retract(generation, reason);
+        }
+    }
+
+    /// Whether this driver stopped on its own before its lease could run out.
+    pub fn fenced(&self) -> bool {
+        self.fenced
     }
 
     /// Time passed.
@@ -687,6 +769,11 @@ impl Drive {
 
     fn advance(&mut self) {
         while self.actions.is_empty() && self.pending.is_none() {
+            if self.fence().is_some_and(|at| self.now >= at) {
+                // Past the fence nothing proceeds: no read, no send, no write.
+                self.self_fence("lease_ending");
+                continue;
+            }
             if let Some((op, pending)) = self.outbox.pop_front() {
                 self.issue(op, pending);
                 continue;
@@ -750,7 +837,15 @@ impl Drive {
             // checked against the manifest, whatever the attempt's state).
             op @ (StoreOp::Quarantine { .. } | StoreOp::ReadAttempts | StoreOp::BindHandle { .. }) => op,
             op => {
-                self.outbox.extend(self.behind.drain(..));
+                // A held handle that is no identity stays held (`handle_is_identity`): the commit
+                // records it unbound, and a server that reuses its ids must not turn a renewal
+                // or a transition into a foreign handle.
+                let (keep, flush): (Vec<_>, Vec<_>) =
+                    std::mem::take(&mut self.behind).into_iter().partition(|(op, _)| {
+                        matches!(op, StoreOp::BindHandle { generation, .. } if !self.handle_is_identity(*generation))
+                    });
+                self.behind = keep;
+                self.outbox.extend(flush);
                 op
             }
         };
@@ -763,6 +858,14 @@ impl Drive {
 
     fn issue(&mut self, op: StoreOp, pending: Pending) {
         assert!(self.pending.is_none(), "two store operations outstanding");
+        if matches!(
+            op,
+            StoreOp::Begin { .. } | StoreOp::Replay { .. } | StoreOp::Resume { .. } | StoreOp::RenewLease { .. }
+        ) {
+            // The store's end of the lease is its clock at the write plus the lease, never
+            // earlier than this moment plus the lease by ours.
+            self.lease_asked_at = Some(self.now);
+        }
         self.pending = Some(pending);
         self.actions.push_back(Action::Store(op));
     }
@@ -953,6 +1056,9 @@ impl Drive {
     }
 
     fn effect(&mut self, effect: Effect) {
+        if self.fenced {
+            return;
+        }
         if self.stopped
             && matches!(
                 effect,
@@ -1284,6 +1390,15 @@ impl Drive {
 
     fn write_answered(&mut self, kind: WriteKind, result: StoreResult) {
         let answer = match (kind, result) {
+            (WriteKind::RenewLease, StoreResult::Failed(_)) => {
+                // Its outcome is unknown: the lease last granted still holds until the fence.
+                // Try again soon; a store that answers before the fence lets the attempt go on.
+                self.lease_asked_at = None;
+                self.actions.push_back(Action::Count(Count::StoreFailure));
+                let retry = (self.spec.lease_ms / RENEW_RETRY_DIVISOR).max(1);
+                self.machine.renew_again_at(self.now.plus_ms(retry));
+                return;
+            }
             (_, StoreResult::Failed(_)) => {
                 self.carried.clear();
                 self.store_failed(kind);
@@ -1316,6 +1431,7 @@ impl Drive {
                 self.transitioned(from, DispatchState::Dispatching);
                 self.targets_of.insert(generation, self.target);
                 self.idempotency_keys.insert(generation, idempotency_key.clone());
+                self.lease_granted();
                 StoreAnswer::Began {
                     generation,
                     idempotency_key,
@@ -1326,6 +1442,10 @@ impl Drive {
                 StoreAnswer::BeginRefused
             }
             (WriteKind::Transition { from, to }, StoreResult::Applied) => {
+                if (from, to) == (DispatchState::Unknown, DispatchState::Streaming) {
+                    // A resume took the attempt's lease over.
+                    self.lease_granted();
+                }
                 self.transitioned(from, to);
                 return;
             }
@@ -1347,6 +1467,7 @@ impl Drive {
                 StoreAnswer::TransitionRefused
             }
             (WriteKind::Replay { generation }, StoreResult::Applied) => {
+                self.lease_granted();
                 *self.replays.entry(generation).or_default() += 1;
                 self.transitioned(DispatchState::Unknown, DispatchState::Dispatching);
                 match self.idempotency_keys.get(&generation).cloned() {
@@ -1389,10 +1510,16 @@ impl Drive {
                 self.stopped = true;
                 StoreAnswer::TransitionRefused
             }
-            (WriteKind::RenewLease, StoreResult::Applied) => return,
+            (WriteKind::RenewLease, StoreResult::Applied) => {
+                self.lease_granted();
+                return;
+            }
             (WriteKind::RenewLease, _) => {
-                self.stopped = true;
-                StoreAnswer::LeaseLost
+                // Refused: the attempt is no longer this driver's (its lease ran out by the
+                // store's clock, or another replica took it over). Stop now.
+                self.lease_asked_at = None;
+                self.self_fence("lease_lost");
+                return;
             }
             (WriteKind::Commit { generation }, StoreResult::Committed { revision }) => {
                 // Pair assertion (on in release): a commit lands at the answered revision + 1.
@@ -1509,7 +1636,8 @@ impl Drive {
                 self.retract(generation, "store_unavailable");
             }
         }
-        self.emit_error("store_unavailable");
+        // No error event: the dispatch may still commit (the write may have landed, or a
+        // driver elsewhere finishes it). The pump relays what the ledger says instead.
     }
 
     fn send(&mut self, generation: Generation, idempotency_key: String, request_digest: &str) {

@@ -20,7 +20,7 @@ mod drive;
 mod types;
 
 pub use drive::{
-    ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, REPLAYS_PER_GENERATION_MAX, RESUMES_PER_GENERATION_MAX,
-    fails_over_on, refusal_message,
+    ATTEMPTS_PER_DISPATCH_MAX, Drive, DriveSpec, FENCE_MARGIN_DIVISOR, REPLAYS_PER_GENERATION_MAX,
+    RESUMES_PER_GENERATION_MAX, fails_over_on, fence_deadline, refusal_message,
 };
 pub use types::*;

@@ -404,6 +404,11 @@ pub enum Count {
     Unknown(bool),
     /// A store failure on the dispatch path (the attempt was ended explicitly).
     StoreFailure,
+    /// The driver stopped on its own before the lease it holds could run out (its renewal was
+    /// refused, or the store did not answer in time): its provider connections are closed, its
+    /// preview retracted, and recovery decides by the store's clock. The reason:
+    /// `lease_lost` (a renewal refused) or `lease_ending` (no renewal landed in time).
+    SelfFenced(&'static str),
     /// A connection closed because it waited past a bound (head, idle, whole attempt).
     Timeout,
     /// An input the driver ignored, with the reason (stale, duplicate, foreign).
@@ -444,6 +449,9 @@ pub fn error_message(code: &str) -> &'static str {
             "the output cap ended the response inside a tool call's arguments; nothing was committed and the same request would stop there again: raise the output cap"
         }
         "store_unavailable" => "the ledger could not be written; the lease decides what happens next",
+        "ledger_unreachable" => {
+            "this replica lost the ledger and stopped driving the dispatch; it goes on elsewhere or after recovery: attach again with the same operation_id (or read GET /v1/dispatches/{operation_id}) for its outcome"
+        }
         "output_budget_exhausted" => {
             "the gateway's memory budget for provider output was exhausted and this dispatch held the most; nothing was committed"
         }

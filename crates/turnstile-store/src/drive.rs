@@ -158,7 +158,7 @@ pub async fn perform(
             lease_expires_at,
         } => transition(
             ledger
-                .renew_lease(operation_id, *generation, &lease(*lease_expires_at))
+                .renew_lease(operation_id, *generation, &lease(*lease_expires_at), now)
                 .await,
         ),
         StoreOp::BindHandle { generation, handle } => {

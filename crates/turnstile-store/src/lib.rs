@@ -326,12 +326,15 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
-    /// Extend the lease of the active attempt; the generation is the fencing token.
+    /// Extend the lease of the active attempt; the generation is the fencing token. A lease
+    /// that ran out by `now` (the store's clock) is not renewed: its holder promised to have
+    /// stopped by then, and recovery may already act on that promise.
     async fn renew_lease(
         &self,
         operation_id: &str,
         generation: Generation,
         lease: &Lease,
+        now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError>;
 
     /// Bind a provider handle to the dispatch's manifest digest. A handle bound to another

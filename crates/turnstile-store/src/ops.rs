@@ -1562,11 +1562,15 @@ pub(crate) async fn renew_lease<T: Tx>(
     operation_id: &str,
     generation: Generation,
     lease: &Lease,
+    now: Timestamp,
 ) -> Result<TransitionOutcome, StoreError> {
+    // A lease that ran out by the store's clock is not renewed: its holder promised to have
+    // stopped by then, and the sweep may already be deciding recovery on that promise.
     let renewed = tx
         .execute(
             "UPDATE attempts SET lease_expires_at = $4 WHERE operation_id = $1 AND generation = $2 \
              AND lease_holder = $3 AND (state = 'DISPATCHING' OR state = 'SENT' OR state = 'STREAMING') \
+             AND lease_expires_at > $5 \
              AND EXISTS (SELECT 1 FROM dispatches d WHERE d.operation_id = attempts.operation_id \
                          AND d.active_generation = $2)",
             &[
@@ -1574,6 +1578,7 @@ pub(crate) async fn renew_lease<T: Tx>(
                 generation.0.into(),
                 lease.holder.as_str().into(),
                 ts(lease.expires_at),
+                ts(now),
             ],
         )
         .await?;

@@ -804,12 +804,14 @@ impl Ledger for PgLedger {
         operation_id: &str,
         generation: Generation,
         lease: &Lease,
+        now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError> {
         in_tx!(self, |tx| ops::renew_lease(
             &mut tx,
             operation_id,
             generation,
-            lease
+            lease,
+            now
         ))
     }
 

@@ -1668,9 +1668,10 @@ impl Ledger for SqliteLedger {
         operation_id: &str,
         generation: Generation,
         lease: &Lease,
+        now: Timestamp,
     ) -> Result<TransitionOutcome, StoreError> {
         let (op, lease) = (operation_id.to_owned(), lease.clone());
-        self.run(move |tx| block_on_ready(ops::renew_lease(tx, &op, generation, &lease)))
+        self.run(move |tx| block_on_ready(ops::renew_lease(tx, &op, generation, &lease, now)))
             .await
     }
 

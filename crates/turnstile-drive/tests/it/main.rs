@@ -2,3 +2,4 @@
 //! scripted store and provider bytes.
 
 mod pairs;
+mod fence;

@@ -1048,6 +1048,9 @@ pub struct Began {
     pub idempotency_key: String,
     /// How many failover targets the prepare stored (none: the driver need not read them).
     pub fallbacks: usize,
+    /// When the prepare asked for the attempt's lease (this process's clock, before the
+    /// store's transaction): the driver fences itself from here.
+    pub asked_at: Timestamp,
 }
 
 /// Every target of a dispatch rendered and sealed, before anything is stored: target 0's
@@ -1221,6 +1224,7 @@ pub async fn store_rendered_importing(
             generation,
             idempotency_key,
             fallbacks: fallback_count,
+            asked_at: now,
         }),
         _ => None,
     };
@@ -1606,12 +1610,33 @@ fn whole_answer(operation_id: &str, state: &str, events: &[Arc<turnstile_drive::
 
 /// Poll the ledger for a dispatch this process does not drive, relaying its state until it is
 /// terminal (then its committed turn, if any).
+/// A ledger that cannot be read is tried again for three leases (the dispatch's fate is decided
+/// by then, here or elsewhere); then the clients are told `ledger_unreachable` and how to attach
+/// again, never a silent end.
 pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hub>) {
     let mut last: Option<DispatchState> = None;
+    let patience = Duration::from_millis(shared.lease_ms.saturating_mul(3));
+    let mut unreadable_since: Option<std::time::Instant> = None;
     loop {
         let record = match shared.ledger.dispatch(&operation_id).await {
-            Ok(Some(record)) => record,
-            _ => break,
+            Ok(Some(record)) => {
+                unreadable_since = None;
+                record
+            }
+            Ok(None) => break,
+            Err(error) => {
+                let since = *unreadable_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= patience {
+                    tracing::warn!(%operation_id, %error, "the ledger stayed unreadable: clients told to attach again");
+                    hub.send(turnstile_drive::DriveEvent::Error {
+                        code: "ledger_unreachable".into(),
+                        message: turnstile_drive::error_message("ledger_unreachable").into(),
+                    });
+                    break;
+                }
+                tokio::time::sleep(WATCH_POLL).await;
+                continue;
+            }
         };
         if last != Some(record.state) {
             last = Some(record.state);

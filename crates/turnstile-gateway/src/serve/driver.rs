@@ -159,7 +159,8 @@ pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
 /// begin).
 pub async fn drive_begun(shared: Arc<Shared>, ctx: DriveContext, began: super::api::Began) {
     let spec = spec_of(&shared, &ctx, true).await;
-    let drive = Drive::begun(spec, now(), began.target, began.generation, began.idempotency_key);
+    // Its lease was asked for when the prepare ran: the driver's fence counts from then.
+    let drive = Drive::begun(spec, began.asked_at, began.target, began.generation, began.idempotency_key);
     run(shared, ctx, drive).await;
 }
 
@@ -342,14 +343,29 @@ impl Pump {
         while let Some(action) = drive.poll_action() {
             match action {
                 Action::Store(op) => {
-                    let result = turnstile_store::drive::perform(
+                    let performed = turnstile_store::drive::perform(
                         self.shared.ledger.as_ref(),
                         &self.shared.holder,
                         &self.ctx.record.operation_id,
                         &op,
                         now(),
-                    )
-                    .await;
+                    );
+                    // While provider connections hang on the lease, the store is waited for
+                    // only until the driver's fence: then the operation's outcome is unknown
+                    // and the driver stops before its lease can run out (a dropped write may
+                    // still land; every write is fenced by generation).
+                    let result = match drive.store_wait_deadline() {
+                        Some(fence) => {
+                            let wait = Duration::from_millis(fence.0.saturating_sub(now().0));
+                            match tokio::time::timeout(wait, performed).await {
+                                Ok(result) => result,
+                                Err(_) => turnstile_drive::StoreResult::Failed(
+                                    "the store did not answer before this replica's lease ends".into(),
+                                ),
+                            }
+                        }
+                        None => performed.await,
+                    };
                     if let turnstile_drive::StoreResult::Failed(error) = &result {
                         tracing::error!(operation_id = %self.ctx.record.operation_id, %error, "ledger operation failed");
                     }
@@ -505,6 +521,10 @@ impl Pump {
                 }
             }
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
+            Count::SelfFenced(reason) => {
+                tracing::warn!(operation_id = %self.ctx.record.operation_id, %reason, "lease could not be kept: provider connections closed before it runs out; recovery decides");
+                metrics::self_fenced(reason);
+            }
             Count::Ignored(reason) => metrics::ignored(reason),
             Count::Notice { target, code, detail } => {
                 tracing::warn!(operation_id = %self.ctx.record.operation_id, provider = %target, %code, %detail, "provider stream notice");

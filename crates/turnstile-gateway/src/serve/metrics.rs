@@ -44,6 +44,11 @@ pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 /// Store operations of the dispatch driver that failed (the driver ended or left the attempt
 /// explicitly; see `turnstile_drive`).
 pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
+/// Drivers that stopped on their own before their attempt's lease could run out, by reason
+/// (`lease_ending`: no renewal landed in time; `lease_lost`: a renewal was refused).
+pub const SELF_FENCES: &str = "turnstile_lease_self_fences_total";
+/// The reasons of [`SELF_FENCES`].
+pub const SELF_FENCE_REASONS: [&str; 2] = ["lease_ending", "lease_lost"];
 /// Provider connections closed because they waited past a bound (head, idle, whole attempt).
 pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
 /// Dispatches ended because the process-wide provider output budget was exhausted.
@@ -135,6 +140,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
     ] {
         counter!(name).absolute(0);
     }
+    for reason in SELF_FENCE_REASONS {
+        counter!(SELF_FENCES, "reason" => reason).absolute(0);
+    }
     for outcome in RECOVERY_OUTCOMES {
         counter!(HANDLE_RECOVERIES, "outcome" => outcome).absolute(0);
     }
@@ -178,6 +186,11 @@ pub fn rejected_codes(codes: &[ViolationCode]) {
             _ => {}
         }
     }
+}
+
+/// Count a driver that fenced itself.
+pub fn self_fenced(reason: &'static str) {
+    counter!(SELF_FENCES, "reason" => reason).increment(1);
 }
 
 /// Count an input the driver ignored.

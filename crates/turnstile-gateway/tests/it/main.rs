@@ -7,6 +7,7 @@ mod console;
 mod console_api;
 mod executor;
 mod failover;
+mod fencing;
 mod foreign;
 mod listener;
 mod open_world;

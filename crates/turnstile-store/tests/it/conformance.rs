@@ -46,6 +46,7 @@ suite!(
     a_handle_bound_to_another_manifest_is_refused_and_counted,
     a_cancel_bumps_the_cancel_generation_and_a_begin_with_the_old_one_loses,
     leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease,
+    a_lease_that_ran_out_is_not_renewed,
     a_replay_keeps_the_generation_and_its_idempotency_key,
     tool_results_need_the_current_claim_and_append_tool_turns_through_the_validator,
     startup_recovery_marks_live_attempts_unknown_but_not_another_replicas_leased_ones,
@@ -740,7 +741,7 @@ pub async fn a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock
         expires_at: at(store_now.saturating_sub(60_000)),
     };
     assert_eq!(
-        store.renew_lease("op-s", Generation(1), &ended).await.unwrap(),
+        store.renew_lease("op-s", Generation(1), &ended, at(store_now)).await.unwrap(),
         TransitionOutcome::Applied
     );
     let age = store.stuck_age_ms().await.unwrap();
@@ -1733,27 +1734,52 @@ pub async fn a_cancel_bumps_the_cancel_generation_and_a_begin_with_the_old_one_l
     );
 }
 
+/// Issue 47: a lease that ran out by the store's clock is not renewed, even by its holder (who
+/// promised to have stopped by then); one still running is.
+pub async fn a_lease_that_ran_out_is_not_renewed(backend: Backend, name: &str) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    // Begun with a lease to 5,000 by the store's clock.
+    let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+    assert!(matches!(
+        store
+            .renew_lease("op-1", generation, &lease("replica-a", 10_000), at(5_000))
+            .await
+            .unwrap(),
+        TransitionOutcome::Refused { .. }
+    ));
+    assert_eq!(store.attempts("op-1").await.unwrap()[0].lease_expires_at, at(5_000));
+    assert_eq!(
+        store
+            .renew_lease("op-1", generation, &lease("replica-a", 10_000), at(4_999))
+            .await
+            .unwrap(),
+        TransitionOutcome::Applied
+    );
+    assert_eq!(store.attempts("op-1").await.unwrap()[0].lease_expires_at, at(10_000));
+}
+
 pub async fn leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease(backend: Backend, name: &str) {
     let (_place, store) = open_fresh(backend, name).await;
     conversation_at_1(&*store, "c").await;
     let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
     assert_eq!(
         store
-            .renew_lease("op-1", generation, &lease("replica-a", 8_000))
+            .renew_lease("op-1", generation, &lease("replica-a", 8_000), at(4_999))
             .await
             .unwrap(),
         TransitionOutcome::Applied
     );
     assert!(matches!(
         store
-            .renew_lease("op-1", generation, &lease("replica-b", 9_000))
+            .renew_lease("op-1", generation, &lease("replica-b", 9_000), at(100))
             .await
             .unwrap(),
         TransitionOutcome::Refused { .. }
     ));
     assert!(matches!(
         store
-            .renew_lease("op-1", Generation(7), &lease("replica-a", 9_000))
+            .renew_lease("op-1", Generation(7), &lease("replica-a", 9_000), at(100))
             .await
             .unwrap(),
         TransitionOutcome::Refused { .. }
@@ -1801,7 +1827,7 @@ pub async fn leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease(b
     );
     assert!(matches!(
         store
-            .renew_lease("op-1", generation, &lease("replica-a", 9_000))
+            .renew_lease("op-1", generation, &lease("replica-a", 9_000), at(200))
             .await
             .unwrap(),
         TransitionOutcome::Refused { .. }

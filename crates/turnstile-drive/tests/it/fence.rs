@@ -1,0 +1,288 @@
+//! Issue 47: a lease is a promise its holder keeps. A driver stops on its own before the lease
+//! it last renewed can run out (by its own clock, a fifth of the lease early): it closes its
+//! provider connections, retracts its preview and leaves the attempt to recovery. A renewal
+//! that fails is tried again soon and a store that answers in time lets the stream go on; a
+//! refused renewal stops the driver at once; a begin answered after the fence sends nothing.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use turnstile_adapters::decode::StreamApi;
+use turnstile_core::Digest;
+use turnstile_core::dispatch::{ProviderRecovery, Timestamp};
+use turnstile_core::{Generation, Revision};
+use turnstile_drive::*;
+
+const LEASE_MS: u64 = 5_000;
+/// The begin is asked for at this moment; with the margin the fence is at 1,000 + 4,000.
+const BEGIN_AT: u64 = 1_000;
+const FIRST_FENCE: u64 = BEGIN_AT + LEASE_MS - LEASE_MS / FENCE_MARGIN_DIVISOR;
+
+fn spec() -> DriveSpec {
+    let bytes = br#"{"model":"m","messages":[]}"#.to_vec();
+    let target = DriveTarget {
+        request_digest: Digest::of_bytes(&bytes).as_str().to_owned(),
+        request_bytes: Arc::new(bytes),
+        api: StreamApi::AnthropicMessages,
+        recovery: ProviderRecovery {
+            resume_by_handle: false,
+            honours_idempotency_key: false,
+        },
+        label: "a/m".to_owned(),
+        decoder: turnstile_adapters::decode::DecoderOptions::VENDOR,
+        timeouts: None,
+    };
+    DriveSpec {
+        basis: DispatchBasis {
+            operation_id: "op-1".into(),
+            revision: Revision(3),
+            cancel_generation: 0,
+            request_digest: target.request_digest.clone(),
+            request_bytes: target.request_bytes.clone(),
+        },
+        targets: vec![target],
+        cooling: vec![false],
+        last_target: None,
+        toolset: None,
+        call_ids_taken: HashSet::new(),
+        lease_ms: LEASE_MS,
+        attempts_before: 0,
+        // Production bounds: the attempt may outlive its lease many times over.
+        timeouts: Timeouts::default(),
+    }
+}
+
+const START: &[u8] = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n\
+event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n";
+
+fn delta(text: &str) -> Vec<u8> {
+    format!(
+        "event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":\"{text}\"}}}}\n\n"
+    )
+    .into_bytes()
+}
+
+/// What a pump saw while performing the driver's actions.
+#[derive(Default)]
+struct Seen {
+    renewals: Vec<u64>,
+    closed: bool,
+    fenced: Vec<&'static str>,
+    previews: Vec<(u64, String)>,
+    retracts: Vec<String>,
+    errors: Vec<String>,
+    opened: u32,
+    binds: u32,
+}
+
+/// How the store answers lease renewals.
+#[derive(Clone, Copy)]
+enum Renewals {
+    Fail,
+    FailOnceThenApply,
+    Refuse,
+}
+
+struct Pump {
+    drive: Drive,
+    seen: Seen,
+    renewals: Renewals,
+    connection: Option<ConnectionId>,
+}
+
+impl Pump {
+    fn begun() -> Pump {
+        let mut pump = Pump {
+            drive: Drive::new(spec(), Timestamp(BEGIN_AT)),
+            seen: Seen::default(),
+            renewals: Renewals::Fail,
+            connection: None,
+        };
+        // The begin lands at once.
+        match pump.drive.poll_action() {
+            Some(Action::Store(StoreOp::Begin { .. })) => {}
+            other => panic!("expected the begin, got {other:?}"),
+        }
+        pump.drive.handle_store(
+            Timestamp(BEGIN_AT + 1),
+            StoreResult::Began {
+                generation: Generation(1),
+                idempotency_key: "key-1".into(),
+            },
+        );
+        pump.perform(BEGIN_AT + 1);
+        pump
+    }
+
+    fn perform(&mut self, at: u64) {
+        while let Some(action) = self.drive.poll_action() {
+            match action {
+                Action::Open { connection, .. } => {
+                    self.seen.opened += 1;
+                    self.connection = Some(connection);
+                }
+                Action::Close { connection } if Some(connection) == self.connection => self.seen.closed = true,
+                Action::Store(StoreOp::RenewLease { .. }) => {
+                    self.seen.renewals.push(at);
+                    let result = match self.renewals {
+                        Renewals::Fail => StoreResult::Failed("connection refused".into()),
+                        Renewals::Refuse => StoreResult::Refused,
+                        Renewals::FailOnceThenApply if self.seen.renewals.len() == 1 => {
+                            StoreResult::Failed("connection refused".into())
+                        }
+                        Renewals::FailOnceThenApply => StoreResult::Applied,
+                    };
+                    self.drive.handle_store(Timestamp(at), result);
+                }
+                Action::Store(op) => {
+                    if matches!(op, StoreOp::BindHandle { .. }) {
+                        self.seen.binds += 1;
+                    }
+                    self.drive.handle_store(Timestamp(at), StoreResult::Applied)
+                }
+                Action::Emit(DriveEvent::Preview { delta, .. }) => self.seen.previews.push((at, delta)),
+                Action::Emit(DriveEvent::Retract { reason, .. }) => self.seen.retracts.push(reason),
+                Action::Emit(DriveEvent::Error { code, .. }) => self.seen.errors.push(code),
+                Action::Count(Count::SelfFenced(reason)) => self.seen.fenced.push(reason),
+                _ => {}
+            }
+        }
+    }
+
+    /// Stream one text delta every 100 ms from `from` to `to` (the timer fired whenever due,
+    /// as a pump's select does), performing every action.
+    fn stream(&mut self, from: u64, to: u64) {
+        let connection = self.connection.expect("opened");
+        let mut at = from;
+        while at <= to && !self.drive.is_finished() {
+            let mut fired = 0;
+            while let Some(due) = self.drive.poll_timeout()
+                && due.0 <= at
+            {
+                fired += 1;
+                assert!(fired < 100, "the driver's timer at {} ms does not move", due.0);
+                self.drive.handle_timeout(due);
+                self.perform(due.0);
+            }
+            self.drive.handle_chunk(Timestamp(at), connection, delta(&format!("t{at} ")));
+            self.perform(at);
+            at += 100;
+        }
+    }
+
+    fn head(&mut self) {
+        let connection = self.connection.expect("opened");
+        self.drive.handle_head(Timestamp(BEGIN_AT + 10), connection, 200);
+        self.drive.handle_chunk(Timestamp(BEGIN_AT + 20), connection, START.to_vec());
+        self.perform(BEGIN_AT + 20);
+    }
+}
+
+#[test]
+fn a_holder_whose_renewals_fail_stops_before_its_lease_ends_and_sends_no_preview_after() {
+    let mut pump = Pump::begun();
+    pump.head();
+    // The store is gone from the first renewal on; the provider streams on for 20 s.
+    pump.stream(BEGIN_AT + 100, BEGIN_AT + 20_000);
+    assert_eq!(pump.seen.fenced, vec!["lease_ending"], "it fenced itself once, as lease_ending");
+    assert!(pump.seen.closed, "its provider connection is closed");
+    assert!(pump.drive.fenced() && pump.drive.is_finished());
+    // Renewed at half the lease, then tried again every twentieth of a lease until the fence.
+    assert_eq!(pump.seen.renewals.first(), Some(&(BEGIN_AT + 1 + LEASE_MS / 2)));
+    assert!(pump.seen.renewals.len() >= 3, "renewals tried: {:?}", pump.seen.renewals);
+    let last_preview = pump.seen.previews.last().expect("previews before the fence").0;
+    assert!(
+        last_preview < FIRST_FENCE,
+        "preview at {last_preview} ms, fence at {FIRST_FENCE} ms"
+    );
+    assert_eq!(pump.seen.retracts, vec!["lease_ending".to_owned()]);
+    assert_eq!(pump.seen.opened, 1, "nothing sent again");
+}
+
+#[test]
+fn a_store_that_answers_before_the_fence_lets_the_stream_go_on() {
+    let mut pump = Pump::begun();
+    pump.renewals = Renewals::FailOnceThenApply;
+    pump.head();
+    pump.stream(BEGIN_AT + 100, BEGIN_AT + 20_000);
+    assert!(pump.seen.fenced.is_empty(), "fenced: {:?}", pump.seen.fenced);
+    // The stream's id (`msg_1`) is no identity on this target (no resume, no deduplication):
+    // it stays held for the commit to record, and is never bound when the renewals write the
+    // held transitions (a server reusing its ids would make that a foreign handle).
+    assert_eq!(pump.seen.binds, 0, "a handle that is no identity was bound");
+    // A failed renewal decides nothing the client must hear of: no error mid-stream.
+    assert!(pump.seen.errors.is_empty(), "errors: {:?}", pump.seen.errors);
+    assert!(!pump.seen.closed);
+    assert!(!pump.drive.is_finished());
+    // The retry came a twentieth of a lease after the failure.
+    assert_eq!(
+        pump.seen.renewals[1] - pump.seen.renewals[0],
+        LEASE_MS / 20,
+        "{:?}",
+        pump.seen.renewals
+    );
+    let last_preview = pump.seen.previews.last().expect("previews").0;
+    assert!(last_preview > BEGIN_AT + 19_000, "the stream went on: last preview at {last_preview}");
+}
+
+#[test]
+fn a_refused_renewal_stops_the_holder_at_once() {
+    let mut pump = Pump::begun();
+    pump.renewals = Renewals::Refuse;
+    pump.head();
+    pump.stream(BEGIN_AT + 100, BEGIN_AT + 20_000);
+    assert_eq!(pump.seen.fenced, vec!["lease_lost"]);
+    assert!(pump.seen.closed);
+    let first_renewal = pump.seen.renewals[0];
+    assert_eq!(pump.seen.renewals.len(), 1);
+    assert!(
+        pump.seen.previews.iter().all(|(at, _)| *at <= first_renewal),
+        "no preview after the refusal"
+    );
+    assert_eq!(pump.seen.retracts, vec!["lease_lost".to_owned()]);
+}
+
+#[test]
+fn a_begin_answered_after_the_fence_sends_nothing() {
+    let mut drive = Drive::new(spec(), Timestamp(BEGIN_AT));
+    assert!(matches!(drive.poll_action(), Some(Action::Store(StoreOp::Begin { .. }))));
+    // The store took longer than the lease's margin allows to answer.
+    drive.handle_store(
+        Timestamp(FIRST_FENCE),
+        StoreResult::Began {
+            generation: Generation(1),
+            idempotency_key: "key-1".into(),
+        },
+    );
+    let mut opened = false;
+    let mut fenced = Vec::new();
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { .. } => opened = true,
+            Action::Count(Count::SelfFenced(reason)) => fenced.push(reason),
+            Action::Store(op) => panic!("a store operation past the fence: {op:?}"),
+            _ => {}
+        }
+    }
+    assert!(!opened, "nothing may go out past the fence");
+    assert_eq!(fenced, vec!["lease_ending"]);
+    assert!(drive.is_finished());
+}
+
+#[test]
+fn the_fence_moves_with_each_renewal_that_lands_and_bounds_the_wait_for_the_store() {
+    let mut pump = Pump::begun();
+    pump.renewals = Renewals::FailOnceThenApply;
+    assert_eq!(
+        pump.drive.store_wait_deadline(),
+        Some(Timestamp(FIRST_FENCE)),
+        "an open connection waits for the store only until the fence"
+    );
+    pump.head();
+    pump.stream(BEGIN_AT + 100, BEGIN_AT + 4_000);
+    // The second renewal (the first landed) was asked for at `renewals[1]`.
+    let landed = pump.seen.renewals[1];
+    assert_eq!(
+        pump.drive.store_wait_deadline(),
+        Some(fence_deadline(Timestamp(landed), LEASE_MS))
+    );
+}
