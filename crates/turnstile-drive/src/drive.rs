@@ -860,7 +860,10 @@ impl Drive {
         assert!(self.pending.is_none(), "two store operations outstanding");
         if matches!(
             op,
-            StoreOp::Begin { .. } | StoreOp::Replay { .. } | StoreOp::Resume { .. } | StoreOp::RenewLease { .. }
+            StoreOp::Begin { .. }
+                | StoreOp::Replay { .. }
+                | StoreOp::Resume { .. }
+                | StoreOp::RenewLease { .. }
         ) {
             // The store's end of the lease is its clock at the write plus the lease, never
             // earlier than this moment plus the lease by ours.

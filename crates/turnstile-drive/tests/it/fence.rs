@@ -120,7 +120,9 @@ impl Pump {
                     self.seen.opened += 1;
                     self.connection = Some(connection);
                 }
-                Action::Close { connection } if Some(connection) == self.connection => self.seen.closed = true,
+                Action::Close { connection } if Some(connection) == self.connection => {
+                    self.seen.closed = true
+                }
                 Action::Store(StoreOp::RenewLease { .. }) => {
                     self.seen.renewals.push(at);
                     let result = match self.renewals {
@@ -163,7 +165,8 @@ impl Pump {
                 self.drive.handle_timeout(due);
                 self.perform(due.0);
             }
-            self.drive.handle_chunk(Timestamp(at), connection, delta(&format!("t{at} ")));
+            self.drive
+                .handle_chunk(Timestamp(at), connection, delta(&format!("t{at} ")));
             self.perform(at);
             at += 100;
         }
@@ -172,7 +175,8 @@ impl Pump {
     fn head(&mut self) {
         let connection = self.connection.expect("opened");
         self.drive.handle_head(Timestamp(BEGIN_AT + 10), connection, 200);
-        self.drive.handle_chunk(Timestamp(BEGIN_AT + 20), connection, START.to_vec());
+        self.drive
+            .handle_chunk(Timestamp(BEGIN_AT + 20), connection, START.to_vec());
         self.perform(BEGIN_AT + 20);
     }
 }
@@ -183,12 +187,20 @@ fn a_holder_whose_renewals_fail_stops_before_its_lease_ends_and_sends_no_preview
     pump.head();
     // The store is gone from the first renewal on; the provider streams on for 20 s.
     pump.stream(BEGIN_AT + 100, BEGIN_AT + 20_000);
-    assert_eq!(pump.seen.fenced, vec!["lease_ending"], "it fenced itself once, as lease_ending");
+    assert_eq!(
+        pump.seen.fenced,
+        vec!["lease_ending"],
+        "it fenced itself once, as lease_ending"
+    );
     assert!(pump.seen.closed, "its provider connection is closed");
     assert!(pump.drive.fenced() && pump.drive.is_finished());
     // Renewed at half the lease, then tried again every twentieth of a lease until the fence.
     assert_eq!(pump.seen.renewals.first(), Some(&(BEGIN_AT + 1 + LEASE_MS / 2)));
-    assert!(pump.seen.renewals.len() >= 3, "renewals tried: {:?}", pump.seen.renewals);
+    assert!(
+        pump.seen.renewals.len() >= 3,
+        "renewals tried: {:?}",
+        pump.seen.renewals
+    );
     let last_preview = pump.seen.previews.last().expect("previews before the fence").0;
     assert!(
         last_preview < FIRST_FENCE,
@@ -221,7 +233,10 @@ fn a_store_that_answers_before_the_fence_lets_the_stream_go_on() {
         pump.seen.renewals
     );
     let last_preview = pump.seen.previews.last().expect("previews").0;
-    assert!(last_preview > BEGIN_AT + 19_000, "the stream went on: last preview at {last_preview}");
+    assert!(
+        last_preview > BEGIN_AT + 19_000,
+        "the stream went on: last preview at {last_preview}"
+    );
 }
 
 #[test]
@@ -244,7 +259,10 @@ fn a_refused_renewal_stops_the_holder_at_once() {
 #[test]
 fn a_begin_answered_after_the_fence_sends_nothing() {
     let mut drive = Drive::new(spec(), Timestamp(BEGIN_AT));
-    assert!(matches!(drive.poll_action(), Some(Action::Store(StoreOp::Begin { .. }))));
+    assert!(matches!(
+        drive.poll_action(),
+        Some(Action::Store(StoreOp::Begin { .. }))
+    ));
     // The store took longer than the lease's margin allows to answer.
     drive.handle_store(
         Timestamp(FIRST_FENCE),

@@ -160,7 +160,13 @@ pub async fn drive_new(shared: Arc<Shared>, ctx: DriveContext) {
 pub async fn drive_begun(shared: Arc<Shared>, ctx: DriveContext, began: super::api::Began) {
     let spec = spec_of(&shared, &ctx, true).await;
     // Its lease was asked for when the prepare ran: the driver's fence counts from then.
-    let drive = Drive::begun(spec, began.asked_at, began.target, began.generation, began.idempotency_key);
+    let drive = Drive::begun(
+        spec,
+        began.asked_at,
+        began.target,
+        began.generation,
+        began.idempotency_key,
+    );
     run(shared, ctx, drive).await;
 }
 

@@ -243,9 +243,11 @@ fn a_replica_cut_off_from_postgresql_closes_its_provider_stream_before_another_s
     });
     relay.cut();
     // Replica B finds the lease run out by the store's clock and finishes the dispatch.
-    wait_for("the dispatch to commit on replica B", Duration::from_secs(60), || {
-        b.get(&format!("/v1/dispatches/{operation}"))["state"] == "COMMITTED"
-    });
+    wait_for(
+        "the dispatch to commit on replica B",
+        Duration::from_secs(60),
+        || b.get(&format!("/v1/dispatches/{operation}"))["state"] == "COMMITTED",
+    );
     let seen = provider.seen();
     assert!(seen.len() >= 2, "{seen:?}");
     let first_closed = seen[0].closed.expect("the first request's connection closed");

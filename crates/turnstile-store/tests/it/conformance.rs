@@ -741,7 +741,10 @@ pub async fn a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock
         expires_at: at(store_now.saturating_sub(60_000)),
     };
     assert_eq!(
-        store.renew_lease("op-s", Generation(1), &ended, at(store_now)).await.unwrap(),
+        store
+            .renew_lease("op-s", Generation(1), &ended, at(store_now))
+            .await
+            .unwrap(),
         TransitionOutcome::Applied
     );
     let age = store.stuck_age_ms().await.unwrap();
@@ -1748,7 +1751,10 @@ pub async fn a_lease_that_ran_out_is_not_renewed(backend: Backend, name: &str) {
             .unwrap(),
         TransitionOutcome::Refused { .. }
     ));
-    assert_eq!(store.attempts("op-1").await.unwrap()[0].lease_expires_at, at(5_000));
+    assert_eq!(
+        store.attempts("op-1").await.unwrap()[0].lease_expires_at,
+        at(5_000)
+    );
     assert_eq!(
         store
             .renew_lease("op-1", generation, &lease("replica-a", 10_000), at(4_999))
@@ -1756,7 +1762,10 @@ pub async fn a_lease_that_ran_out_is_not_renewed(backend: Backend, name: &str) {
             .unwrap(),
         TransitionOutcome::Applied
     );
-    assert_eq!(store.attempts("op-1").await.unwrap()[0].lease_expires_at, at(10_000));
+    assert_eq!(
+        store.attempts("op-1").await.unwrap()[0].lease_expires_at,
+        at(10_000)
+    );
 }
 
 pub async fn leases_are_fenced_by_generation_and_rearm_waits_for_the_old_lease(backend: Backend, name: &str) {
