@@ -493,12 +493,20 @@ pub trait Ledger: Send + Sync {
     ) -> Result<ReleaseOutcome, StoreError>;
 
     /// The proxy handed the call to its client (ready → client); `false` when it was not ready.
+    /// The client's hold ends `bound_ms` (1..=[`CLIENT_CALL_TIMEOUT_MS_MAX`]) later by the
+    /// store's clock: the call then reads `client_abandoned`.
     async fn hand_to_client(
         &self,
         conversation_id: &str,
         call_id: &str,
         holder: &str,
+        bound_ms: u64,
     ) -> Result<bool, StoreError>;
+
+    /// A follow-up of the proxy client forked away from the conversation as it stood at
+    /// `revision`: its calls committed at or before `revision` that the client still holds end
+    /// now by the store's clock (client → `client_abandoned`). Answers how many.
+    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError>;
 
     /// A page of conversations, most recently updated first ([`listing`]).
     async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError>;

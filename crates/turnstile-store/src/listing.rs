@@ -33,7 +33,8 @@ pub struct ConversationCursor {
     pub conversation_id: String,
 }
 
-/// Whether a conversation has calls awaiting a result (any state but `done`).
+/// Whether a conversation has calls awaiting a result (any state but `done` and
+/// `client_abandoned`, by the store's clock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PendingFilter {
     /// Only conversations with at least one.
@@ -83,7 +84,8 @@ pub struct ConversationSummary {
     pub updated_at: Timestamp,
     /// Its newest dispatch, if any.
     pub last_dispatch: Option<LastDispatch>,
-    /// Its calls awaiting a result (tool-call ledger rows not `done`).
+    /// Its calls awaiting a result (tool-call ledger rows neither `done` nor `client_abandoned`,
+    /// by the store's clock at the read).
     pub pending_calls: u64,
 }
 
@@ -155,13 +157,14 @@ pub(crate) async fn conversations<T: Tx>(
         "SELECT conversation_id, revision, updated_at, operation_id, state, provider, pending FROM (\
            SELECT c.conversation_id, c.revision, c.updated_at, d.operation_id, d.state, d.provider, \
              (SELECT COUNT(*) FROM tool_calls t WHERE t.conversation_id = c.conversation_id \
-                AND t.state <> 'done') AS pending \
+                AND {pending}) AS pending \
            FROM conversations c LEFT JOIN dispatches d ON d.operation_id = (\
              SELECT x.operation_id FROM dispatches x WHERE x.conversation_id = c.conversation_id \
              ORDER BY x.created_at DESC, x.operation_id DESC LIMIT 1) \
            WHERE {inner}) AS listed \
          WHERE {} ORDER BY updated_at DESC, conversation_id DESC LIMIT {fetch}",
-        outer.join(" AND ")
+        outer.join(" AND "),
+        pending = crate::ops::pending_sql(tx.dialect(), "t"),
     );
     let rows = tx.query(&sql, &params.0).await?;
     let mut conversations = Vec::with_capacity(rows.len());

@@ -2161,14 +2161,43 @@ pub fn tool_call_idempotency_key(conversation_id: &str, call_id: &str, generatio
     format!("tc-{}", digest.as_str().trim_start_matches("sha256:"))
 }
 
-/// The listed columns; the state is judged by the store's clock inside the statement (a
-/// `claimed` row whose lease ran out reads `expired`).
+/// A call's listed state as SQL over the `tool_calls` row named `row` (`t`, or `tool_calls`),
+/// judged by the store's clock inside the statement: a `claimed` row whose lease ran out reads
+/// `expired`; a `client` row whose hold ended reads `client_abandoned` (its bound ran out, a
+/// fork brought it forward, or it was handed before holds had an end: no `claim_expires_at`).
+pub(crate) fn listed_state_sql(dialect: Dialect, row: &str) -> String {
+    format!(
+        "CASE WHEN {row}.state = 'claimed' AND {row}.claim_expires_at <= {now} THEN 'expired' \
+         WHEN {row}.state = 'client' AND ({abandoned}) THEN 'client_abandoned' ELSE {row}.state END",
+        now = dialect.now_ms(),
+        abandoned = client_hold_ended_sql(dialect, row),
+    )
+}
+
+/// The condition under which a `client` row's hold has ended, by the store's clock.
+fn client_hold_ended_sql(dialect: Dialect, row: &str) -> String {
+    format!(
+        "{row}.claim_expires_at IS NULL OR {row}.claim_expires_at <= {now}",
+        now = dialect.now_ms()
+    )
+}
+
+/// Whether the `tool_calls` row named `row` awaits a result, as SQL: every listed state but
+/// `done` and `client_abandoned` ([`ToolCallState::is_pending`]).
+pub(crate) fn pending_sql(dialect: Dialect, row: &str) -> String {
+    format!(
+        "{row}.state <> 'done' AND NOT ({row}.state = 'client' AND ({}))",
+        client_hold_ended_sql(dialect, row)
+    )
+}
+
+/// The listed columns; the state is judged by the store's clock inside the statement
+/// ([`listed_state_sql`]).
 fn tool_call_columns(dialect: Dialect) -> String {
     format!(
         "conversation_id, call_id, revision, generation, tool, arguments, args_digest, \
-         CASE WHEN state = 'claimed' AND claim_expires_at <= {now} THEN 'expired' ELSE state END, \
-         claim, claim_holder, claim_expires_at, result_revision",
-        now = dialect.now_ms()
+         {}, claim, claim_holder, claim_expires_at, result_revision",
+        listed_state_sql(dialect, "tool_calls")
     )
 }
 
@@ -2207,6 +2236,11 @@ pub(crate) async fn tool_calls<T: Tx>(
         None => String::new(),
         Some(ToolCallState::Claimed) => format!("WHERE state = 'claimed' AND claim_expires_at > {now} "),
         Some(ToolCallState::Expired) => format!("WHERE state = 'claimed' AND claim_expires_at <= {now} "),
+        Some(ToolCallState::Client) => format!("WHERE state = 'client' AND claim_expires_at > {now} "),
+        Some(ToolCallState::ClientAbandoned) => format!(
+            "WHERE state = 'client' AND ({}) ",
+            client_hold_ended_sql(tx.dialect(), "tool_calls")
+        ),
         Some(stored) => format!("WHERE state = '{}' ", stored.as_str()),
     };
     let sql =
@@ -2223,9 +2257,8 @@ async fn listed_state<T: Tx>(
     call_id: &str,
 ) -> Result<Option<ToolCallState>, StoreError> {
     let sql = format!(
-        "SELECT CASE WHEN state = 'claimed' AND claim_expires_at <= {now} THEN 'expired' ELSE state END \
-         FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
-        now = tx.dialect().now_ms()
+        "SELECT {} FROM tool_calls WHERE conversation_id = $1 AND call_id = $2",
+        listed_state_sql(tx.dialect(), "tool_calls")
     );
     let rows = tx.query(&sql, &[conversation_id.into(), call_id.into()]).await?;
     rows.first().map(|row| tool_call_state(&row.text(0)?)).transpose()
@@ -2363,22 +2396,53 @@ pub(crate) async fn release_call<T: Tx>(
 }
 
 /// ready → client: the proxy handed the call to the client in the provider's response; the
-/// client's follow-up carries the result (an appended tool turn closes it). `false` when the
-/// call was not ready (someone claimed it first, or it is answered already).
+/// client's follow-up carries the result (an appended tool turn closes it). The client's hold
+/// ends `bound_ms` (1..=[`CLIENT_CALL_TIMEOUT_MS_MAX`]) after the hand-over by the store's
+/// clock, when the call reads `client_abandoned`. `false` when the call was not ready (someone
+/// claimed it first, or it is answered already).
 pub(crate) async fn hand_to_client<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
     call_id: &str,
     holder: &str,
+    bound_ms: u64,
 ) -> Result<bool, StoreError> {
+    let bound_ms = bound_ms.clamp(1, CLIENT_CALL_TIMEOUT_MS_MAX);
+    let sql = format!(
+        "UPDATE tool_calls SET state = 'client', claim_holder = $3, claim_expires_at = {now} + $4 \
+         WHERE conversation_id = $1 AND call_id = $2 AND state = 'ready'",
+        now = tx.dialect().now_ms()
+    );
     let handed = tx
         .execute(
-            "UPDATE tool_calls SET state = 'client', claim_holder = $3, claim_expires_at = NULL \
-             WHERE conversation_id = $1 AND call_id = $2 AND state = 'ready'",
-            &[conversation_id.into(), call_id.into(), holder.into()],
+            &sql,
+            &[
+                conversation_id.into(),
+                call_id.into(),
+                holder.into(),
+                bound_ms.into(),
+            ],
         )
         .await?;
     Ok(handed == 1)
+}
+
+/// client → client_abandoned now (store clock) for every call of the conversation committed at
+/// or before `revision` whose client still holds it: a follow-up of the same client forked away
+/// from the conversation as it stood at `revision`. Calls committed after it (another request
+/// continued the conversation meanwhile) keep their hold. Answers how many calls it ended.
+pub(crate) async fn abandon_client_calls<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+) -> Result<u64, StoreError> {
+    let sql = format!(
+        "UPDATE tool_calls SET claim_expires_at = {now} WHERE conversation_id = $1 \
+         AND state = 'client' AND revision <= $2 AND claim_expires_at > {now}",
+        now = tx.dialect().now_ms()
+    );
+    tx.execute(&sql, &[conversation_id.into(), revision.0.into()])
+        .await
 }
 
 #[allow(clippy::too_many_arguments)]

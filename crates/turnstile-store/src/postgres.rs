@@ -1007,13 +1007,19 @@ impl Ledger for PgLedger {
         conversation_id: &str,
         call_id: &str,
         holder: &str,
+        bound_ms: u64,
     ) -> Result<bool, StoreError> {
         in_tx!(self, |tx| ops::hand_to_client(
             &mut tx,
             conversation_id,
             call_id,
-            holder
+            holder,
+            bound_ms
         ))
+    }
+
+    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError> {
+        in_tx!(self, |tx| ops::abandon_client_calls(&mut tx, conversation_id, revision))
     }
 
     async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError> {

@@ -1842,9 +1842,16 @@ impl Ledger for SqliteLedger {
         conversation_id: &str,
         call_id: &str,
         holder: &str,
+        bound_ms: u64,
     ) -> Result<bool, StoreError> {
         let (id, call, holder) = (conversation_id.to_owned(), call_id.to_owned(), holder.to_owned());
-        self.run(move |tx| block_on_ready(ops::hand_to_client(tx, &id, &call, &holder)))
+        self.run(move |tx| block_on_ready(ops::hand_to_client(tx, &id, &call, &holder, bound_ms)))
+            .await
+    }
+
+    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError> {
+        let id = conversation_id.to_owned();
+        self.run(move |tx| block_on_ready(ops::abandon_client_calls(tx, &id, revision)))
             .await
     }
 

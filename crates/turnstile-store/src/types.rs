@@ -472,6 +472,13 @@ pub struct QuarantineRecord {
 /// Longest lease an executor may ask for on a claim (the dispatch lease's limit).
 pub const CLAIM_LEASE_MS_MAX: u64 = turnstile_core::dispatch::LEASE_MS_MAX;
 
+/// Default bound on a call handed to a proxy client (`proxy_client_call_timeout_ms`): an hour,
+/// far above any agent's tool run between two requests, and short enough that a client that
+/// went away stops counting as pending the same day.
+pub const CLIENT_CALL_TIMEOUT_MS_DEFAULT: u64 = 3_600_000;
+/// Longest bound a gateway may set on a call handed to a proxy client: a week.
+pub const CLIENT_CALL_TIMEOUT_MS_MAX: u64 = 7 * 24 * 3_600_000;
+
 /// State of a committed tool call in the execution ledger, as listed.
 ///
 /// ```text
@@ -484,11 +491,18 @@ pub const CLAIM_LEASE_MS_MAX: u64 = turnstile_core::dispatch::LEASE_MS_MAX;
 ///     │               expired ──── claim again (claim + 1, same idempotency key) ──▶ claimed
 ///     │
 ///     └─ handed to the proxy client ──▶ client ── follow-up carrying the result ──▶ done
+///                                         │                                         ▲
+///                                         │ its bound ran out (store clock),        │ a late follow-up
+///                                         ▼ or a follow-up of its client forked     │ carrying the result
+///                                    client_abandoned ──────────────────────────────┘
 /// ```
 ///
 /// `expired` is not stored: it is a `claimed` row whose `claim_expires_at` is at or before the
 /// store's clock, computed inside every statement that reads or changes the row, so a lease runs
-/// out at the same instant for every replica and needs no sweeper. Every change is fenced by the
+/// out at the same instant for every replica and needs no sweeper. `client_abandoned` is read
+/// the same way: a `client` row's `claim_expires_at` is when its client's hold ends (the
+/// hand-over's time plus the bound, by the store's clock; a fork moves it to the fork's
+/// instant), and a row at or past it reads `client_abandoned`. Every change is fenced by the
 /// claim number; a tool turn appended directly closes the call from any state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ToolCallState {
@@ -502,17 +516,23 @@ pub enum ToolCallState {
     /// Handed to the proxy client that received it in the provider's response: the client runs
     /// it and its follow-up request carries the result. Never offered to executors.
     Client,
+    /// Handed to the proxy client, whose hold ended without a result in this conversation: its
+    /// bound ran out by the store's clock, or a later follow-up of the same client forked away
+    /// from the turn that made it. Not pending; never offered to executors. Bookkeeping, not a
+    /// refusal: a follow-up that still carries its result closes it (`done`).
+    ClientAbandoned,
     /// Its result is committed history.
     Done,
 }
 
 impl ToolCallState {
     /// Every state, in lifecycle order.
-    pub const ALL: [ToolCallState; 5] = [
+    pub const ALL: [ToolCallState; 6] = [
         ToolCallState::Ready,
         ToolCallState::Claimed,
         ToolCallState::Expired,
         ToolCallState::Client,
+        ToolCallState::ClientAbandoned,
         ToolCallState::Done,
     ];
 
@@ -523,8 +543,15 @@ impl ToolCallState {
             ToolCallState::Claimed => "claimed",
             ToolCallState::Expired => "expired",
             ToolCallState::Client => "client",
+            ToolCallState::ClientAbandoned => "client_abandoned",
             ToolCallState::Done => "done",
         }
+    }
+
+    /// Whether a call in this state awaits a result: every state but `done` and
+    /// `client_abandoned` (what the conversation listing counts as `pending_calls`).
+    pub fn is_pending(self) -> bool {
+        !matches!(self, ToolCallState::Done | ToolCallState::ClientAbandoned)
     }
 
     /// Parse the listed string.
@@ -558,7 +585,8 @@ pub struct ToolCallRecord {
     pub claim: u64,
     /// Holder of the latest claim (while claimed or expired).
     pub claim_holder: Option<String>,
-    /// When the latest claim's lease runs (or ran) out, by the store's clock.
+    /// When the latest claim's lease runs (or ran) out, by the store's clock; for a call
+    /// handed to the proxy client, when the client's hold ends (`client_abandoned` from then).
     pub claim_expires_at: Option<Timestamp>,
     /// Revision of the tool turn holding its result, once done.
     pub result_revision: Option<Revision>,

@@ -1988,8 +1988,9 @@ pub struct ToolCallQuery {
 }
 
 /// The execution ledger (`GET /v1/tool-calls?state=ready|claimed|expired|done`, and `client`
-/// for calls handed to a proxy client). States are judged by the store's clock at the read:
-/// a claim whose lease ran out is listed as `expired`.
+/// and `client_abandoned` for calls handed to a proxy client). States are judged by the store's
+/// clock at the read: a claim whose lease ran out is listed as `expired`, a client's hold that
+/// ended as `client_abandoned`.
 pub async fn tool_calls(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
@@ -2011,7 +2012,7 @@ pub async fn tool_calls(
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 ErrorCode::InvalidRequest,
-                "state is ready, claimed, expired, client or done",
+                "state is ready, claimed, expired, client, client_abandoned or done",
             )
         })?),
     };

@@ -138,6 +138,11 @@ pub struct Config {
     /// How many proxy refusals `GET /v1/proxy/refusals` keeps (oldest dropped first).
     #[serde(default = "proxy_refusals_max_default")]
     pub proxy_refusals_max: usize,
+    /// How long a tool call handed to a proxy client counts as pending without a follow-up
+    /// carrying its result, by the store's clock; then it reads `client_abandoned`
+    /// (1..=[`turnstile_store::CLIENT_CALL_TIMEOUT_MS_MAX`]).
+    #[serde(default = "client_call_timeout_default")]
+    pub proxy_client_call_timeout_ms: u64,
     /// Bytes of each body (the client's and ours) a shadow record keeps for the console's diff.
     #[serde(default = "shadow_body_bytes_max_default")]
     pub shadow_body_bytes_max: usize,
@@ -243,6 +248,9 @@ fn shadow_diffs_max_default() -> usize {
 }
 fn proxy_refusals_max_default() -> usize {
     super::proxy::refusals::PROXY_REFUSALS_MAX_DEFAULT
+}
+fn client_call_timeout_default() -> u64 {
+    turnstile_store::CLIENT_CALL_TIMEOUT_MS_DEFAULT
 }
 fn shadow_body_bytes_max_default() -> usize {
     super::proxy::shadow::SHADOW_BODY_BYTES_MAX_DEFAULT
@@ -487,6 +495,13 @@ impl Config {
         if self.providers.contains_key("sim") {
             return Err("provider name \"sim\" is reserved for the simulator (use sim_url)".into());
         }
+        if !(1..=turnstile_store::CLIENT_CALL_TIMEOUT_MS_MAX).contains(&self.proxy_client_call_timeout_ms) {
+            return Err(format!(
+                "proxy_client_call_timeout_ms must be 1–{} (ms), not {}",
+                turnstile_store::CLIENT_CALL_TIMEOUT_MS_MAX,
+                self.proxy_client_call_timeout_ms
+            ));
+        }
         Ok(address)
     }
 }
@@ -529,6 +544,24 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn the_proxy_client_call_bound_defaults_to_an_hour_and_is_refused_outside_its_range() {
+        let bound = |text: &str| toml::from_str::<Config>(text).unwrap();
+        assert_eq!(
+            bound("").proxy_client_call_timeout_ms,
+            turnstile_store::CLIENT_CALL_TIMEOUT_MS_DEFAULT
+        );
+        assert_eq!(turnstile_store::CLIENT_CALL_TIMEOUT_MS_DEFAULT, 3_600_000);
+        for (text, ok) in [
+            ("proxy_client_call_timeout_ms = 1", true),
+            ("proxy_client_call_timeout_ms = 604800000", true),
+            ("proxy_client_call_timeout_ms = 0", false),
+            ("proxy_client_call_timeout_ms = 604800001", false),
+        ] {
+            assert_eq!(bound(text).check().is_ok(), ok, "{text}");
+        }
     }
 
     #[test]

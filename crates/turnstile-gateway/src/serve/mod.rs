@@ -83,6 +83,9 @@ pub struct Shared {
     pub refusals: proxy::refusals::Refusals,
     /// Per-target failure counts and cool-downs for failover (`breaker.rs`).
     pub breaker: breaker::Breaker,
+    /// How long a call handed to a proxy client stays `client` (store clock) before it reads
+    /// `client_abandoned` (`proxy_client_call_timeout_ms`).
+    pub client_call_timeout_ms: u64,
 }
 
 /// The gateway's render caches, one per share of the conversations (by a hash of the
@@ -394,6 +397,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         refusals: proxy::refusals::Refusals::new(config.proxy_refusals_max, feed),
         breaker: breaker::Breaker::new(config.failover_breaker_failures, config.failover_cooldown_ms),
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
+        client_call_timeout_ms: config.proxy_client_call_timeout_ms,
     });
 
     // The BPE tables load beside recovery, not on the first request that counts tokens. Best

@@ -145,8 +145,9 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
             |message| message["role"] == "user" && message.to_string().contains("assistant: ignore that")
         )
     );
-    // The committed calls are handed to the client (state `client`: no claim, no lease), not
-    // left ready for an executor; the hand-off precedes the answer that shows them.
+    // The committed calls are handed to the client (state `client`: no claim; the client's
+    // hold ends at `claim_expires_at`), not left ready for an executor; the hand-off precedes
+    // the answer that shows them.
     let handed = gateway.get("/v1/tool-calls?state=client")["tool_calls"]
         .as_array()
         .unwrap()
@@ -154,7 +155,7 @@ fn openai_chat_tool_round_trip_is_stateless_and_every_sent_body_is_pinned() {
     assert_eq!(handed.len(), 2, "not handed to the client: {handed:?}");
     assert!(
         handed.iter().all(|call| call["claims"] == 0
-            && call["claim_expires_at"].is_null()
+            && call["claim_expires_at"].is_u64()
             && call["holder"] == "proxy-client"),
         "{handed:?}"
     );

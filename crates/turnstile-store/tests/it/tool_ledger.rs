@@ -46,6 +46,8 @@ tool_ledger!(
     the_latest_claim_s_result_is_accepted_after_its_lease_ran_out_while_nobody_claimed_again,
     leases_run_on_the_store_clock_whatever_time_the_caller_passes,
     a_call_handed_to_the_client_is_never_offered_to_executors_and_its_appended_result_closes_it,
+    a_client_call_past_its_bound_by_the_store_s_clock_is_client_abandoned_not_pending_and_a_late_result_still_closes_it,
+    a_fork_of_the_client_abandons_its_calls_up_to_the_revision_it_left_and_no_others,
 );
 
 /// Longest a test waits for the store to list a lease as run out.
@@ -508,7 +510,7 @@ pub async fn a_call_handed_to_the_client_is_never_offered_to_executors_and_its_a
     let held = claimed(&*store, "a-call-0", "exec-1", LONG_LEASE_MS).await;
     assert!(
         !store
-            .hand_to_client("c", "a-call-0", "proxy-client")
+            .hand_to_client("c", "a-call-0", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
             .await
             .unwrap()
     );
@@ -518,28 +520,34 @@ pub async fn a_call_handed_to_the_client_is_never_offered_to_executors_and_its_a
     );
     assert!(
         store
-            .hand_to_client("c", "a-call-0", "proxy-client")
+            .hand_to_client("c", "a-call-0", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
             .await
             .unwrap()
     );
     assert!(
         store
-            .hand_to_client("c", "a-call-1", "proxy-client")
+            .hand_to_client("c", "a-call-1", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
             .await
             .unwrap()
     );
     assert!(
         !store
-            .hand_to_client("c", "a-call-0", "proxy-client")
+            .hand_to_client("c", "a-call-0", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
             .await
             .unwrap(),
         "handed once"
     );
     let call = listed(&*store, "a-call-1").await;
     assert_eq!(
-        (call.state, call.claim, call.claim_expires_at),
-        (ToolCallState::Client, 0, None),
-        "no claim and no lease"
+        (call.state, call.claim, call.claim_holder.as_deref()),
+        (ToolCallState::Client, 0, Some("proxy-client")),
+        "no claim"
+    );
+    let hold_ends = call.claim_expires_at.expect("the client's hold has an end").0;
+    let now = store.store_now().await.unwrap().0;
+    assert!(
+        hold_ends > now && hold_ends <= now + CLIENT_CALL_TIMEOUT_MS_DEFAULT,
+        "the hold ends within the default bound of the store's now: {hold_ends} vs {now}"
     );
     for state in [
         ToolCallState::Ready,
@@ -603,12 +611,339 @@ pub async fn a_call_handed_to_the_client_is_never_offered_to_executors_and_its_a
     assert!(done.iter().all(|call| call.result_revision == Some(Revision(3))));
     assert!(
         !store
-            .hand_to_client("c", "a-call-0", "proxy-client")
+            .hand_to_client("c", "a-call-0", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
             .await
             .unwrap()
     );
-    assert!(!store.hand_to_client("c", "nope", "proxy-client").await.unwrap());
+    assert!(!store.hand_to_client("c", "nope", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT).await.unwrap());
     check_invariants(&*store, &["c".into()]).await;
+}
+
+/// The conversation's `pending_calls` in the listing.
+async fn pending_calls(store: &dyn Ledger, conversation_id: &str) -> u64 {
+    let page = store
+        .conversation_page(&ConversationQuery {
+            limit: 50,
+            ..ConversationQuery::default()
+        })
+        .await
+        .unwrap();
+    page.conversations
+        .iter()
+        .find(|summary| summary.conversation_id == conversation_id)
+        .unwrap_or_else(|| panic!("{conversation_id} is not listed"))
+        .pending_calls
+}
+
+/// Ids of the conversations the listing shows with (`Some`) or without (`None`) pending calls.
+async fn listed_by_pending(store: &dyn Ledger, pending: PendingFilter) -> Vec<String> {
+    let page = store
+        .conversation_page(&ConversationQuery {
+            limit: 50,
+            pending: Some(pending),
+            ..ConversationQuery::default()
+        })
+        .await
+        .unwrap();
+    page.conversations
+        .into_iter()
+        .map(|summary| summary.conversation_id)
+        .collect()
+}
+
+/// Ids of the calls listed in `state`.
+async fn listed_in(store: &dyn Ledger, state: ToolCallState) -> Vec<String> {
+    store
+        .tool_calls(Some(state))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|call| call.call_id)
+        .collect()
+}
+
+/// Poll the listing (bounded) until the call is listed as `client_abandoned`; until then it
+/// must be listed as `client`.
+async fn until_client_abandoned(store: &dyn Ledger, call_id: &str) -> ToolCallRecord {
+    let deadline = tokio::time::Instant::now() + EXPIRY_WAIT_MAX;
+    loop {
+        let call = listed(store, call_id).await;
+        if call.state == ToolCallState::ClientAbandoned {
+            return call;
+        }
+        assert_eq!(call.state, ToolCallState::Client, "{call:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{call_id} not client_abandoned after {EXPIRY_WAIT_MAX:?}: {call:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A result turn for `call_ids` of conversation `c` (each with its call's envelope).
+async fn results_turn(store: &dyn Ledger, id: &str, call_ids: &[&str]) -> serde_json::Value {
+    let calls = store.tool_calls(None).await.unwrap();
+    let blocks: Vec<serde_json::Value> = call_ids
+        .iter()
+        .map(|call_id| {
+            let call = calls
+                .iter()
+                .find(|call| call.conversation_id == "c" && call.call_id == *call_id)
+                .expect("listed call");
+            json!({"id": format!("{id}-{call_id}"), "kind": "tool_result", "call_id": call_id,
+                   "tool": call.tool, "args_digest": call.args_digest, "generation": call.generation.0,
+                   "status": "success", "content": [{"kind": "text", "text": "12C"}]})
+        })
+        .collect();
+    json!({"id": id, "role": "tool", "blocks": blocks})
+}
+
+/// A call handed to the proxy client holds until `bound_ms` after the hand-over by the store's
+/// clock; from then it reads `client_abandoned` in every listing, claim and result answer, it
+/// leaves the conversation's pending count, and executors still never get it. A late follow-up
+/// carrying its result closes it once (`done`); a second result is refused.
+pub async fn a_client_call_past_its_bound_by_the_store_s_clock_is_client_abandoned_not_pending_and_a_late_result_still_closes_it(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    calls_committed(&*store, 3).await;
+    assert_eq!(pending_calls(&*store, "c").await, 3, "three ready calls");
+    // A long bound: the hold ends that long after the store's now at the hand-over.
+    let before = store.store_now().await.unwrap().0;
+    assert!(
+        store
+            .hand_to_client("c", "a-call-0", "proxy-client", 60_000)
+            .await
+            .unwrap()
+    );
+    let after = store.store_now().await.unwrap().0;
+    let held = listed(&*store, "a-call-0").await;
+    assert_eq!(held.state, ToolCallState::Client);
+    let hold_ends = held.claim_expires_at.expect("a hold with an end").0;
+    assert!(
+        hold_ends >= before + 60_000 && hold_ends <= after + 60_000,
+        "hold ends at {hold_ends}, not 60 s after the store's now [{before}, {after}]"
+    );
+    // A 1 ms bound runs out at once by the store's clock.
+    assert!(
+        store
+            .hand_to_client("c", "a-call-1", "proxy-client", 1)
+            .await
+            .unwrap()
+    );
+    let abandoned = until_client_abandoned(&*store, "a-call-1").await;
+    assert_eq!(
+        (abandoned.claim, abandoned.claim_holder.as_deref()),
+        (0, Some("proxy-client"))
+    );
+    assert_eq!(listed_in(&*store, ToolCallState::Client).await, ["a-call-0"]);
+    assert_eq!(
+        listed_in(&*store, ToolCallState::ClientAbandoned).await,
+        ["a-call-1"]
+    );
+    assert_eq!(listed_in(&*store, ToolCallState::Ready).await, ["a-call-2"]);
+    assert_eq!(
+        pending_calls(&*store, "c").await,
+        2,
+        "a ready and a client call are pending, the abandoned one is not"
+    );
+    // Never offered to executors, and no claim answers for it.
+    assert_eq!(
+        store
+            .claim_call("c", "a-call-1", "exec-1", LONG_LEASE_MS)
+            .await
+            .unwrap(),
+        CallClaimOutcome::Unavailable {
+            state: ToolCallState::ClientAbandoned
+        }
+    );
+    assert_eq!(
+        store
+            .submit_tool_result("c", "a-call-1", 0, "success", &json!([]), at(30))
+            .await
+            .unwrap(),
+        ResultOutcome::StaleClaim
+    );
+    assert!(
+        !store
+            .hand_to_client("c", "a-call-1", "proxy-client", 60_000)
+            .await
+            .unwrap(),
+        "an abandoned call is not handed again"
+    );
+    // A late follow-up carrying the result closes it: abandonment is bookkeeping, not refusal.
+    let late = results_turn(&*store, "late", &["a-call-1"]).await;
+    assert_eq!(
+        store.append_turn("c", Revision(2), &late, at(31)).await.unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(3)
+        }
+    );
+    let closed = listed(&*store, "a-call-1").await;
+    assert_eq!(
+        (closed.state, closed.result_revision),
+        (ToolCallState::Done, Some(Revision(3)))
+    );
+    let again = results_turn(&*store, "again", &["a-call-1"]).await;
+    assert!(
+        matches!(
+            store.append_turn("c", Revision(3), &again, at(32)).await.unwrap(),
+            AppendOutcome::Rejected(_)
+        ),
+        "a second result is a duplicate"
+    );
+    assert_eq!(pending_calls(&*store, "c").await, 2);
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+/// A follow-up of the client that forks away from the conversation as it stood at revision R
+/// ends (now, by the store's clock) exactly the calls the client held there at or before R:
+/// not those committed after R, not ready or done ones, not another conversation's. The
+/// conversation leaves the pending listing; a late follow-up still closes the calls.
+pub async fn a_fork_of_the_client_abandons_its_calls_up_to_the_revision_it_left_and_no_others(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    // Conversation "c": two calls at revision 2, answered at 3, then one more call at 4 and a
+    // ready one beside it.
+    calls_committed(&*store, 2).await;
+    for call_id in ["a-call-0", "a-call-1"] {
+        assert!(
+            store
+                .hand_to_client("c", call_id, "proxy-client", LONG_LEASE_MS)
+                .await
+                .unwrap()
+        );
+    }
+    // Another client's conversation "d" holding a call of its own.
+    conversation_at_1(&*store, "d").await;
+    let generation = prepared_and_begun(&*store, "op-d", "d", 1).await;
+    to_streaming(&*store, "op-d", generation).await;
+    assert!(matches!(
+        store
+            .commit("op-d", generation, Revision(1), &assistant_turn("d", 1), at(20))
+            .await
+            .unwrap(),
+        CommitOutcome::Committed { .. }
+    ));
+    assert!(
+        store
+            .hand_to_client("d", "d-call-0", "proxy-client", LONG_LEASE_MS)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store.abandon_client_calls("c", Revision(1)).await.unwrap(),
+        0,
+        "nothing was handed at or before revision 1"
+    );
+    assert_eq!(listed_in(&*store, ToolCallState::Client).await.len(), 3);
+    let both = results_turn(&*store, "r3", &["a-call-0", "a-call-1"]).await;
+    assert_eq!(
+        store.append_turn("c", Revision(2), &both, at(30)).await.unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(3)
+        }
+    );
+    let generation = prepared_and_begun(&*store, "op-2", "c", 3).await;
+    to_streaming(&*store, "op-2", generation).await;
+    assert!(matches!(
+        store
+            .commit("op-2", generation, Revision(3), &assistant_turn("b", 2), at(40))
+            .await
+            .unwrap(),
+        CommitOutcome::Committed { .. }
+    ));
+    assert!(
+        store
+            .hand_to_client("c", "b-call-0", "proxy-client", LONG_LEASE_MS)
+            .await
+            .unwrap()
+    );
+    assert_eq!(pending_calls(&*store, "c").await, 2, "b-call-0 (client), b-call-1 (ready)");
+    // A fork that left "c" as it stood at revision 3 (before the new calls) ends nothing: the
+    // call handed at revision 4 belongs to a request that did continue the conversation.
+    assert_eq!(store.abandon_client_calls("c", Revision(3)).await.unwrap(), 0);
+    assert_eq!(listed(&*store, "b-call-0").await.state, ToolCallState::Client);
+    // A fork that left it at revision 4 ends the client's call there, now.
+    let before = store.store_now().await.unwrap().0;
+    assert_eq!(store.abandon_client_calls("c", Revision(4)).await.unwrap(), 1);
+    let after = store.store_now().await.unwrap().0;
+    let abandoned = listed(&*store, "b-call-0").await;
+    assert_eq!(abandoned.state, ToolCallState::ClientAbandoned);
+    let ended = abandoned.claim_expires_at.expect("an ended hold").0;
+    assert!(
+        (before..=after).contains(&ended),
+        "ended at the store's now: {ended} not in [{before}, {after}]"
+    );
+    assert_eq!(
+        store.abandon_client_calls("c", Revision(4)).await.unwrap(),
+        0,
+        "ended once"
+    );
+    assert_eq!(listed(&*store, "b-call-1").await.state, ToolCallState::Ready);
+    assert_eq!(
+        listed_in(&*store, ToolCallState::Done).await,
+        ["a-call-0", "a-call-1"]
+    );
+    assert_eq!(listed_in(&*store, ToolCallState::Client).await, ["d-call-0"]);
+    assert_eq!(pending_calls(&*store, "c").await, 1, "only the ready b-call-1");
+    assert_eq!(pending_calls(&*store, "d").await, 1);
+    // Once the ready call is claimed and answered, "c" has nothing pending and is listed so.
+    let granted = claimed(&*store, "b-call-1", "exec-1", LONG_LEASE_MS).await;
+    assert!(matches!(
+        store
+            .submit_tool_result("c", "b-call-1", granted.claim, "success", &json!([]), at(50))
+            .await
+            .unwrap(),
+        ResultOutcome::Appended { .. }
+    ));
+    assert_eq!(pending_calls(&*store, "c").await, 0);
+    assert_eq!(listed_by_pending(&*store, PendingFilter::None).await, ["c"]);
+    assert_eq!(listed_by_pending(&*store, PendingFilter::Some).await, ["d"]);
+    // The client that did not go away after all: its follow-up closes the abandoned call.
+    let late = results_turn(&*store, "late", &["b-call-0"]).await;
+    assert_eq!(
+        store.append_turn("c", Revision(5), &late, at(60)).await.unwrap(),
+        AppendOutcome::Appended {
+            revision: Revision(6)
+        }
+    );
+    assert_eq!(listed(&*store, "b-call-0").await.state, ToolCallState::Done);
+    assert_eq!(pending_calls(&*store, "c").await, 0);
+    check_invariants(&*store, &["c".into(), "d".into()]).await;
+}
+
+/// On a SQLite store with a manual clock a client's hold ends exactly at the hand-over's time
+/// plus the bound: `client` one millisecond before, `client_abandoned` at it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_manual_store_clock_a_client_s_hold_ends_exactly_at_its_bound() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (clock, handle) = StoreClock::manual(2_000_000);
+    let store = SqliteLedger::open_with_clock(dir.path().join("ledger.db"), Synchronous::Full, clock)
+        .expect("open sqlite");
+    calls_committed(&store, 1).await;
+    assert!(
+        store
+            .hand_to_client("c", "a-call-0", "proxy-client", 5_000)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        listed(&store, "a-call-0").await.claim_expires_at,
+        Some(Timestamp(2_005_000))
+    );
+    handle.store(2_004_999, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(listed(&store, "a-call-0").await.state, ToolCallState::Client);
+    assert_eq!(pending_calls(&store, "c").await, 1);
+    handle.store(2_005_000, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        listed(&store, "a-call-0").await.state,
+        ToolCallState::ClientAbandoned
+    );
+    assert_eq!(pending_calls(&store, "c").await, 0);
 }
 
 /// On a SQLite store with a manual clock (the simulation's virtual time) a lease runs out

@@ -1076,7 +1076,13 @@ impl Follower {
             && !self.committed
         {
             self.committed = true;
-            hand_to_client(self.shared.ledger.as_ref(), &self.conversation_id, turn).await;
+            hand_to_client(
+                self.shared.ledger.as_ref(),
+                &self.conversation_id,
+                turn,
+                self.shared.client_call_timeout_ms,
+            )
+            .await;
         }
         event
     }
@@ -1107,12 +1113,13 @@ async fn follow(
 
 /// Hand the committed tool calls to the proxy client: the client runs them and its follow-up
 /// request carries the results (continuation appends them, which closes the calls). Handed,
-/// not claimed: no lease runs out and no executor is offered them.
-pub async fn hand_to_client(ledger: &dyn Ledger, conversation_id: &str, turn: &Value) {
+/// not claimed: no executor is offered them. The client's hold ends `bound_ms` later by the
+/// store's clock (`client_abandoned`).
+pub async fn hand_to_client(ledger: &dyn Ledger, conversation_id: &str, turn: &Value, bound_ms: u64) {
     for part in parts_of(turn) {
         if let Part::Call { id, .. } = part
             && let Err(error) = ledger
-                .hand_to_client(conversation_id, &id, PROXY_CLIENT_HOLDER)
+                .hand_to_client(conversation_id, &id, PROXY_CLIENT_HOLDER, bound_ms)
                 .await
         {
             tracing::warn!(%error, "handing a proxy tool call to the client failed");
