@@ -72,6 +72,10 @@ pub const TOOL_CALL_RELEASES: &str = "turnstile_tool_call_releases_total";
 pub const TOOL_CALL_EXPIRIES: &str = "turnstile_tool_call_expiries_total";
 /// Tool results refused because their claim was not current (released or taken over).
 pub const TOOL_RESULT_STALE: &str = "turnstile_tool_result_stale_total";
+/// Calls handed to a proxy client that a fork of the same client abandoned
+/// (`client_abandoned` before their bound; `proxy/continuation.rs`). Calls whose bound ran out
+/// are read from the store, not counted.
+pub const TOOL_CALL_CLIENT_FORKS: &str = "turnstile_tool_call_client_forks_total";
 
 /// Store operations of this process that changed a row and were committed (durable writes;
 /// `Ledger::write_ops`, read at each scrape).
@@ -137,6 +141,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         TOOL_CALL_RELEASES,
         TOOL_CALL_EXPIRIES,
         TOOL_RESULT_STALE,
+        TOOL_CALL_CLIENT_FORKS,
     ] {
         counter!(name).absolute(0);
     }
@@ -240,6 +245,11 @@ pub fn transition(from: DispatchState, to: DispatchState) {
 /// Count one event of a labelless counter.
 pub fn bump(name: &'static str) {
     counter!(name).increment(1);
+}
+
+/// Count `calls` proxy client calls abandoned by a fork of their client.
+pub fn client_forks(calls: u64) {
+    counter!(TOOL_CALL_CLIENT_FORKS).increment(calls);
 }
 
 /// Provider output bytes held now.

@@ -2450,3 +2450,253 @@ fn a_large_render_runs_off_the_async_worker_and_sends_the_bytes_its_manifest_pin
         "the large body sent is the one its manifest pins"
     );
 }
+
+/// The proxy conversation a dispatch answered.
+fn conversation_of(gateway: &Gateway, operation: &str) -> String {
+    gateway.get(&format!("/v1/dispatches/{operation}"))["manifest"]["conversation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The calls of `conversation` in the ledger (every state when `state` is None), as
+/// (call id, state, claim_expires_at), in call order.
+fn calls_of(gateway: &Gateway, conversation: &str, state: Option<&str>) -> Vec<(String, String, u64)> {
+    let path = match state {
+        Some(state) => format!("/v1/tool-calls?state={state}"),
+        None => "/v1/tool-calls".to_owned(),
+    };
+    gateway.get(&path)["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|call| call["conversation_id"] == conversation)
+        .map(|call| {
+            (
+                call["call_id"].as_str().unwrap().to_owned(),
+                call["state"].as_str().unwrap().to_owned(),
+                call["claim_expires_at"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// `pending_calls` of `conversation` in the listing, and whether `pending=true` lists it.
+fn pending_of(gateway: &Gateway, conversation: &str) -> (u64, bool) {
+    let listed = |query: &str| {
+        gateway.get(&format!("/v1/conversations?limit=500{query}"))["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|entry| entry["conversation_id"] == conversation)
+            .cloned()
+    };
+    let entry = listed("").unwrap_or_else(|| panic!("{conversation} is not listed"));
+    (
+        entry["pending_calls"].as_u64().unwrap(),
+        listed("&pending=true").is_some(),
+    )
+}
+
+/// The chat messages of a well-behaved follow-up: the history, our answer as it came, and a
+/// result per call.
+fn follow_up_messages(question: &Value, answer: &Value) -> Vec<Value> {
+    let mut messages = question.as_array().unwrap().clone();
+    messages.push(answer.clone());
+    for (call, result) in answer["tool_calls"].as_array().unwrap().iter().zip(["12C", "20C"]) {
+        messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": result}));
+    }
+    messages
+}
+
+#[test]
+fn a_follow_up_that_drops_tools_forks_and_the_calls_it_left_are_client_abandoned_and_not_pending() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script(
+        "gpt-fork",
+        json!([two_calls(), {"text": "From the fork."}, {"text": "Paris 12C, Tokyo 20C."}]),
+    );
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-fork", question.clone(), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let answer = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"].clone();
+    let operation = operation_of(&headers);
+    let conversation = conversation_of(&gateway, &operation);
+    let handed = calls_of(&gateway, &conversation, Some("client"));
+    assert_eq!(handed.len(), 2, "{handed:?}");
+    assert_eq!(pending_of(&gateway, &conversation), (2, true));
+
+    // The framework's follow-up carries the results but drops `tools`: it cannot continue the
+    // stored conversation (its meaning differs), so it forks; the calls it answered elsewhere
+    // leave this conversation's pending count at once, long before their one-hour bound.
+    let messages = follow_up_messages(&question, &answer);
+    let mut without_tools = chat_request("gpt-fork", json!(messages), false);
+    without_tools.as_object_mut().unwrap().remove("tools");
+    let (status, headers, text) = post(&gateway.base, "/v1/chat/completions", &without_tools, &[]);
+    assert_eq!(status, 200, "{text}");
+    let forked = operation_of(&headers);
+    assert!(!forked.starts_with(&operation), "{forked} continued {operation}");
+    let abandoned = calls_of(&gateway, &conversation, Some("client_abandoned"));
+    assert_eq!(
+        abandoned.iter().map(|call| &call.0).collect::<Vec<_>>(),
+        handed.iter().map(|call| &call.0).collect::<Vec<_>>(),
+        "the fork abandons the calls it left"
+    );
+    assert!(
+        abandoned
+            .iter()
+            .zip(&handed)
+            .all(|(abandoned, handed)| abandoned.2 < handed.2),
+        "ended by the fork, before their bound: {abandoned:?} {handed:?}"
+    );
+    assert_eq!(calls_of(&gateway, &conversation, Some("client")), []);
+    assert_eq!(pending_of(&gateway, &conversation), (0, false));
+    let fork_conversation = conversation_of(&gateway, &forked);
+    assert_eq!(pending_of(&gateway, &fork_conversation), (0, false));
+    assert_eq!(gateway.metric("turnstile_tool_call_client_forks_total"), 2.0);
+
+    // Abandonment is bookkeeping: the same client's follow-up with its tools still continues
+    // the conversation, and its results close the calls, once.
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-fork", json!(messages), false),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let continued = operation_of(&headers);
+    assert!(
+        continued.starts_with(&format!("{operation}.r")),
+        "{continued} after {operation}"
+    );
+    let calls = calls_of(&gateway, &conversation, None);
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls.iter().all(|call| call.1 == "done"), "{calls:?}");
+    let history = gateway.get(&format!("/v1/conversations/{conversation}"));
+    let roles: Vec<&str> = history["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|turn| turn["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "{history}");
+    assert_eq!(pending_of(&gateway, &conversation), (0, false));
+    assert_eq!(gateway.metric("turnstile_tool_call_client_forks_total"), 2.0);
+}
+
+#[test]
+fn follow_ups_that_rewrite_call_ids_or_send_results_as_user_text_leave_calls_that_end_at_their_bound() {
+    let (_dir, sim, gateway) = proxy_world("proxy_client_call_timeout_ms = 1000\n");
+    sim.script(
+        "gpt-bound",
+        json!([two_calls(), {"text": "Noted."}, two_calls(), {"text": "Noted."}]),
+    );
+    let ask = |question: &Value| {
+        let (status, headers, text) = post(
+            &gateway.base,
+            "/v1/chat/completions",
+            &chat_request("gpt-bound", question.clone(), false),
+            &[],
+        );
+        assert_eq!(status, 200, "{text}");
+        let answer = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"].clone();
+        (operation_of(&headers), answer)
+    };
+    let follow = |messages: Vec<Value>, first: &str| {
+        let (status, headers, text) = post(
+            &gateway.base,
+            "/v1/chat/completions",
+            &chat_request("gpt-bound", json!(messages), false),
+            &[],
+        );
+        assert_eq!(status, 200, "{text}");
+        let operation = operation_of(&headers);
+        assert!(!operation.starts_with(first), "{operation} continued {first}");
+    };
+
+    // A framework that renames the call ids in the history it resends.
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (first, answer) = ask(&question);
+    let renamed = conversation_of(&gateway, &first);
+    let handed_renamed = calls_of(&gateway, &renamed, None);
+    let mut rewritten = answer.clone();
+    for (index, call) in rewritten["tool_calls"].as_array_mut().unwrap().iter_mut().enumerate() {
+        call["id"] = json!(format!("call_framework_{index}"));
+    }
+    follow(follow_up_messages(&question, &rewritten), &first);
+
+    // A framework that sends the results as user text after the assistant's words.
+    let question = json!([{"role": "user", "content": "Weather in Rome and Oslo?"}]);
+    let (first, answer) = ask(&question);
+    let as_text = conversation_of(&gateway, &first);
+    let handed_as_text = calls_of(&gateway, &as_text, None);
+    let mut messages = question.as_array().unwrap().clone();
+    messages.push(json!({"role": "assistant", "content": answer["content"]}));
+    messages.push(json!({"role": "user", "content": "get_weather: Rome 15C, Oslo 3C"}));
+    follow(messages, &first);
+
+    // Neither follow-up names the stored conversation, so no fork can be seen: the calls end
+    // when their bound runs out by the store's clock, at the end set when they were handed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    for (conversation, handed) in [(&renamed, &handed_renamed), (&as_text, &handed_as_text)] {
+        assert_eq!(handed.len(), 2, "{handed:?}");
+        let abandoned = loop {
+            let calls = calls_of(&gateway, conversation, None);
+            if calls.iter().all(|call| call.1 == "client_abandoned") {
+                break calls;
+            }
+            assert!(
+                calls.iter().all(|call| call.1 == "client"),
+                "{calls:?}"
+            );
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not client_abandoned after the bound: {calls:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert_eq!(
+            abandoned.iter().map(|call| (&call.0, call.2)).collect::<Vec<_>>(),
+            handed.iter().map(|call| (&call.0, call.2)).collect::<Vec<_>>(),
+            "ended at the bound set at the hand-over, not moved"
+        );
+        assert_eq!(pending_of(&gateway, conversation), (0, false));
+    }
+    assert_eq!(gateway.metric("turnstile_tool_call_client_forks_total"), 0.0);
+}
+
+#[test]
+fn a_keyed_follow_up_keeps_its_own_conversation_and_abandons_the_calls_its_client_left() {
+    let (_dir, sim, gateway) = proxy_world("");
+    sim.script("gpt-keyed", json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]));
+    let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-keyed", question.clone(), false),
+        &[("idempotency-key", "step-1")],
+    );
+    assert_eq!(status, 200, "{text}");
+    let answer = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"].clone();
+    let first = conversation_of(&gateway, &operation_of(&headers));
+    assert_eq!(pending_of(&gateway, &first), (2, true));
+    // Under an Idempotency-Key each step is a conversation of its own, so the results the
+    // follow-up carries never reach the first one: its calls end with the follow-up.
+    let (status, headers, text) = post(
+        &gateway.base,
+        "/v1/chat/completions",
+        &chat_request("gpt-keyed", json!(follow_up_messages(&question, &answer)), false),
+        &[("idempotency-key", "step-2")],
+    );
+    assert_eq!(status, 200, "{text}");
+    assert_ne!(conversation_of(&gateway, &operation_of(&headers)), first);
+    let calls = calls_of(&gateway, &first, None);
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls.iter().all(|call| call.1 == "client_abandoned"), "{calls:?}");
+    assert_eq!(pending_of(&gateway, &first), (0, false));
+}

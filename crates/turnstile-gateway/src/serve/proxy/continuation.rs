@@ -20,6 +20,17 @@
 //! otherwise the append would be `result_mismatch` and the follow-up would fork, leaving the
 //! calls claimed.
 //!
+//! A follow-up that carries a call we handed to the client but is not appended (the client
+//! dropped `tools`, edited or trimmed its history, or retried an earlier step) forks: the
+//! client's session goes on in the fresh conversation, and the calls it still held in the
+//! stored one would wait there for ever. When the request's call was made by the stored
+//! conversation's assistant turn at the same position and the turns before it mean the same
+//! (tools aside), it is a follow-up of the same client, and the calls handed to it in that
+//! conversation as it stood end now (`client_abandoned`, [`abandon_forked`]). Abandonment is bookkeeping: a later
+//! follow-up that does continue that conversation still appends its results, which close the
+//! calls. A client that rewrites call ids or sends results as user text leaves no key to find
+//! the stored conversation by; its calls end when their bound runs out.
+//!
 //! Prompt-cache breakpoints belong to the request that carries them: a client moves its
 //! breakpoint to the newest turn on every request, so the marks stored with earlier requests'
 //! turns are not this request's. The continued history is rendered with exactly the request's
@@ -107,53 +118,165 @@ pub async fn find_and_append(
             return None;
         }
     };
+    // Stored conversations of the same client that this request leaves, each with the
+    // revision it was read at.
+    let mut forked_from = Vec::new();
     for conversation_id in candidates {
         let Ok(Some(stored)) = ledger.conversation(&conversation_id).await else {
             continue;
         };
         let stored_turns = stored["turns"].as_array().map_or(&[][..], Vec::as_slice);
         let stored_count = stored_turns.len();
-        // Our history must end at or after the assistant turn the key came from, and the request
-        // must bring something new after it.
-        if stored_count <= assistant_index || stored_count >= new_turns.len() {
+        // Our history must end at or after the assistant turn the key came from.
+        if stored_count <= assistant_index {
             continue;
         }
-        // Only a conversation that ends with a committed assistant turn takes appends: once a
-        // continuation appended after it, a dispatch may be running at that revision, and a
-        // second append would make its commit lose (a paid answer quarantined). The append's
-        // compare-and-set on the revision decides between two requests continuing at once; the
-        // loser forks into a fresh conversation.
-        if stored_turns.last().is_none_or(|turn| turn["role"] != "assistant") {
-            continue;
-        }
-        let mut prefix = imported.clone();
-        prefix["turns"] = Value::Array(new_turns[..stored_count].to_vec());
-        prefix["revision"] = json!(stored_count);
-        if !semantic_diff(&stored, &prefix).is_empty() {
-            continue;
-        }
-        let generations = call_generations(stored_turns);
-        let rename = format!("r{stored_count}-");
-        let mut revision = Revision(stored_count as u64);
-        for turn in &new_turns[stored_count..] {
-            let mut turn = renamed(turn, &rename);
-            if let Some(object) = turn.as_object_mut() {
-                object.remove("revision");
+        match append_onto(ledger, &conversation_id, &stored, imported, now).await {
+            Appending::Appended => {
+                let document = ledger.conversation(&conversation_id).await.ok()??;
+                return Some(Continued {
+                    conversation_id,
+                    document,
+                });
             }
-            pair_results(&mut turn, &generations);
-            match ledger.append_turn(&conversation_id, revision, &turn, now).await {
-                Ok(AppendOutcome::Appended { revision: next }) => revision = next,
-                // Moved under us, or the combination is illegal after all: fresh conversation.
-                _ => return None,
+            Appending::Failed => {
+                forked_from.push((conversation_id, Revision(stored_count as u64)));
+                break;
+            }
+            Appending::NotContinued => {
+                if same_branch(stored_turns, new_turns, assistant_index, call_id) {
+                    forked_from.push((conversation_id, Revision(stored_count as u64)));
+                }
             }
         }
-        let document = ledger.conversation(&conversation_id).await.ok()??;
-        return Some(Continued {
-            conversation_id,
-            document,
-        });
     }
+    abandon_forked(ledger, &forked_from).await;
     None
+}
+
+/// A request that never continues a stored conversation (one under an `Idempotency-Key`, which
+/// keeps a conversation of its own) still leaves the conversation of its client that made its
+/// last call: the calls the client held there end now, as at any fork.
+pub async fn abandon_left_behind(ledger: &dyn Ledger, id_prefix: &str, imported: &Value) {
+    let Some((assistant_index, call_id)) = last_call_id(imported) else {
+        return;
+    };
+    let new_turns = imported["turns"].as_array().map_or(&[][..], Vec::as_slice);
+    let Ok(candidates) = ledger.conversations_with_call(call_id, id_prefix).await else {
+        return;
+    };
+    let mut forked_from = Vec::new();
+    for conversation_id in candidates {
+        let Ok(Some(stored)) = ledger.conversation(&conversation_id).await else {
+            continue;
+        };
+        let stored_turns = stored["turns"].as_array().map_or(&[][..], Vec::as_slice);
+        if same_branch(stored_turns, new_turns, assistant_index, call_id) {
+            forked_from.push((conversation_id, Revision(stored_turns.len() as u64)));
+        }
+    }
+    abandon_forked(ledger, &forked_from).await;
+}
+
+/// What became of a request's turns offered to one stored conversation.
+enum Appending {
+    /// Appended: the request continues it.
+    Appended,
+    /// It does not continue it (nothing was appended).
+    NotContinued,
+    /// An append failed (the conversation moved under us, or the combination is illegal after
+    /// all); turns appended before it stay, as legal history.
+    Failed,
+}
+
+/// Append the request's turns after `stored`'s when the request continues it.
+async fn append_onto(
+    ledger: &dyn Ledger,
+    conversation_id: &str,
+    stored: &Value,
+    imported: &Value,
+    now: Timestamp,
+) -> Appending {
+    let stored_turns = stored["turns"].as_array().map_or(&[][..], Vec::as_slice);
+    let new_turns = imported["turns"].as_array().map_or(&[][..], Vec::as_slice);
+    let stored_count = stored_turns.len();
+    // The request must bring something new after our history.
+    if stored_count >= new_turns.len() {
+        return Appending::NotContinued;
+    }
+    // Only a conversation that ends with a committed assistant turn takes appends: once a
+    // continuation appended after it, a dispatch may be running at that revision, and a
+    // second append would make its commit lose (a paid answer quarantined). The append's
+    // compare-and-set on the revision decides between two requests continuing at once; the
+    // loser forks into a fresh conversation.
+    if stored_turns.last().is_none_or(|turn| turn["role"] != "assistant") {
+        return Appending::NotContinued;
+    }
+    let mut prefix = imported.clone();
+    prefix["turns"] = Value::Array(new_turns[..stored_count].to_vec());
+    prefix["revision"] = json!(stored_count);
+    if !semantic_diff(stored, &prefix).is_empty() {
+        return Appending::NotContinued;
+    }
+    let generations = call_generations(stored_turns);
+    let rename = format!("r{stored_count}-");
+    let mut revision = Revision(stored_count as u64);
+    for turn in &new_turns[stored_count..] {
+        let mut turn = renamed(turn, &rename);
+        if let Some(object) = turn.as_object_mut() {
+            object.remove("revision");
+        }
+        pair_results(&mut turn, &generations);
+        match ledger.append_turn(conversation_id, revision, &turn, now).await {
+            Ok(AppendOutcome::Appended { revision: next }) => revision = next,
+            _ => return Appending::Failed,
+        }
+    }
+    Appending::Appended
+}
+
+/// Whether the request is a follow-up of the client that received the stored conversation's
+/// assistant turn at `assistant_index`, not another conversation that happens to share a call
+/// id: that stored turn made `call_id` (the request's key), and the turns before it mean what
+/// the request's do, tools aside. The assistant turn itself is not compared: clients rewrite
+/// it (a framework that drops the text beside tool calls still carries our call ids).
+fn same_branch(stored_turns: &[Value], new_turns: &[Value], assistant_index: usize, call_id: &str) -> bool {
+    if stored_turns.len() <= assistant_index || new_turns.len() <= assistant_index {
+        return false;
+    }
+    let made_it = stored_turns[assistant_index]["role"] == "assistant"
+        && stored_turns[assistant_index]["blocks"]
+            .as_array()
+            .is_some_and(|blocks| {
+                blocks
+                    .iter()
+                    .any(|block| block["kind"] == "tool_call" && block["call_id"] == call_id)
+            });
+    let before = |turns: &[Value]| json!({"tools": [], "turns": turns[..assistant_index].to_vec()});
+    made_it && semantic_diff(&before(stored_turns), &before(new_turns)).is_empty()
+}
+
+/// A follow-up of the same client forked away from each of these conversations as it stood at
+/// its revision: the calls it still held there end now (`client_abandoned`, by the store's
+/// clock). Best effort: a failure leaves them to their bound.
+async fn abandon_forked(ledger: &dyn Ledger, forked_from: &[(String, Revision)]) {
+    for (conversation_id, revision) in forked_from {
+        match ledger.abandon_client_calls(conversation_id, *revision).await {
+            Ok(0) => {}
+            Ok(calls) => {
+                crate::serve::metrics::client_forks(calls);
+                tracing::info!(
+                    conversation_id = %conversation_id,
+                    revision = revision.0,
+                    calls,
+                    "a follow-up of the proxy client forked: its calls there are client_abandoned"
+                );
+            }
+            Err(error) => {
+                tracing::warn!(%error, "abandoning a forked proxy conversation's calls failed; their bound ends them");
+            }
+        }
+    }
 }
 
 /// `stored` (the continued history) with every block's and tool's `cache` breakpoint replaced by

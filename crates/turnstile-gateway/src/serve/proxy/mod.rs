@@ -768,6 +768,8 @@ pub async fn place(
         }
         refused @ ImportOutcome::Rejected(_) => return Err(import_refused(api, refused)),
     }
+    // A keyed request never continues: the conversation its client leaves is abandoned here.
+    continuation::abandon_left_behind(ledger, proxy_prefix, &imported.document).await;
     let operation_id = keyed_operation(ledger, &conversation_id)
         .await
         .map_err(|error| from_api_error(api, ApiError::store(error)))?;
@@ -1114,7 +1116,8 @@ async fn follow(
 /// Hand the committed tool calls to the proxy client: the client runs them and its follow-up
 /// request carries the results (continuation appends them, which closes the calls). Handed,
 /// not claimed: no executor is offered them. The client's hold ends `bound_ms` later by the
-/// store's clock (`client_abandoned`).
+/// store's clock (`client_abandoned`), or earlier when a follow-up of the client forks
+/// (`continuation::find_and_append`).
 pub async fn hand_to_client(ledger: &dyn Ledger, conversation_id: &str, turn: &Value, bound_ms: u64) {
     for part in parts_of(turn) {
         if let Part::Call { id, .. } = part
