@@ -506,7 +506,11 @@ pub trait Ledger: Send + Sync {
     /// A follow-up of the proxy client forked away from the conversation as it stood at
     /// `revision`: its calls committed at or before `revision` that the client still holds end
     /// now by the store's clock (client → `client_abandoned`). Answers how many.
-    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError>;
+    async fn abandon_client_calls(
+        &self,
+        conversation_id: &str,
+        revision: Revision,
+    ) -> Result<u64, StoreError>;
 
     /// A page of conversations, most recently updated first ([`listing`]).
     async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError>;

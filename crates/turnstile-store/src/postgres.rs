@@ -1018,8 +1018,16 @@ impl Ledger for PgLedger {
         ))
     }
 
-    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError> {
-        in_tx!(self, |tx| ops::abandon_client_calls(&mut tx, conversation_id, revision))
+    async fn abandon_client_calls(
+        &self,
+        conversation_id: &str,
+        revision: Revision,
+    ) -> Result<u64, StoreError> {
+        in_tx!(self, |tx| ops::abandon_client_calls(
+            &mut tx,
+            conversation_id,
+            revision
+        ))
     }
 
     async fn conversation_page(&self, query: &ConversationQuery) -> Result<ConversationPage, StoreError> {

@@ -1849,7 +1849,11 @@ impl Ledger for SqliteLedger {
             .await
     }
 
-    async fn abandon_client_calls(&self, conversation_id: &str, revision: Revision) -> Result<u64, StoreError> {
+    async fn abandon_client_calls(
+        &self,
+        conversation_id: &str,
+        revision: Revision,
+    ) -> Result<u64, StoreError> {
         let id = conversation_id.to_owned();
         self.run(move |tx| block_on_ready(ops::abandon_client_calls(tx, &id, revision)))
             .await

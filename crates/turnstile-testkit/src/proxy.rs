@@ -518,13 +518,12 @@ impl World {
         let conversation_id = client.conversation_id.clone();
         let turn = turn.clone();
         self.sync_store_clock();
-        self.rt
-            .block_on(proxy::hand_to_client(
-                self.ledger(),
-                &conversation_id,
-                &turn,
-                turnstile_store::CLIENT_CALL_TIMEOUT_MS_DEFAULT,
-            ));
+        self.rt.block_on(proxy::hand_to_client(
+            self.ledger(),
+            &conversation_id,
+            &turn,
+            turnstile_store::CLIENT_CALL_TIMEOUT_MS_DEFAULT,
+        ));
         self.dirty = true;
     }
 

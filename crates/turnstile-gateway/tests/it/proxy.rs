@@ -2503,7 +2503,12 @@ fn pending_of(gateway: &Gateway, conversation: &str) -> (u64, bool) {
 fn follow_up_messages(question: &Value, answer: &Value) -> Vec<Value> {
     let mut messages = question.as_array().unwrap().clone();
     messages.push(answer.clone());
-    for (call, result) in answer["tool_calls"].as_array().unwrap().iter().zip(["12C", "20C"]) {
+    for (call, result) in answer["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(["12C", "20C"])
+    {
         messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": result}));
     }
     messages
@@ -2625,7 +2630,12 @@ fn follow_ups_that_rewrite_call_ids_or_send_results_as_user_text_leave_calls_tha
     let renamed = conversation_of(&gateway, &first);
     let handed_renamed = calls_of(&gateway, &renamed, None);
     let mut rewritten = answer.clone();
-    for (index, call) in rewritten["tool_calls"].as_array_mut().unwrap().iter_mut().enumerate() {
+    for (index, call) in rewritten["tool_calls"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .enumerate()
+    {
         call["id"] = json!(format!("call_framework_{index}"));
     }
     follow(follow_up_messages(&question, &rewritten), &first);
@@ -2650,10 +2660,7 @@ fn follow_ups_that_rewrite_call_ids_or_send_results_as_user_text_leave_calls_tha
             if calls.iter().all(|call| call.1 == "client_abandoned") {
                 break calls;
             }
-            assert!(
-                calls.iter().all(|call| call.1 == "client"),
-                "{calls:?}"
-            );
+            assert!(calls.iter().all(|call| call.1 == "client"), "{calls:?}");
             assert!(
                 std::time::Instant::now() < deadline,
                 "not client_abandoned after the bound: {calls:?}"
@@ -2673,7 +2680,10 @@ fn follow_ups_that_rewrite_call_ids_or_send_results_as_user_text_leave_calls_tha
 #[test]
 fn a_keyed_follow_up_keeps_its_own_conversation_and_abandons_the_calls_its_client_left() {
     let (_dir, sim, gateway) = proxy_world("");
-    sim.script("gpt-keyed", json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]));
+    sim.script(
+        "gpt-keyed",
+        json!([two_calls(), {"text": "Paris 12C, Tokyo 20C."}]),
+    );
     let question = json!([{"role": "user", "content": "Weather in Paris and Tokyo?"}]);
     let (status, headers, text) = post(
         &gateway.base,

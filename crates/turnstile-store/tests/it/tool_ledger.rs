@@ -615,7 +615,12 @@ pub async fn a_call_handed_to_the_client_is_never_offered_to_executors_and_its_a
             .await
             .unwrap()
     );
-    assert!(!store.hand_to_client("c", "nope", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT).await.unwrap());
+    assert!(
+        !store
+            .hand_to_client("c", "nope", "proxy-client", CLIENT_CALL_TIMEOUT_MS_DEFAULT)
+            .await
+            .unwrap()
+    );
     check_invariants(&*store, &["c".into()]).await;
 }
 
@@ -862,7 +867,11 @@ pub async fn a_fork_of_the_client_abandons_its_calls_up_to_the_revision_it_left_
             .await
             .unwrap()
     );
-    assert_eq!(pending_calls(&*store, "c").await, 2, "b-call-0 (client), b-call-1 (ready)");
+    assert_eq!(
+        pending_calls(&*store, "c").await,
+        2,
+        "b-call-0 (client), b-call-1 (ready)"
+    );
     // A fork that left "c" as it stood at revision 3 (before the new calls) ends nothing: the
     // call handed at revision 4 belongs to a request that did continue the conversation.
     assert_eq!(store.abandon_client_calls("c", Revision(3)).await.unwrap(), 0);
