@@ -2032,7 +2032,9 @@ pub async fn tool_calls(
     Ok(Json(json!({"tool_calls": calls})).into_response())
 }
 
-/// `POST …/claim`: `{"holder"?, "lease_ms"?}`.
+/// `POST …/claim`: `{"holder", "lease_ms"?}`. `holder` is required (the spec's claim body
+/// names it): an empty body or `{}` claims nothing (docs/decisions.md, "A claim names its
+/// holder").
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClaimBody {
@@ -2127,8 +2129,15 @@ pub async fn claim_tool_call(
     request: Request,
 ) -> ApiResult {
     let (caller, body): (_, ClaimBody) = executor_body(&shared, request).await?;
+    let Some(holder) = body.holder else {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidRequest,
+            "a claim names its holder: {\"holder\": \"<executor name>\", \"lease_ms\"?}",
+        )
+        .with(json!({"field": "holder"})));
+    };
     let lease_ms = claim_lease_ms(&shared, body.lease_ms)?;
-    let holder = body.holder.unwrap_or_else(|| "executor".to_owned());
     if holder.is_empty() || holder.len() > ID_BYTES_MAX || holder.chars().any(char::is_control) {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

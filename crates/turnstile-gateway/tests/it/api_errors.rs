@@ -96,7 +96,7 @@ fn cases() -> Vec<Case> {
         case("GET", "/v1/dispatches/op-missing", None, 404, "not_found"),
         case("POST", "/v1/conversations/c-missing/dispatch",
              Some(format!(r#"{{"operation_id": "op-2", "target": {target}}}"#).as_bytes()), 404, "not_found"),
-        case("POST", "/v1/tool-calls/c-known/call-missing/claim", Some(b"{}"), 404, "not_found"),
+        case("POST", "/v1/tool-calls/c-known/call-missing/claim", Some(br#"{"holder": "x"}"#), 404, "not_found"),
         case("GET", "/v1/no-such-route", None, 404, "not_found"),
         case("GET", "/v1/conversations/c-known/turns/extra", None, 404, "not_found"),
         // Methods a path does not take.

@@ -418,7 +418,38 @@ fn executor_bodies_are_strict_leases_are_bounded_and_a_release_needs_the_current
             "{body}"
         );
     }
+    // A claim names its holder: an empty body (no bytes at all), `{}` and a lease alone are
+    // refused by name, and the call stays ready with no claim counted (issue 49, item 8: an
+    // empty body used to be granted claim 1 as holder "executor").
+    let (status, error) = acme.send(reqwest::Method::POST, &claim_path, None);
+    assert_eq!(
+        (
+            status,
+            error["error"]["code"].clone(),
+            error["error"]["field"].clone()
+        ),
+        (422, json!("invalid_request"), json!("holder")),
+        "an empty body: {error}"
+    );
+    for body in [json!({}), json!({"lease_ms": WORKING_LEASE_MS})] {
+        let (status, error) = acme.post(&claim_path, body.clone());
+        assert_eq!(
+            (
+                status,
+                error["error"]["code"].clone(),
+                error["error"]["field"].clone()
+            ),
+            (422, json!("invalid_request"), json!("holder")),
+            "{body}: {error}"
+        );
+    }
     assert!(acme.calls("claimed").is_empty(), "a refused body claimed nothing");
+    let ready = acme.calls("ready");
+    assert_eq!(
+        listed(&ready, &first).map(|call| call["claims"].clone()),
+        Some(json!(0)),
+        "{ready:?}"
+    );
     let (status, granted) = acme.post(
         &claim_path,
         json!({"holder": "exec-1", "lease_ms": WORKING_LEASE_MS}),

@@ -370,7 +370,10 @@ fn every_wire_format_dispatches_commits_tool_calls_and_takes_their_results() {
         assert_eq!(mine.len(), 2, "{adapter}");
         for call in mine.iter().rev() {
             let call_id = call["call_id"].as_str().unwrap();
-            let (status, claim) = gateway.post(&format!("/v1/tool-calls/{id}/{call_id}/claim"), json!({}));
+            let (status, claim) = gateway.post(
+                &format!("/v1/tool-calls/{id}/{call_id}/claim"),
+                json!({"holder": "serve-test"}),
+            );
             assert_eq!(status, 200, "{adapter}: {claim}");
             let (status, result) = gateway.post(
                 &format!("/v1/tool-calls/{id}/{call_id}/result"),
