@@ -8,7 +8,7 @@
 //! own ids; manifests (which pin exactly what was sent) show the store id.
 
 use super::driver::{self, DriveContext};
-use super::hub::Hub;
+use super::hub::{Hub, Next};
 use super::{Shared, metrics, now};
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -1359,11 +1359,7 @@ pub(crate) async fn hub_for(
         match hubs.get(&operation_id) {
             Some(hub) => Some(hub.clone()),
             None if record.state == DispatchState::Prepared || began.is_some() => {
-                let hub = Arc::new(Hub::observed(
-                    shared.feed.clone(),
-                    &record.conversation_id,
-                    &operation_id,
-                ));
+                let hub = shared.hub(&record.conversation_id, &operation_id);
                 hubs.insert(operation_id.clone(), hub.clone());
                 // A dispatch this request just prepared: its failover targets are known.
                 let no_fallbacks = began.as_ref().is_some_and(|began| began.fallbacks == 0);
@@ -1392,11 +1388,7 @@ pub(crate) async fn hub_for(
         Some(hub) => hub,
         None => {
             // Finished, or driven by another replica: watch the ledger.
-            let hub = Arc::new(Hub::observed(
-                shared.feed.clone(),
-                &conversation_id,
-                &operation_id,
-            ));
+            let hub = shared.hub(&conversation_id, &operation_id);
             // Its ids are its own, not the driver's: a `Last-Event-ID` is ignored.
             hub.renumbered();
             tokio::spawn(watch(shared.clone(), operation_id.clone(), hub.clone()));
@@ -1438,8 +1430,14 @@ async fn attach(
     {
         let mut receiver = hub.subscribe();
         let mut events = Vec::new();
-        while let Ok(Some(event)) = receiver.recv().await {
-            events.push(event);
+        let mut previews_missed = 0;
+        while let Some(next) = receiver.recv().await {
+            match next {
+                Next::Event(event) => events.push(event),
+                Next::Gap {
+                    previews_missed: missed,
+                } => previews_missed += missed,
+            }
         }
         // A commit is final: its state needs no read. Anything else is what the ledger says.
         let committed_here = events
@@ -1459,6 +1457,7 @@ async fn attach(
             caller.client_id(&operation_id).unwrap_or(&operation_id),
             state,
             &events,
+            previews_missed,
         );
         Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
@@ -1573,7 +1572,14 @@ fn push_event_data(out: &mut Vec<u8>, event: &turnstile_drive::DriveEvent) -> &'
 /// into one buffer, members in the order a `serde_json::Value` of the same answer writes them
 /// (sorted), without building that `Value` and a map per event first (issue 21: the tree's
 /// inserts and drops were a tenth of a native dispatch's instructions).
-fn whole_answer(operation_id: &str, state: &str, events: &[Arc<turnstile_drive::DriveEvent>]) -> Vec<u8> {
+/// `previews_missed`: previews the hub dropped before they were read (written as
+/// `"previews_missed"` when not 0; the events list lacks them, the turn does not).
+fn whole_answer(
+    operation_id: &str,
+    state: &str,
+    events: &[Arc<turnstile_drive::DriveEvent>],
+    previews_missed: u64,
+) -> Vec<u8> {
     use std::io::Write as _;
     use turnstile_core::digest::push_json_string;
     use turnstile_drive::DriveEvent;
@@ -1591,6 +1597,9 @@ fn whole_answer(operation_id: &str, state: &str, events: &[Arc<turnstile_drive::
     }
     out.extend_from_slice(b"],\"operation_id\":");
     push_json_string(&mut out, operation_id);
+    if previews_missed > 0 {
+        let _ = write!(out, ",\"previews_missed\":{previews_missed}");
+    }
     let committed = events.iter().rev().find_map(|event| match &**event {
         DriveEvent::Committed { revision, turn, .. } => Some((revision, turn)),
         _ => None,
@@ -1873,8 +1882,8 @@ fn sse_response(mut receiver: super::hub::Receiver) -> Response {
         loop {
             match receiver.recv().await {
                 // The spec's client events only: the hub's `usage` reports are for the proxy.
-                Ok(Some(event)) if matches!(*event, turnstile_drive::DriveEvent::Usage { .. }) => {}
-                Ok(Some(event)) => {
+                Some(Next::Event(event)) if matches!(*event, turnstile_drive::DriveEvent::Usage { .. }) => {}
+                Some(Next::Event(event)) => {
                     if sender
                         .send(Ok(sse_event_frame(receiver.id_last(), &event)))
                         .await
@@ -1883,13 +1892,19 @@ fn sse_response(mut receiver: super::hub::Receiver) -> Response {
                         return;
                     }
                 }
-                Ok(None) | Err(super::hub::RecvError::Closed) => return,
-                Err(super::hub::RecvError::Lagged(missed)) => {
-                    let data = json!({"code": "client_lagged", "message": format!("{missed} events were skipped; GET /v1/dispatches/{{operation_id}} has the outcome")});
-                    // Under the id of the last event dropped: a resume from it ends the same way.
-                    let id = receiver.id_sent_last();
-                    let _ = sender.send(Ok(sse_frame(id, "error", &data))).await;
-                    return;
+                None => return,
+                Some(Next::Gap { previews_missed }) => {
+                    // Under the id of the last preview dropped: a resume from it goes on after
+                    // the gap. The stream goes on; the commit still comes.
+                    metrics::bump(metrics::CLIENT_STREAM_GAPS);
+                    let data = json!({"previews_missed": previews_missed});
+                    if sender
+                        .send(Ok(sse_frame(receiver.id_last(), "gap", &data)))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
                 }
             }
         }
@@ -2446,6 +2461,8 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     metrics::store_read_ops(shared.ledger.read_ops());
     let (kept, whole) = shared.kept.stats();
     metrics::conversation_reads(kept, whole);
+    // Read here: client backlogs change it without a driver to report it.
+    metrics::output_bytes(shared.output_budget.held());
     let (renders, resumed) = shared.render_caches.renders().await;
     metrics::renders(renders, resumed, shared.render_caches.off_worker());
     (
@@ -2665,7 +2682,7 @@ mod tests {
             state in any_text(),
         ) {
             let events: Vec<Arc<DriveEvent>> = events.into_iter().map(Arc::new).collect();
-            let written = super::whole_answer(&operation_id, &state, &events);
+            let written = super::whole_answer(&operation_id, &state, &events, 0);
             let through_value = answer_through_value(&operation_id, &state, &events);
             prop_assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(through_value).unwrap());
             for event in &events {

@@ -20,6 +20,11 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 768;
 /// Default `requests_per_connection_max`: a kept-alive connection is closed after this many
 /// requests (nginx's `keepalive_requests` default), so no client holds one for ever.
 pub const REQUESTS_PER_CONNECTION_MAX_DEFAULT: u64 = 1_000;
+/// Default `client_write_timeout_ms`: 30 s. A client that has taken no byte for that long
+/// while the gateway has bytes for it is gone or stuck; a slow mobile link still takes a few
+/// KiB in that time. Its connection is closed so that its buffers and the dispatch backlog it
+/// holds are freed (its dispatch is unaffected).
+pub const CLIENT_WRITE_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 /// Provider request timeout: connecting and receiving the response head.
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -80,6 +85,14 @@ pub struct Config {
     /// Requests served on one kept-alive connection before it is closed.
     #[serde(default = "requests_per_connection_max_default")]
     pub requests_per_connection_max: u64,
+    /// Longest a client connection may take no byte while the gateway has bytes to write to
+    /// it; then it is closed (`listener.rs`).
+    #[serde(default = "client_write_timeout_default")]
+    pub client_write_timeout_ms: u64,
+    /// Most previews a dispatch's client backlog keeps (`hub.rs`); older ones are dropped and
+    /// a client behind them is told of the gap. Every other event is kept.
+    #[serde(default = "stream_backlog_previews_max_default")]
+    pub stream_backlog_previews_max: usize,
     /// Provider connect + response-head timeout.
     #[serde(default = "connect_timeout_default")]
     pub provider_connect_timeout_ms: u64,
@@ -369,6 +382,12 @@ fn connections_max_default() -> usize {
 }
 fn requests_per_connection_max_default() -> u64 {
     REQUESTS_PER_CONNECTION_MAX_DEFAULT
+}
+fn client_write_timeout_default() -> u64 {
+    CLIENT_WRITE_TIMEOUT_MS_DEFAULT
+}
+fn stream_backlog_previews_max_default() -> usize {
+    super::hub::BACKLOG_PREVIEWS_MAX
 }
 fn connect_timeout_default() -> u64 {
     PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT

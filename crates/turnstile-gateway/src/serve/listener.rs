@@ -13,6 +13,8 @@
 //!   answered as usual so that a load balancer sees the process alive, and then closed (no
 //!   keep-alive). Beyond that, [`OVERFLOW_CONNECTIONS_MAX`] more get the same; past those a new
 //!   connection is closed at once;
+//! - a write to a client that makes no progress for `client_write_timeout_ms` closes the
+//!   connection ([`super::write_timeout`]): a client that stopped reading frees what it holds;
 //! - an accept error (descriptors exhausted) pauses accepting for [`ACCEPT_ERROR_PAUSE`] instead
 //!   of spinning.
 
@@ -45,6 +47,9 @@ pub struct Limits {
     pub connections_max: usize,
     /// Requests served on one connection before it is closed (`Connection: close` on the last).
     pub requests_per_connection_max: u64,
+    /// Longest a write to a client may wait without progress before its connection is closed
+    /// (`write_timeout.rs`).
+    pub client_write_timeout_ms: u64,
 }
 
 impl Limits {
@@ -54,6 +59,7 @@ impl Limits {
             header_read_timeout_ms: config.header_read_timeout_ms,
             connections_max: config.connections_max,
             requests_per_connection_max: config.requests_per_connection_max,
+            client_write_timeout_ms: config.client_write_timeout_ms,
         }
     }
 }
@@ -68,6 +74,7 @@ pub async fn serve(
     let served = Arc::new(Semaphore::new(limits.connections_max.max(1)));
     let overflow = Arc::new(Semaphore::new(OVERFLOW_CONNECTIONS_MAX));
     let header_read_timeout = Duration::from_millis(limits.header_read_timeout_ms.max(1));
+    let client_write_timeout = Duration::from_millis(limits.client_write_timeout_ms.max(1));
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -104,7 +111,10 @@ pub async fn serve(
                 // its end and is readable by operation id).
                 .half_close(true)
                 .keep_alive(!at_cap);
-            let io = TokioIo::new(stream);
+            let io = TokioIo::new(super::write_timeout::WriteTimeout::new(
+                stream,
+                client_write_timeout,
+            ));
             let result = if at_cap {
                 let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
                     let app = app.clone();

@@ -55,6 +55,14 @@ pub const PROVIDER_TIMEOUTS: &str = "turnstile_provider_timeouts_total";
 pub const OUTPUT_SHED: &str = "turnstile_provider_output_shed_total";
 /// Provider output bytes held in memory by all dispatches of this process.
 pub const OUTPUT_BYTES: &str = "turnstile_provider_output_bytes";
+/// Gaps told to clients: a client stream read past previews its dispatch's backlog had
+/// dropped (the backlog's preview limit, or the output budget needed the room).
+pub const CLIENT_STREAM_GAPS: &str = "turnstile_client_stream_gaps_total";
+/// Client backlogs whose previews were dropped because the output budget needed the room.
+pub const CLIENT_BACKLOG_SHEDS: &str = "turnstile_client_backlog_sheds_total";
+/// Client connections closed because the client read nothing for `client_write_timeout_ms`
+/// while the gateway had bytes to write to it.
+pub const CLIENT_WRITE_TIMEOUTS: &str = "turnstile_client_write_timeouts_total";
 /// Dispatches that moved from one target to the next, by target (`provider/model`) and reason.
 pub const FAILOVERS: &str = "turnstile_failovers_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
@@ -136,6 +144,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
         DRIVER_STORE_FAILURES,
         PROVIDER_TIMEOUTS,
         OUTPUT_SHED,
+        CLIENT_STREAM_GAPS,
+        CLIENT_BACKLOG_SHEDS,
+        CLIENT_WRITE_TIMEOUTS,
         TOOL_CALL_CLAIMS,
         TOOL_CALL_RENEWALS,
         TOOL_CALL_RELEASES,

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod traces;
 pub mod transport;
+pub mod write_timeout;
 
 use axum::Router;
 use axum::routing::{any, get, post};
@@ -75,8 +76,11 @@ pub struct Shared {
     pub routes: Vec<config::Route>,
     /// The newest shadow comparisons.
     pub shadow: proxy::shadow::Diffs,
-    /// One byte budget for provider output held in memory by every dispatch.
+    /// One byte budget for provider output held in memory by every dispatch and client
+    /// backlog.
     pub output_budget: Arc<budget::OutputBudget>,
+    /// Most previews a dispatch's hub keeps (`stream_backlog_previews_max`).
+    pub backlog_previews_max: usize,
     /// The change feed of `GET /v1/events`.
     pub feed: Arc<feed::Feed>,
     /// The newest proxy refusals (`GET /v1/proxy/refusals`).
@@ -86,6 +90,20 @@ pub struct Shared {
     /// How long a call handed to a proxy client stays `client` (store clock) before it reads
     /// `client_abandoned` (`proxy_client_call_timeout_ms`).
     pub client_call_timeout_ms: u64,
+}
+
+impl Shared {
+    /// A new hub for a dispatch's client events: announced on the change feed, keeping at
+    /// most `stream_backlog_previews_max` previews, and counted against the output budget for
+    /// as long as anyone holds it.
+    pub fn hub(&self, conversation_id: &str, operation_id: &str) -> Arc<hub::Hub> {
+        let hub = Arc::new(
+            hub::Hub::observed(self.feed.clone(), conversation_id, operation_id)
+                .previews_max(self.backlog_previews_max),
+        );
+        hub.count_in(&self.output_budget);
+        hub
+    }
 }
 
 /// The gateway's render caches, one per share of the conversations (by a hash of the
@@ -398,6 +416,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         breaker: breaker::Breaker::new(config.failover_breaker_failures, config.failover_cooldown_ms),
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
         client_call_timeout_ms: config.proxy_client_call_timeout_ms,
+
+        backlog_previews_max: config.stream_backlog_previews_max,
     });
 
     // The BPE tables load beside recovery, not on the first request that counts tokens. Best
@@ -457,11 +477,7 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
                 continue;
             }
             let record = found.record();
-            let hub = Arc::new(hub::Hub::observed(
-                shared.feed.clone(),
-                &record.conversation_id,
-                &operation_id,
-            ));
+            let hub = shared.hub(&record.conversation_id, &operation_id);
             hubs.insert(operation_id.clone(), hub.clone());
             hub
         };

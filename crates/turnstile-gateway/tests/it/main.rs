@@ -18,5 +18,6 @@ mod render;
 mod resume;
 mod serve;
 mod sim;
+mod slow_clients;
 mod traces;
 mod validate;

@@ -1316,6 +1316,7 @@ fn relay(args: &Args) {
             connections_max: turnstile_gateway::serve::config::CONNECTIONS_MAX_DEFAULT,
             requests_per_connection_max:
                 turnstile_gateway::serve::config::REQUESTS_PER_CONNECTION_MAX_DEFAULT,
+            client_write_timeout_ms: turnstile_gateway::serve::config::CLIENT_WRITE_TIMEOUT_MS_DEFAULT,
         };
         turnstile_gateway::serve::listener::serve(listener, app, limits, std::future::pending())
             .await

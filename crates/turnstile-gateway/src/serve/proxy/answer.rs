@@ -227,6 +227,9 @@ pub struct StreamAnswer {
     frozen: bool,
     /// The route's `answer = "commit"`: no preview is forwarded; the commit opens the stream.
     commit_first: bool,
+    /// Previews were dropped before they were read ([`StreamAnswer::previews_dropped`]): no
+    /// more are forwarded; the commit sends the rest.
+    lost_previews: bool,
     done: bool,
 }
 
@@ -241,6 +244,7 @@ impl StreamAnswer {
             first_block: String::new(),
             frozen: false,
             commit_first: false,
+            lost_previews: false,
             done: false,
         }
     }
@@ -254,11 +258,20 @@ impl StreamAnswer {
         self.commit_first = true;
     }
 
+    /// Previews of the dispatch were dropped before this answer read them (its client read
+    /// too slowly for the backlog, or the output budget needed the room): the text forwarded
+    /// so far is still a prefix of the answer, so nothing more is forwarded from previews and
+    /// the commit sends the rest of the first block and everything after it, as
+    /// [`StreamAnswer::wait_for_commit`] does from the start.
+    pub fn previews_dropped(&mut self) {
+        self.lost_previews = true;
+    }
+
     /// Before the status line: read one event. A failure before any preview or commit is the
     /// answer; output (or a commit) opens the stream. Events that ended before either open it
     /// too (it then ends with `no_commit`).
     pub fn before_head(&mut self, event: ClientEvent) -> Head {
-        if self.commit_first && matches!(*event, DriveEvent::Preview { .. }) {
+        if (self.commit_first || self.lost_previews) && matches!(*event, DriveEvent::Preview { .. }) {
             // Never forwarded: not kept either.
             return Head::Wait;
         }
@@ -329,7 +342,7 @@ impl StreamAnswer {
             frames.done = true;
             return frames;
         }
-        if self.commit_first && matches!(**event, DriveEvent::Preview { .. }) {
+        if (self.commit_first || self.lost_previews) && matches!(**event, DriveEvent::Preview { .. }) {
             return frames;
         }
         if !self.opened {
@@ -525,6 +538,24 @@ mod tests {
         );
         // Nothing after the end.
         assert!(answer.push(&preview(1, "x")).bytes.is_empty());
+    }
+
+    #[test]
+    fn after_dropped_previews_nothing_more_is_forwarded_and_the_commit_sends_exactly_the_rest() {
+        let mut answer = StreamAnswer::new(to(Api::OpenaiChat), 5);
+        assert_eq!(answer.before_head(preview(1, "one ")), Head::Open);
+        let opened = answer.open(vec![]);
+        assert!(text_of(&opened.bytes).contains("\"one \""));
+        // "two " and "three " were dropped before this answer read them.
+        answer.previews_dropped();
+        let after = answer.push(&preview(1, "four"));
+        assert!(after.bytes.is_empty(), "{}", text_of(&after.bytes));
+        let end = answer.push(&committed("one two three four"));
+        assert!(end.done);
+        let tail = text_of(&end.bytes);
+        assert!(tail.contains("\"two three four\""), "{tail}");
+        assert!(tail.contains("\"finish_reason\":\"stop\""), "{tail}");
+        assert!(!tail.contains("preview_mismatch"), "{tail}");
     }
 
     #[test]

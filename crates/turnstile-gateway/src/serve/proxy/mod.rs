@@ -37,7 +37,7 @@ pub mod shadow;
 
 use super::api::{self, ApiError, Early, Started, Target, caller_with_token, hub_for};
 use super::config::{Mode, Route};
-use super::hub::{ClientEvent, Receiver};
+use super::hub::{ClientEvent, Next, Receiver};
 use super::{Shared, metrics, now};
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -955,6 +955,7 @@ async fn serve_ours(
         receiver: hub.subscribe(),
         committed: false,
         ended: false,
+        gap: false,
     };
     let (reply, answer) = tokio::sync::oneshot::channel();
     let commit_first = route.answer == super::config::AnswerMode::Commit;
@@ -1048,23 +1049,36 @@ struct Follower {
     receiver: Receiver,
     /// The commit was read (and its calls handed over).
     committed: bool,
-    /// The events ended (the hub finished, or its backlog overflowed).
+    /// The events ended (the hub finished).
     ended: bool,
+    /// Previews were dropped before this reader read them, since [`Follower::gap`] was last
+    /// asked.
+    gap: bool,
 }
 
 impl Follower {
-    /// The next event; `None` at the end.
+    /// The next event; `None` at the end. Dropped previews are skipped and noted
+    /// ([`Follower::gap`]).
     async fn next(&mut self) -> Option<ClientEvent> {
-        if self.ended {
-            return None;
-        }
-        match self.receiver.recv().await {
-            Ok(Some(event)) => Some(self.read(event).await),
-            Ok(None) | Err(_) => {
-                self.ended = true;
-                None
+        loop {
+            if self.ended {
+                return None;
+            }
+            match self.receiver.recv().await {
+                Some(Next::Event(event)) => return Some(self.read(event).await),
+                Some(Next::Gap { .. }) => {
+                    metrics::bump(metrics::CLIENT_STREAM_GAPS);
+                    self.gap = true;
+                }
+                None => self.ended = true,
             }
         }
+    }
+
+    /// Whether previews were dropped before the event [`Follower::next`] returned last (asked
+    /// once: the answer then forwards no more preview, and the commit sends the rest).
+    fn gap(&mut self) -> bool {
+        std::mem::take(&mut self.gap)
     }
 
     /// The next event if the hub already has it.
@@ -1173,6 +1187,9 @@ async fn stream_answer(
     }
     // The status line waits for the first sign of an answer.
     while let Some(event) = follower.next().await {
+        if follower.gap() {
+            answer.previews_dropped();
+        }
         match answer.before_head(event) {
             answer::Head::Wait => continue,
             answer::Head::Fail(failure) => {
@@ -1222,7 +1239,12 @@ async fn stream_answer(
             return;
         }
         frames = match follower.next().await {
-            Some(event) => answer.push(&event),
+            Some(event) => {
+                if follower.gap() {
+                    answer.previews_dropped();
+                }
+                answer.push(&event)
+            }
             None => answer.end(),
         };
     }
