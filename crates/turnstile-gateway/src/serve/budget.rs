@@ -255,7 +255,7 @@ impl BacklogShare {
         self.change(bytes, droppable, false);
     }
 
-    /// Apply a change; true when the budget is on (worth relieving).
+    /// Apply a change; true when the total is now over the budget (worth relieving).
     fn change(&self, bytes: u64, droppable: bool, more: bool) -> bool {
         let budget = &self.budget;
         let mut inner = budget.lock();
@@ -279,7 +279,7 @@ impl BacklogShare {
                 *kept = step(*kept);
             }
         }
-        budget.max != 0
+        budget.max != 0 && inner.total.saturating_sub(inner.shedding) > budget.max
     }
 }
 
