@@ -60,6 +60,9 @@ pub enum FaultKind {
     NoDone,
     /// A dialect, not a fault: a whole JSON answer to the stream request.
     JsonAnswer,
+    /// One replica was cut off from the store for a while (its store operations failed, its
+    /// provider connections went on), shorter or longer than a lease.
+    StorePartition,
 }
 
 impl FaultKind {
@@ -92,6 +95,7 @@ impl FaultKind {
             FaultKind::FailoverTargets => "failover_targets",
             FaultKind::NoDone => "no_done",
             FaultKind::JsonAnswer => "json_answer",
+            FaultKind::StorePartition => "store_partition",
         }
     }
 }
@@ -149,6 +153,8 @@ pub struct FaultPlan {
     /// `[DONE]` on OpenAI Chat, a whole JSON answer to a stream request. Not a fault: it stays
     /// in the liveness phase.
     pub dialect: f64,
+    /// One replica is cut off from the store for a window of the safety phase (per seed).
+    pub partition: f64,
 }
 
 impl FaultPlan {
@@ -204,6 +210,7 @@ impl FaultPlan {
             },
             failover: if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.6 },
             dialect: if rng.chance(0.5) { 0.0 } else { rng.unit() * 0.5 },
+            partition: if rng.chance(0.6) { 0.0 } else { 1.0 },
         }
     }
 

@@ -64,11 +64,14 @@ pub const ROUNDS_MAX: u64 = 3;
 pub const OPS_PER_ROUND_MAX: u64 = 3;
 /// The driver's attempt budget (re-exported for the checker).
 pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
-/// The driver's bounds on every wait, in virtual time.
+/// The driver's bounds on every wait, in virtual time. The head bound is the gateway's
+/// default, longer than a lease: a connection that waits for its head outlives the lease it
+/// began under, so a holder cut off from the store must stop on its own (issue 47). Idle stays
+/// short: pings do not extend it, so an endless stream ends there.
 pub const TIMEOUTS: Timeouts = Timeouts {
-    head_ms: 2_000,
+    head_ms: 30_000,
     idle_ms: 2_000,
-    attempt_ms: 4_000,
+    attempt_ms: 60_000,
 };
 /// Share of seeds whose follow-up requests go through the drop-in proxy.
 pub const PROXY_SEEDS: f64 = 0.35;
@@ -115,6 +118,15 @@ pub(crate) struct SimDriver {
     pub(crate) drive: Drive,
     /// The replica running it.
     pub(crate) replica: usize,
+}
+
+/// One replica cut off from the store (its store operations fail, its provider connections go
+/// on) during `[from, until)` of the safety phase, in virtual time.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Partition {
+    pub(crate) replica: usize,
+    pub(crate) from: u64,
+    pub(crate) until: u64,
 }
 
 /// One gateway process sharing the store.
@@ -194,6 +206,8 @@ pub struct World {
     pub(crate) seed: u64,
     pub(crate) rng: Rng,
     pub(crate) plan: FaultPlan,
+    /// The seed's store partition, if it has one.
+    pub(crate) partition: Option<Partition>,
     pub(crate) bugs: Bugs,
     trace_on: bool,
     _dir: tempfile::TempDir,
@@ -307,6 +321,7 @@ impl World {
             seed,
             rng,
             plan,
+            partition: None,
             bugs: options.bugs,
             trace_on: options.trace,
             _dir: dir,
@@ -364,6 +379,22 @@ impl World {
         if skew_ms != 0 {
             world.report.fault(FaultKind::ClockSkew);
         }
+        if world.rng.chance(world.plan.partition) {
+            // Shorter than 3/10 of a lease (a stream rides it out) or longer than a lease (its
+            // holder must stop on its own before the other replica takes over).
+            let from = world.now + world.rng.below(6_000);
+            let length = if world.rng.chance(0.5) {
+                1 + world.rng.below(LEASE_MS * 3 / 10)
+            } else {
+                LEASE_MS + world.rng.below(2 * LEASE_MS)
+            };
+            world.partition = Some(Partition {
+                replica: world.rng.index(REPLICAS),
+                from,
+                until: from + length,
+            });
+            world.report.fault(FaultKind::StorePartition);
+        }
         world.witness = Some(world.open_store()?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
@@ -407,6 +438,14 @@ impl World {
     /// The store's clock reads the virtual time.
     pub(crate) fn sync_store_clock(&self) {
         self.store_clock.store(self.now, Ordering::SeqCst);
+    }
+
+    /// Whether `replica` is cut off from the store now (the safety phase only).
+    pub(crate) fn partitioned(&self, replica: usize) -> bool {
+        self.phase == Phase::Safety
+            && self
+                .partition
+                .is_some_and(|cut| cut.replica == replica && (cut.from..cut.until).contains(&self.now))
     }
 
     /// Replica `replica`'s own clock.
@@ -873,6 +912,18 @@ impl World {
     /// planted bugs that live on this side of the driver.
     fn perform_store(&mut self, driver: &mut SimDriver, mut op: StoreOp) {
         self.dirty = true;
+        if self.partitioned(driver.replica) {
+            // The replica cannot reach the store: nothing is written, the answer is a failure.
+            self.trace(format!(
+                "{} store partitioned from replica {}: {op:?}",
+                driver.op, driver.replica
+            ));
+            driver.drive.handle_store(
+                self.local_now(driver.replica),
+                StoreResult::Failed("partitioned".into()),
+            );
+            return;
+        }
         match &mut op {
             StoreOp::Begin { .. } if self.bugs.send_before_persist => {
                 // Planted bug: the request goes out before the begin write.
@@ -1500,6 +1551,10 @@ impl World {
     /// store's clock, and PREPARED dispatches nobody touched for a lease.
     fn sweep(&mut self, replica: usize) {
         self.replicas[replica].sweep_at = self.now + SWEEP_PERIOD_MS;
+        if self.partitioned(replica) {
+            self.trace(format!("lease sweep on replica {replica}: store partitioned"));
+            return;
+        }
         self.trace(format!("lease sweep on replica {replica}"));
         self.recover(replica, SWEEP_HOLDER, LEASE_MS);
     }
