@@ -194,6 +194,9 @@ enum Work {
     Shed {
         reason: &'static str,
     },
+    /// The process is shutting down and its drain timeout passed: stop here and leave the
+    /// dispatch to recovery.
+    HandOver,
     /// Keep material out of history, in the quarantine log.
     Quarantine {
         generation: Generation,
@@ -701,6 +704,17 @@ impl Drive {
     pub fn handle_shed(&mut self, now: Timestamp, reason: &'static str) {
         self.now = now;
         self.queue(Work::Shed { reason });
+    }
+
+    /// The process is shutting down and its drain timeout passed (`docs/operating.md`,
+    /// "Shutdown and drain"): stop as a self-fence does (reason `shutting_down`): every provider
+    /// connection closed, this driver's preview retracted, nothing more sent, written or
+    /// emitted; the attempt is left to recovery (the pump releases its lease once every
+    /// connection is closed). Queued behind the inputs already given, so a store operation in
+    /// flight is answered first.
+    pub fn handle_hand_over(&mut self, now: Timestamp) {
+        self.now = now;
+        self.queue(Work::HandOver);
     }
 
     /// The answer to the outstanding [`Action::Store`].
@@ -2126,6 +2140,10 @@ impl Drive {
                 reason,
                 content,
             } => self.quarantine(generation, reason, content),
+            // A dispatch that ended (committed, failed) or a driver that already stopped has
+            // nothing to hand over: its outcome stands, and nothing is retracted after it.
+            Work::HandOver if self.stopped || self.machine.state().is_terminal() => {}
+            Work::HandOver => self.self_fence("shutting_down"),
             Work::Shed { reason } => {
                 if self.final_retract.is_none() {
                     self.final_retract = Some(reason);

@@ -448,6 +448,13 @@ pub trait Ledger: Send + Sync {
     /// UNKNOWN; answers every UNKNOWN attempt for the recovery decisions.
     async fn recover_startup(&self, holder: &str, now: Timestamp) -> Result<RecoveryReport, StoreError>;
 
+    /// A holder that closed every provider connection of its live attempts gives them up
+    /// (a drained process at shutdown): their leases end at `now` (the store's clock) and
+    /// those DISPATCHING, SENT or STREAMING become UNKNOWN (`end_reason = shutting_down`), so
+    /// recovery anywhere starts at once. Answers how many attempts were released. Call it only
+    /// once nothing of `holder` can still read a provider.
+    async fn release_holder(&self, holder: &str, now: Timestamp) -> Result<u64, StoreError>;
+
     /// The store's counters.
     async fn counters(&self) -> Result<Counters, StoreError>;
 

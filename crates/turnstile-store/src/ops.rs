@@ -2646,6 +2646,69 @@ pub(crate) async fn recover_startup<T: Tx>(
     })
 }
 
+/// A holder that closed every provider connection of its live attempts (a drained process
+/// handing them over) gives them up: their leases end now, by the store's clock, and those
+/// still DISPATCHING, SENT or STREAMING become UNKNOWN with `end_reason = shutting_down`, so
+/// any replica's sweep, or the next start, recovers them at once instead of waiting out the
+/// lease. Another holder's attempts are untouched. Answers how many attempts were released.
+pub(crate) async fn release_holder<T: Tx>(
+    tx: &mut T,
+    holder: &str,
+    now: Timestamp,
+) -> Result<u64, StoreError> {
+    let released = tx
+        .execute(
+            &format!(
+                "UPDATE attempts SET lease_expires_at = $2 \
+                 WHERE {LIVE_ATTEMPTS} AND lease_holder = $1 AND lease_expires_at > $2"
+            ),
+            &[holder.into(), ts(now)],
+        )
+        .await?;
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT operation_id, generation, state FROM attempts \
+                 WHERE {LIVE_ATTEMPTS} AND state IN ('DISPATCHING', 'SENT', 'STREAMING') \
+                 AND lease_holder = $1 ORDER BY operation_id, generation"
+            ),
+            &[holder.into()],
+        )
+        .await?;
+    for row in &rows {
+        let operation_id = row.text(0)?;
+        let generation = Generation(row.uint(1)?);
+        let from = state_of(&row.text(2)?)?;
+        if !move_both(tx, &operation_id, generation, from, DispatchState::Unknown, now).await? {
+            // Not the active generation any more: mark only the attempt.
+            let moved = tx
+                .execute(
+                    "UPDATE attempts SET state = 'UNKNOWN' WHERE operation_id = $1 AND generation = $2 AND state = $3",
+                    &[operation_id.as_str().into(), generation.0.into(), from.as_str().into()],
+                )
+                .await?;
+            if moved != 1 {
+                continue;
+            }
+            record_transition(
+                tx,
+                &operation_id,
+                Some(generation),
+                Some(from),
+                DispatchState::Unknown,
+                now,
+            )
+            .await?;
+        }
+        tx.execute(
+            "UPDATE attempts SET end_reason = 'shutting_down' WHERE operation_id = $1 AND generation = $2",
+            &[operation_id.as_str().into(), generation.0.into()],
+        )
+        .await?;
+    }
+    Ok(released)
+}
+
 /// The render policy kept with a dispatch.
 pub(crate) async fn dispatch_policy<T: Tx>(
     tx: &mut T,

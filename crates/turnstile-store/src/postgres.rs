@@ -940,6 +940,10 @@ impl Ledger for PgLedger {
         in_tx!(self, |tx| ops::recover_startup(&mut tx, holder, now))
     }
 
+    async fn release_holder(&self, holder: &str, now: Timestamp) -> Result<u64, StoreError> {
+        in_tx!(self, |tx| ops::release_holder(&mut tx, holder, now))
+    }
+
     async fn counters(&self) -> Result<Counters, StoreError> {
         in_tx!(self, |tx| ops::counters(&mut tx))
     }

@@ -1786,6 +1786,12 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn release_holder(&self, holder: &str, now: Timestamp) -> Result<u64, StoreError> {
+        let holder = holder.to_owned();
+        self.run(move |tx| block_on_ready(ops::release_holder(tx, &holder, now)))
+            .await
+    }
+
     async fn counters(&self) -> Result<Counters, StoreError> {
         self.read(|tx| block_on_ready(ops::counters(tx)))
     }

@@ -304,3 +304,78 @@ fn the_fence_moves_with_each_renewal_that_lands_and_bounds_the_wait_for_the_stor
         Some(fence_deadline(Timestamp(landed), LEASE_MS))
     );
 }
+
+const STOP: &[u8] = b"event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n\
+event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":3}}\n\n\
+event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+
+/// Issue 49 item 6: past the drain timeout a shutting-down gateway hands each live dispatch
+/// over. The driver stops as a self-fence does (`shutting_down`): its provider connection is
+/// closed, its preview retracted, and nothing more is read, written or sent; the attempt is
+/// left to recovery.
+#[test]
+fn a_hand_over_closes_the_provider_connection_retracts_and_does_nothing_more() {
+    let mut pump = Pump::begun();
+    pump.renewals = Renewals::FailOnceThenApply;
+    pump.head();
+    pump.stream(BEGIN_AT + 100, BEGIN_AT + 1_000);
+    assert!(!pump.seen.previews.is_empty());
+    pump.drive.handle_hand_over(Timestamp(BEGIN_AT + 1_050));
+    pump.perform(BEGIN_AT + 1_050);
+    assert_eq!(pump.seen.fenced, vec!["shutting_down"]);
+    assert!(pump.seen.closed, "its provider connection is closed");
+    assert_eq!(pump.seen.retracts, vec!["shutting_down".to_owned()]);
+    assert!(pump.drive.stopped() && pump.drive.is_finished());
+    // What still arrives from the provider is not read.
+    let previews = pump.seen.previews.len();
+    let connection = pump.connection.unwrap();
+    pump.drive
+        .handle_chunk(Timestamp(BEGIN_AT + 1_100), connection, delta("late "));
+    pump.drive
+        .handle_chunk(Timestamp(BEGIN_AT + 1_100), connection, STOP.to_vec());
+    while let Some(action) = pump.drive.poll_action() {
+        assert!(
+            !matches!(action, Action::Store(_) | Action::Open { .. } | Action::Emit(_)),
+            "after the hand-over: {action:?}"
+        );
+    }
+    assert_eq!(pump.seen.previews.len(), previews);
+    assert_eq!(pump.seen.opened, 1, "nothing sent again");
+}
+
+/// A dispatch that committed before the hand-over reached its driver keeps its outcome:
+/// nothing is retracted after the commit.
+#[test]
+fn a_hand_over_after_the_commit_changes_nothing() {
+    let mut pump = Pump::begun();
+    pump.renewals = Renewals::FailOnceThenApply;
+    pump.head();
+    let connection = pump.connection.unwrap();
+    pump.drive
+        .handle_chunk(Timestamp(BEGIN_AT + 100), connection, delta("all "));
+    pump.drive
+        .handle_chunk(Timestamp(BEGIN_AT + 100), connection, STOP.to_vec());
+    pump.drive
+        .handle_end(Timestamp(BEGIN_AT + 110), connection, Ending::Clean);
+    pump.drive.handle_hand_over(Timestamp(BEGIN_AT + 110));
+    let mut committed = false;
+    while let Some(action) = pump.drive.poll_action() {
+        match action {
+            Action::Store(StoreOp::Commit { .. }) => pump.drive.handle_store(
+                Timestamp(BEGIN_AT + 120),
+                StoreResult::Committed {
+                    revision: Revision(4),
+                },
+            ),
+            Action::Store(_) => pump
+                .drive
+                .handle_store(Timestamp(BEGIN_AT + 120), StoreResult::Applied),
+            Action::Emit(DriveEvent::Committed { .. }) => committed = true,
+            Action::Emit(DriveEvent::Retract { reason, .. }) => panic!("retracted: {reason}"),
+            Action::Count(Count::SelfFenced(reason)) => panic!("fenced: {reason}"),
+            _ => {}
+        }
+    }
+    assert!(committed, "the commit went out");
+    assert!(pump.drive.is_finished() && !pump.drive.stopped());
+}

@@ -50,6 +50,7 @@ suite!(
     a_replay_keeps_the_generation_and_its_idempotency_key,
     tool_results_need_the_current_claim_and_append_tool_turns_through_the_validator,
     startup_recovery_marks_live_attempts_unknown_but_not_another_replicas_leased_ones,
+    a_drained_holder_releases_only_its_own_live_attempts_to_recovery_at_once,
     recovery_after_a_dead_lease_resends_the_stored_bytes_under_a_new_generation,
     a_drop_before_commit_leaves_nothing_and_a_retry_succeeds,
     a_drop_after_commit_is_answered_by_the_retry_without_a_second_turn,
@@ -2076,6 +2077,89 @@ pub async fn startup_recovery_marks_live_attempts_unknown_but_not_another_replic
             .marked_unknown,
         0
     );
+}
+
+/// Issue 49 item 6: a drained process that closed its provider connections gives its live
+/// attempts up. Their leases end at the release (the store's clock) and they become UNKNOWN
+/// with `end_reason = shutting_down`, so the sweep of any replica (which sees only expired
+/// leases) recovers them at once; another holder's attempt keeps its lease and state.
+pub async fn a_drained_holder_releases_only_its_own_live_attempts_to_recovery_at_once(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    conversation_at_1(&*store, "d").await;
+    let mine = prepared_and_begun(&*store, "op-mine", "c", 1).await; // holder replica-a, lease 5_000
+    to_streaming(&*store, "op-mine", mine).await;
+    let (manifest, bytes) = manifest("op-theirs", "d", 1, "m");
+    let _ = store.prepare(&manifest, &bytes, at(10)).await.unwrap();
+    let expect = BeginExpect {
+        revision: Revision(1),
+        cancel_generation: 0,
+        target: 0,
+    };
+    let _ = store
+        .begin_attempt("op-theirs", expect, &lease("replica-b", 50_000), at(11))
+        .await
+        .unwrap();
+    // Before the release a sweep (a holder no lease uses) finds nothing to recover.
+    assert_eq!(
+        store
+            .recover_startup("sweep", at(1_000))
+            .await
+            .unwrap()
+            .unknown
+            .len(),
+        0
+    );
+
+    assert_eq!(store.release_holder("replica-a", at(1_000)).await.unwrap(), 1);
+    let record = store.dispatch("op-mine").await.unwrap().unwrap();
+    assert_eq!(record.state, DispatchState::Unknown);
+    let attempts = store.attempts("op-mine").await.unwrap();
+    assert_eq!(
+        attempts[0].lease_expires_at,
+        at(1_000),
+        "the lease ends at the release"
+    );
+    assert_eq!(attempts[0].end_reason.as_deref(), Some("shutting_down"));
+    assert_eq!(attempts[0].state, DispatchState::Unknown);
+    let theirs = store.attempts("op-theirs").await.unwrap();
+    assert_eq!(
+        theirs[0].lease_expires_at,
+        at(50_000),
+        "another holder's lease is untouched"
+    );
+    assert_eq!(
+        store.dispatch("op-theirs").await.unwrap().unwrap().state,
+        DispatchState::Dispatching
+    );
+    // A sweep right after finds it, and recovery need not wait for the old lease.
+    let report = store.recover_startup("sweep", at(1_001)).await.unwrap();
+    let unknown: Vec<_> = report.unknown.iter().map(|a| a.operation_id.as_str()).collect();
+    assert_eq!(unknown, vec!["op-mine"]);
+    let attempt = &report.unknown[0];
+    let decision = recovery_decision(
+        &UnknownAttempt {
+            generation: attempt.generation,
+            handle: attempt.handle.clone(),
+            idempotency_key: attempt.idempotency_key.clone(),
+            lease_expires_at: attempt.lease_expires_at,
+            provider_confirmed_ended: false,
+        },
+        ProviderRecovery::default(),
+        at(1_001),
+    );
+    assert_eq!(
+        decision,
+        RecoveryDecision::AbandonThenNewGeneration {
+            generation: attempt.generation
+        }
+    );
+    // Releasing again changes nothing.
+    assert_eq!(store.release_holder("replica-a", at(1_002)).await.unwrap(), 0);
+    check_invariants(&*store, &["c".into(), "d".into()]).await;
 }
 
 pub async fn recovery_after_a_dead_lease_resends_the_stored_bytes_under_a_new_generation(
