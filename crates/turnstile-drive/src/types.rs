@@ -452,6 +452,9 @@ pub fn error_message(code: &str) -> &'static str {
         "ledger_unreachable" => {
             "this replica lost the ledger and stopped driving the dispatch; it goes on elsewhere or after recovery: attach again with the same operation_id (or read GET /v1/dispatches/{operation_id}) for its outcome"
         }
+        "shutting_down" => {
+            "this gateway is shutting down and its drain timeout passed: it stopped driving the dispatch, which goes on elsewhere or after its restart; attach again with the same operation_id (or read GET /v1/dispatches/{operation_id}) for its outcome"
+        }
         "output_budget_exhausted" => {
             "the gateway's memory budget for provider output was exhausted and this dispatch held the most; nothing was committed"
         }

@@ -109,11 +109,15 @@ pub enum ErrorCode {
     Overloaded,
     /// A tool choice names a tool the conversation does not declare (422).
     UnknownTool,
+    /// The process is shutting down and takes no new requests (503; retry on another
+    /// replica). As a stream's `error` event: the dispatch outlived the drain timeout and was
+    /// handed to recovery; attach again with the same `operation_id`.
+    ShuttingDown,
 }
 
 impl ErrorCode {
     /// Every code (held against the spec by the tests; the binary itself needs no list).
-    pub const ALL: [ErrorCode; 29] = [
+    pub const ALL: [ErrorCode; 30] = [
         ErrorCode::BodyTooLarge,
         ErrorCode::ConversationExists,
         ErrorCode::DuplicateResult,
@@ -143,6 +147,7 @@ impl ErrorCode {
         ErrorCode::UriTooLong,
         ErrorCode::Overloaded,
         ErrorCode::UnknownTool,
+        ErrorCode::ShuttingDown,
     ];
 
     /// The code's string.
@@ -177,6 +182,7 @@ impl ErrorCode {
             ErrorCode::UriTooLong => "uri_too_long",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::UnknownTool => "unknown_tool",
+            ErrorCode::ShuttingDown => "shutting_down",
         }
     }
 
@@ -1622,11 +1628,24 @@ fn whole_answer(
 /// A ledger that cannot be read is tried again for three leases (the dispatch's fate is decided
 /// by then, here or elsewhere); then the clients are told `ledger_unreachable` and how to attach
 /// again, never a silent end.
+/// A shutdown whose drain timeout passed ends the watch with `error shutting_down`.
 pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hub>) {
+    let _running = shared.drain.task();
     let mut last: Option<DispatchState> = None;
     let patience = Duration::from_millis(shared.lease_ms.saturating_mul(3));
     let mut unreadable_since: Option<std::time::Instant> = None;
+    // Invariant: once it completed, the check at the top of the loop ends the watch before it
+    // could be polled again.
+    let handing_over = shared.drain.reached(super::drain::Phase::HandingOver);
+    tokio::pin!(handing_over);
     loop {
+        if shared.drain.phase() == super::drain::Phase::HandingOver {
+            hub.send(turnstile_drive::DriveEvent::Error {
+                code: "shutting_down".into(),
+                message: turnstile_drive::error_message("shutting_down").into(),
+            });
+            break;
+        }
         let record = match shared.ledger.dispatch(&operation_id).await {
             Ok(Some(record)) => {
                 unreadable_since = None;
@@ -1643,7 +1662,10 @@ pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hu
                     });
                     break;
                 }
-                tokio::time::sleep(WATCH_POLL).await;
+                tokio::select! {
+                    () = tokio::time::sleep(WATCH_POLL) => {}
+                    () = &mut handing_over => {}
+                }
                 continue;
             }
         };
@@ -1674,7 +1696,10 @@ pub(crate) async fn watch(shared: Arc<Shared>, operation_id: String, hub: Arc<Hu
             }
             break;
         }
-        tokio::time::sleep(WATCH_POLL).await;
+        tokio::select! {
+            () = tokio::time::sleep(WATCH_POLL) => {}
+            () = &mut handing_over => {}
+        }
     }
     hub.finish();
 }

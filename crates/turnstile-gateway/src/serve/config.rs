@@ -25,6 +25,12 @@ pub const REQUESTS_PER_CONNECTION_MAX_DEFAULT: u64 = 1_000;
 /// KiB in that time. Its connection is closed so that its buffers and the dispatch backlog it
 /// holds are freed (its dispatch is unaffected).
 pub const CLIENT_WRITE_TIMEOUT_MS_DEFAULT: u64 = 30_000;
+/// Default `drain_timeout_ms`: 30 s, Kubernetes' default grace period (systemd's
+/// `TimeoutStopSec` is 90 s). Set it a little under the grace period the process gets, and
+/// above the longest stream you expect.
+pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 30_000;
+/// Largest `drain_timeout_ms`: one hour.
+pub const DRAIN_TIMEOUT_MS_MAX: u64 = 3_600_000;
 pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 /// Provider request timeout: connecting and receiving the response head.
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -89,6 +95,10 @@ pub struct Config {
     /// it; then it is closed (`listener.rs`).
     #[serde(default = "client_write_timeout_default")]
     pub client_write_timeout_ms: u64,
+    /// After SIGTERM/SIGINT, how long live dispatches may run on before what is left is
+    /// handed to recovery (`drain.rs`); 0 hands over at once.
+    #[serde(default = "drain_timeout_default")]
+    pub drain_timeout_ms: u64,
     /// Most previews a dispatch's client backlog keeps (`hub.rs`); older ones are dropped and
     /// a client behind them is told of the gap. Every other event is kept.
     #[serde(default = "stream_backlog_previews_max_default")]
@@ -386,6 +396,9 @@ fn requests_per_connection_max_default() -> u64 {
 fn client_write_timeout_default() -> u64 {
     CLIENT_WRITE_TIMEOUT_MS_DEFAULT
 }
+fn drain_timeout_default() -> u64 {
+    DRAIN_TIMEOUT_MS_DEFAULT
+}
 fn stream_backlog_previews_max_default() -> usize {
     super::hub::BACKLOG_PREVIEWS_MAX
 }
@@ -514,6 +527,12 @@ impl Config {
         if self.providers.contains_key("sim") {
             return Err("provider name \"sim\" is reserved for the simulator (use sim_url)".into());
         }
+        if self.drain_timeout_ms > DRAIN_TIMEOUT_MS_MAX {
+            return Err(format!(
+                "drain_timeout_ms must be 0–{DRAIN_TIMEOUT_MS_MAX} (ms), not {}",
+                self.drain_timeout_ms
+            ));
+        }
         if !(1..=turnstile_store::CLIENT_CALL_TIMEOUT_MS_MAX).contains(&self.proxy_client_call_timeout_ms) {
             return Err(format!(
                 "proxy_client_call_timeout_ms must be 1–{} (ms), not {}",
@@ -580,6 +599,19 @@ mod tests {
             ("proxy_client_call_timeout_ms = 604800001", false),
         ] {
             assert_eq!(bound(text).check().is_ok(), ok, "{text}");
+        }
+    }
+
+    #[test]
+    fn the_drain_timeout_defaults_to_30_s_and_is_refused_past_an_hour() {
+        let config = |text: &str| toml::from_str::<Config>(text).unwrap();
+        assert_eq!(config("").drain_timeout_ms, 30_000);
+        for (text, ok) in [
+            ("drain_timeout_ms = 0", true),
+            ("drain_timeout_ms = 3600000", true),
+            ("drain_timeout_ms = 3600001", false),
+        ] {
+            assert_eq!(config(text).check().is_ok(), ok, "{text}");
         }
     }
 

@@ -9,6 +9,7 @@
 //! the store's compare-and-sets; this file only moves data between them and the network. The
 //! simulation (`turnstile-testkit`) pumps the same driver.
 
+use super::drain::Phase;
 use super::hub::Hub;
 use super::metrics;
 use super::traces;
@@ -189,6 +190,9 @@ struct Pump {
     ctx: DriveContext,
     sender: mpsc::Sender<(ConnectionId, TransportEvent)>,
     connections: HashMap<ConnectionId, JoinHandle<()>>,
+    /// Connection tasks aborted here; awaited before a hand-over's clients are told, so the
+    /// store releases the lease only after they are gone (`drain.rs`).
+    aborted: Vec<JoinHandle<()>>,
     /// Which target each connection went to, whether it is a response (not a question), and
     /// the status of its head once it came (the circuit breaker's record of outcomes).
     provider_of: HashMap<ConnectionId, (usize, bool, Option<u16>)>,
@@ -210,9 +214,13 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         ctx,
         sender,
         connections: HashMap::new(),
+        aborted: Vec::new(),
         provider_of: HashMap::new(),
         trace,
     };
+    // The process does not exit before this dispatch ended or was handed over.
+    let _running = pump.shared.drain.task();
+    let mut handed_over = false;
     // What this dispatch holds of the process-wide output budget (given back when it ends).
     let share = pump.shared.output_budget.join();
     let mut shed = false;
@@ -267,6 +275,11 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 }
             }
             _ = tokio::time::sleep(sleep) => drive.handle_timeout(now()),
+            () = pump.shared.drain.reached(Phase::HandingOver), if !handed_over => {
+                // The process is shutting down and its drain timeout passed.
+                handed_over = true;
+                drive.handle_hand_over(now());
+            }
             () = share.chosen(), if !shed => {
                 // Another dispatch's chunk chose this one, which holds the most.
                 shed = true;
@@ -283,8 +296,24 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {
         task.abort();
+        pump.aborted.push(task);
     }
     let shared = pump.shared.clone();
+    if handed_over && drive.fenced() {
+        // Handed to recovery: every provider connection of this dispatch ends before its
+        // clients are told, and before the store releases the lease (`drain.rs`).
+        for task in pump.aborted.drain(..) {
+            let _ = task.await;
+        }
+        shared.unknown_since.lock().await.remove(&operation_id);
+        pump.ctx.hub.send(DriveEvent::Error {
+            code: "shutting_down".into(),
+            message: turnstile_drive::error_message("shutting_down").into(),
+        });
+        pump.ctx.hub.finish();
+        remove_hub(&shared, &operation_id, &pump.ctx.hub).await;
+        return;
+    }
     shared.unknown_since.lock().await.remove(&operation_id);
     // Stopped: another replica, the sweep or the ledger decides now. Watch unless the ledger
     // says the dispatch ended without a commit (a PREPARED one is driven again by the sweep; a
@@ -393,6 +422,7 @@ impl Pump {
                 Action::Close { connection } => {
                     if let Some(task) = self.connections.remove(&connection) {
                         task.abort();
+                        self.aborted.push(task);
                     }
                 }
                 Action::Emit(event) => {
@@ -527,6 +557,10 @@ impl Pump {
                 }
             }
             Count::StoreFailure => metrics::bump(metrics::DRIVER_STORE_FAILURES),
+            Count::SelfFenced("shutting_down") => {
+                tracing::info!(operation_id = %self.ctx.record.operation_id, "drain timeout passed: provider connections closed, the dispatch is handed to recovery");
+                metrics::self_fenced("shutting_down");
+            }
             Count::SelfFenced(reason) => {
                 tracing::warn!(operation_id = %self.ctx.record.operation_id, %reason, "lease could not be kept: provider connections closed before it runs out; recovery decides");
                 metrics::self_fenced(reason);

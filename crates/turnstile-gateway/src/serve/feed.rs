@@ -161,8 +161,13 @@ pub async fn events(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Ap
     let mut receiver = feed.changes();
     let prefix = caller.store_id("");
     let (sender, out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let drain = shared.drain.clone();
     tokio::spawn(async move {
         let _slot = slot;
+        // A shutting-down process ends its feeds (an idle console tab would otherwise hold
+        // the shutdown for the whole drain); the page subscribes again elsewhere.
+        let draining = drain.reached(super::drain::Phase::Draining);
+        tokio::pin!(draining);
         if sender.send(frame("ready", &json!({}))).await.is_err() {
             return;
         }
@@ -178,6 +183,7 @@ pub async fn events(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Ap
                     continue;
                 }
                 () = sender.closed() => return,
+                () = &mut draining => return,
             };
             let bytes = match next {
                 Ok(change) => match client_event(&prefix, &change) {

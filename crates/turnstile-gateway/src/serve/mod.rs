@@ -1,12 +1,14 @@
 //! `turnstile serve`: the gateway. Start-up order: config → store → start-up recovery (every
 //! live attempt of a dead process becomes UNKNOWN and gets a recovery driver) → built-in
-//! simulator (unless `sim_url`) → listener. Shutdown is graceful on SIGINT/SIGTERM: the
-//! listener stops, in-flight responses finish.
+//! simulator (unless `sim_url`) → listener. SIGINT/SIGTERM drains (`drain.rs`): no new
+//! requests, live dispatches finish within `drain_timeout_ms`, and what is left is handed to
+//! recovery with a typed event to each client.
 
 pub mod api;
 pub mod breaker;
 pub mod budget;
 pub mod config;
+pub mod drain;
 pub mod driver;
 pub mod feed;
 pub mod hub;
@@ -90,6 +92,8 @@ pub struct Shared {
     /// How long a call handed to a proxy client stays `client` (store clock) before it reads
     /// `client_abandoned` (`proxy_client_call_timeout_ms`).
     pub client_call_timeout_ms: u64,
+    /// Where the process is in its shutdown, and what must end before it exits (`drain.rs`).
+    pub drain: Arc<drain::Drain>,
 }
 
 impl Shared {
@@ -416,6 +420,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         breaker: breaker::Breaker::new(config.failover_breaker_failures, config.failover_cooldown_ms),
         output_budget: budget::OutputBudget::new(config.provider_output_bytes_max),
         client_call_timeout_ms: config.proxy_client_call_timeout_ms,
+        drain: Arc::new(drain::Drain::new()),
 
         backlog_previews_max: config.stream_backlog_previews_max,
     });
@@ -440,6 +445,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         redact(&config.store),
         sim_url.as_deref().unwrap_or("off")
     );
+    let drained = drain_after_signal(shared.clone(), Duration::from_millis(config.drain_timeout_ms));
+    let drain = shared.drain.clone();
     let mut app = api::harden(router(shared));
     if let Some(control) = sim_control {
         app = app.merge(control);
@@ -449,7 +456,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    let served = listener::serve(listener, app, listener::Limits::of(&config), shutdown_signal())
+    let served = listener::serve(listener, app, listener::Limits::of(&config), drain, drained)
         .await
         .map_err(|error| error.to_string());
     if tracing_on {
@@ -525,7 +532,11 @@ const SWEEP_HOLDER: &str = "turnstile-sweep";
 async fn sweep(shared: Arc<Shared>) {
     let period = Duration::from_millis(turnstile_store::drive::sweep_period_ms(shared.lease_ms));
     loop {
-        tokio::time::sleep(period).await;
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            // A draining process takes nothing over.
+            () = shared.drain.reached(drain::Phase::Draining) => return,
+        }
         if let Err(error) = recover(&shared, SWEEP_HOLDER, shared.lease_ms).await {
             tracing::warn!(%error, "lease sweep failed");
         }
@@ -557,6 +568,51 @@ fn redact(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
+    }
+}
+
+/// How long the drivers left at the drain timeout get to stop before the store is asked to
+/// release their leases (a driver inside a store write finishes it first); past it the
+/// release is skipped and the leases run out by the store's clock.
+const HAND_OVER_WAIT: Duration = Duration::from_secs(5);
+
+/// After SIGINT/SIGTERM: drain for up to `drain_timeout`, then hand what is left to recovery
+/// (`drain.rs`). Completes when the listener may close.
+async fn drain_after_signal(shared: Arc<Shared>, drain_timeout: Duration) {
+    shutdown_signal().await;
+    let drain = &shared.drain;
+    drain.enter(drain::Phase::Draining);
+    tracing::info!(
+        running = drain.running(),
+        drain_timeout_ms = drain_timeout.as_millis() as u64,
+        "shutdown signal: no new requests; live dispatches run on"
+    );
+    if tokio::time::timeout(drain_timeout, drain.idle()).await.is_ok() {
+        tracing::info!("drained: nothing is left to hand over");
+        return;
+    }
+    drain.enter(drain::Phase::HandingOver);
+    tracing::warn!(
+        running = drain.running(),
+        "drain timeout passed: the dispatches left are handed to recovery"
+    );
+    if tokio::time::timeout(HAND_OVER_WAIT, drain.idle()).await.is_err() {
+        tracing::warn!(
+            running = drain.running(),
+            "not every driver stopped in time: their leases run out by the store's clock"
+        );
+        return;
+    }
+    // Every driver is gone, and with it every provider connection of this holder.
+    let released = match shared.ledger.store_now().await {
+        Ok(store_now) => shared.ledger.release_holder(&shared.holder, store_now).await,
+        Err(error) => Err(error),
+    };
+    match released {
+        Ok(count) => tracing::info!(count, "live attempts released to recovery"),
+        Err(error) => {
+            tracing::warn!(%error, "could not release the live attempts: their leases run out by the store's clock")
+        }
     }
 }
 

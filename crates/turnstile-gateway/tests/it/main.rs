@@ -5,6 +5,7 @@ mod assemble;
 mod compatible;
 mod console;
 mod console_api;
+mod drain;
 mod executor;
 mod failover;
 mod fencing;

@@ -100,6 +100,35 @@ impl Gateway {
         let _ = self.child.wait();
     }
 
+    /// Send SIGTERM (as Kubernetes and systemd do to stop a process).
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// The process's exit status once it exited, polled every 50 ms for at most `limit`
+    /// (None: still running then).
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// What the process logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub fn post(&self, path: &str, body: Value) -> (u16, Value) {
         let response = client()
             .post(format!("{}{path}", self.base))

@@ -1318,9 +1318,15 @@ fn relay(args: &Args) {
                 turnstile_gateway::serve::config::REQUESTS_PER_CONNECTION_MAX_DEFAULT,
             client_write_timeout_ms: turnstile_gateway::serve::config::CLIENT_WRITE_TIMEOUT_MS_DEFAULT,
         };
-        turnstile_gateway::serve::listener::serve(listener, app, limits, std::future::pending())
-            .await
-            .expect("the relay serves");
+        turnstile_gateway::serve::listener::serve(
+            listener,
+            app,
+            limits,
+            std::sync::Arc::new(turnstile_gateway::serve::drain::Drain::new()),
+            std::future::pending(),
+        )
+        .await
+        .expect("the relay serves");
     });
 }
 
