@@ -872,16 +872,20 @@ impl Drive {
 
     fn issue(&mut self, op: StoreOp, pending: Pending) {
         assert!(self.pending.is_none(), "two store operations outstanding");
-        if matches!(
-            op,
-            StoreOp::Begin { .. }
-                | StoreOp::Replay { .. }
-                | StoreOp::Resume { .. }
-                | StoreOp::RenewLease { .. }
-        ) {
-            // The store's end of the lease is its clock at the write plus the lease, never
-            // earlier than this moment plus the lease by ours.
-            self.lease_asked_at = Some(self.now);
+        let asked = match &op {
+            StoreOp::Begin { lease_expires_at, .. }
+            | StoreOp::Replay { lease_expires_at, .. }
+            | StoreOp::Resume { lease_expires_at, .. }
+            | StoreOp::RenewLease { lease_expires_at, .. } => Some(*lease_expires_at),
+            _ => None,
+        };
+        if let Some(lease_expires_at) = asked {
+            // The store ends this lease at its clock when the write runs plus what is left of
+            // the lease the write names (`store::drive::perform` rebases it), so by ours no later
+            // than the lease's own end: count from when the lease was named, or from now if
+            // that is earlier (a write issued late, after held writes, asks for less).
+            let named = Timestamp(lease_expires_at.0.saturating_sub(self.spec.lease_ms));
+            self.lease_asked_at = Some(named.min(self.now));
         }
         self.pending = Some(pending);
         self.actions.push_back(Action::Store(op));
@@ -1643,6 +1647,54 @@ impl Drive {
     /// A store write failed: its outcome is unknown.
     fn store_failed(&mut self, kind: WriteKind) {
         self.actions.push_back(Action::Count(Count::StoreFailure));
+        if let WriteKind::Transition { from, to } = kind
+            && matches!(
+                (from, to),
+                (DispatchState::Dispatching, DispatchState::Sent)
+                    | (DispatchState::Sent, DispatchState::Streaming)
+            )
+            && let Some(generation) = self.machine.generation()
+        {
+            // A held transition flushed before another write: held again, with the held writes
+            // flushed after it (they must follow it), so the commit (or the next write)
+            // carries them and a store back in time loses nothing.
+            let mut held = vec![(
+                StoreOp::Transition {
+                    generation,
+                    from,
+                    to,
+                    reason: None,
+                },
+                Pending::MachineWrite(kind),
+            )];
+            for (op, pending) in std::mem::take(&mut self.outbox) {
+                let holdable = matches!(
+                    op,
+                    StoreOp::Transition {
+                        from: DispatchState::Dispatching,
+                        to: DispatchState::Sent,
+                        ..
+                    } | StoreOp::Transition {
+                        from: DispatchState::Sent,
+                        to: DispatchState::Streaming,
+                        ..
+                    } | StoreOp::BindHandle { .. }
+                );
+                if holdable {
+                    held.push((op, pending));
+                } else {
+                    self.outbox.push_back((op, pending));
+                }
+            }
+            held.append(&mut self.behind);
+            self.behind = held;
+            return;
+        }
+        if kind.awaited() && self.fence().is_some_and(|at| self.now >= at) {
+            // The write waited until the fence: stop as a holder whose lease ends does.
+            self.self_fence("lease_ending");
+            return;
+        }
         if kind.awaited() {
             // The machine would wait forever for an answer that will not come. Stop driving:
             // the ledger decides (a write that landed is relayed by a watcher; one that did

@@ -379,3 +379,35 @@ fn a_hand_over_after_the_commit_changes_nothing() {
     assert!(committed, "the commit went out");
     assert!(pump.drive.is_finished() && !pump.drive.stopped());
 }
+
+#[test]
+fn a_prepare_that_began_the_attempt_too_long_ago_sends_nothing() {
+    // The prepare asked for the lease at 1,000 (its own transaction began the attempt); the
+    // driver reads the present before anything goes out: past the fence, nothing is sent.
+    let mut drive = Drive::begun(spec(), Timestamp(BEGIN_AT), 0, Generation(1), "key-1".into());
+    drive.handle_timeout(Timestamp(FIRST_FENCE));
+    let mut opened = false;
+    let mut fenced = Vec::new();
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { .. } => opened = true,
+            Action::Count(Count::SelfFenced(reason)) => fenced.push(reason),
+            Action::Store(op) => panic!("a store operation past the fence: {op:?}"),
+            _ => {}
+        }
+    }
+    assert!(!opened, "nothing may go out past the fence");
+    assert_eq!(fenced, vec!["lease_ending"]);
+    // Read a moment before the fence, the request goes out.
+    let mut drive = Drive::begun(spec(), Timestamp(BEGIN_AT), 0, Generation(1), "key-1".into());
+    drive.handle_timeout(Timestamp(FIRST_FENCE - 1));
+    let mut opened = false;
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { .. } => opened = true,
+            Action::Store(_) => drive.handle_store(Timestamp(FIRST_FENCE - 1), StoreResult::Applied),
+            _ => {}
+        }
+    }
+    assert!(opened);
+}

@@ -224,6 +224,9 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     // What this dispatch holds of the process-wide output budget (given back when it ends).
     let share = pump.shared.output_budget.join();
     let mut shed = false;
+    // The driver's clock starts where it was made (a prepared-and-begun one at its prepare):
+    // it reads the present before anything goes out, so a fence already past stops it.
+    drive.handle_timeout(now());
     pump.perform(&mut drive).await;
     while !drive.is_finished() {
         let sleep = match drive.poll_timeout() {
