@@ -19,6 +19,12 @@ pub enum StoreError {
     /// safe).
     #[error("connection lost ({0})")]
     ConnectionLost(&'static str),
+    /// The store did not answer within its bound (`store_timeout_ms`: a statement or lock wait
+    /// the database cancelled, a pool wait, or an operation the database never answered, as
+    /// when it is frozen); nothing landed. A deadline that ran out during COMMIT is
+    /// [`StoreError::ConnectionLost`] instead: whether that commit landed is unknown.
+    #[error("the store did not answer in time ({0})")]
+    TimedOut(&'static str),
     /// The SQLite writer thread is gone (the ledger was closed or the thread panicked).
     #[error("the SQLite writer thread has stopped")]
     WriterGone,

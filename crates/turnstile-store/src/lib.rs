@@ -47,6 +47,54 @@ use serde_json::Value;
 use turnstile_core::manifest::DispatchManifest;
 use turnstile_core::{Generation, Revision};
 
+/// How a ledger bounds its waits ([`open_with`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StoreOptions {
+    /// Longest one operation may wait on PostgreSQL, pool wait and commit included
+    /// (`store_timeout_ms`): also its `statement_timeout` and `lock_timeout`. Past it the
+    /// operation fails with [`StoreError::TimedOut`] (the gateway answers 503
+    /// `store_unavailable`). SQLite waits [`SQLITE_BUSY_TIMEOUT_MS`] for another process's
+    /// write lock.
+    pub timeout_ms: u64,
+}
+
+impl Default for StoreOptions {
+    fn default() -> StoreOptions {
+        StoreOptions {
+            timeout_ms: STORE_TIMEOUT_MS_DEFAULT,
+        }
+    }
+}
+
+/// The outcome of a ledger's most recent write transaction ([`Ledger::write_failing`]).
+#[derive(Debug, Default)]
+pub struct WriteHealth {
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl WriteHealth {
+    /// A write transaction committed.
+    pub fn committed(&self) {
+        self.failing.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A transaction failed with `error`. Failures that say nothing about the store (our own
+    /// illegal transition, the SQLite ledger's internal retry signal) are not recorded.
+    pub fn failed(&self, error: &StoreError) {
+        if !matches!(
+            error,
+            StoreError::HistoryNeeded { .. } | StoreError::IllegalTransition { .. }
+        ) {
+            self.failing.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The last write transaction failed and none committed since.
+    pub fn failing(&self) -> bool {
+        self.failing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// The durable dispatch ledger. Every method is one transaction; every write method is a
 /// compare-and-set whose losing side is an ordinary outcome.
 ///
@@ -458,6 +506,18 @@ pub trait Ledger: Send + Sync {
     /// The store's counters.
     async fn counters(&self) -> Result<Counters, StoreError>;
 
+    /// The most recent write transaction of this process failed (a full disk, a lock or
+    /// statement timeout, a lost connection) and none has committed since: what readiness
+    /// reports without writing itself. `false` until a write fails.
+    fn write_failing(&self) -> bool;
+
+    /// One small write that changes nothing anyone reads (`applied_at` of the newest schema
+    /// migration set to itself), committed as every write is: readiness runs it only while
+    /// [`Ledger::write_failing`], so that a store whose disk filled and then freed is seen
+    /// ready again without waiting for traffic it is not sent. Its outcome is recorded as any
+    /// write's.
+    async fn write_probe(&self) -> Result<(), StoreError>;
+
     /// PREPARED dispatches not updated for `idle_ms` by the store's clock, oldest first (at
     /// most `limit`): nobody drives them (see `drive::recoverable`).
     async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError>;
@@ -534,12 +594,17 @@ pub trait Ledger: Send + Sync {
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.
 pub async fn open(url: &str) -> Result<Box<dyn Ledger>, StoreError> {
+    open_with(url, StoreOptions::default()).await
+}
+
+/// [`open`] with the bounds of `options`.
+pub async fn open_with(url: &str, options: StoreOptions) -> Result<Box<dyn Ledger>, StoreError> {
     if let Some(path) = url.strip_prefix("sqlite:") {
         let ledger = SqliteLedger::open(path, Synchronous::Full)?;
         return Ok(Box::new(ledger));
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let ledger = PgLedger::connect(url, None, postgres::POOL_SIZE_DEFAULT).await?;
+        let ledger = PgLedger::connect_with(url, None, postgres::POOL_SIZE_DEFAULT, options).await?;
         return Ok(Box::new(ledger));
     }
     Err(StoreError::BadUrl)

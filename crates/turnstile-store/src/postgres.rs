@@ -134,6 +134,10 @@ pub struct PgLedger {
     /// Committed transactions that changed no row (`Ledger::read_ops`).
     read_ops: std::sync::atomic::AtomicU64,
     validation: crate::history::ValidationCache,
+    /// Longest one operation may take, pool wait and commit included (`store_timeout_ms`).
+    timeout: std::time::Duration,
+    /// The outcome of the last write transaction (`Ledger::write_failing`).
+    write_health: crate::WriteHealth,
 }
 
 impl std::fmt::Debug for PgLedger {
@@ -156,13 +160,39 @@ impl PgLedger {
     /// With `schema`, every table lives in that schema (created if missing; lowercase letters,
     /// digits and `_` only), so one database can hold several independent ledgers (tests).
     pub async fn connect(url: &str, schema: Option<&str>, pool_size: usize) -> Result<PgLedger, StoreError> {
+        PgLedger::connect_with(url, schema, pool_size, crate::StoreOptions::default()).await
+    }
+
+    /// [`PgLedger::connect`] within the bounds of `options`. Every connection gets
+    /// `statement_timeout` and `lock_timeout` of `options.timeout_ms` (the database cancels a
+    /// statement or lock wait past it) and an `idle_in_transaction_session_timeout` of twice that
+    /// (a transaction whose client vanished mid-way releases its locks); connecting, taking a
+    /// connection from the pool and the whole operation are bounded by it on this side too, for
+    /// a database that answers nothing at all (frozen, or a partition that drops packets).
+    pub async fn connect_with(
+        url: &str,
+        schema: Option<&str>,
+        pool_size: usize,
+        options: crate::StoreOptions,
+    ) -> Result<PgLedger, StoreError> {
+        let timeout_ms = options.timeout_ms.max(1);
+        let timeout = std::time::Duration::from_millis(timeout_ms);
         let mut config: tokio_postgres::Config = url.parse()?;
+        // Appended to any `options` the URL carries (a later `-c` of the same name wins).
+        let mut server_options = config.get_options().unwrap_or_default().to_owned();
+        server_options.push_str(&format!(
+            " -c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms} \
+             -c idle_in_transaction_session_timeout={}",
+            timeout_ms.saturating_mul(2)
+        ));
         if let Some(schema) = schema {
             if !is_plain_identifier(schema) {
                 return Err(StoreError::BadUrl);
             }
-            config.options(format!("-c search_path={schema}"));
+            server_options.push_str(&format!(" -c search_path={schema}"));
         }
+        config.options(server_options.trim_start());
+        config.connect_timeout(timeout);
         let manager = Manager::from_config(
             config,
             NoTls,
@@ -172,6 +202,10 @@ impl PgLedger {
         );
         let pool = Pool::builder(manager)
             .max_size(pool_size.clamp(1, POOL_SIZE_MAX))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
             .build()
             .map_err(|error| StoreError::Pool(error.to_string()))?;
         let ledger = PgLedger {
@@ -180,6 +214,8 @@ impl PgLedger {
             write_ops: std::sync::atomic::AtomicU64::new(0),
             read_ops: std::sync::atomic::AtomicU64::new(0),
             validation: Default::default(),
+            timeout,
+            write_health: Default::default(),
         };
         ledger.migrate(schema).await?;
         Ok(ledger)
@@ -193,6 +229,7 @@ impl PgLedger {
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool.get().await.map_err(|error| match error {
             deadpool_postgres::PoolError::Backend(error) => StoreError::Postgres(error),
+            deadpool_postgres::PoolError::Timeout(_) => StoreError::TimedOut("no connection from the pool"),
             other => StoreError::Pool(other.to_string()),
         })
     }
@@ -246,8 +283,17 @@ impl PgLedger {
 /// armed connection fault around COMMIT (the connection is discarded, as a real drop would).
 macro_rules! in_tx {
     ($self:ident, |$tx:ident| $body:expr) => {{
-        let mut client = $self.client().await?;
-        let outcome = {
+        let mut client = match $self.client().await {
+            Ok(client) => client,
+            Err(error) => {
+                $self.write_health.failed(&error);
+                return Err(error);
+            }
+        };
+        // Set just before COMMIT is sent: a deadline that runs out after it cannot tell
+        // whether the transaction landed.
+        let committing = std::sync::atomic::AtomicBool::new(false);
+        let bounded = tokio::time::timeout($self.timeout, async {
             let inner = client.transaction().await?;
             let mut $tx = PgTx { inner, wrote: false };
             let result = $body.await;
@@ -260,9 +306,13 @@ macro_rules! in_tx {
                 Ok(value) => match $self.faults.take() {
                     None => {
                         let wrote = $tx.wrote;
+                        committing.store(true, std::sync::atomic::Ordering::Relaxed);
                         $tx.inner.commit().await?;
                         let counter = if wrote { &$self.write_ops } else { &$self.read_ops };
                         counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if wrote {
+                            $self.write_health.committed();
+                        }
                         Ok(value)
                     }
                     Some(Fault::DropBeforeCommit) => {
@@ -278,13 +328,45 @@ macro_rules! in_tx {
                     }
                 },
             }
+        })
+        .await;
+        let outcome = match bounded {
+            Ok(outcome) => outcome.map_err(timed_out_on_the_server),
+            // The database answered nothing within the bound (frozen, or a partition): the
+            // transaction is abandoned with its connection, and the server rolls it back when
+            // it sees the connection gone.
+            Err(_) if committing.load(std::sync::atomic::Ordering::Relaxed) => Err(StoreError::ConnectionLost("no answer to COMMIT within store_timeout_ms")),
+            Err(_) => Err(StoreError::TimedOut("no answer within store_timeout_ms")),
         };
-        if matches!(outcome, Err(StoreError::ConnectionLost(_))) {
-            // Discard the connection instead of returning it to the pool, as a real drop would.
+        if matches!(
+            outcome,
+            Err(StoreError::ConnectionLost(_) | StoreError::TimedOut(_))
+        ) {
+            // Discard the connection instead of returning it to the pool, as a real drop would:
+            // after a deadline it may still carry the abandoned transaction.
             drop(deadpool_postgres::Object::take(client));
+        }
+        if let Err(error) = &outcome {
+            $self.write_health.failed(error);
         }
         outcome
     }};
+}
+
+/// A statement or lock wait the database cancelled at `statement_timeout` / `lock_timeout`
+/// (SQLSTATE 57014 / 55P03) is [`StoreError::TimedOut`]; anything else is left as it is.
+fn timed_out_on_the_server(error: StoreError) -> StoreError {
+    match &error {
+        StoreError::Postgres(cause)
+            if cause.code().is_some_and(|code| {
+                *code == tokio_postgres::error::SqlState::QUERY_CANCELED
+                    || *code == tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE
+            }) =>
+        {
+            StoreError::TimedOut("the database cancelled a wait at store_timeout_ms")
+        }
+        _ => error,
+    }
 }
 
 /// Sealed targets out of their seals, with their rows (`Checks::Sealed`: nothing hashed) or
@@ -946,6 +1028,14 @@ impl Ledger for PgLedger {
 
     async fn counters(&self) -> Result<Counters, StoreError> {
         in_tx!(self, |tx| ops::counters(&mut tx))
+    }
+
+    fn write_failing(&self) -> bool {
+        self.write_health.failing()
+    }
+
+    async fn write_probe(&self) -> Result<(), StoreError> {
+        in_tx!(self, |tx| ops::write_probe(&mut tx))
     }
 
     async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError> {

@@ -264,6 +264,8 @@ pub struct SqliteLedger {
     counters: Arc<WriterCounters>,
     validation: Arc<ValidationCache>,
     readers: Readers,
+    /// The outcome of the writer's last operation for this ledger (`Ledger::write_failing`).
+    write_health: crate::WriteHealth,
 }
 
 /// What the writer thread counts.
@@ -498,6 +500,7 @@ impl SqliteLedger {
                 clock,
                 idle: std::sync::Mutex::default(),
             },
+            write_health: crate::WriteHealth::default(),
         })
     }
 
@@ -588,8 +591,15 @@ impl SqliteLedger {
         let Some(jobs) = &self.jobs else {
             return Err(StoreError::WriterGone);
         };
-        jobs.send(job).map_err(|_| StoreError::WriterGone)?;
-        answered.await.map_err(|_| StoreError::WriterGone)?
+        let outcome = match jobs.send(job) {
+            Ok(()) => answered.await.unwrap_or(Err(StoreError::WriterGone)),
+            Err(_) => Err(StoreError::WriterGone),
+        };
+        match &outcome {
+            Ok(_) => self.write_health.committed(),
+            Err(error) => self.write_health.failed(error),
+        }
+        outcome
     }
 }
 
@@ -1794,6 +1804,14 @@ impl Ledger for SqliteLedger {
 
     async fn counters(&self) -> Result<Counters, StoreError> {
         self.read(|tx| block_on_ready(ops::counters(tx)))
+    }
+
+    fn write_failing(&self) -> bool {
+        self.write_health.failing()
+    }
+
+    async fn write_probe(&self) -> Result<(), StoreError> {
+        self.run(|tx| block_on_ready(ops::write_probe(tx))).await
     }
 
     async fn prepared_unattended(&self, idle_ms: u64, limit: u64) -> Result<Vec<String>, StoreError> {

@@ -18,6 +18,8 @@ pub const TARGETS_PER_DISPATCH_MAX: usize = 8;
 /// by the begin compare-and-set itself, so it holds across restarts, replicas and a driver
 /// that miscounts.
 pub const ATTEMPTS_PER_DISPATCH_MAX: u64 = turnstile_drive::ATTEMPTS_PER_DISPATCH_MAX;
+/// The default bound on one store operation (`store_timeout_ms`, [`crate::StoreOptions`]).
+pub const STORE_TIMEOUT_MS_DEFAULT: u64 = 10_000;
 /// How long a SQLite connection waits for another process's write lock.
 pub const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
 /// The page size of a new SQLite ledger file.

@@ -5,6 +5,7 @@
 //! model-based test against a small reference model of the transitions.
 
 mod conformance;
+mod bounded;
 mod crash;
 mod listing;
 mod machine;
