@@ -335,7 +335,9 @@ macro_rules! in_tx {
             // The database answered nothing within the bound (frozen, or a partition): the
             // transaction is abandoned with its connection, and the server rolls it back when
             // it sees the connection gone.
-            Err(_) if committing.load(std::sync::atomic::Ordering::Relaxed) => Err(StoreError::ConnectionLost("no answer to COMMIT within store_timeout_ms")),
+            Err(_) if committing.load(std::sync::atomic::Ordering::Relaxed) => Err(
+                StoreError::ConnectionLost("no answer to COMMIT within store_timeout_ms"),
+            ),
             Err(_) => Err(StoreError::TimedOut("no answer within store_timeout_ms")),
         };
         if matches!(

@@ -591,12 +591,21 @@ impl SqliteLedger {
         let Some(jobs) = &self.jobs else {
             return Err(StoreError::WriterGone);
         };
+        let writes_before = self.counters.write_ops.load(std::sync::atomic::Ordering::Relaxed);
         let outcome = match jobs.send(job) {
             Ok(()) => answered.await.unwrap_or(Err(StoreError::WriterGone)),
             Err(_) => Err(StoreError::WriterGone),
         };
         match &outcome {
-            Ok(_) => self.write_health.committed(),
+            // Only a committed write shows that writes work: an operation that changed nothing
+            // commits even on a full disk (the lease sweep's does, every half lease). Any
+            // operation's write committed meanwhile is as good as this one's (the writer
+            // counts a group's writes before it answers).
+            Ok(_) => {
+                if self.counters.write_ops.load(std::sync::atomic::Ordering::Relaxed) > writes_before {
+                    self.write_health.committed();
+                }
+            }
             Err(error) => self.write_health.failed(error),
         }
         outcome

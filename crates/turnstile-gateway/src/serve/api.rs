@@ -113,11 +113,14 @@ pub enum ErrorCode {
     /// replica). As a stream's `error` event: the dispatch outlived the drain timeout and was
     /// handed to recovery; attach again with the same `operation_id`.
     ShuttingDown,
+
+    /// The request's body did not arrive within `body_read_timeout_ms` (408).
+    BodyTimeout,
 }
 
 impl ErrorCode {
     /// Every code (held against the spec by the tests; the binary itself needs no list).
-    pub const ALL: [ErrorCode; 30] = [
+    pub const ALL: [ErrorCode; 31] = [
         ErrorCode::BodyTooLarge,
         ErrorCode::ConversationExists,
         ErrorCode::DuplicateResult,
@@ -148,12 +151,14 @@ impl ErrorCode {
         ErrorCode::Overloaded,
         ErrorCode::UnknownTool,
         ErrorCode::ShuttingDown,
+        ErrorCode::BodyTimeout,
     ];
 
     /// The code's string.
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::BodyTooLarge => "body_too_large",
+            ErrorCode::BodyTimeout => "body_timeout",
             ErrorCode::ConversationExists => "conversation_exists",
             ErrorCode::DuplicateResult => "duplicate_result",
             ErrorCode::Internal => "internal",
@@ -341,16 +346,42 @@ async fn authenticated_json(shared: &Shared, request: Request) -> Result<(Caller
     Ok((caller, json_body(shared, body).await?))
 }
 
+/// Why a request body could not be read: its deadline passed (408 `body_timeout`, the
+/// listener's [`super::listener::BodyTimedOut`]), it was malformed on the wire (400
+/// `invalid_request`: a bad chunk size, a connection cut mid-body), or it exceeded `limit` (413).
+pub(crate) fn body_unread(error: &axum::Error, limit: usize) -> (StatusCode, ErrorCode, String) {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = cause {
+        if current.is::<super::listener::BodyTimedOut>() {
+            return (
+                StatusCode::REQUEST_TIMEOUT,
+                ErrorCode::BodyTimeout,
+                "the request body did not arrive within body_read_timeout_ms".to_owned(),
+            );
+        }
+        if current.is::<hyper::Error>() {
+            return (
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
+                "the request body could not be read".to_owned(),
+            );
+        }
+        cause = current.source();
+    }
+    (
+        StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::BodyTooLarge,
+        format!("the body exceeds {limit} bytes"),
+    )
+}
+
 /// Read a JSON body within the size and depth limits (413 / 422 / 400).
 async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
     let bytes = axum::body::to_bytes(body, shared.body_bytes_max)
         .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                ErrorCode::BodyTooLarge,
-                format!("the body exceeds {} bytes", shared.body_bytes_max),
-            )
+        .map_err(|error| {
+            let (status, code, message) = body_unread(&error, shared.body_bytes_max);
+            ApiError::new(status, code, message)
         })?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
         // An empty body is an empty object: the handler names what is missing.
@@ -2497,15 +2528,75 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
         .into_response()
 }
 
+/// Liveness and store reachability (spec): 200 when the store answered a read within
+/// `health_timeout_ms`, else 503, always within that bound, whatever the store does.
 pub async fn healthz(State(shared): State<Arc<Shared>>) -> Response {
-    match shared.ledger.counters().await {
-        Ok(_) => Json(json!({"status": "ok", "store": "reachable"})).into_response(),
-        Err(_) => (
+    if store_answers(&shared, tokio::time::Instant::now() + shared.health_timeout).await {
+        Json(json!({"status": "ok", "store": "reachable"})).into_response()
+    } else {
+        (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "degraded", "store": "unreachable"})),
         )
-            .into_response(),
+            .into_response()
     }
+}
+
+/// The process answers: no store involved (a Kubernetes liveness probe; a restart cures
+/// nothing a store outage causes).
+pub async fn livez() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// Readiness: the store answers a read, and its writes are not failing, within
+/// `health_timeout_ms`. Writes are judged by the outcome of the last write transaction
+/// (`Ledger::write_failing`); only while that failed does this write itself (a probe that
+/// changes nothing anyone reads), so a store whose disk filled and was freed is seen ready again
+/// without waiting for traffic it is not sent. 503 carries `store_unavailable`.
+pub async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let deadline = tokio::time::Instant::now() + shared.health_timeout;
+    let reachable = store_answers(&shared, deadline).await;
+    let writes_ok = reachable && (!shared.ledger.write_failing() || write_probe(&shared, deadline).await);
+    let store = if reachable { "reachable" } else { "unreachable" };
+    let writes = match (reachable, writes_ok) {
+        (false, _) => "unknown",
+        (true, true) => "ok",
+        (true, false) => "failing",
+    };
+    if writes_ok {
+        return Json(json!({"status": "ready", "store": store, "writes": writes})).into_response();
+    }
+    let message = if reachable {
+        "the store's writes are failing"
+    } else {
+        "the store did not answer within health_timeout_ms"
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({
+            "status": "not_ready",
+            "store": store,
+            "writes": writes,
+            "error": {"code": ErrorCode::StoreUnavailable.as_str(), "message": message},
+        })),
+    )
+        .into_response()
+}
+
+/// The store answered a read before `deadline`. The read runs on its own task, so a deadline
+/// that passes does not cancel it halfway through its transaction.
+async fn store_answers(shared: &Arc<Shared>, deadline: tokio::time::Instant) -> bool {
+    let ledger = Arc::clone(&shared.ledger);
+    let read = tokio::spawn(async move { ledger.counters().await.is_ok() });
+    matches!(tokio::time::timeout_at(deadline, read).await, Ok(Ok(true)))
+}
+
+/// The store committed a write probe before `deadline` (its own task, as [`store_answers`]:
+/// one that finishes late still records its outcome for the next probe).
+async fn write_probe(shared: &Arc<Shared>, deadline: tokio::time::Instant) -> bool {
+    let ledger = Arc::clone(&shared.ledger);
+    let probe = tokio::spawn(async move { ledger.write_probe().await.is_ok() });
+    matches!(tokio::time::timeout_at(deadline, probe).await, Ok(Ok(true)))
 }
 
 /// Unrouted requests: 404 in the API's JSON error shape.

@@ -31,6 +31,23 @@ pub const CLIENT_WRITE_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 pub const DRAIN_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// Largest `drain_timeout_ms`: one hour.
 pub const DRAIN_TIMEOUT_MS_MAX: u64 = 3_600_000;
+
+/// Default `body_read_timeout_ms`: 30 s for a request's whole body once its headers are in.
+/// The largest body (`body_bytes_max`, 8 MiB) needs about 280 KB/s to make it; a client that
+/// sends part of a body and then nothing is gone or hostile (a body slow-loris).
+pub const BODY_READ_TIMEOUT_MS_DEFAULT: u64 = 30_000;
+/// Default `listen_backlog`: connections the kernel queues before the gateway accepts them. A
+/// burst larger than it is reset by the kernel instead of answered 503 `overloaded` (128, the
+/// old value, reset 135 of 500 simultaneous connects on a busy host). Linux caps it at
+/// `net.core.somaxconn` (4096 by default since 5.4).
+pub const LISTEN_BACKLOG_DEFAULT: u32 = 1024;
+/// Default `store_timeout_ms` ([`turnstile_store::STORE_TIMEOUT_MS_DEFAULT`]): what SQLite
+/// already waited for a write lock.
+pub const STORE_TIMEOUT_MS_DEFAULT: u64 = turnstile_store::STORE_TIMEOUT_MS_DEFAULT;
+/// Default `health_timeout_ms`: `/healthz` and `/readyz` answer within 2 s whatever the store
+/// does, under the 1 s–10 s probe timeouts load balancers and Kubernetes use once raised from
+/// Kubernetes' 1 s default (docs/operating.md, "Health and readiness").
+pub const HEALTH_TIMEOUT_MS_DEFAULT: u64 = 2_000;
 pub const BODY_BYTES_MAX_DEFAULT: usize = 8 * 1024 * 1024;
 /// Provider request timeout: connecting and receiving the response head.
 pub const PROVIDER_CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -99,6 +116,21 @@ pub struct Config {
     /// handed to recovery (`drain.rs`); 0 hands over at once.
     #[serde(default = "drain_timeout_default")]
     pub drain_timeout_ms: u64,
+
+    /// Longest a request's body may take to arrive once its headers are in; then the request
+    /// is answered 408 `body_timeout` and its connection closed (`listener.rs`).
+    #[serde(default = "body_read_timeout_default")]
+    pub body_read_timeout_ms: u64,
+    /// Connections the kernel queues for the listener before they are accepted.
+    #[serde(default = "listen_backlog_default")]
+    pub listen_backlog: u32,
+    /// Longest one store operation may take (PostgreSQL: also `statement_timeout` and
+    /// `lock_timeout`); past it the request gets 503 `store_unavailable`.
+    #[serde(default = "store_timeout_default")]
+    pub store_timeout_ms: u64,
+    /// Longest `/healthz` and `/readyz` wait for the store before they answer 503.
+    #[serde(default = "health_timeout_default")]
+    pub health_timeout_ms: u64,
     /// Most previews a dispatch's client backlog keeps (`hub.rs`); older ones are dropped and
     /// a client behind them is told of the gap. Every other event is kept.
     #[serde(default = "stream_backlog_previews_max_default")]
@@ -398,6 +430,18 @@ fn client_write_timeout_default() -> u64 {
 }
 fn drain_timeout_default() -> u64 {
     DRAIN_TIMEOUT_MS_DEFAULT
+}
+fn body_read_timeout_default() -> u64 {
+    BODY_READ_TIMEOUT_MS_DEFAULT
+}
+fn listen_backlog_default() -> u32 {
+    LISTEN_BACKLOG_DEFAULT
+}
+fn store_timeout_default() -> u64 {
+    STORE_TIMEOUT_MS_DEFAULT
+}
+fn health_timeout_default() -> u64 {
+    HEALTH_TIMEOUT_MS_DEFAULT
 }
 fn stream_backlog_previews_max_default() -> usize {
     super::hub::BACKLOG_PREVIEWS_MAX

@@ -23,6 +23,15 @@
 //!   a client stream when its dispatch ends). The listener keeps accepting until the drain is
 //!   over, so a late client is refused in words rather than left in the accept queue.
 
+//! - a request's body must arrive whole within `body_read_timeout_ms` of its headers
+//!   ([`TimedBody`]): past it the read fails with [`BodyTimedOut`], the request is answered 408
+//!   `body_timeout` and its connection closed (a body slow-loris held a connection for ever);
+//! - the kernel queues `listen_backlog` connections before they are accepted ([`bind`]; 128 reset
+//!   a burst of 500 connects on a busy host instead of answering them 503);
+//! - the connection cap is lowered to what the process's descriptor limit can serve
+//!   ([`Limits::within_descriptors`]): a cap above it meant EMFILE, where nothing, not even
+//!   `/healthz`, is answered.
+
 use super::api::{ApiError, ErrorCode};
 use super::drain::{Drain, Phase};
 use axum::Router;
@@ -43,6 +52,13 @@ pub const OVERFLOW_CONNECTIONS_MAX: usize = 64;
 pub const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// How long the listener waits, once the drain is over (every dispatch ended or was handed
 /// over), for open connections to write their last bytes (the last events of a stream).
+
+/// Descriptors kept back from client connections when the cap is derived from the descriptor
+/// limit: standard streams, the listeners (the gateway's and the built-in simulator's), the
+/// store (a PostgreSQL pool of up to 16, or SQLite's file, WAL, shared memory and readers), log
+/// and trace exporters.
+pub const DESCRIPTORS_RESERVED: u64 = 64;
+/// How long shutting down waits for open connections to finish.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// The listener's limits (config keys of the same names; defaults in `config.rs`).
@@ -57,6 +73,8 @@ pub struct Limits {
     /// Longest a write to a client may wait without progress before its connection is closed
     /// (`write_timeout.rs`).
     pub client_write_timeout_ms: u64,
+    /// Longest a request's body may take to arrive once its headers are in.
+    pub body_read_timeout_ms: u64,
 }
 
 impl Limits {
@@ -67,7 +85,113 @@ impl Limits {
             connections_max: config.connections_max,
             requests_per_connection_max: config.requests_per_connection_max,
             client_write_timeout_ms: config.client_write_timeout_ms,
+            body_read_timeout_ms: config.body_read_timeout_ms,
         }
+    }
+
+    /// These limits with `connections_max` lowered to what a soft descriptor limit of
+    /// `descriptors` (`RLIMIT_NOFILE`; `None`: unlimited or unknown) can serve. Each served
+    /// connection may hold a provider connection too (two descriptors), each overflow
+    /// connection one, and [`DESCRIPTORS_RESERVED`] are kept back for everything else. Never
+    /// below 1. At the common soft limit of 1,024 that is 448.
+    pub fn within_descriptors(self, descriptors: Option<u64>) -> Limits {
+        let Some(descriptors) = descriptors else {
+            return self;
+        };
+        let servable = descriptors.saturating_sub(DESCRIPTORS_RESERVED + OVERFLOW_CONNECTIONS_MAX as u64) / 2;
+        let servable = usize::try_from(servable).unwrap_or(usize::MAX).max(1);
+        Limits {
+            connections_max: self.connections_max.min(servable),
+            ..self
+        }
+    }
+}
+
+/// This process's soft descriptor limit (`RLIMIT_NOFILE`) as `/proc/self/limits` tells it;
+/// `None` where it is unlimited or there is no such file (not Linux).
+pub fn descriptor_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|line| line.starts_with("Max open files"))?;
+    line.trim_start_matches("Max open files")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A listener on `address` whose kernel queue holds `backlog` connections (capped by the
+/// kernel: `net.core.somaxconn` on Linux). `SO_REUSEADDR` as `TcpListener::bind` sets it.
+pub fn bind(address: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if address.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(address)?;
+    socket.listen(backlog.max(1))
+}
+
+/// A request body read past its deadline (`body_read_timeout_ms`): what [`TimedBody`] fails
+/// with, and what `api::body_unread` answers 408 `body_timeout` for.
+#[derive(Debug)]
+pub struct BodyTimedOut;
+
+impl std::fmt::Display for BodyTimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request body did not arrive within body_read_timeout_ms")
+    }
+}
+
+impl std::error::Error for BodyTimedOut {}
+
+/// A request body that must arrive whole before its deadline. The deadline runs from when the
+/// request reached the service (its headers were in) and only matters while the body is read:
+/// a handler that reads nothing is never failed by it.
+pub struct TimedBody {
+    inner: hyper::body::Incoming,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl TimedBody {
+    /// `inner`, to be read within `timeout` from now.
+    pub fn new(inner: hyper::body::Incoming, timeout: Duration) -> TimedBody {
+        TimedBody {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+        }
+    }
+}
+
+impl hyper::body::Body for TimedBody {
+    type Data = bytes::Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        use std::future::Future as _;
+        use std::task::Poll;
+        match std::pin::Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|frame| frame.map_err(Into::into))),
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    super::metrics::bump(super::metrics::BODY_READ_TIMEOUTS);
+                    Poll::Ready(Some(Err(Box::new(BodyTimedOut))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -84,6 +208,7 @@ pub async fn serve(
     let overflow = Arc::new(Semaphore::new(OVERFLOW_CONNECTIONS_MAX));
     let header_read_timeout = Duration::from_millis(limits.header_read_timeout_ms.max(1));
     let client_write_timeout = Duration::from_millis(limits.client_write_timeout_ms.max(1));
+    let body_read_timeout = Duration::from_millis(limits.body_read_timeout_ms.max(1));
     tokio::pin!(drained);
     loop {
         let accepted = tokio::select! {
@@ -151,6 +276,7 @@ pub async fn serve(
                         // driver: the drain waits for it (`drain.rs`).
                         let _handling = refusing.task();
                         let number = served_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                        let request = request.map(|body| Body::new(TimedBody::new(body, body_read_timeout)));
                         let mut response = match TowerToHyperService::new(app).call(request).await {
                             Ok(response) => response.map(Body::new),
                             Err(never) => match never {},
@@ -237,8 +363,11 @@ fn shutting_down() -> Response {
 }
 
 /// A request on a connection beyond the cap: `GET /healthz` as usual, anything else 503.
+
+/// A request on a connection beyond the cap: `GET /healthz`, `/livez` and `/readyz` as usual,
+/// anything else 503.
 async fn overloaded(app: Router, request: Request<hyper::body::Incoming>) -> Response {
-    if request.method() == Method::GET && request.uri().path() == "/healthz" {
+    if request.method() == Method::GET && matches!(request.uri().path(), "/healthz" | "/livez" | "/readyz") {
         use hyper::service::Service as _;
         return match TowerToHyperService::new(app).call(request).await {
             Ok(response) => response.map(Body::new),

@@ -63,6 +63,8 @@ pub const CLIENT_BACKLOG_SHEDS: &str = "turnstile_client_backlog_sheds_total";
 /// Client connections closed because the client read nothing for `client_write_timeout_ms`
 /// while the gateway had bytes to write to it.
 pub const CLIENT_WRITE_TIMEOUTS: &str = "turnstile_client_write_timeouts_total";
+/// Requests whose body did not arrive within `body_read_timeout_ms` (answered 408, closed).
+pub const BODY_READ_TIMEOUTS: &str = "turnstile_body_read_timeouts_total";
 /// Dispatches that moved from one target to the next, by target (`provider/model`) and reason.
 pub const FAILOVERS: &str = "turnstile_failovers_total";
 /// Inputs the dispatch driver ignored (stale, duplicate, foreign), by reason.
@@ -147,6 +149,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         CLIENT_STREAM_GAPS,
         CLIENT_BACKLOG_SHEDS,
         CLIENT_WRITE_TIMEOUTS,
+        BODY_READ_TIMEOUTS,
         TOOL_CALL_CLAIMS,
         TOOL_CALL_RENEWALS,
         TOOL_CALL_RELEASES,

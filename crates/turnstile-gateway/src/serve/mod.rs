@@ -94,6 +94,9 @@ pub struct Shared {
     pub client_call_timeout_ms: u64,
     /// Where the process is in its shutdown, and what must end before it exits (`drain.rs`).
     pub drain: Arc<drain::Drain>,
+
+    /// Longest `/healthz` and `/readyz` wait for the store (`health_timeout_ms`).
+    pub health_timeout: Duration,
 }
 
 impl Shared {
@@ -255,6 +258,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/shadow/diffs", get(proxy::shadow_diffs))
         .route("/metrics", get(api::metrics_text))
         .route("/healthz", get(api::healthz))
+        .route("/livez", get(api::livez))
+        .route("/readyz", get(api::readyz))
         .route("/", get(crate::console::index))
         .route("/console/{file}", get(crate::console::module))
         .route("/v1/events", get(feed::events))
@@ -294,9 +299,14 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     let prometheus = metrics::install()?;
     let tracing_on = traces::install(&config)?;
     let ledger: Arc<dyn Ledger> = Arc::from(
-        turnstile_store::open(&config.store)
-            .await
-            .map_err(|error| format!("store {}: {error}", redact(&config.store)))?,
+        turnstile_store::open_with(
+            &config.store,
+            turnstile_store::StoreOptions {
+                timeout_ms: config.store_timeout_ms,
+            },
+        )
+        .await
+        .map_err(|error| format!("store {}: {error}", redact(&config.store)))?,
     );
 
     // The built-in simulator only on the embedded default (`Config::simulator`): it listens on
@@ -422,6 +432,8 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         client_call_timeout_ms: config.proxy_client_call_timeout_ms,
         drain: Arc::new(drain::Drain::new()),
 
+        health_timeout: Duration::from_millis(config.health_timeout_ms.max(1)),
+
         backlog_previews_max: config.stream_backlog_previews_max,
     });
 
@@ -436,8 +448,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     recover(&shared, &shared.holder.clone(), 0).await?;
     tokio::spawn(sweep(shared.clone()));
 
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
+    let listener = listener::bind(address, config.listen_backlog)
         .map_err(|error| format!("listen on {address}: {error}"))?;
     let bound = listener.local_addr().map_err(|error| error.to_string())?;
     println!(
@@ -456,7 +467,18 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     // TCP_NODELAY on client connections: client event streams are many small writes (see
     // `sim::set_nodelay`).
-    let served = listener::serve(listener, app, listener::Limits::of(&config), drain, drained)
+    let descriptors = listener::descriptor_limit();
+    let limits = listener::Limits::of(&config).within_descriptors(descriptors);
+    if limits.connections_max < config.connections_max {
+        tracing::warn!(
+            connections_max = config.connections_max,
+            serving = limits.connections_max,
+            descriptors = descriptors.unwrap_or(0),
+            "the descriptor limit (RLIMIT_NOFILE) serves fewer connections than connections_max; \
+             raise it (ulimit -n, LimitNOFILE=) to serve connections_max"
+        );
+    }
+    let served = listener::serve(listener, app, limits, drain, drained)
         .await
         .map_err(|error| error.to_string());
     if tracing_on {

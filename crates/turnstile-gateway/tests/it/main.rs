@@ -10,6 +10,7 @@ mod executor;
 mod failover;
 mod fencing;
 mod foreign;
+mod health;
 mod listener;
 mod open_world;
 mod proxy;

@@ -47,6 +47,43 @@ impl Gateway {
         extra_config: &str,
         env: &[(&str, &str)],
     ) -> Result<Gateway, String> {
+        Gateway::start_in(
+            Command::new(env!("CARGO_BIN_EXE_turnstile")),
+            dir,
+            store,
+            sim_url,
+            extra_config,
+            env,
+        )
+    }
+
+    /// [`Gateway::start_with`] under a soft and hard descriptor limit of `descriptors`
+    /// (`RLIMIT_NOFILE`, set by util-linux `prlimit`).
+    pub fn start_with_descriptors(
+        dir: &tempfile::TempDir,
+        store: &str,
+        extra_config: &str,
+        descriptors: u64,
+    ) -> Result<Gateway, String> {
+        let mut command = Command::new("prlimit");
+        command.args([
+            format!("--nofile={descriptors}:{descriptors}").as_str(),
+            "--",
+            env!("CARGO_BIN_EXE_turnstile"),
+        ]);
+        Gateway::start_in(command, dir, store, None, extra_config, &[])
+    }
+
+    /// `command` (the `turnstile` binary, or a wrapper that runs it) with `serve` and its
+    /// arguments appended.
+    fn start_in(
+        mut command: Command,
+        dir: &tempfile::TempDir,
+        store: &str,
+        sim_url: Option<&str>,
+        extra_config: &str,
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
         let config = dir.path().join("turnstile.toml");
         // A short lease unless the test sets its own.
         let lease = if extra_config.contains("lease_ms") {
@@ -59,7 +96,6 @@ impl Gateway {
             "gateway-{}.log",
             Instant::now().elapsed().as_nanos() ^ std::process::id() as u128
         ));
-        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
         command.args([
             "serve",
             "--listen",

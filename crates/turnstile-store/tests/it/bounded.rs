@@ -59,7 +59,9 @@ async fn postgres_tables_locked_by_another_session_fail_reads_and_writes_typed_w
     assert!(matches!(probe, Err(StoreError::TimedOut(_))), "{probe:?}");
 
     locker.batch_execute("ROLLBACK").await.unwrap();
-    bounded("probe", store.write_probe()).await.expect("the probe writes once the lock is gone");
+    bounded("probe", store.write_probe())
+        .await
+        .expect("the probe writes once the lock is gone");
     assert!(!store.write_failing(), "a committed probe clears the failure");
     assert_eq!(
         bounded("create", store.create_conversation("d", &tools(), at(3)))
@@ -70,7 +72,8 @@ async fn postgres_tables_locked_by_another_session_fail_reads_and_writes_typed_w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sqlite_write_lock_held_by_another_process_fails_a_write_typed_and_is_reported_until_a_probe_writes() {
+async fn a_sqlite_write_lock_held_by_another_process_fails_a_write_typed_and_is_reported_until_a_probe_writes()
+ {
     let place = place(Backend::Sqlite, "bounded_sqlite_write_lock").await;
     let store = SqliteLedger::open(place.sqlite_path(), Synchronous::Full).expect("open sqlite");
     conversation_at_1(&store, "c").await;
@@ -89,6 +92,8 @@ async fn a_sqlite_write_lock_held_by_another_process_fails_a_write_typed_and_is_
     assert!(bounded("read", store.conversation("c")).await.unwrap().is_some());
 
     locker.execute_batch("ROLLBACK").unwrap();
-    bounded("probe", store.write_probe()).await.expect("the probe writes once the lock is gone");
+    bounded("probe", store.write_probe())
+        .await
+        .expect("the probe writes once the lock is gone");
     assert!(!store.write_failing(), "a committed probe clears the failure");
 }

@@ -4,8 +4,8 @@
 //! kill -9 a child process), the core's `DispatchMachine` driven against both stores, and a
 //! model-based test against a small reference model of the transitions.
 
-mod conformance;
 mod bounded;
+mod conformance;
 mod crash;
 mod listing;
 mod machine;

@@ -1317,6 +1317,7 @@ fn relay(args: &Args) {
             requests_per_connection_max:
                 turnstile_gateway::serve::config::REQUESTS_PER_CONNECTION_MAX_DEFAULT,
             client_write_timeout_ms: turnstile_gateway::serve::config::CLIENT_WRITE_TIMEOUT_MS_DEFAULT,
+            body_read_timeout_ms: turnstile_gateway::serve::config::BODY_READ_TIMEOUT_MS_DEFAULT,
         };
         turnstile_gateway::serve::listener::serve(
             listener,

@@ -353,14 +353,9 @@ async fn handle(shared: Arc<Shared>, api: Api, gemini: Option<GeminiCall>, reque
     };
     let bytes = match axum::body::to_bytes(body, shared.body_bytes_max).await {
         Ok(bytes) => bytes,
-        Err(_) => {
-            return provider_error(
-                api,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                &format!("the body exceeds {} bytes", shared.body_bytes_max),
-                &Value::Null,
-            );
+        Err(error) => {
+            let (status, code, message) = super::api::body_unread(&error, shared.body_bytes_max);
+            return provider_error(api, status, code.as_str(), &message, &Value::Null);
         }
     };
     // The body is parsed once: routing peeks at the parsed value, the importer takes it.
