@@ -116,6 +116,8 @@ pub enum ErrorCode {
 
     /// The request's body did not arrive within `body_read_timeout_ms` (408).
     BodyTimeout,
+    /// The request's header fields are too many or too large for the HTTP parser (431).
+    HeadersTooLarge,
 }
 
 impl ErrorCode {
@@ -152,6 +154,7 @@ impl ErrorCode {
         ErrorCode::UnknownTool,
         ErrorCode::ShuttingDown,
         ErrorCode::BodyTimeout,
+        ErrorCode::HeadersTooLarge,
     ];
 
     /// The code's string.
@@ -159,6 +162,7 @@ impl ErrorCode {
         match self {
             ErrorCode::BodyTooLarge => "body_too_large",
             ErrorCode::BodyTimeout => "body_timeout",
+            ErrorCode::HeadersTooLarge => "headers_too_large",
             ErrorCode::ConversationExists => "conversation_exists",
             ErrorCode::DuplicateResult => "duplicate_result",
             ErrorCode::Internal => "internal",

@@ -13,6 +13,8 @@
 //!   answered as usual so that a load balancer sees the process alive, and then closed (no
 //!   keep-alive). Beyond that, [`OVERFLOW_CONNECTIONS_MAX`] more get the same; past those a new
 //!   connection is closed at once;
+//! - a request hyper refuses before the router (its head does not parse) is answered with a
+//!   JSON error body like every other ([`super::parse_errors`]);
 //! - a write to a client that makes no progress for `client_write_timeout_ms` closes the
 //!   connection ([`super::write_timeout`]): a client that stopped reading frees what it holds;
 //! - an accept error (descriptors exhausted) pauses accepting for [`ACCEPT_ERROR_PAUSE`] instead
@@ -250,7 +252,7 @@ pub async fn serve(
                 .half_close(true)
                 .keep_alive(!at_cap && !draining);
             let io = TokioIo::new(super::write_timeout::WriteTimeout::new(
-                stream,
+                super::parse_errors::JsonParseErrors::new(stream),
                 client_write_timeout,
             ));
             let result = if at_cap {

@@ -15,6 +15,7 @@ pub mod hub;
 pub mod kept;
 pub mod listener;
 pub mod metrics;
+pub mod parse_errors;
 pub mod proxy;
 pub mod traces;
 pub mod transport;

@@ -286,3 +286,55 @@ fn under_a_low_descriptor_limit_the_connection_cap_follows_it() {
     let (status, body) = request(&gateway, "/healthz");
     assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
 }
+
+/// Issue 49 item 5: requests whose head hyper refuses before the router (a raw 0xFF in the
+/// target, a NUL in a header, HTTP/0.9, 500 headers) and a malformed chunked body are answered
+/// with their status and `{"error": {"code", "message"}}` JSON, not an empty body (and the bad
+/// chunk size is 400, not 413 `body_too_large`).
+#[test]
+fn refusals_before_the_router_carry_json_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(&dir, &sqlite(&dir), None, "").unwrap();
+    let many_headers: String = (0..500).map(|index| format!("X-{index}: a\r\n")).collect();
+    let cases: [(&str, Vec<u8>, u16, &str); 5] = [
+        (
+            "raw 0xFF in the target",
+            b"GET /\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "NUL in a header",
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        ("HTTP/0.9", b"GET /\r\n\r\n".to_vec(), 400, "invalid_request"),
+        (
+            "500 headers",
+            format!("GET /healthz HTTP/1.1\r\nHost: x\r\n{many_headers}\r\n").into_bytes(),
+            431,
+            "headers_too_large",
+        ),
+        (
+            "bad chunk size",
+            b"POST /v1/conversations HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+                .to_vec(),
+            400,
+            "invalid_request",
+        ),
+    ];
+    for (name, bytes, status, code) in cases {
+        let mut stream = connect(&gateway);
+        stream.write_all(&bytes).unwrap();
+        let (seen, body, _) = answer_and_close(&mut stream);
+        assert_eq!(
+            (seen, body["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{name}: {body}"
+        );
+        assert!(body["error"]["message"].is_string(), "{name}: {body}");
+    }
+    let (status, _) = request(&gateway, "/healthz");
+    assert_eq!(status, 200);
+}
