@@ -237,6 +237,11 @@ impl PgLedger {
     async fn migrate(&self, schema: Option<&str>) -> Result<(), StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
+        // Migrations are not bounded by `store_timeout_ms`: a rebuild of a large table takes
+        // as long as it takes, and a replica starting meanwhile waits for the migration lock
+        // rather than failing its start.
+        tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+            .await?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK_KEY])
             .await?;
         if let Some(schema) = schema {

@@ -97,3 +97,49 @@ async fn a_sqlite_write_lock_held_by_another_process_fails_a_write_typed_and_is_
         .expect("the probe writes once the lock is gone");
     assert!(!store.write_failing(), "a committed probe clears the failure");
 }
+
+/// Migrations are not bounded by `store_timeout_ms`: a replica starting while another holds the
+/// migration lock waits for it (here past ten times its 100 ms store timeout, by the server's
+/// own `waitstart`) and then opens, instead of failing its start at `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_waiting_for_another_s_migration_is_not_cut_by_the_store_timeout() {
+    /// `postgres.rs`'s `MIGRATION_LOCK_KEY` ("turnstil").
+    const MIGRATION_LOCK_KEY: i64 = 0x7475_726e_7374_696c;
+    let place = place(Backend::Postgres, "bounded_migration_wait").await;
+    let (locker, connection) = tokio_postgres::connect(&pg_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    locker
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .await
+        .unwrap();
+    let (url, schema) = (pg_url(), place.schema.clone());
+    let opening = tokio::spawn(async move {
+        PgLedger::connect_with(&url, Some(&schema), 2, StoreOptions { timeout_ms: 100 }).await
+    });
+    // Bounded poll on the server's view: a backend has waited a second for the lock.
+    let mut waited = false;
+    for _ in 0..600 {
+        let waiting = locker
+            .query(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                 AND waitstart < now() - interval '1 second'",
+                &[],
+            )
+            .await
+            .unwrap();
+        if !waiting.is_empty() || opening.is_finished() {
+            waited = !waiting.is_empty();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    locker
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+        .await
+        .unwrap();
+    let opened = bounded("open", opening).await.unwrap();
+    assert!(opened.is_ok(), "{opened:?}");
+    assert!(waited, "the opening never waited for the migration lock");
+}
