@@ -407,6 +407,58 @@ pub struct Turn {
     pub blocks: Vec<Block>,
 }
 
+impl Turn {
+    /// `sha256:` over everything a reader takes from this decoded turn: its id, revision,
+    /// role and generation, and per block its id, state, cache breakpoint and content
+    /// [`Block::digest`]. Two turns with the same digest render the same. The store writes it
+    /// beside each committed turn and a dispatch compares it after decoding the stored turn
+    /// (a changed byte in stored history is refused, never sent: `docs/operating.md`). It
+    /// hashes the block digests the decoder computed already, so it costs a few dozen bytes of
+    /// SHA-256 per block, not a second pass over the content.
+    pub fn digest(&self) -> Digest {
+        #[derive(Serialize)]
+        struct BlockForm<'a> {
+            cache: Option<&'static str>,
+            digest: &'a str,
+            id: Option<&'a str>,
+            state: &'a str,
+        }
+        // Fields in sorted order, strings and integers only: the compact serialisation is
+        // canonical (`Digest::of_sorted_serialization`; `tests/it/digest.rs` compares).
+        #[derive(Serialize)]
+        struct TurnForm<'a> {
+            blocks: Vec<BlockForm<'a>>,
+            generation: Option<u64>,
+            id: Option<&'a str>,
+            revision: Option<u64>,
+            role: Option<&'static str>,
+        }
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|block| BlockForm {
+                cache: block.cache.map(|mark| mark.ttl.map_or("default", CacheTtl::as_str)),
+                digest: block.digest.as_str(),
+                id: block.id.as_deref(),
+                state: match &block.state {
+                    BlockState::Committed => "committed",
+                    BlockState::Other(state) => state,
+                },
+            })
+            .collect();
+        Digest::of_sorted_serialization(&TurnForm {
+            blocks,
+            generation: self.generation.map(|generation| generation.0),
+            id: self.id.as_deref(),
+            revision: self.revision.map(|revision| revision.0),
+            role: match self.role {
+                RoleField::Known(role) => Some(role.as_str()),
+                RoleField::Invalid => None,
+            },
+        })
+    }
+}
+
 /// A tool declaration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolDef {

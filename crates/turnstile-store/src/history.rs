@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use turnstile_core::conversation::{Arguments, BlockBody, Conversation, FORMAT_V1, Turn, Unreadable};
 use turnstile_core::validate::History;
-use turnstile_core::{Revision, Verdict, Violation, ViolationCode, limits};
+use turnstile_core::{Digest, Revision, Verdict, Violation, ViolationCode, limits};
 
 /// Most conversations whose validation state a ledger keeps in memory.
 pub(crate) const VALIDATION_CACHE_MAX: usize = 65_536;
@@ -235,7 +235,7 @@ fn shape_violation(message: &str) -> Vec<Violation> {
 pub(crate) fn check_next(
     mut state: History,
     new_turn: Value,
-) -> Result<(Vec<NewToolCall>, History), Vec<Violation>> {
+) -> Result<CheckedTurn, Vec<Violation>> {
     let (turn, decode_violations) = match Conversation::decode_turn(new_turn) {
         Ok(decoded) => decoded,
         Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),
@@ -261,7 +261,19 @@ pub(crate) fn check_next(
     if let Verdict::Rejected(violations) = state.verdict() {
         return Err(violations);
     }
-    Ok((calls_of(&turn), state))
+    Ok(CheckedTurn {
+        calls: calls_of(&turn),
+        history: state,
+        digest: turn.digest(),
+    })
+}
+
+/// A new turn that passed the would-be history check: its calls, the validator's state after
+/// it, and its [`Turn::digest`] for its row (what a dispatch compares the stored turn with).
+pub(crate) struct CheckedTurn {
+    pub calls: Vec<NewToolCall>,
+    pub history: History,
+    pub digest: Digest,
 }
 
 /// The closed tool calls of a turn that passed the validator.
@@ -292,7 +304,7 @@ pub(crate) fn check_append_state(
     history: Vec<Value>,
     new_turn: Value,
     new_revision: Revision,
-) -> Result<(Vec<NewToolCall>, History), Vec<Violation>> {
+) -> Result<CheckedTurn, Vec<Violation>> {
     let mut turns = history;
     turns.push(new_turn);
     let document = json!({
@@ -313,7 +325,11 @@ pub(crate) fn check_append_state(
     let Some(last) = conversation.turns.last() else {
         return Err(shape_violation("no turn to append"));
     };
-    Ok((calls_of(last), state))
+    Ok(CheckedTurn {
+        calls: calls_of(last),
+        history: state,
+        digest: last.digest(),
+    })
 }
 
 /// The validator's state after a stored history (`turns`, the conversation's turns up to
@@ -363,17 +379,20 @@ pub(crate) struct StampedTurn {
     pub role: String,
     /// The stamped turn's JSON text.
     pub text: String,
+    /// [`Turn::digest`] of the turn as the check decoded it.
+    pub digest: Digest,
 }
 
 impl StampedTurn {
     /// The row of `turn`, which carries its stamps (`revision`, and `generation` when it has
-    /// one) already.
-    pub(crate) fn of(turn: &Value, revision: Revision) -> StampedTurn {
+    /// one) already, with `digest` from the check that decoded it.
+    pub(crate) fn of(turn: &Value, revision: Revision, digest: Digest) -> StampedTurn {
         StampedTurn {
             revision,
             generation: turn.get("generation").and_then(Value::as_u64),
             role: role_of(turn),
             text: turn.to_string(),
+            digest,
         }
     }
 }
@@ -390,13 +409,20 @@ pub(crate) fn check_import(
         return Err(shape_violation("an imported history needs at least one turn"));
     }
     let mut stamped = Vec::with_capacity(turns.len());
+    // (revision, generation, role, text) of each row, written out before the turns move into
+    // the document; the digests come from its decode.
     let mut rows = Vec::with_capacity(turns.len());
     for (index, turn) in turns.iter().enumerate() {
         let revision = Revision(index as u64 + 1);
         let Some(turn) = stamp_turn(turn, revision, None) else {
             return Err(shape_violation("a turn must be an object"));
         };
-        rows.push(StampedTurn::of(&turn, revision));
+        rows.push((
+            revision,
+            turn.get("generation").and_then(Value::as_u64),
+            role_of(&turn),
+            turn.to_string(),
+        ));
         stamped.push(turn);
     }
     let revision = Revision(stamped.len() as u64);
@@ -414,6 +440,17 @@ pub(crate) fn check_import(
     if let Verdict::Rejected(violations) = history.verdict() {
         return Err(violations);
     }
+    let rows = rows
+        .into_iter()
+        .zip(&conversation.turns)
+        .map(|((revision, generation, role, text), turn)| StampedTurn {
+            revision,
+            generation,
+            role,
+            text,
+            digest: turn.digest(),
+        })
+        .collect();
     Ok(CheckedImport {
         turns: rows,
         revision,

@@ -158,6 +158,13 @@ pub trait Ledger: Send + Sync {
     /// The committed history as a `turnstile.conversation.v1` document.
     async fn conversation(&self, conversation_id: &str) -> Result<Option<Value>, StoreError>;
 
+    /// [`Ledger::conversation`] with the digest stored beside each turn, for a reader that
+    /// decodes the turns and checks them against it (a dispatch).
+    async fn conversation_with_digests(
+        &self,
+        conversation_id: &str,
+    ) -> Result<Option<StoredConversation>, StoreError>;
+
     /// What a reader that holds the history up to revision `after` needs to be current: the
     /// conversation's revision, the id of its turn at `after` (to check the held history is
     /// this one) and the turns after it, in order. `None` when there is no such conversation.

@@ -83,6 +83,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0011_live_index_term.sql"),
         postgres: include_str!("../migrations/postgres/0011_live_index_term.sql"),
     },
+    Migration {
+        version: 12,
+        name: "turn_digests",
+        sqlite: include_str!("../migrations/sqlite/0012_turn_digests.sql"),
+        postgres: include_str!("../migrations/postgres/0012_turn_digests.sql"),
+    },
 ];
 
 /// The newest version this build knows.

@@ -282,6 +282,47 @@ async fn turns_up_to<T: Tx>(
     rows.iter().map(|row| json_of(&row.text(0)?)).collect()
 }
 
+/// [`turns_up_to`] with the digest stored beside each turn.
+async fn turns_and_digests_up_to<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    revision: Revision,
+) -> Result<(Vec<Value>, Vec<Option<String>>), StoreError> {
+    let rows = tx
+        .query(
+            "SELECT turn, digest FROM turns WHERE conversation_id = $1 AND revision <= $2 ORDER BY revision",
+            &[conversation_id.into(), revision.0.into()],
+        )
+        .await?;
+    let mut turns = Vec::with_capacity(rows.len());
+    let mut digests = Vec::with_capacity(rows.len());
+    for row in &rows {
+        turns.push(json_of(&row.text(0)?)?);
+        digests.push(row.text_opt(1)?);
+    }
+    Ok((turns, digests))
+}
+
+pub(crate) async fn conversation_with_digests<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+) -> Result<Option<StoredConversation>, StoreError> {
+    let Some((revision, tools)) = conversation_head(tx, conversation_id).await? else {
+        return Ok(None);
+    };
+    let (turns, turn_digests) = turns_and_digests_up_to(tx, conversation_id, revision).await?;
+    Ok(Some(StoredConversation {
+        document: serde_json::json!({
+            "format": turnstile_core::conversation::FORMAT_V1,
+            "conversation_id": conversation_id,
+            "revision": revision.0,
+            "tools": tools,
+            "turns": turns,
+        }),
+        turn_digests,
+    }))
+}
+
 pub(crate) async fn conversation<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -310,25 +351,28 @@ pub(crate) async fn conversation_since<T: Tx>(
     // The turn at `after` too (its id checks the reader's history), then the ones after it.
     let rows = tx
         .query(
-            "SELECT revision, turn FROM turns WHERE conversation_id = $1 AND revision >= $2 \
+            "SELECT revision, turn, digest FROM turns WHERE conversation_id = $1 AND revision >= $2 \
              AND revision <= $3 ORDER BY revision",
             &[conversation_id.into(), after.0.into(), revision.0.into()],
         )
         .await?;
     let mut turn_id_at = None;
     let mut turns = Vec::with_capacity(rows.len());
+    let mut turn_digests = Vec::with_capacity(rows.len());
     for row in &rows {
         let turn = json_of(&row.text(1)?)?;
         if row.uint(0)? == after.0 {
             turn_id_at = turn.get("id").and_then(Value::as_str).map(str::to_owned);
         } else {
             turns.push(turn);
+            turn_digests.push(row.text_opt(2)?);
         }
     }
     Ok(Some(ConversationTail {
         revision,
         turn_id_at,
         turns,
+        turn_digests,
     }))
 }
 
@@ -349,6 +393,7 @@ async fn claim_revision<T: Tx>(
     Ok(claimed == 1)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn insert_turn<T: Tx>(
     tx: &mut T,
     conversation_id: &str,
@@ -356,9 +401,10 @@ async fn insert_turn<T: Tx>(
     turn: &Value,
     generation: Option<Generation>,
     operation_id: Option<&str>,
+    digest: Digest,
     now: Timestamp,
 ) -> Result<(), StoreError> {
-    let mut row = history::StampedTurn::of(turn, revision);
+    let mut row = history::StampedTurn::of(turn, revision, digest);
     row.generation = generation.map(|generation| generation.0);
     insert_row(tx, conversation_id, &row, operation_id, now).await
 }
@@ -372,8 +418,8 @@ async fn insert_row<T: Tx>(
     now: Timestamp,
 ) -> Result<(), StoreError> {
     tx.execute(
-        "INSERT INTO turns (conversation_id, revision, role, generation, operation_id, turn, committed_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO turns (conversation_id, revision, role, generation, operation_id, turn, committed_at, digest) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         &[
             conversation_id.into(),
             row.revision.0.into(),
@@ -382,6 +428,7 @@ async fn insert_row<T: Tx>(
             operation_id.into(),
             row.text.as_str().into(),
             ts(now),
+            row.digest.as_str().into(),
         ],
     )
     .await?;
@@ -399,7 +446,7 @@ async fn check_turn<T: Tx>(
     stamped: Value,
     revision: Revision,
 ) -> Result<
-    Result<(Vec<NewToolCall>, turnstile_core::validate::History), Vec<turnstile_core::Violation>>,
+    Result<history::CheckedTurn, Vec<turnstile_core::Violation>>,
     StoreError,
 > {
     Ok(match states.take(conversation_id, expected)? {
@@ -465,8 +512,8 @@ pub(crate) async fn append_turn<T: Tx>(
             message: "a turn must be an object".into(),
         }]));
     };
-    let state = match check_turn(tx, states, conversation_id, expected, stamped.clone(), revision).await? {
-        Ok((_, state)) => state,
+    let checked = match check_turn(tx, states, conversation_id, expected, stamped.clone(), revision).await? {
+        Ok(checked) => checked,
         Err(violations) => return Ok(AppendOutcome::Rejected(violations)),
     };
     if !claim_revision(tx, conversation_id, expected, now).await? {
@@ -476,7 +523,7 @@ pub(crate) async fn append_turn<T: Tx>(
         return Ok(AppendOutcome::Conflict { current });
     }
     let generation = stamped.get("generation").and_then(Value::as_u64).map(Generation);
-    insert_turn(tx, conversation_id, revision, &stamped, generation, None, now).await?;
+    insert_turn(tx, conversation_id, revision, &stamped, generation, None, checked.digest, now).await?;
     // Results appended as an ordinary tool turn close their calls in the execution ledger too
     // (the validator has just checked that each answers an open call exactly once).
     if stamped.get("role").and_then(Value::as_str) == Some("tool") {
@@ -499,7 +546,7 @@ pub(crate) async fn append_turn<T: Tx>(
     *next = Some(Checked {
         conversation_id: conversation_id.to_owned(),
         revision,
-        history: state,
+        history: checked.history,
     });
     Ok(AppendOutcome::Appended { revision })
 }
@@ -1859,7 +1906,11 @@ pub(crate) async fn commit<T: Tx>(
         revision,
     )
     .await?;
-    let (calls, state) = match checked {
+    let history::CheckedTurn {
+        calls,
+        history: state,
+        digest,
+    } = match checked {
         Ok(checked) => checked,
         Err(violations) => {
             quarantine_turn(tx, operation_id, generation, "rejected", turn, now).await?;
@@ -1943,6 +1994,7 @@ pub(crate) async fn commit<T: Tx>(
         &stamped,
         Some(generation),
         Some(operation_id),
+        digest,
         now,
     )
     .await?;
@@ -2506,8 +2558,8 @@ pub(crate) async fn submit_tool_result<T: Tx>(
             "content": content,
         }],
     });
-    let state = match check_turn(tx, states, conversation_id, current, turn.clone(), revision).await? {
-        Ok((_, state)) => state,
+    let checked = match check_turn(tx, states, conversation_id, current, turn.clone(), revision).await? {
+        Ok(checked) => checked,
         Err(violations) => return Ok(ResultOutcome::Rejected(violations)),
     };
     tx.execute("SAVEPOINT tool_result", &[]).await?;
@@ -2534,11 +2586,11 @@ pub(crate) async fn submit_tool_result<T: Tx>(
         return Ok(ResultOutcome::StaleClaim);
     }
     tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
-    insert_turn(tx, conversation_id, revision, &turn, None, None, now).await?;
+    insert_turn(tx, conversation_id, revision, &turn, None, None, checked.digest, now).await?;
     *next = Some(Checked {
         conversation_id: conversation_id.to_owned(),
         revision,
-        history: state,
+        history: checked.history,
     });
     Ok(ResultOutcome::Appended { revision })
 }

@@ -560,6 +560,13 @@ impl Ledger for PgLedger {
         in_tx!(self, |tx| ops::conversation(&mut tx, conversation_id))
     }
 
+    async fn conversation_with_digests(
+        &self,
+        conversation_id: &str,
+    ) -> Result<Option<StoredConversation>, StoreError> {
+        in_tx!(self, |tx| ops::conversation_with_digests(&mut tx, conversation_id))
+    }
+
     async fn conversation_since(
         &self,
         conversation_id: &str,

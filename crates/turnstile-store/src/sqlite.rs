@@ -1411,6 +1411,14 @@ impl Ledger for SqliteLedger {
         self.read(|tx| block_on_ready(ops::conversation(tx, &id)))
     }
 
+    async fn conversation_with_digests(
+        &self,
+        conversation_id: &str,
+    ) -> Result<Option<StoredConversation>, StoreError> {
+        let id = conversation_id.to_owned();
+        self.read(|tx| block_on_ready(ops::conversation_with_digests(tx, &id)))
+    }
+
     async fn conversation_since(
         &self,
         conversation_id: &str,

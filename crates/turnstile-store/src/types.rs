@@ -48,6 +48,20 @@ pub struct ConversationTail {
     /// Its turns after the revision asked about, in order (`turnstile.conversation.v1` turns,
     /// each stamped with its revision).
     pub turns: Vec<Value>,
+    /// The digest stored with each of `turns`, as stored (`Turn::digest` of the turn when it
+    /// was written; `None` for a row written before the store kept digests).
+    pub turn_digests: Vec<Option<String>>,
+}
+
+/// Answer of [`crate::Ledger::conversation_with_digests`]: the committed history and the digest
+/// stored with each of its turns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredConversation {
+    /// The `turnstile.conversation.v1` document, as [`crate::Ledger::conversation`] answers it.
+    pub document: Value,
+    /// The digest stored with each turn of `document`, in order, as in
+    /// [`ConversationTail::turn_digests`].
+    pub turn_digests: Vec<Option<String>>,
 }
 
 /// Answer of `create_conversation`.

@@ -324,3 +324,41 @@ proptest! {
         }
     }
 }
+
+/// The stored-history check (issue 49 item 7): a turn's digest is the canonical digest of its
+/// id, revision, role, generation and per-block id, state, cache mark and content digest, and
+/// a change to any one of them (a byte of a text, a digit of a revision) changes it.
+#[test]
+fn a_turn_digest_is_canonical_and_covers_every_field_a_reader_takes() {
+    use turnstile_core::conversation::Conversation;
+    let turn = json!({"id": "t-1", "revision": 1, "role": "assistant", "generation": 2, "blocks": [
+        {"id": "a-1", "kind": "text", "text": "revenue was 4057", "cache": {"ttl": "1h"}},
+        {"id": "a-2", "kind": "tool_call", "call_id": "c-1", "tool": "f", "arguments": {"x": 1}}]});
+    let digest_of = |turn: &Value| Conversation::decode_turn(turn.clone()).unwrap().0.digest();
+    let decoded = Conversation::decode_turn(turn.clone()).unwrap().0;
+    let expected = Digest::of_value(&json!({
+        "blocks": decoded.blocks.iter().map(|block| json!({
+            "cache": block.cache.map(|mark| mark.ttl.map_or("default", |ttl| ttl.as_str())),
+            "digest": block.digest.as_str(), "id": block.id, "state": "committed"})).collect::<Vec<_>>(),
+        "generation": 2, "id": "t-1", "revision": 1, "role": "assistant"}));
+    assert_eq!(decoded.digest(), expected);
+
+    let changes: [(&str, Value); 8] = [
+        ("/blocks/0/text", json!("revenue was 9057")),
+        ("/blocks/0/id", json!("a-9")),
+        ("/blocks/0/cache", json!({"ttl": "5m"})),
+        ("/blocks/1/arguments", json!({"x": 2})),
+        ("/id", json!("t-2")),
+        ("/revision", json!(2)),
+        ("/role", json!("user")),
+        ("/generation", json!(3)),
+    ];
+    for (path, value) in changes {
+        let mut changed = turn.clone();
+        *changed.pointer_mut(path).unwrap() = value;
+        assert_ne!(digest_of(&changed), expected, "a change at {path} goes unnoticed");
+    }
+    let mut uncached = turn.clone();
+    uncached["blocks"][0].as_object_mut().unwrap().remove("cache");
+    assert_ne!(digest_of(&uncached), expected, "a removed cache mark goes unnoticed");
+}

@@ -69,6 +69,7 @@ suite!(
     prepare_and_begin_is_one_write_and_the_commit_carries_sent_streaming_and_the_handle,
     appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same,
     a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_at_it,
+    every_stored_turn_carries_the_digest_of_its_decoded_form_and_both_reads_return_it,
     a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9,
     a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only,
     a_large_body_is_checked_off_the_writer_and_stored_exactly,
@@ -2944,6 +2945,61 @@ pub async fn a_reader_s_tail_is_the_turns_after_its_revision_and_names_the_turn_
         (ahead.revision, ahead.turn_id_at, ahead.turns.len()),
         (Revision(3), None, 0)
     );
+}
+
+/// Issue 49 item 7: each turn's row keeps `Turn::digest` of the turn as stored (appended or
+/// imported), and the whole read and a reader's tail return it beside the turn, so a dispatch
+/// that decodes the stored turn can tell a changed byte. Red while rows carry no digest.
+pub async fn every_stored_turn_carries_the_digest_of_its_decoded_form_and_both_reads_return_it(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    let digest_of = |turn: &serde_json::Value| {
+        Some(
+            turnstile_core::conversation::Conversation::decode_turn(turn.clone())
+                .unwrap()
+                .0
+                .digest()
+                .as_str()
+                .to_owned(),
+        )
+    };
+    store.create_conversation("c", &tools(), at(1)).await.unwrap();
+    for (index, id) in ["u1", "u2"].iter().enumerate() {
+        let outcome = store
+            .append_turn("c", Revision(index as u64), &user_turn(id), at(2 + index as u64))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, AppendOutcome::Appended { .. }), "{outcome:?}");
+    }
+    let imported = vec![user_turn("i1"), assistant_turn("i2", 0), user_turn("i3")];
+    let outcome = store
+        .import_conversation("d", &tools(), &imported, at(5))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, ImportOutcome::Created { .. }), "{outcome:?}");
+    for conversation_id in ["c", "d"] {
+        let stored = store
+            .conversation_with_digests(conversation_id)
+            .await
+            .unwrap()
+            .unwrap();
+        let turns = stored.document["turns"].as_array().unwrap();
+        let expected: Vec<_> = turns.iter().map(digest_of).collect();
+        assert_eq!(stored.turn_digests, expected, "{conversation_id}");
+        assert_eq!(
+            Some(&stored.document),
+            store.conversation(conversation_id).await.unwrap().as_ref()
+        );
+        let tail = store
+            .conversation_since(conversation_id, Revision(1))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(tail.turn_digests, expected[1..], "{conversation_id}");
+    }
+    assert_eq!(store.conversation_with_digests("nowhere").await.unwrap(), None);
 }
 
 /// A database at `place` built by hand at schema `version` (every migration up to it, as an
