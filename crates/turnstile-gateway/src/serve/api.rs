@@ -93,6 +93,9 @@ pub enum ErrorCode {
     StoreUnavailable,
     /// Stored history that no longer decodes (500).
     StoredHistoryUnreadable,
+    /// A stored turn that no longer matches the digest stored with it (500): a dispatch of
+    /// that conversation is refused and nothing is sent.
+    StoredHistoryCorrupt,
     /// A missing or unknown bearer token (401).
     Unauthorized,
     /// The tool call is claimed by someone else or done (409).
@@ -144,6 +147,7 @@ impl ErrorCode {
         ErrorCode::StaleClaim,
         ErrorCode::StoreUnavailable,
         ErrorCode::StoredHistoryUnreadable,
+        ErrorCode::StoredHistoryCorrupt,
         ErrorCode::Unauthorized,
         ErrorCode::Unavailable,
         ErrorCode::UnknownAdapter,
@@ -183,6 +187,7 @@ impl ErrorCode {
             ErrorCode::StaleClaim => "stale_claim",
             ErrorCode::StoreUnavailable => "store_unavailable",
             ErrorCode::StoredHistoryUnreadable => "stored_history_unreadable",
+            ErrorCode::StoredHistoryCorrupt => "stored_history_corrupt",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::UnknownAdapter => "unknown_adapter",

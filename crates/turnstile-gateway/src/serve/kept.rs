@@ -13,6 +13,11 @@
 //! changes once committed (the revision CAS), so another replica's appends only make it older,
 //! never wrong.
 //!
+//! Every stored turn is checked against the digest stored beside it as it is decoded here, once:
+//! on the whole read and for each turn of a tail, never again for a kept one. A mismatch (a
+//! changed byte in the store) refuses the dispatch with `stored_history_corrupt` before it is
+//! prepared, so nothing is sent, and drops the kept history ([`check_turns`]).
+//!
 //! Bounds: [`KeptConversations::ENTRIES_MAX`] conversations and
 //! [`KeptConversations::BYTES_MAX`] bytes of their JSON (an estimate from the stored turns),
 //! least recently used out first. A conversation bigger than the byte bound is not kept.
@@ -24,6 +29,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use turnstile_core::conversation::Turn;
 use turnstile_core::{Conversation, KeptConversation};
 
 /// The cache. `take` and `put` lock only to move an entry in or out.
@@ -151,12 +157,16 @@ async fn current_in(
             && tail.turns.len() as u64 == tail.revision.0 - revision.0;
         if continues {
             let mut readable = true;
-            for turn in tail.turns {
+            for (turn, stored_digest) in tail.turns.into_iter().zip(&tail.turn_digests) {
                 current.bytes += value_bytes(&turn);
                 if current.kept.push_turn(turn, tail.revision).is_err() {
                     readable = false;
                     break;
                 }
+                // The turn just pushed, checked as it was decoded; the kept ones were checked
+                // when they were read. A mismatch drops the kept history (it is not put back).
+                let pushed = current.kept.conversation().turns.last();
+                check_turns(conversation_id, pushed.into_iter(), [stored_digest])?;
             }
             if readable {
                 cache.hits.fetch_add(1, Ordering::Relaxed);
@@ -165,25 +175,62 @@ async fn current_in(
         }
     }
     cache.misses.fetch_add(1, Ordering::Relaxed);
-    let Some(document) = ledger
-        .conversation(conversation_id)
+    let Some(stored) = ledger
+        .conversation_with_digests(conversation_id)
         .await
         .map_err(ApiError::store)?
     else {
         return Ok(None);
     };
-    let bytes = value_bytes(&document);
-    let conversation = Conversation::from_value(document).map_err(|error| {
+    let bytes = value_bytes(&stored.document);
+    let conversation = Conversation::from_value(stored.document).map_err(|error| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             ErrorCode::StoredHistoryUnreadable,
             error.to_string(),
         )
     })?;
+    check_turns(conversation_id, conversation.turns.iter(), &stored.turn_digests)?;
     Ok(Some(Current {
         kept: KeptConversation::new(conversation),
         bytes,
     }))
+}
+
+/// Each decoded stored turn against the digest stored beside it (issue 49 item 7): the first
+/// that differs refuses the dispatch with `stored_history_corrupt` (500), counted in
+/// `turnstile_stored_history_corrupt_total`, before anything is prepared or sent. A turn stored
+/// without a digest (a row written before migration 12) is taken as it is. The cost is
+/// [`Turn::digest`] per turn read: a hash of its block digests, which the decode computed.
+fn check_turns<'a>(
+    conversation_id: &str,
+    turns: impl Iterator<Item = &'a Turn>,
+    stored_digests: impl IntoIterator<Item = &'a Option<String>>,
+) -> Result<(), ApiError> {
+    for (turn, stored) in turns.zip(stored_digests) {
+        let Some(stored) = stored else { continue };
+        let digest = turn.digest();
+        if digest.as_str() == stored {
+            continue;
+        }
+        let revision = turn.revision.map_or(0, |revision| revision.0);
+        tracing::error!(
+            conversation_id,
+            revision,
+            stored = %stored,
+            read = %digest,
+            "a stored turn does not match the digest stored with it; the dispatch is refused, nothing sent"
+        );
+        super::metrics::bump(super::metrics::STORED_HISTORY_CORRUPT);
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::StoredHistoryCorrupt,
+            format!(
+                "the stored turn at revision {revision} does not match the digest stored with it; nothing was sent"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// An estimate of a JSON value's size: its strings' bytes and a few per node (what the decoded

@@ -44,6 +44,9 @@ pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 /// Store operations of the dispatch driver that failed (the driver ended or left the attempt
 /// explicitly; see `turnstile_drive`).
 pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
+/// Dispatches refused because a stored turn did not match the digest stored with it
+/// (`stored_history_corrupt`; `kept.rs`). Nothing of such a dispatch was sent.
+pub const STORED_HISTORY_CORRUPT: &str = "turnstile_stored_history_corrupt_total";
 /// Drivers that stopped on their own before their attempt's lease could run out, by reason
 /// (`lease_ending`: no renewal landed in time; `lease_lost`: a renewal was refused).
 pub const SELF_FENCES: &str = "turnstile_lease_self_fences_total";
@@ -144,6 +147,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
         ILLEGAL_SENDS,
         FOREIGN_HANDLES,
         DRIVER_STORE_FAILURES,
+        STORED_HISTORY_CORRUPT,
         PROVIDER_TIMEOUTS,
         OUTPUT_SHED,
         CLIENT_STREAM_GAPS,

@@ -21,5 +21,6 @@ mod resume;
 mod serve;
 mod sim;
 mod slow_clients;
+mod stored_history;
 mod traces;
 mod validate;
