@@ -437,7 +437,9 @@ impl Turn {
             .blocks
             .iter()
             .map(|block| BlockForm {
-                cache: block.cache.map(|mark| mark.ttl.map_or("default", CacheTtl::as_str)),
+                cache: block
+                    .cache
+                    .map(|mark| mark.ttl.map_or("default", CacheTtl::as_str)),
                 digest: block.digest.as_str(),
                 id: block.id.as_deref(),
                 state: match &block.state {

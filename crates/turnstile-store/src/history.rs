@@ -232,10 +232,7 @@ fn shape_violation(message: &str) -> Vec<Violation> {
 /// [`ValidationCache`]): only the new turn is decoded and walked. The same findings, in the
 /// same order, as the whole check of a legal history with this turn (`tests/it/history.rs` in
 /// turnstile-core; the store's conformance suite checks the refusals on both stores). On success the new turn's calls and the state after it.
-pub(crate) fn check_next(
-    mut state: History,
-    new_turn: Value,
-) -> Result<CheckedTurn, Vec<Violation>> {
+pub(crate) fn check_next(mut state: History, new_turn: Value) -> Result<CheckedTurn, Vec<Violation>> {
     let (turn, decode_violations) = match Conversation::decode_turn(new_turn) {
         Ok(decoded) => decoded,
         Err(unreadable) => return Err(shape_violation(&unreadable.to_string())),

@@ -445,10 +445,7 @@ async fn check_turn<T: Tx>(
     expected: Revision,
     stamped: Value,
     revision: Revision,
-) -> Result<
-    Result<history::CheckedTurn, Vec<turnstile_core::Violation>>,
-    StoreError,
-> {
+) -> Result<Result<history::CheckedTurn, Vec<turnstile_core::Violation>>, StoreError> {
     Ok(match states.take(conversation_id, expected)? {
         Some(state) => history::check_next(state, stamped),
         None => {
@@ -523,7 +520,17 @@ pub(crate) async fn append_turn<T: Tx>(
         return Ok(AppendOutcome::Conflict { current });
     }
     let generation = stamped.get("generation").and_then(Value::as_u64).map(Generation);
-    insert_turn(tx, conversation_id, revision, &stamped, generation, None, checked.digest, now).await?;
+    insert_turn(
+        tx,
+        conversation_id,
+        revision,
+        &stamped,
+        generation,
+        None,
+        checked.digest,
+        now,
+    )
+    .await?;
     // Results appended as an ordinary tool turn close their calls in the execution ledger too
     // (the validator has just checked that each answers an open call exactly once).
     if stamped.get("role").and_then(Value::as_str) == Some("tool") {
@@ -2586,7 +2593,17 @@ pub(crate) async fn submit_tool_result<T: Tx>(
         return Ok(ResultOutcome::StaleClaim);
     }
     tx.execute("RELEASE SAVEPOINT tool_result", &[]).await?;
-    insert_turn(tx, conversation_id, revision, &turn, None, None, checked.digest, now).await?;
+    insert_turn(
+        tx,
+        conversation_id,
+        revision,
+        &turn,
+        None,
+        None,
+        checked.digest,
+        now,
+    )
+    .await?;
     *next = Some(Checked {
         conversation_id: conversation_id.to_owned(),
         revision,

@@ -564,7 +564,10 @@ impl Ledger for PgLedger {
         &self,
         conversation_id: &str,
     ) -> Result<Option<StoredConversation>, StoreError> {
-        in_tx!(self, |tx| ops::conversation_with_digests(&mut tx, conversation_id))
+        in_tx!(self, |tx| ops::conversation_with_digests(
+            &mut tx,
+            conversation_id
+        ))
     }
 
     async fn conversation_since(

@@ -360,5 +360,9 @@ fn a_turn_digest_is_canonical_and_covers_every_field_a_reader_takes() {
     }
     let mut uncached = turn.clone();
     uncached["blocks"][0].as_object_mut().unwrap().remove("cache");
-    assert_ne!(digest_of(&uncached), expected, "a removed cache mark goes unnoticed");
+    assert_ne!(
+        digest_of(&uncached),
+        expected,
+        "a removed cache mark goes unnoticed"
+    );
 }

@@ -12,12 +12,18 @@ const CORRUPT: &str = "turnstile_stored_history_corrupt_total";
 
 /// Change "4057" into "9057" in the stored turn of `conversation_id` at `revision`.
 fn alter_stored_turn(store: &str, conversation_id: &str, revision: i64) {
-    let sql = "UPDATE turns SET turn = replace(turn, '4057', '9057') WHERE conversation_id = $1 AND revision = $2";
+    let sql =
+        "UPDATE turns SET turn = replace(turn, '4057', '9057') WHERE conversation_id = $1 AND revision = $2";
     let changed = if let Some(path) = store.strip_prefix("sqlite:") {
         let connection = rusqlite::Connection::open(path).unwrap();
-        connection.busy_timeout(std::time::Duration::from_secs(10)).unwrap();
         connection
-            .execute(&sql.replace('$', "?"), rusqlite::params![conversation_id, revision])
+            .busy_timeout(std::time::Duration::from_secs(10))
+            .unwrap();
+        connection
+            .execute(
+                &sql.replace('$', "?"),
+                rusqlite::params![conversation_id, revision],
+            )
             .unwrap() as u64
     } else {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -35,7 +41,10 @@ fn alter_stored_turn(store: &str, conversation_id: &str, revision: i64) {
             changed
         })
     };
-    assert_eq!(changed, 1, "{store}: the turn at revision {revision} of {conversation_id}");
+    assert_eq!(
+        changed, 1,
+        "{store}: the turn at revision {revision} of {conversation_id}"
+    );
 }
 
 /// Append a user turn that mentions the figure the test changes.
@@ -59,9 +68,16 @@ fn assert_refused(gateway: &Gateway, sim: &SimProcess, id: &str, operation: &str
         "{what}: {events:?}"
     );
     assert_eq!(gateway.metric(CORRUPT), corrupt_before + 1.0, "{what}: counted");
-    assert_eq!(sim.requests().len(), sent_before, "{what}: nothing reached the provider");
+    assert_eq!(
+        sim.requests().len(),
+        sent_before,
+        "{what}: nothing reached the provider"
+    );
     let view = gateway.get(&format!("/v1/dispatches/{operation}"));
-    assert_eq!(view["error"]["code"], "not_found", "{what}: no dispatch was prepared: {view}");
+    assert_eq!(
+        view["error"]["code"], "not_found",
+        "{what}: no dispatch was prepared: {view}"
+    );
 }
 
 #[test]
@@ -73,7 +89,11 @@ fn a_changed_byte_in_a_stored_turn_refuses_the_dispatch_and_sends_nothing_on_bot
     let run = run_id();
     let sqlite_store = sqlite(&dir);
     for (name, store, gateway) in [
-        ("sqlite", sqlite_store.as_str(), Gateway::start(&dir, &sqlite_store, &sim, "")),
+        (
+            "sqlite",
+            sqlite_store.as_str(),
+            Gateway::start(&dir, &sqlite_store, &sim, ""),
+        ),
         ("postgres", url.as_str(), Gateway::start(&pg_dir, &url, &sim, "")),
     ] {
         assert_eq!(gateway.metric(CORRUPT), 0.0, "{name}: the series exists at zero");
@@ -92,9 +112,23 @@ fn a_changed_byte_in_a_stored_turn_refuses_the_dispatch_and_sends_nothing_on_bot
         assert_eq!(named(&events, "committed").len(), 1, "{name}: {events:?}");
         append_revenue(&gateway, &kept, 4, "t5");
         alter_stored_turn(store, &kept, 5);
-        assert_refused(&gateway, &sim, &kept, &format!("op-{kept}-3"), &model, &format!("{name} kept"));
+        assert_refused(
+            &gateway,
+            &sim,
+            &kept,
+            &format!("op-{kept}-3"),
+            &model,
+            &format!("{name} kept"),
+        );
         // The kept history was dropped with the refusal: read whole, it is refused again.
-        assert_refused(&gateway, &sim, &kept, &format!("op-{kept}-4"), &model, &format!("{name} again"));
+        assert_refused(
+            &gateway,
+            &sim,
+            &kept,
+            &format!("op-{kept}-4"),
+            &model,
+            &format!("{name} again"),
+        );
 
         // A history read whole (never dispatched before), changed in an older turn.
         let whole = format!("c-corrupt-whole-{run}-{name}");
@@ -102,7 +136,14 @@ fn a_changed_byte_in_a_stored_turn_refuses_the_dispatch_and_sends_nothing_on_bot
         append_revenue(&gateway, &whole, 1, "t2");
         sim.script(&model, json!([{"text": "Noted."}]));
         alter_stored_turn(store, &whole, 2);
-        assert_refused(&gateway, &sim, &whole, &format!("op-{whole}-1"), &model, &format!("{name} whole"));
+        assert_refused(
+            &gateway,
+            &sim,
+            &whole,
+            &format!("op-{whole}-1"),
+            &model,
+            &format!("{name} whole"),
+        );
         assert_eq!(gateway.metric(CORRUPT), 3.0, "{name}");
     }
 }
