@@ -190,13 +190,13 @@ enum Work {
     InterruptionTail {
         tail: Box<Tail>,
     },
+    /// The process is shutting down and its drain timeout passed: stop here and leave the
+    /// dispatch to recovery.
+    HandOver,
     /// The pump's memory budget ends the dispatch.
     Shed {
         reason: &'static str,
     },
-    /// The process is shutting down and its drain timeout passed: stop here and leave the
-    /// dispatch to recovery.
-    HandOver,
     /// Keep material out of history, in the quarantine log.
     Quarantine {
         generation: Generation,
@@ -365,6 +365,8 @@ pub struct Drive {
     /// This driver stopped on its own before its lease could run out: nothing of the machine
     /// goes out any more (no send, no write, no event); the ledger decides.
     fenced: bool,
+    /// The process is shutting down and its drain timeout passed: stop before anything else.
+    handing_over: bool,
     /// While this driver holds an attempt's lease: when it must have stopped, by its own
     /// clock ([`fence_deadline`] of the last lease write that landed).
     fence_at: Option<Timestamp>,
@@ -518,6 +520,7 @@ impl Drive {
             unchecked_events: Vec::new(),
             lease_asked_at: None,
             fenced: false,
+            handing_over: false,
             fence_at: None,
         };
         // A dispatch rearmed after an attempt goes on from the target after that attempt's;
@@ -714,6 +717,9 @@ impl Drive {
     /// flight is answered first.
     pub fn handle_hand_over(&mut self, now: Timestamp) {
         self.now = now;
+        // Queued input already read is finished first (a complete answer still commits); a
+        // send or resume the machine asks for meanwhile is refused (`effect`).
+        self.handing_over = true;
         self.queue(Work::HandOver);
     }
 
@@ -1078,6 +1084,11 @@ impl Drive {
 
     fn effect(&mut self, effect: Effect) {
         if self.fenced {
+            return;
+        }
+        if self.handing_over && matches!(effect, Effect::Send { .. } | Effect::Resume { .. }) {
+            // Nothing new goes out after the hand-over (a driver started after it began).
+            self.self_fence("shutting_down");
             return;
         }
         if self.stopped

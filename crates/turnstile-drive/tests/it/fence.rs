@@ -411,3 +411,22 @@ fn a_prepare_that_began_the_attempt_too_long_ago_sends_nothing() {
     }
     assert!(opened);
 }
+
+#[test]
+fn a_hand_over_before_the_first_action_sends_nothing() {
+    // A driver started after the drain timeout passed (its request or a sweep was still in
+    // flight): the hand-over comes before the prepared begin's send (review finding 3).
+    let mut drive = Drive::begun(spec(), Timestamp(BEGIN_AT), 0, Generation(1), "key-1".into());
+    drive.handle_hand_over(Timestamp(BEGIN_AT + 1));
+    let mut fenced = Vec::new();
+    while let Some(action) = drive.poll_action() {
+        match action {
+            Action::Open { .. } => panic!("a request went out after the hand-over"),
+            Action::Count(Count::SelfFenced(reason)) => fenced.push(reason),
+            Action::Store(op) => panic!("a store operation after the hand-over: {op:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(fenced, vec!["shutting_down"]);
+    assert!(drive.is_finished());
+}

@@ -227,6 +227,12 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     // The driver's clock starts where it was made (a prepared-and-begun one at its prepare):
     // it reads the present before anything goes out, so a fence already past stops it.
     drive.handle_timeout(now());
+    if pump.shared.drain.phase() >= Phase::HandingOver {
+        // Started after the hand-over began (a request or sweep still in flight when it
+        // did): nothing goes out; recovery takes the dispatch (review finding 3).
+        handed_over = true;
+        drive.handle_hand_over(now());
+    }
     pump.perform(&mut drive).await;
     while !drive.is_finished() {
         let sleep = match drive.poll_timeout() {
