@@ -5,6 +5,7 @@
 //! restart recovers it at once. The provider's request log proves that nothing that finished
 //! was sent twice. Every wait is a bounded poll on an observable state.
 
+use crate::recovery::wait_for;
 use crate::serve::{
     Gateway, assistant_turns, client, client_events, conversation_with_question, history_is_legal, sqlite,
 };
@@ -12,21 +13,9 @@ use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const ADAPTER: &str = "anthropic-messages@1";
-
-/// Poll `probe` every 50 ms until it answers `Some`, for at most `limit`.
-fn wait_for<T>(limit: Duration, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(found) = probe() {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn requests_for(sim: &SimProcess, model: &str) -> usize {
     let quoted = format!("\"{model}\"");

@@ -5,6 +5,7 @@
 //! request end. Checked from the provider's side (connections, not leases): a provider written
 //! here records when each request began and when its connection closed.
 
+use crate::recovery::wait_for;
 use crate::serve::{Gateway, conversation_with_question, named, pg_url, run_id};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -130,16 +131,18 @@ impl Relay {
     fn start(upstream: std::net::SocketAddr) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        listener.set_nonblocking(true).unwrap();
         let cut = Arc::new(AtomicBool::new(false));
         let sockets: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (cut_in, sockets_in) = (cut.clone(), sockets.clone());
         std::thread::spawn(move || {
-            // Polls for connections until cut, then drops the listener: connects are refused.
-            while !cut_in.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((client, _)) => {
-                        client.set_nonblocking(false).unwrap();
+            // Relays connections until cut (`cut` wakes the accept), then drops the listener:
+            // connects are refused.
+            for client in listener.incoming() {
+                if cut_in.load(Ordering::SeqCst) {
+                    return;
+                }
+                match client {
+                    Ok(client) => {
                         let Ok(server) = TcpStream::connect(upstream) else {
                             continue;
                         };
@@ -157,9 +160,6 @@ impl Relay {
                             });
                         }
                     }
-                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
                     Err(_) => return,
                 }
             }
@@ -173,15 +173,8 @@ impl Relay {
         for socket in self.sockets.lock().unwrap().drain(..) {
             let _ = socket.shutdown(Shutdown::Both);
         }
-    }
-}
-
-/// Wait for `done` (bounded): the observable state, polled.
-fn wait_for(what: &str, bound: Duration, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + bound;
-    while !done() {
-        assert!(Instant::now() < until, "gave up waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
+        // Wake the accept so the listener is dropped.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
     }
 }
 
@@ -231,7 +224,7 @@ fn a_replica_cut_off_from_postgresql_closes_its_provider_stream_before_another_s
         }
     });
     // The first request streams through replica A (and A renews its lease meanwhile).
-    wait_for("the first stream", Duration::from_secs(30), || {
+    wait_for(Duration::from_secs(30), "the first stream", || {
         let streamed = provider.chunks.load(Ordering::SeqCst) >= 100;
         let seen = provider.seen();
         assert!(
@@ -239,14 +232,14 @@ fn a_replica_cut_off_from_postgresql_closes_its_provider_stream_before_another_s
             "the first request was {seen:?} before the cut, after {} chunks",
             provider.chunks.load(Ordering::SeqCst)
         );
-        streamed
+        streamed.then_some(())
     });
     relay.cut();
     // Replica B finds the lease run out by the store's clock and finishes the dispatch.
     wait_for(
-        "the dispatch to commit on replica B",
         Duration::from_secs(60),
-        || b.get(&format!("/v1/dispatches/{operation}"))["state"] == "COMMITTED",
+        "the dispatch to commit on replica B",
+        || (b.get(&format!("/v1/dispatches/{operation}"))["state"] == "COMMITTED").then_some(()),
     );
     let seen = provider.seen();
     assert!(seen.len() >= 2, "{seen:?}");

@@ -11,8 +11,9 @@ use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::time::{Duration, Instant};
 
-/// Poll `probe` every 50 ms until it answers `Some`, for at most `limit`.
-fn wait_for<T>(limit: Duration, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+/// Poll `probe` every 50 ms until it answers `Some`, for at most `limit` (every integration
+/// test's bounded wait on an observable state).
+pub fn wait_for<T>(limit: Duration, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(found) = probe() {

@@ -8,16 +8,16 @@
 //! stops the gateway's writes after a few KiB (the gateway's own queues then fill), as a
 //! stalled or paused client on a real network does.
 
+use crate::recovery::wait_for;
 use crate::serve::{Gateway, client, client_events, conversation_with_question, sqlite};
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Longest a test waits for state it polls (a dispatch to commit, a gauge to drop).
 const POLL_MAX: Duration = Duration::from_secs(60);
-const POLL_EVERY: Duration = Duration::from_millis(50);
 
 /// A connection to the gateway with a small receive buffer, and `body` posted on it (the
 /// response is not read).
@@ -94,28 +94,16 @@ fn header<'h>(head: &'h str, name: &str) -> &'h str {
 
 /// Poll until the dispatch is COMMITTED.
 fn wait_committed(gateway: &Gateway, operation_id: &str) {
-    let started = Instant::now();
-    loop {
-        let dispatch = gateway.get(&format!("/v1/dispatches/{operation_id}"));
-        if dispatch["state"] == "COMMITTED" {
-            return;
-        }
-        assert!(started.elapsed() < POLL_MAX, "never committed: {dispatch}");
-        std::thread::sleep(POLL_EVERY);
-    }
+    wait_for(POLL_MAX, &format!("{operation_id} to commit"), || {
+        (gateway.get(&format!("/v1/dispatches/{operation_id}"))["state"] == "COMMITTED").then_some(())
+    });
 }
 
 /// Poll until `metric` satisfies `done`.
 fn wait_metric(gateway: &Gateway, metric: &str, done: impl Fn(f64) -> bool) -> f64 {
-    let started = Instant::now();
-    loop {
-        let value = gateway.metric(metric);
-        if done(value) {
-            return value;
-        }
-        assert!(started.elapsed() < POLL_MAX, "{metric} stayed at {value}");
-        std::thread::sleep(POLL_EVERY);
-    }
+    wait_for(POLL_MAX, metric, || {
+        Some(gateway.metric(metric)).filter(|value| done(*value))
+    })
 }
 
 /// `count` distinct words of `bytes` bytes: one preview each from the simulator. Digits, so
