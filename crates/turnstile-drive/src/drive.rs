@@ -382,6 +382,24 @@ impl std::fmt::Debug for Drive {
     }
 }
 
+/// The transitions held back until a write that needs them in the store first, or the commit
+/// that carries them (SENT and STREAMING; `docs/decisions.md`: two durable writes per
+/// dispatch). A handle's bind may be held too (`Drive::may_hold_handle`).
+fn holds_back(op: &StoreOp) -> bool {
+    matches!(
+        op,
+        StoreOp::Transition {
+            from: DispatchState::Dispatching,
+            to: DispatchState::Sent,
+            ..
+        } | StoreOp::Transition {
+            from: DispatchState::Sent,
+            to: DispatchState::Streaming,
+            ..
+        }
+    )
+}
+
 fn prepared_of(basis: &DispatchBasis) -> Prepared {
     Prepared {
         revision: basis.revision,
@@ -813,18 +831,8 @@ impl Drive {
     /// performed (after the held-back writes it must follow).
     fn store(&mut self, op: StoreOp, pending: Pending) {
         let held = match &op {
-            StoreOp::Transition {
-                from: DispatchState::Dispatching,
-                to: DispatchState::Sent,
-                ..
-            }
-            | StoreOp::Transition {
-                from: DispatchState::Sent,
-                to: DispatchState::Streaming,
-                ..
-            } => true,
             StoreOp::BindHandle { generation, .. } => self.may_hold_handle(*generation),
-            _ => false,
+            op => holds_back(op),
         };
         if held {
             if let StoreOp::BindHandle { generation, .. } = &op {
@@ -1679,19 +1687,8 @@ impl Drive {
                 Pending::MachineWrite(kind),
             )];
             for (op, pending) in std::mem::take(&mut self.outbox) {
-                let holdable = matches!(
-                    op,
-                    StoreOp::Transition {
-                        from: DispatchState::Dispatching,
-                        to: DispatchState::Sent,
-                        ..
-                    } | StoreOp::Transition {
-                        from: DispatchState::Sent,
-                        to: DispatchState::Streaming,
-                        ..
-                    } | StoreOp::BindHandle { .. }
-                );
-                if holdable {
+                // Only held writes are flushed before another: a bind here was held too.
+                if holds_back(&op) || matches!(op, StoreOp::BindHandle { .. }) {
                     held.push((op, pending));
                 } else {
                     self.outbox.push_back((op, pending));

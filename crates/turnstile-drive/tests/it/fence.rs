@@ -430,3 +430,80 @@ fn a_hand_over_before_the_first_action_sends_nothing() {
     assert_eq!(fenced, vec!["shutting_down"]);
     assert!(drive.is_finished());
 }
+
+#[test]
+fn held_transitions_that_fail_with_a_renewal_are_held_again_and_the_commit_lands() {
+    // The store is unreachable for the first renewal's round: the held SENT and STREAMING
+    // it flushes fail with it. A store back before the fence loses nothing: they are written
+    // with the next write, and the commit lands (the old driver dropped the failed SENT, had
+    // STREAMING refused from the wrong state, and stopped).
+    use turnstile_core::dispatch::DispatchState as S;
+    let outage = (BEGIN_AT + LEASE_MS / 2)..(BEGIN_AT + LEASE_MS / 2 + 100);
+    let mut drive = Drive::new(spec(), Timestamp(BEGIN_AT));
+    let mut stored = S::Prepared;
+    let mut committed = false;
+    let mut connection = None;
+    let mut perform = |drive: &mut Drive,
+                       at: u64,
+                       committed: &mut bool,
+                       connection: &mut Option<ConnectionId>| {
+        while let Some(action) = drive.poll_action() {
+            let answer = match action {
+                Action::Open { connection: id, .. } => {
+                    *connection = Some(id);
+                    continue;
+                }
+                Action::Emit(DriveEvent::Committed { .. }) => {
+                    *committed = true;
+                    continue;
+                }
+                Action::Store(_) if outage.contains(&at) => StoreResult::Failed("connection refused".into()),
+                Action::Store(StoreOp::Begin { .. }) => {
+                    stored = S::Dispatching;
+                    StoreResult::Began {
+                        generation: Generation(1),
+                        idempotency_key: "key-1".into(),
+                    }
+                }
+                Action::Store(StoreOp::Transition { from, to, .. }) if from == stored => {
+                    stored = to;
+                    StoreResult::Applied
+                }
+                Action::Store(StoreOp::Transition { .. }) => StoreResult::Refused,
+                Action::Store(StoreOp::Commit { from, .. }) if from == stored => {
+                    stored = S::Committed;
+                    StoreResult::Committed {
+                        revision: Revision(4),
+                    }
+                }
+                Action::Store(StoreOp::Commit { .. }) => StoreResult::Refused,
+                Action::Store(_) => StoreResult::Applied,
+                _ => continue,
+            };
+            drive.handle_store(Timestamp(at), answer);
+        }
+    };
+    perform(&mut drive, BEGIN_AT, &mut committed, &mut connection);
+    let id = connection.expect("opened");
+    drive.handle_head(Timestamp(BEGIN_AT + 10), id, 200);
+    drive.handle_chunk(Timestamp(BEGIN_AT + 20), id, START.to_vec());
+    perform(&mut drive, BEGIN_AT + 20, &mut committed, &mut connection);
+    // Timers fire through the outage and after it, text keeps coming.
+    let mut at = BEGIN_AT + 100;
+    while at < BEGIN_AT + 3_500 {
+        while let Some(due) = drive.poll_timeout()
+            && due.0 <= at
+        {
+            drive.handle_timeout(due);
+            perform(&mut drive, due.0, &mut committed, &mut connection);
+        }
+        drive.handle_chunk(Timestamp(at), id, delta("more "));
+        perform(&mut drive, at, &mut committed, &mut connection);
+        at += 50;
+    }
+    drive.handle_chunk(Timestamp(at), id, STOP.to_vec());
+    drive.handle_end(Timestamp(at), id, Ending::Clean);
+    perform(&mut drive, at, &mut committed, &mut connection);
+    assert!(!drive.fenced(), "the outage was shorter than the margin");
+    assert!(committed, "the commit landed");
+}
