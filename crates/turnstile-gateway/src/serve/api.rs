@@ -1412,8 +1412,8 @@ pub(crate) async fn hub_for(
                 match context_with(shared, record.clone(), hub.clone(), prepared_from, no_fallbacks).await {
                     Ok(ctx) => {
                         match began {
-                            Some(began) => tokio::spawn(driver::drive_begun(shared.clone(), ctx, began)),
-                            None => tokio::spawn(driver::drive_new(shared.clone(), ctx)),
+                            Some(began) => shared.drain.spawn(driver::drive_begun(shared.clone(), ctx, began)),
+                            None => shared.drain.spawn(driver::drive_new(shared.clone(), ctx)),
                         };
                         Some(hub)
                     }

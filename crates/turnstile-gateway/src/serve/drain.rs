@@ -89,6 +89,22 @@ impl Drain {
         Task(self.clone())
     }
 
+    /// Spawn work the process must see finished, its guard taken before the spawn returns: a
+    /// drain that looks between the spawn and the task's first poll sees it running (a guard
+    /// taken inside the task could be missed, and the process exit under a dispatch its request
+    /// had just started).
+    pub fn spawn<F>(self: &Arc<Drain>, work: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let running = self.task();
+        tokio::spawn(async move {
+            let _running = running;
+            work.await
+        })
+    }
+
     /// Guards held now.
     pub fn running(&self) -> usize {
         self.tasks.load(Ordering::Acquire)
@@ -143,6 +159,28 @@ mod tests {
         assert!(!waiting.is_finished(), "one guard is still held");
         drop(second);
         waiting.await.unwrap();
+        assert_eq!(drain.running(), 0);
+    }
+
+    /// On a current-thread runtime a spawned task is not polled before the spawner yields: the
+    /// guard must already be counted then (red with the guard taken inside the task).
+    #[tokio::test(flavor = "current_thread")]
+    async fn spawned_work_is_counted_before_its_first_poll() {
+        let drain = Arc::new(Drain::new());
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let work = drain.spawn(async move {
+            let _ = released.await;
+        });
+        assert_eq!(drain.running(), 1, "counted before the task ran");
+        let idle = tokio::spawn({
+            let drain = drain.clone();
+            async move { drain.idle().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!idle.is_finished(), "the drain waits for spawned work");
+        release.send(()).unwrap();
+        work.await.unwrap();
+        idle.await.unwrap();
         assert_eq!(drain.running(), 0);
     }
 }

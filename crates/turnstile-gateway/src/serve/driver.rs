@@ -218,8 +218,8 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         provider_of: HashMap::new(),
         trace,
     };
-    // The process does not exit before this dispatch ended or was handed over.
-    let _running = pump.shared.drain.task();
+    // The process does not exit before this dispatch ended or was handed over: every caller
+    // spawns the driver with `Drain::spawn`, which counts it before its first poll.
     let mut handed_over = false;
     // What this dispatch holds of the process-wide output budget (given back when it ends).
     let share = pump.shared.output_budget.join();

@@ -523,7 +523,7 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
         match api::context_for(shared, record, hub.clone()).await {
             Ok(ctx) => match attempt {
                 Some((unknown, spent, target)) => {
-                    tokio::spawn(driver::drive_recovered(
+                    shared.drain.spawn(driver::drive_recovered(
                         shared.clone(),
                         ctx,
                         unknown,
@@ -533,7 +533,7 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
                 }
                 None => {
                     tracing::info!(%operation_id, "driving a PREPARED dispatch nobody drives");
-                    tokio::spawn(driver::drive_new(shared.clone(), ctx));
+                    shared.drain.spawn(driver::drive_new(shared.clone(), ctx));
                 }
             },
             Err(error) => {
