@@ -196,12 +196,30 @@ impl RenderCaches {
     }
 }
 
-/// The wall clock, read here and passed into the core as a value.
+/// The gateway's clock, read here and passed into the core as a value: epoch milliseconds that
+/// never go back and never run slower than the monotonic clock, yet follow the wall clock
+/// forward (see [`forward_clock`]). A driver's fence is counted on it, so a wall clock stepped
+/// back (NTP, a restored VM) cannot delay a fence, and one stepped forward stops the holder as
+/// early as a store reading the same host clock (SQLite) would expire its lease.
 pub fn now() -> Timestamp {
-    let system = SystemTime::now()
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    static WALL_AHEAD_MS: AtomicU64 = AtomicU64::new(0);
+    let start = *START.get_or_init(std::time::Instant::now);
+    let wall = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_millis() as u64);
-    Timestamp(system.saturating_add_signed(CLOCK_OFFSET_MS.load(std::sync::atomic::Ordering::Relaxed)))
+    let elapsed = start.elapsed().as_millis() as u64;
+    let reading = forward_clock(&WALL_AHEAD_MS, wall, elapsed);
+    Timestamp(reading.saturating_add_signed(CLOCK_OFFSET_MS.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// One reading of a clock that is the monotonic `elapsed` since start plus the largest
+/// `wall - elapsed` seen so far (kept in `ahead`): a wall clock stepped forward moves it forward
+/// at once; one stepped back is ignored, and the reading goes on at the monotonic pace.
+pub fn forward_clock(ahead: &AtomicU64, wall_ms: u64, elapsed_ms: u64) -> u64 {
+    let candidate = wall_ms.saturating_sub(elapsed_ms);
+    let previous = ahead.fetch_max(candidate, Ordering::AcqRel);
+    previous.max(candidate).saturating_add(elapsed_ms)
 }
 
 /// The gateway's own clock offset (`test_clock_offset_ms`; 0 outside tests).
@@ -660,7 +678,24 @@ async fn shutdown_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::RenderCaches;
+    use super::{RenderCaches, forward_clock};
+    use std::sync::atomic::AtomicU64;
+
+    /// Issue 47 (review finding 5): the fence's clock never goes back and never slows down when
+    /// the wall clock is stepped back, and follows a step forward at once. Red with the plain
+    /// wall clock (the reading after the step back would be 1,000 s earlier).
+    #[test]
+    fn the_clock_ignores_a_wall_step_back_and_follows_a_step_forward() {
+        let ahead = AtomicU64::new(0);
+        let start_wall = 1_800_000_000_000;
+        assert_eq!(forward_clock(&ahead, start_wall, 0), start_wall);
+        assert_eq!(forward_clock(&ahead, start_wall + 400, 400), start_wall + 400);
+        // Stepped back 1,000 s, 600 ms of monotonic time later: 1,000 ms after the start.
+        assert_eq!(forward_clock(&ahead, start_wall + 1_000 - 1_000_000, 1_000), start_wall + 1_000);
+        // Stepped forward 60 s: the reading follows at once, then runs on monotonically.
+        assert_eq!(forward_clock(&ahead, start_wall + 61_100, 1_100), start_wall + 61_100);
+        assert_eq!(forward_clock(&ahead, start_wall + 1_200, 1_200), start_wall + 61_200);
+    }
     use turnstile_adapters::render::RenderCache;
 
     /// Issue 21: renders of two conversations in different shards do not wait on one lock,
