@@ -129,7 +129,10 @@ impl World {
                 conn.op == op && conn.generation < generation && conn.connection.is_some() && !conn.probe
             })
             .filter(|conn| {
+                // A paused replica reads nothing while it is stopped; what it does when it runs
+                // again is checked at each preview (`check_stale_read`).
                 !self.dead(conn.replica)
+                    && self.paused_until(conn.replica).is_none()
                     && (conn.replica == replica
                         || self
                             .drivers
@@ -189,6 +192,28 @@ impl World {
                     generation.0,
                     crate::world::ATTEMPTS_PER_DISPATCH_MAX
                 ),
+            );
+        }
+    }
+
+    /// A driver shows preview of `generation` only while no newer generation of its operation
+    /// was sent: past the hand-over the old holder reads nothing (a paused replica that wakes
+    /// past its fence stops before it reads). Red without the fence on a paused holder.
+    pub(crate) fn check_stale_read(&mut self, op: &str, generation: Generation, what: &str) {
+        self.report.checks += 1;
+        let newer = self
+            .history
+            .opened_by
+            .keys()
+            .filter(|(opened, sent)| opened == op && *sent > generation.0)
+            .map(|(_, sent)| *sent)
+            .max();
+        if let Some(newer) = newer {
+            let step = self.step;
+            self.report.violate(
+                step,
+                Invariant::StaleGenerationRead,
+                format!("{op}: {what} of g{} after g{newer} was sent (now {})", generation.0, self.now),
             );
         }
     }

@@ -63,6 +63,10 @@ pub enum FaultKind {
     /// One replica was cut off from the store for a while (its store operations failed, its
     /// provider connections went on), shorter or longer than a lease.
     StorePartition,
+    /// One replica stopped running for a while (a stop-the-world pause, a frozen VM): its
+    /// timers, store answers and provider bytes wait, its connections stay open, shorter or
+    /// longer than a lease.
+    ReplicaPause,
 }
 
 impl FaultKind {
@@ -96,6 +100,7 @@ impl FaultKind {
             FaultKind::NoDone => "no_done",
             FaultKind::JsonAnswer => "json_answer",
             FaultKind::StorePartition => "store_partition",
+            FaultKind::ReplicaPause => "replica_pause",
         }
     }
 }

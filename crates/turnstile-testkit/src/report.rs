@@ -30,6 +30,9 @@ pub enum Invariant {
     /// A new generation was sent while an older one was not confirmed over (its lease had not
     /// run out by the store's clock and the provider had not ended it).
     EarlyNewGeneration,
+    /// A driver showed preview of (or committed) a generation after a newer generation of its
+    /// operation was sent: the old holder read its connection past the hand-over.
+    StaleGenerationRead,
     /// An operation made more provider attempts (generations) than the budget.
     AttemptBudget,
     /// An operation was not terminal after the liveness phase.
@@ -61,6 +64,7 @@ impl Invariant {
             Invariant::MetricsMismatch => "metrics_mismatch",
             Invariant::UnknownUnresolved => "unknown_unresolved",
             Invariant::EarlyNewGeneration => "early_new_generation",
+            Invariant::StaleGenerationRead => "stale_generation_read",
             Invariant::AttemptBudget => "attempt_budget",
             Invariant::OperationNotTerminal => "operation_not_terminal",
             Invariant::ToolLedger => "tool_ledger",

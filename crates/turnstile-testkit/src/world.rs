@@ -129,6 +129,16 @@ pub(crate) struct Partition {
     pub(crate) until: u64,
 }
 
+/// One replica stopped (a stop-the-world pause, a frozen VM) during `[from, until)` of the
+/// safety phase: nothing of it runs (timers, sweeps, provider bytes wait; its connections stay
+/// open at the provider), then it goes on with its clock jumped forward.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pause {
+    pub(crate) replica: usize,
+    pub(crate) from: u64,
+    pub(crate) until: u64,
+}
+
 /// One gateway process sharing the store.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Replica {
@@ -208,6 +218,14 @@ pub struct World {
     pub(crate) plan: FaultPlan,
     /// The seed's store partition, if it has one.
     pub(crate) partition: Option<Partition>,
+    /// The seed's replica pause, if it has one.
+    pub(crate) pause: Option<Pause>,
+    /// The paused replica ran again (its first move after waking was taken).
+    pause_woken: bool,
+    /// A pause still to start: its replica and length.
+    pause_armed: Option<(usize, u64)>,
+    /// The pause's own random stream.
+    pauses: Rng,
     pub(crate) bugs: Bugs,
     trace_on: bool,
     _dir: tempfile::TempDir,
@@ -322,6 +340,10 @@ impl World {
             rng,
             plan,
             partition: None,
+            pause: None,
+            pause_woken: false,
+            pause_armed: None,
+            pauses: Rng::new(0),
             bugs: options.bugs,
             trace_on: options.trace,
             _dir: dir,
@@ -395,6 +417,20 @@ impl World {
             });
             world.report.fault(FaultKind::StorePartition);
         }
+        // Drawn from a stream of its own, so every other draw of a seed stays as it was.
+        let mut pauses = Rng::new(seed ^ 0x7061_7573_6500_0000);
+        if pauses.chance(0.3) {
+            // Shorter than 3/10 of a lease, or longer than a lease: the paused holder wakes
+            // past its fence, after another replica may have taken its dispatch over. It starts
+            // while the replica reads a provider stream (`schedule`).
+            let length = if pauses.chance(0.4) {
+                1 + pauses.below(LEASE_MS * 3 / 10)
+            } else {
+                LEASE_MS + pauses.below(2 * LEASE_MS)
+            };
+            world.pause_armed = Some((pauses.index(REPLICAS), length));
+        }
+        world.pauses = pauses;
         world.witness = Some(world.open_store()?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
@@ -446,6 +482,15 @@ impl World {
             && self
                 .partition
                 .is_some_and(|cut| cut.replica == replica && (cut.from..cut.until).contains(&self.now))
+    }
+
+    /// Whether `replica` is stopped now (the safety phase only): when it runs again.
+    pub(crate) fn paused_until(&self, replica: usize) -> Option<u64> {
+        self.pause
+            .filter(|pause| {
+                self.phase == Phase::Safety && pause.replica == replica && (pause.from..pause.until).contains(&self.now)
+            })
+            .map(|pause| pause.until)
     }
 
     /// Replica `replica`'s own clock.
@@ -576,7 +621,11 @@ impl World {
 
     /// The client starts a new operation at the conversation's current revision.
     fn start_op(&mut self) -> Result<(), String> {
-        let replica = self.rng.index(REPLICAS);
+        let mut replica = self.rng.index(REPLICAS);
+        if self.paused_until(replica).is_some() {
+            // A balancer's health check sends the request to a replica that answers.
+            replica = (replica + 1) % REPLICAS;
+        }
         self.start_op_on(replica)?;
         if self.phase == Phase::Safety && self.rng.chance(self.plan.race) {
             // Another client asks the same question at the same revision, on the other replica.
@@ -871,6 +920,7 @@ impl World {
         match event {
             DriveEvent::Preview { generation, .. } => {
                 self.history.previewed.insert((driver.op.clone(), generation.0));
+                self.check_stale_read(&driver.op, generation, "preview");
             }
             DriveEvent::Retract { generation, reason } => {
                 if self.bugs.skip_retract {
@@ -1203,7 +1253,7 @@ impl World {
     fn deliverable(&self) -> Vec<u64> {
         self.conns
             .iter()
-            .filter(|(_, conn)| !conn.hang)
+            .filter(|(_, conn)| !conn.hang && self.paused_until(conn.replica).is_none())
             .map(|(id, _)| *id)
             .collect()
     }
@@ -1458,16 +1508,51 @@ impl World {
                 .retain(|_, conn| !(conn.op == op && conn.replica == replica && conn.connection.is_some()));
         }
         self.drivers.retain(|driver| !driver.drive.is_finished());
+        if let Some((replica, length)) = self.pause_armed
+            && self.phase == Phase::Safety
+            && self.conns.values().any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
+            && self.pauses.chance(0.25)
+        {
+            self.pause_armed = None;
+            self.pause = Some(Pause {
+                replica,
+                from: self.now,
+                until: self.now + length,
+            });
+            self.report.fault(FaultKind::ReplicaPause);
+            self.trace(format!("replica {replica} pauses for {length} ms"));
+        }
+        if let Some(pause) = self.pause
+            && !self.pause_woken
+            && (self.now >= pause.until || self.phase != Phase::Safety)
+        {
+            // A process waking from a stop finds bytes in its sockets and its timers overdue
+            // at once; its first move here is a read, so a holder that does not check its fence
+            // before reading shows a stale generation.
+            self.pause_woken = true;
+            let waiting = self
+                .conns
+                .iter()
+                .find(|(_, conn)| conn.replica == pause.replica && !conn.hang && conn.connection.is_some())
+                .map(|(id, _)| *id);
+            if let Some(id) = waiting {
+                self.trace(format!("replica {} wakes from its pause: a read first", pause.replica));
+                self.deliver(id);
+                return true;
+            }
+        }
         // Timers that are due fire first (each replica's timer, on the virtual clock).
         let due = self
             .drivers
             .iter()
             .enumerate()
             .filter_map(|(index, driver)| {
+                // A paused replica's timers fire when it runs again.
+                let resumes = self.paused_until(driver.replica).unwrap_or(0);
                 driver
                     .drive
                     .poll_timeout()
-                    .map(|at| (self.to_virtual(driver.replica, at), index))
+                    .map(|at| (self.to_virtual(driver.replica, at).max(resumes), index))
             })
             .filter(|(_, index)| {
                 !(self.bugs.no_lease_timer && self.drivers[*index].drive.state() == DispatchState::Unknown)
@@ -1493,18 +1578,40 @@ impl World {
             self.deliver(id);
             return true;
         }
+        // Time that runs past the end of a pause stops there first: the woken replica's first
+        // move (above) comes before any timer of that instant.
+        let wakes_by = |at: u64| {
+            self.pause
+                .filter(|pause| !self.pause_woken && self.now < pause.until && at >= pause.until)
+                .map(|pause| pause.until)
+        };
         match (due, sweep) {
             (Some((at, index)), sweep) if sweep.is_none_or(|(sweep_at, _)| at <= sweep_at) => {
+                if let Some(until) = wakes_by(at) {
+                    self.now = until;
+                    return true;
+                }
                 self.now = self.now.max(at);
                 self.fire(index);
                 true
             }
             (_, Some((at, replica))) => {
+                if let Some(until) = wakes_by(at) {
+                    self.now = until;
+                    return true;
+                }
                 self.now = self.now.max(at);
                 self.sweep(replica);
                 true
             }
-            _ => false,
+            _ => match self.pause.filter(|pause| self.now < pause.until) {
+                // Only the paused replica has work left (bytes waiting): time runs on to it.
+                Some(pause) if self.paused_until(pause.replica).is_some() => {
+                    self.now = pause.until;
+                    true
+                }
+                _ => false,
+            },
         }
     }
 
@@ -1535,7 +1642,10 @@ impl World {
         }
         (0..REPLICAS)
             .filter(|replica| !self.dead(*replica))
-            .map(|replica| (self.replicas[replica].sweep_at, replica))
+            .map(|replica| {
+                let resumes = self.paused_until(replica).unwrap_or(0);
+                (self.replicas[replica].sweep_at.max(resumes), replica)
+            })
             .min()
     }
 
