@@ -2541,7 +2541,8 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     }
     // The latest claim's result is accepted even after its lease ran out, as long as nobody
     // claimed the call again (that would have bumped the claim number): the claim number, not
-    // the lease, fences results (`docs/decisions.md`, 2026-12-01).
+    // the lease, fences results
+    // (`docs/decisions/0043-tool-call-ledger-the-idempotency-key-and-which-late.md`, 2026-12-01).
     let claimed = matches!(call.state, ToolCallState::Claimed | ToolCallState::Expired);
     if !claimed || call.claim != claim {
         return Ok(ResultOutcome::StaleClaim);

@@ -453,7 +453,8 @@ impl SqliteLedger {
         // transaction dirties one page in each of a dozen B-trees (its rows and their index
         // entries sit apart), and each dirty page is one WAL frame: halving the page halves
         // the bytes every commit writes and checkpoints, and no row the hot path writes needs
-        // more (docs/decisions.md, "The SQLite writer writes less").
+        // more (docs/decisions/0090-the-sqlite-writer-writes-less-and-reads-do-not-queue.md, "The
+        // SQLite writer writes less").
         connection.execute_batch(&format!("PRAGMA page_size = {SQLITE_PAGE_SIZE_BYTES};"))?;
         let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -783,12 +784,12 @@ impl Drop for SqliteLedger {
 /// SQLite checkpoints in the connection that commits, once the WAL holds
 /// `wal_autocheckpoint` pages: the writer then copies up to a thousand pages into the
 /// database file and syncs it inside a commit, and every operation queued behind waits
-/// (docs/decisions.md, "Checkpoints off the writer"). Instead the writer's hook (which
-/// replaces SQLite's automatic checkpoint; it runs after each commit with the WAL's size in
-/// pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection: it never
-/// takes the write lock, so the writer goes on committing while it copies. Past
-/// `SQLITE_WAL_PAGES_MAX` (the thread stalled or behind) the writer checkpoints
-/// itself, as SQLite would have, so the WAL stays bounded either way.
+/// (docs/decisions/0109-checkpoints-off-the-writer.md, "Checkpoints off the writer"). Instead the
+/// writer's hook (which replaces SQLite's automatic checkpoint; it runs after each commit with the
+/// WAL's size in pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection:
+/// it never takes the write lock, so the writer goes on committing while it copies. Past
+/// `SQLITE_WAL_PAGES_MAX` (the thread stalled or behind) the writer checkpoints itself, as SQLite
+/// would have, so the WAL stays bounded either way.
 fn start_checkpointer(
     writer: &mut Connection,
     path: &Path,

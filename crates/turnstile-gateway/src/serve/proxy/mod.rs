@@ -1034,10 +1034,10 @@ fn same_prefix(stored: &Value, turns: &[Value]) -> bool {
     }
 }
 
-/// The one reader of a proxied request's dispatch events (`docs/decisions.md`, 2026-12-01:
-/// one subscription per proxy request). Reading the commit hands its tool calls to the client
-/// before the commit is passed on, so the answer that shows a call never precedes its
-/// hand-over.
+/// The one reader of a proxied request's dispatch events
+/// (`docs/decisions/0078-typed-hub-events-one-hub-reader-per-proxy-request.md`, 2026-12-01: one
+/// subscription per proxy request). Reading the commit hands its tool calls to the client before
+/// the commit is passed on, so the answer that shows a call never precedes its hand-over.
 struct Follower {
     shared: Arc<Shared>,
     conversation_id: String,
