@@ -22,7 +22,7 @@
 //!   line is only checked once complete, so a code point split across chunks survives.
 //!
 //! Why hand-written and not `eventsource-stream` 0.2.3 (checked against these rules and
-//! benchmarked in `benches/decode.rs`, figures in `docs/benchmarks.md`):
+//! benchmarked in `benches/decode.rs`, figures in `docs/benchmarks-log.md`):
 //! - it is a `futures::Stream` adapter, not sans-IO: the decoders here are push-driven and must
 //!   run inside the core's deterministic tests without an executor;
 //! - it copies the remaining buffer after every line (`String::split_off`), so a chunk holding

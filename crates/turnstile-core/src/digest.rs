@@ -4,7 +4,7 @@
 //! hashed in one call (canonical JSON comes in small pieces, and a `Sha256::update` per quote
 //! or colon cost more than the copy).
 //! It is ours (not `serde_jcs`) for speed: `serde_jcs` buffers and re-sorts every object through
-//! a formatter, which made digesting 6× slower than parsing (see `docs/benchmarks.md`). It
+//! a formatter, which made digesting 6× slower than parsing (see `docs/benchmarks-log.md`). It
 //! stays honest through tests: `tests/it/digest.rs` checks the RFC 8785 examples (§3.2.2,
 //! §3.2.3, Appendix B numbers) and a property test compares its bytes with both `serde_jcs`
 //! and `serde_json_canonicalizer` on arbitrary values.

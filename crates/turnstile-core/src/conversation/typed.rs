@@ -1,6 +1,6 @@
 //! The typed decode of a v1 file: the file's bytes read straight into turns and blocks, with
 //! each block's content digest written from its fields, no `serde_json::Value` tree in between
-//! (building and dropping that tree was most of a cold prepare, `docs/benchmarks.md`).
+//! (building and dropping that tree was most of a cold prepare, `docs/benchmarks-log.md`).
 //!
 //! It takes the v1 block kinds (`tool_result` with text parts only), and only where
 //! [`Conversation::from_value`] would find nothing to report: members that the v1 format
