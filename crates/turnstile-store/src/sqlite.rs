@@ -37,6 +37,24 @@
 //! ledger's own, which copies the WAL back into the database file on its own connection while
 //! the writer goes on committing; the writer checkpoints itself only when the WAL outgrew its
 //! bound ([`start_checkpointer`]).
+//!
+//! Also: a cached statement is never parsed again (`SQLITE_DBCONFIG_ENABLE_QPSG`), statement
+//! journals are kept in memory, a new file gets 2 KiB pages, reads run on up to 8 idle `query_only`
+//! reader connections, and the bundled SQLite is built with `SQLITE_DEFAULT_MEMSTATUS=0` and two
+//! other recommended options (`.cargo/config.toml`).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a SQLite group commit keeps exactly the writes of its operations that succeeded: a failed
+//!   operation's writes are rolled back alone, the others commit once. Enforced in
+//!   `store/src/sqlite.rs::run_batch` (operations run bare; one that fails or panics after writing
+//!   rolls the group back, and `run_in_savepoints` runs it again, a savepoint per operation).
+//!   Tests:
+//!   `store/src/sqlite.rs::tests::a_group_commit_keeps_the_writes_of_the_operations_that_succeeded_and_only_those`
+//!   (failures first, between, last, everywhere, and the write count; red with a failed savepoint
+//!   released instead of rolled back, and red with a failure after writing not rolling the group
+//!   back).
 
 use crate::clock::StoreClock;
 use crate::error::StoreError;

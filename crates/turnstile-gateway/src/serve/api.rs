@@ -6,6 +6,11 @@
 //! tenant's conversations and operations live under the store ids `<tenant>~<id>`, so another
 //! tenant's conversation answers exactly like a missing one (404). Responses show the caller's
 //! own ids; manifests (which pin exactly what was sent) show the store id.
+//!
+//! Also here: `harden` (JSON errors for the router's own 404, 405, 414 and rejections), the
+//! executor routes (`/v1/tool-calls/…/claim|renew|release|result`), `healthz` and `readyz`. Client
+//! events are written as JSON only at this edge (`push_event_data`, straight into bytes, and
+//! `client_event_json`); the hub and the change feed carry them typed.
 
 use super::driver::{self, DriveContext};
 use super::hub::{Hub, Next};
