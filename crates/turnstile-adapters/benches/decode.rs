@@ -3,7 +3,7 @@
 //! same run: memchr line splitting, and serde_json parsing of every event payload into a
 //! `Value`. Also SSE framing alone, ours against `eventsource-stream` 0.2.3.
 //!
-//! Run: `cargo bench -p turnstile-adapters --bench decode` (figures in docs/benchmarks.md).
+//! Run: `cargo bench -p turnstile-adapters --bench decode` (figures in docs/benchmarks-log.md).
 //! The streams are generated here, deterministically, in each API's documented wire format.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};

@@ -3,7 +3,7 @@
 //! plus one new turn whose fragments are not cached), beside the floor measured in the same
 //! run: serde_json serialisation of the same body (as a `serde_json::Value`) + SHA-256 of it.
 //!
-//! Run: `cargo bench -p turnstile-adapters --bench render`. Figures go in docs/benchmarks.md.
+//! Run: `cargo bench -p turnstile-adapters --bench render`. Figures: docs/benchmarks-log.md.
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use serde_json::{Value, json};

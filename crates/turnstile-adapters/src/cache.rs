@@ -21,6 +21,18 @@
 //!   `cachedContent`, which needs server state we do not hold; there is no per-request field a
 //!   breakpoint could become, so a mark cannot change what Gemini does or bills. It is left out
 //!   and reported as `cache_control` in `x-turnstile-dropped` ([`dropped_towards`]).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a cache breakpoint stays on the block or tool it marks, outside every content digest, and is
+//!   pinned by `policy_digest`; the provider gets exactly the request's breakpoints (in place for
+//!   Anthropic, a stable `prompt_cache_key` for OpenAI). Enforced in `core/src/conversation.rs`
+//!   (`CacheMark`, removed before the digest), `adapters/src/cache.rs`,
+//!   `proxy/continuation.rs::with_request_marks`. Tests: `adapters/tests/it/render_cache.rs`
+//!   (digest test red with the mark left in the digest; fragment test red with one tag for marked
+//!   and unmarked), `gateway/tests/it/proxy.rs::cache_breakpoints_reach_anthropic_in_place…` (red
+//!   without `with_request_marks`), `…the_native_api_takes_cache_breakpoints…`.
 
 use crate::passthrough::Passthrough;
 use crate::registry::Api;

@@ -31,6 +31,13 @@
 //! (`cache.rs`). Request fields neither the graph nor the settings carry are listed in
 //! [`Imported::dropped`], never silently lost; a field whose value carries nothing (`null`,
 //! `[]`, `{}`) is not listed.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - import is the inverse of render (same meaning), for every adapter. Enforced in
+//!   `adapters/src/<api>/import.rs`. Tests: `adapters/tests/it/import_props.rs` (round trip over
+//!   random legal conversations), `fuzz/fuzz_targets/import.rs`.
 
 use crate::registry::Api;
 use crate::sampling::{Sampling, SamplingError};

@@ -34,6 +34,14 @@
 //! not written, and a `description` (which the model reads) or `strict: false` (Gemini always
 //! constrains decoding to the schema) is refused. Crossing from Gemini, a JSON schema gets the
 //! name `response` (OpenAI requires one; it names the format, it does not constrain it).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - structured output is carried with the same meaning or refused by name, never dropped or turned
+//!   into a prompt. Enforced in `adapters/src/output_format.rs` (`OutputFormat::check`, `fields`,
+//!   `read`). Tests: `adapters/tests/it/render_output_format.rs` (independent table, import round
+//!   trip, OpenAPI), `gateway/tests/it/proxy.rs::structured_output_reaches_the_provider…`.
 
 use crate::import::{ImportError, Obj, type_name};
 use crate::registry::Api;

@@ -40,6 +40,22 @@
 //! - OpenAI Responses `include` is kept apart ([`Passthrough::include`]): the renderer always
 //!   asks for `reasoning.encrypted_content` (to replay reasoning), and writes the client's other
 //!   values after it, each once; towards another API any value but that one is refused.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a client-only field reaches a target of the client's API exactly, and is refused by name
+//!   towards another (only identifiers are left out, and reported). Enforced in
+//!   `adapters/src/passthrough.rs` (`Passthrough::check`, `write_top`, `write_config`). Tests:
+//!   `adapters/tests/it/render_passthrough.rs`,
+//!   `proxy.rs::client_only_fields_reach_a_provider_of_the_same_api…`.
+//! - a client-only field of one element (tool `strict`, Chat `messages[].name`, image `detail`)
+//!   reaches a target of the client's API on its own element, never through a cached fragment into
+//!   another request, and is refused by its path towards another API. Enforced in
+//!   `adapters/src/passthrough.rs` (`ElementField`, `Passthrough::element`, `check`),
+//!   `openai_chat/mod.rs` / `openai_responses/v1/render.rs` (`Ctx::uncached`). Tests:
+//!   `adapters/tests/it/render_element_fields.rs`,
+//!   `proxy.rs::element_fields_reach_a_provider_of_the_same_api_in_place…`.
 
 use crate::import::{ImportError, Obj};
 use crate::registry::Api;

@@ -9,7 +9,8 @@
 //! Generation settings ([`Sampling`]) go through [`prepare_with_sampling`]; [`prepare`] is the
 //! same with none set. They are a separate argument rather than a field of [`PrepareRequest`]
 //! only so that the struct literals written before settings existed keep compiling (a field
-//! is planned once every caller passes settings; `docs/decisions.md`, 2026-11-30).
+//! is planned once every caller passes settings;
+//! `docs/decisions/0041-generation-settings-travel-with-the-request.md`, 2026-11-30).
 //! [`prepare_with_settings`] takes every request setting at once ([`Settings`]: sampling, tool
 //! choice and output format), and is what the gateway calls.
 

@@ -10,6 +10,33 @@
 //! cached bytes. Output never goes through `serde_json::Value` maps, so the bytes do not depend
 //! on serde_json's `preserve_order` feature; values we do not own (tool schemas, argument
 //! objects without raw text) are written in RFC 8785 canonical form.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a request digest is SHA-256 of the exact body, whatever the cache resumed from; an agent step
+//!   hashes from the chunk where its body parts from the last one. Enforced in
+//!   `adapters/src/render.rs` (`BodyMemos`: bytes compared, never assumed), `prepare.rs`. Tests:
+//!   `adapters/tests/it/render_step.rs` (property over arbitrary edits of two conversations and two
+//!   adapters; every step of every scenario on every adapter equals a cold prepare; hashed bytes
+//!   from the parting chunk; red with the comparison skipped or always failing).
+//! - a kept conversation's render goes on from the state kept at the last segment start of its last
+//!   render, and gives exactly what a whole render of the same turns gives (body, tokens, policy,
+//!   pauses); it resumes only when the turn before that point has the same stamp, the options are
+//!   the same and the new turns need nothing the kept part depends on (no system turn towards
+//!   Anthropic, no rewritten call id). Enforced in `adapters/src/render.rs` (`ResumeMemos`, one
+//!   state per adapter, model and conversation; `resumable`, `Ctx::begin`/`segment_start`), each
+//!   renderer's fold, `cache.rs::plan`, `core/src/kept.rs::turn_stamps`. Tests:
+//!   `adapters/tests/it/render_resume.rs` (property against cold prepares over random conversations
+//!   with marks, rewritten ids, detours and pops on every adapter; red with the stamp check skipped
+//!   or the kept cache key dropped; its late system turns are rejected by the validator, so the
+//!   Anthropic system-turn fallback is not exercised (review,
+//!   docs/decisions/0087-a-kept-conversations-render-goes-on-from-where-the-last.md); a 60-step
+//!   loop looks up the same ≤ 8 fragments each step; two models on one adapter each resume, bodies
+//!   equal to cold prepares, red with the state keyed without the model), `render_step.rs` (every
+//!   scenario step), `core/tests/it/kept.rs::turn_stamps_name_the_turns_they_were_given_to`,
+//!   `gateway/tests/it/serve.rs::an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends`
+//!   (`turnstile_renders_total`: whole, whole, resumed; bytes equal a fresh replica's).
 
 use crate::cache::CachePolicy;
 use crate::call_ids::{self, CallIdRule};

@@ -37,6 +37,14 @@
 //! tokenizer), `logprobs` / `top_logprobs` (they shape the response, which v1 turns do not
 //! hold), `response_format` / `text.format` / `responseSchema` (structured output, not
 //! sampling), reasoning effort and thinking budgets (scales that do not map onto each other).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a generation setting the target API cannot take, or out of its range, is refused by name —
+//!   never dropped, clamped or rescaled. Enforced in `adapters/src/sampling.rs`
+//!   (`Sampling::check`), `prepare_with_sampling`. Tests: `adapters/tests/it/render_sampling.rs`,
+//!   `render_openapi.rs`, `gateway/tests/it/proxy.rs::generation_settings_reach_the_provider…`.
 
 use crate::registry::Api;
 use serde::{Deserialize, Serialize};

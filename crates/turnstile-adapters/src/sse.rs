@@ -18,11 +18,11 @@
 //!   decode would replace the bytes with U+FFFD, but for us the bytes are a provider's answer
 //!   that may become committed history: a replaced character is a turn the provider never sent,
 //!   so it is a protocol violation of the stream and nothing of it commits (issue 17;
-//!   `docs/decisions.md`, 2026-12-01). A line is only checked once complete, so a code point
-//!   split across chunks survives.
+//!   `docs/decisions/0047-a-provider-stream-that-is-not-utf-8-is-a-protocol.md`, 2026-12-01). A
+//!   line is only checked once complete, so a code point split across chunks survives.
 //!
 //! Why hand-written and not `eventsource-stream` 0.2.3 (checked against these rules and
-//! benchmarked in `benches/decode.rs`, figures in `docs/benchmarks.md`):
+//! benchmarked in `benches/decode.rs`, figures in `docs/benchmarks-log.md`):
 //! - it is a `futures::Stream` adapter, not sans-IO: the decoders here are push-driven and must
 //!   run inside the core's deterministic tests without an executor;
 //! - it copies the remaining buffer after every line (`String::split_off`), so a chunk holding

@@ -10,8 +10,9 @@
 //! from a conservative estimator: [`estimate`]. Its error bound was measured against the
 //! legacy Claude tokenizer (`@anthropic-ai/tokenizer`) and the Gemma 3 tokenizer (the one
 //! python-genai's local tokenizer maps Gemini 2.x/3 to) on a mixed corpus; see
-//! `docs/decisions.md` (2026-11-29, "token estimator") and `tests/it/render_prepare.rs`, which
-//! replays the measured reference counts so a change that makes the estimator undercount fails.
+//! `docs/decisions/0014-token-counting-and-the-estimators-measured-bound.md` (2026-11-29, "token
+//! estimator") and `tests/it/render_prepare.rs`, which replays the measured reference counts so a
+//! change that makes the estimator undercount fails.
 
 use serde::{Deserialize, Serialize};
 
@@ -99,7 +100,8 @@ impl Tokenizer {
 /// - characters beyond it (emoji, rare scripts): 4 (byte fallback).
 ///
 /// The sum gets a 10 % safety margin. Measured estimate ÷ max(reference) on the corpus: from
-/// 1.07 (hex) to 2.75 (Cyrillic); English prose about 1.37. See `docs/decisions.md`.
+/// 1.07 (hex) to 2.75 (Cyrillic); English prose about 1.37. See
+/// `docs/decisions/0014-token-counting-and-the-estimators-measured-bound.md`.
 ///
 /// One pass: a letter run's case shape is tracked while it is read (it was read three times:
 /// the run, then `all lowercase` after its first letter, then `all uppercase`), and the other

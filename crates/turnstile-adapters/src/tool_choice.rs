@@ -39,6 +39,17 @@
 //! OpenAI's `required` ("must call one or more tools"); a named tool is Gemini's ANY restricted
 //! to that one name. Anthropic has no "one of these tools" and no parallel switch without a
 //! choice type other than none; Gemini has no parallel switch at all.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a tool choice or parallel switch is carried with the same meaning or refused by name
+//!   (`unsupported_setting` / `unknown_tool`), never dropped; same API renders back to the same
+//!   value. Enforced in `adapters/src/tool_choice.rs` (`ToolChoice::check`, `fields`, `read`),
+//!   `prepare_with_settings`. Tests: `adapters/tests/it/render_tool_choice.rs` (independent table,
+//!   import round trip, OpenAPI),
+//!   `gateway/tests/it/proxy.rs::tool_choice_crosses_apis_only_where_the_meaning_is_identical…`,
+//!   `…reach_the_provider_of_the_same_api_exactly`.
 
 use crate::import::{ImportError, Obj, type_name};
 use crate::registry::Api;

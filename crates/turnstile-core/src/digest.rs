@@ -4,7 +4,7 @@
 //! hashed in one call (canonical JSON comes in small pieces, and a `Sha256::update` per quote
 //! or colon cost more than the copy).
 //! It is ours (not `serde_jcs`) for speed: `serde_jcs` buffers and re-sorts every object through
-//! a formatter, which made digesting 6× slower than parsing (see `docs/benchmarks.md`). It
+//! a formatter, which made digesting 6× slower than parsing (see `docs/benchmarks-log.md`). It
 //! stays honest through tests: `tests/it/digest.rs` checks the RFC 8785 examples (§3.2.2,
 //! §3.2.3, Appendix B numbers) and a property test compares its bytes with both `serde_jcs`
 //! and `serde_json_canonicalizer` on arbitrary values.
@@ -19,6 +19,15 @@
 //!   UTF-8 byte order, which equals UTF-16 order unless a name holds a character ≥ U+E000, so
 //!   the writer re-sorts only then (or if the map is not sorted at all, e.g. with serde_json's
 //!   `preserve_order` feature switched on by some other crate).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - strings are written with serde_json's exact escapes (bodies and digests). Enforced in
+//!   `core/src/digest.rs::push_json_string` (eight bytes at a time while none needs an escape).
+//!   Tests: `core/tests/it/digest.rs::push_json_string_writes_serde_jsons_bytes` (property on
+//!   strings dense in controls, quotes, backslashes and multibyte characters),
+//!   `…escapes_at_every_position_of_a_word` (red when 0x1F is missed by the word test).
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Number, Value};

@@ -13,6 +13,16 @@
 //! reports it) and drops the sequence; [`KeptConversation::pop_turn`] takes the turn back, and
 //! rebuilds from the whole conversation in the one case an exact undo is not possible (a push
 //! that found something: the walk's id sets may have refused one of its ids).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a conversation kept in memory and given one turn at a time has the verdict, proof and message
+//!   sequence (digest included) of a whole walk of the grown file, and of each shorter one after a
+//!   pop. Enforced in `core/src/kept.rs`, `sequence.rs` (`GrowingSequence`: one implementation with
+//!   `build`), `validate.rs` (`History::push_marked`/`pop`). Tests: `core/tests/it/kept.rs` (every
+//!   split of every data file and of 64 generated histories; red with a result's edge not reset on
+//!   pop or the sealed edges skipped in the digest).
 
 use crate::conversation::{PushedTurn, Turn, Unreadable};
 use crate::ids::Revision;

@@ -3,6 +3,21 @@
 //! beside it and every attempt re-sends them, never a fresh render.
 //!
 //! Credentials and auth headers are never part of a manifest.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - `manifest_digest` is SHA-256 over the RFC 8785 form of the manifest body, whether sealed or
+//!   checked intact. Enforced in `core/src/manifest.rs` (`ManifestBody::digest`: serde_json's bytes
+//!   of the fields in sorted order, the generic canonicaliser when an integer is above 2^53; `seal`
+//!   and `is_intact` both call it), `store/src/ops.rs::target_invalid`. Tests:
+//!   `core/tests/it/digest.rs::a_manifest_digest_is_the_digest_of_the_canonical_body` (against
+//!   `serde_json_canonicalizer` on generated bodies with escapable strings and integers either side
+//!   of 2^53; red with two fields out of order, and without the 2^53 fallback); the store refuses a
+//!   manifest integer above 2^53, whose digest cannot pin it:
+//!   `store/tests/it/conformance.rs::a_manifest_integer_above_2_53_is_refused_since_its_digest_cannot_pin_it`
+//!   (both databases; red without the check in `ops.rs::target_invalid`, which calls
+//!   `ManifestBody::numbers_exact`, the rule the digest's fallback uses).
 
 use crate::digest::{Digest, EXACT_INTEGER_MAX};
 use crate::ids::Revision;

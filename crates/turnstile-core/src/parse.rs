@@ -5,6 +5,14 @@
 //! never goes deeper than `JSON_DEPTH_MAX`), then serde_json into a `Value`. The typed
 //! decode's structs are at most 7 levels deep, and serde_json refuses more than 128 levels by
 //! itself, so neither parser recurses without a bound.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the nesting scan (`JSON_DEPTH_MAX`) answers what a byte-by-byte scan answers, string contents
+//!   skipped with `memchr`. Enforced in `core/src/parse.rs::depth_exceeds`. Tests:
+//!   `core/tests/it/depth_scan.rs` (property test against the byte-wise scan; red with a one-byte
+//!   escape skip).
 
 use crate::conversation::{Conversation, Unreadable};
 use crate::limits;

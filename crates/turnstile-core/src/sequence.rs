@@ -22,6 +22,16 @@
 //! serializer, the structs destructured whole so a new field does not compile until it is
 //! written); `tests/it/sequence.rs` checks the serialisation against the canonical form and the
 //! digest against the generic definition, on generated sequences and on ids that need escaping.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - `sequence_digest` is SHA-256 over the canonical sequence with each array replaced by its own
+//!   canonical digest. Enforced in `core/src/sequence.rs` (`DigestForm`, fast path with
+//!   `write_block`/`write_edge` written by hand, and generic path). Tests:
+//!   `core/tests/it/sequence.rs` (`generic_digest` recomputes it on generated sequences, on ids
+//!   that need escaping, on 240 answered calls across the 16 KiB hashing pieces, built once and
+//!   kept to grow; pins; red with an id written unescaped or a status misnamed).
 
 use crate::conversation::{ArgState, BlockBody, Conversation, ResultStatus, Role, RoleField, Trust};
 use crate::digest::{Digest, EXACT_INTEGER_MAX, HashState, push_json_string};

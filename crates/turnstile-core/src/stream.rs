@@ -12,7 +12,8 @@
 //! not a duplicate to the assembler; what the decoders catch of those instead (usage held
 //! against the output on OpenAI Chat, a block index started or stopped twice on Anthropic,
 //! Gemini's cumulative count) and what nobody can catch (an Anthropic text delta alone) is
-//! listed in ARCHITECTURE.md and `docs/decisions.md` (2026-12-01).
+//! listed in `turnstile-adapters/src/decode/mod.rs` and
+//! `docs/decisions/0048-duplicated-deltas-on-wires-without-sequence-numbers.md` (2026-12-01).
 //!
 //! Block indices ([`BlockIndex`]) are keys chosen by the decoder from the provider's own keys
 //! (Anthropic `index`, OpenAI Chat `tool_calls[].index`, Responses `output_index`), never array

@@ -6,6 +6,15 @@
 //! `tool` turns directly after it, spread over those turns in any order. A non-tool turn closes
 //! the run; calls still unanswered then are `missing_result`. If the conversation ends inside
 //! the run (or right after the assistant turn), the unanswered calls are pending: `waiting`.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a result lacking `tool`, `args_digest` or `generation` is `result_mismatch` (it cannot be
+//!   shown to match its call). Enforced in `core/src/validate.rs` (`Pass::result`),
+//!   `conversation.rs` (a missing `tool` decodes as the empty name). Tests:
+//!   `core/tests/it/validator_data.rs::a_result_lacking_tool_args_digest_or_generation_is_result_mismatch`,
+//!   `properties.rs` (mutation `OmitResultField`).
 
 use crate::conversation::{Arguments, BlockBody, BlockState, Conversation, Role, RoleField, Trust, Turn};
 use crate::digest::Digest;

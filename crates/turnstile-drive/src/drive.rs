@@ -40,7 +40,9 @@ pub const REPLAYS_PER_GENERATION_MAX: u32 = 3;
 /// The share of a lease its holder keeps as margin: a driver stops on its own this long before
 /// the end of the lease it last renewed (counted from when it asked for it, by its own clock,
 /// so the store's end is never earlier). It covers a late timer and a slow close; clock rates
-/// drift by parts per million. `docs/decisions.md`, "A holder fences itself".
+/// drift by parts per million.
+/// `docs/decisions/0127-a-holder-fences-itself-it-stops-before-its-lease-can-run.md`, "A holder
+/// fences itself".
 pub const FENCE_MARGIN_DIVISOR: u64 = 5;
 /// How soon a failed lease renewal is tried again, as a share of the lease.
 const RENEW_RETRY_DIVISOR: u64 = 20;
@@ -346,8 +348,9 @@ pub struct Drive {
     pending: Option<Pending>,
     actions: VecDeque<Action>,
     /// Writes held back (SENT, STREAMING, a handle bind) until a write that needs them in the
-    /// store first, or the commit that carries them (`docs/decisions.md`: two durable writes
-    /// per dispatch).
+    /// store first, or the commit that carries them
+    /// (`docs/decisions/0083-two-durable-writes-per-dispatch-the-prepare-begins-the.md`: two
+    /// durable writes per dispatch).
     behind: Vec<(StoreOp, Pending)>,
     /// Store operations to perform, in order, one at a time.
     outbox: VecDeque<(StoreOp, Pending)>,
@@ -383,8 +386,9 @@ impl std::fmt::Debug for Drive {
 }
 
 /// The transitions held back until a write that needs them in the store first, or the commit
-/// that carries them (SENT and STREAMING; `docs/decisions.md`: two durable writes per
-/// dispatch). A handle's bind may be held too (`Drive::may_hold_handle`).
+/// that carries them (SENT and STREAMING;
+/// `docs/decisions/0083-two-durable-writes-per-dispatch-the-prepare-begins-the.md`: two durable
+/// writes per dispatch). A handle's bind may be held too (`Drive::may_hold_handle`).
 fn holds_back(op: &StoreOp) -> bool {
     matches!(
         op,
@@ -641,7 +645,9 @@ impl Drive {
     }
 
     /// While this driver holds an attempt's lease: the moment it stops on its own, by its own
-    /// clock, unless a renewal lands first (`docs/decisions.md`, "A holder fences itself").
+    /// clock, unless a renewal lands first
+    /// (`docs/decisions/0127-a-holder-fences-itself-it-stops-before-its-lease-can-run.md`, "A
+    /// holder fences itself").
     fn fence(&self) -> Option<Timestamp> {
         let holds = matches!(
             self.machine.state(),
@@ -1988,7 +1994,8 @@ impl Drive {
         if !provider_ended && self.closed_here(generation) {
             // The only connection to this generation's response was this driver's, and it is
             // closed: nothing can deliver that response to anyone any more, so its end is
-            // confirmed here, without waiting for the lease (`docs/decisions.md`).
+            // confirmed here, without waiting for the lease
+            // (`docs/decisions/0123-an-attempt-whose-only-connection-this-driver-closed-is.md`).
             attempt.provider_confirmed_ended = true;
             self.provider_words
                 .insert(generation, "connection_closed".to_owned());

@@ -2,6 +2,26 @@
 //! commit and tool result. The stored turns up to the expected revision plus the new turn are
 //! decoded as one `turnstile.conversation.v1` document and run through the core validator;
 //! a `rejected` verdict refuses the write, `ready` and `waiting` accept it.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the store's append, tool-result and commit checks find exactly what validating the whole
+//!   would-be history finds, walking only the new turn when the validator's state after the stored
+//!   revision is kept (kept only after the write committed). Enforced in `core/src/validate.rs`
+//!   (`Walk<K>`: one walk for `validate` and `History`), `store/src/history.rs` (`ValidationCache`,
+//!   `check_next`), `ops.rs::check_turn`. Tests: `core/tests/it/history.rs` (every split of every
+//!   data file and of 256 generated histories),
+//!   `store/tests/it/conformance.rs::appends_and_commits_after_the_first_check_only_the_new_turn…`
+//!   (SQLite and PostgreSQL; `Ledger::history_walks`; red with the state never found), `testkit`
+//!   seeds (two replicas on one file).
+//! - the validator states a ledger keeps are bounded (65,536 conversations, 1,000,000 turns plus
+//!   blocks) and the one put longest ago goes first; a created conversation keeps its empty
+//!   history's state. Enforced in `store/src/history.rs::ValidationCache` (`StateMap`),
+//!   `create_conversation` on both stores. Tests:
+//!   `history.rs::tests::the_state_put_longest_ago_goes_first_at_either_bound`, store conformance
+//!   `appends_and_commits_after_the_first_check_only_the_new_turn_and_refuse_the_same` (no walk for
+//!   a created conversation's first turn).
 
 use crate::error::StoreError;
 use serde_json::{Map, Value, json};

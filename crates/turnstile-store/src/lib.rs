@@ -15,6 +15,15 @@
 //! The tool-call ledger's claim leases are the exception: they are set and judged by the
 //! store's own clock inside each statement ([`clock`]; `Ledger::claim_call`), so executors and
 //! replicas with different clocks agree on when a claim ran out.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - readiness reports failing writes (a full disk) that reads do not show, and recovers without
+//!   traffic. Enforced in `store/src/lib.rs::WriteHealth` (recorded per write transaction),
+//!   `Ledger::write_probe`, `api.rs::readyz`. Tests:
+//!   `gateway/tests/it/health.rs::readiness_reports_failing_writes…` (red without the probe),
+//!   `store/tests/it/bounded.rs::a_sqlite_write_lock_held…`.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 

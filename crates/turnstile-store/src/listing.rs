@@ -9,6 +9,19 @@
 //! (`conversations_by_update`, migration 5; the quarantine's primary key), whatever the depth,
 //! and a row that moves while a client pages (a conversation updated again) is seen again on
 //! the first page, never duplicated within one walk of older pages.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a listing shows a tenant only its own conversations, each once across pages, newest first; a
+//!   search matches only the id after the tenant prefix. Enforced in
+//!   `store/src/listing.rs::conversations` (`substr` prefix, keyset on `(updated_at, id)`). Tests:
+//!   `store/tests/it/listing.rs::conversations_are_listed_newest_first_paged_searched_and_tenant_scoped`
+//!   (SQLite and PostgreSQL; red with the prefix test dropped and with `<=` in the cursor),
+//!   `gateway/tests/it/console_api.rs::conversations_are_listed…`.
+//! - the quarantine is listed newest first, paged, per tenant. Enforced in
+//!   `listing.rs::quarantine_page`. Tests:
+//!   `listing.rs::the_quarantine_pages_newest_first_within_a_prefix` (red with `ORDER BY id`).
 
 use crate::error::StoreError;
 use crate::ops::quarantine_record;

@@ -1,6 +1,25 @@
 //! Versioned schema migrations, one list for both databases. Each version is applied once,
 //! in order, inside one transaction that also records it in `schema_migrations`; a database
 //! newer than this build is refused rather than written to.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a dispatch's request bytes, manifest and policy are written once and survive the schema
+//!   changes that moved them. Enforced in `store/migrations/*/0008_dispatch_bodies.sql`,
+//!   `0009_dispatch_manifests.sql`, `ops.rs::prepare_targets`. Tests:
+//!   `store/tests/it/conformance.rs::a_version_7_database_keeps_every_request_body_manifest_and_policy_across_migrations_8_and_9`
+//!   (SQLite and PostgreSQL, a 300 KB body, a NULL policy), every conformance case reading
+//!   `dispatch`.
+//! - a sweep of live attempts or PREPARED dispatches reads a partial index that holds only those
+//!   rows; a schema rebuild keeps every attempt, handle and transition (ids and order) and every
+//!   foreign key. Enforced in `store/migrations/*/0010_live_indexes.sql`,
+//!   `store/src/ops.rs::sweeps` (`LIVE_ATTEMPTS` repeated in each sweep),
+//!   `store/src/sqlite.rs::migrate` (foreign keys off, `foreign_key_check` before commit). Tests:
+//!   `store/tests/it/conformance.rs::a_version_9_database_keeps_its_attempts_handles_and_transitions_and_sweeps_read_live_rows_only`
+//!   (rows and sweeps on both databases; the plans, every column of the rebuilt rows and the
+//!   attempts foreign key on SQLite; red with the term dropped from a sweep: `SCAN attempts`, and
+//!   with the foreign key dropped from the rebuild).
 
 /// One schema version.
 #[derive(Clone, Copy, Debug)]

@@ -6,6 +6,47 @@
 //! before a write only pick the statement to run or explain a refusal; they never decide a
 //! winner. Rows are locked in one order everywhere (conversation → dispatch → attempt →
 //! tool call) so PostgreSQL never deadlocks two of these transactions.
+//!
+//! Where things are. The acceptance point is `prepare_and_begin` (`prepare_beginning`: a fresh
+//! dispatch inserted DISPATCHING with its attempt and both history rows); `import_and_prepare` is a
+//! fresh proxy conversation's import in that same write, its history validated before the
+//! transaction by `history::check_import`. A checked prepare's checks and its JSON are
+//! `prepare_rows`, worked out before the transaction; a sealed target (`types.rs::SealedTarget`,
+//! vouched for by the render that computed its digests) is moved in and not hashed again
+//! (`Checks::Sealed`: only the bounds). A dispatch's exact request bytes live in `dispatch_bodies`
+//! (migration 8) with its manifest and render policy (migration 9), written once. The commit
+//! carries the held SENT, STREAMING and handle (`types.rs::Carried`) and moves the dispatch and its
+//! attempt rows once (`carry_to_committed`). The state indexes are partial and hold only live
+//! attempts and PREPARED dispatches (migrations 10 and 11; the sweeps' SQL is `sweeps`,
+//! `LIVE_ATTEMPTS`). `conversation_since` gives a reader holding revision R the turns after it. The
+//! tool-call ledger for executors: `claim_call`, `renew_call`, `release_call`, `hand_to_client`,
+//! `abandon_client_calls`, `submit_tool_result`, `tool_call_idempotency_key`; `listed_state_sql`
+//! and `pending_sql` read the states by the store's clock; the states and their diagram are on
+//! `types.rs::ToolCallState`.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a prepare is checked before its transaction (a checked one: every body's and manifest's
+//!   digest; a sealed one: its bounds, row below); an invalid one writes nothing, a valid one
+//!   stores its bodies exactly in one write. Enforced in `store/src/ops.rs::prepare_rows` (called
+//!   before the transaction on both backends; on SQLite from `sqlite.rs::PrepareInputs::checked`,
+//!   large bodies on the blocking pool). Tests:
+//!   `store/tests/it/conformance.rs::a_large_body_is_checked_off_the_writer_and_stored_exactly`
+//!   (SQLite and PostgreSQL, 3 MiB bodies with a failover target, `write_ops` 0 then 1; red with a
+//!   byte dropped on the blocking-pool path; where the check runs is the code's structure, not
+//!   observed by the test),
+//!   `prepare_refuses_bytes_that_do_not_match_the_manifest_and_stale_revisions`.
+//! - late or foreign blocks only in quarantine. Enforced in `assemble.rs`, `dispatch.rs`,
+//!   `ops.rs::commit`. Tests: `core/tests/it/assemble.rs`, `store` conformance, `serve.rs`.
+//! - the render policy a manifest pins is kept and shown with its dispatch, and hashes to
+//!   `policy_digest`. Enforced in `store/src/ops.rs::prepare` (refuses a policy that does not
+//!   hash), `api.rs::prepare_dispatch`, `get_dispatch`. Tests:
+//!   `store/tests/it/conformance.rs::the_render_policy_is_kept_with_its_dispatch…`,
+//!   `serve.rs::the_dispatch_view_shows_the_render_policy…`.
+//! - every claim of one call carries the same idempotency key. Enforced in
+//!   `ops.rs::tool_call_idempotency_key`. Tests: `tool_ledger.rs::claims_racing_on_two_replicas…`,
+//!   `…an_expired_call_is_listed…`, `executor.rs::an_executor_that_dies_mid_call…`.
 
 use crate::error::StoreError;
 use crate::history::{self, Checked, NewToolCall, States};
@@ -2541,7 +2582,8 @@ pub(crate) async fn submit_tool_result<T: Tx>(
     }
     // The latest claim's result is accepted even after its lease ran out, as long as nobody
     // claimed the call again (that would have bumped the claim number): the claim number, not
-    // the lease, fences results (`docs/decisions.md`, 2026-12-01).
+    // the lease, fences results
+    // (`docs/decisions/0043-tool-call-ledger-the-idempotency-key-and-which-late.md`, 2026-12-01).
     let claimed = matches!(call.state, ToolCallState::Claimed | ToolCallState::Expired);
     if !claimed || call.claim != claim {
         return Ok(ResultOutcome::StaleClaim);

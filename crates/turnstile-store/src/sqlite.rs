@@ -37,6 +37,24 @@
 //! ledger's own, which copies the WAL back into the database file on its own connection while
 //! the writer goes on committing; the writer checkpoints itself only when the WAL outgrew its
 //! bound ([`start_checkpointer`]).
+//!
+//! Also: a cached statement is never parsed again (`SQLITE_DBCONFIG_ENABLE_QPSG`), statement
+//! journals are kept in memory, a new file gets 2 KiB pages, reads run on up to 8 idle `query_only`
+//! reader connections, and the bundled SQLite is built with `SQLITE_DEFAULT_MEMSTATUS=0` and two
+//! other recommended options (`.cargo/config.toml`).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a SQLite group commit keeps exactly the writes of its operations that succeeded: a failed
+//!   operation's writes are rolled back alone, the others commit once. Enforced in
+//!   `store/src/sqlite.rs::run_batch` (operations run bare; one that fails or panics after writing
+//!   rolls the group back, and `run_in_savepoints` runs it again, a savepoint per operation).
+//!   Tests:
+//!   `store/src/sqlite.rs::tests::a_group_commit_keeps_the_writes_of_the_operations_that_succeeded_and_only_those`
+//!   (failures first, between, last, everywhere, and the write count; red with a failed savepoint
+//!   released instead of rolled back, and red with a failure after writing not rolling the group
+//!   back).
 
 use crate::clock::StoreClock;
 use crate::error::StoreError;
@@ -453,7 +471,8 @@ impl SqliteLedger {
         // transaction dirties one page in each of a dozen B-trees (its rows and their index
         // entries sit apart), and each dirty page is one WAL frame: halving the page halves
         // the bytes every commit writes and checkpoints, and no row the hot path writes needs
-        // more (docs/decisions.md, "The SQLite writer writes less").
+        // more (docs/decisions/0090-the-sqlite-writer-writes-less-and-reads-do-not-queue.md, "The
+        // SQLite writer writes less").
         connection.execute_batch(&format!("PRAGMA page_size = {SQLITE_PAGE_SIZE_BYTES};"))?;
         let mode: String = connection.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -783,12 +802,12 @@ impl Drop for SqliteLedger {
 /// SQLite checkpoints in the connection that commits, once the WAL holds
 /// `wal_autocheckpoint` pages: the writer then copies up to a thousand pages into the
 /// database file and syncs it inside a commit, and every operation queued behind waits
-/// (docs/decisions.md, "Checkpoints off the writer"). Instead the writer's hook (which
-/// replaces SQLite's automatic checkpoint; it runs after each commit with the WAL's size in
-/// pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection: it never
-/// takes the write lock, so the writer goes on committing while it copies. Past
-/// `SQLITE_WAL_PAGES_MAX` (the thread stalled or behind) the writer checkpoints
-/// itself, as SQLite would have, so the WAL stays bounded either way.
+/// (docs/decisions/0109-checkpoints-off-the-writer.md, "Checkpoints off the writer"). Instead the
+/// writer's hook (which replaces SQLite's automatic checkpoint; it runs after each commit with the
+/// WAL's size in pages) wakes this thread, which runs a `PASSIVE` checkpoint on its own connection:
+/// it never takes the write lock, so the writer goes on committing while it copies. Past
+/// `SQLITE_WAL_PAGES_MAX` (the thread stalled or behind) the writer checkpoints itself, as SQLite
+/// would have, so the WAL stays bounded either way.
 fn start_checkpointer(
     writer: &mut Connection,
     path: &Path,

@@ -383,9 +383,10 @@ pub enum CommitRefusal {
 }
 
 /// What a canonical commit carries of the attempt's progress that was not written on its own
-/// (`docs/decisions.md`, "two durable writes per dispatch"): the attempt's state as the store
-/// holds it, from which the commit moves it through SENT and STREAMING (a history row each),
-/// and the provider handle, bound and checked against the manifest in the same transaction.
+/// (`docs/decisions/0083-two-durable-writes-per-dispatch-the-prepare-begins-the.md`, "two durable
+/// writes per dispatch"): the attempt's state as the store holds it, from which the commit moves it
+/// through SENT and STREAMING (a history row each), and the provider handle, bound and checked
+/// against the manifest in the same transaction.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Carried {
     /// The attempt's stored state: DISPATCHING, SENT or STREAMING.

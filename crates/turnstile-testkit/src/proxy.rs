@@ -15,6 +15,24 @@
 //! admitted; a successful answer is exactly the committed turn of its operation (text, and every
 //! call's id, name and arguments); and the client's history with that answer continues the
 //! stored conversation (no fork) unless another request continued it first.
+//!
+//! The proxy functions it runs are the gateway's own: `admit`, `place`, `targets_of`,
+//! `render_targets`/`store_rendered`, `hand_to_client` and the `answer.rs` machines; answers are
+//! decoded with the adapters' decoders. That is why the testkit depends on the gateway library.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - under crashes, faults, two replicas and racing copies, a proxied follow-up (the seed's API,
+//!   streamed or whole) is admitted, its answer is exactly its operation's committed turn (text,
+//!   call ids, names, arguments), a stream that read the commit ends with it, and the client's
+//!   history with that answer continues the stored conversation. Enforced in `proxy/mod.rs`
+//!   (`admit`, `place`), `proxy/continuation.rs`, `proxy/answer.rs`, `proxy/respond.rs`. Tests:
+//!   `testkit` proxy seeds (`proxy.rs`, invariant `proxy_answer`; `seeds.rs` asserts that requests
+//!   ran and that streamed and whole answers were each compared),
+//!   `planted.rs::a_proxy_answer_missing_a_committed_call_is_caught`; by hand, not a test: red with
+//!   `respond::whole` sending `"{}"` for Chat arguments and with `StreamAnswer` ending every stream
+//!   in `preview_mismatch` (`docs/reliability.md`).
 
 use crate::plan::FaultKind;
 use crate::report::Invariant;

@@ -31,6 +31,16 @@
 //! `container`. `cache_control` on a system block, content block, tool result (or its last
 //! part) or tool → the v1 `cache` breakpoint of that block or tool (`cache.rs`). Dropped and
 //! reported: every other field (`citations`, document `context`, …).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - an Anthropic `thread` (or other server-side state we do not hold) is refused by name and
+//!   nothing is sent; the SDK falls back to the whole history. Enforced in
+//!   `adapters/src/anthropic_messages/import.rs` (`ImportError::ThreadUnsupported`),
+//!   `proxy/mod.rs::serve_ours` (`details.error_code`). Tests:
+//!   `gateway/tests/it/proxy.rs::an_anthropic_thread_is_refused…`,
+//!   `tests/sdk/proxy_sdk.py::anthropic_tool_runner`.
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, base64_encode, type_name};
 use crate::sampling::Sampling;

@@ -14,7 +14,8 @@
 //!
 //! Gemini gives no keys, so block keys are allocated in arrival order; consecutive text parts of
 //! one kind extend one block. A call without an id gets `gemini-{responseId}-{n}` (n counts the
-//! calls of this response), deterministic for the same bytes (docs/decisions.md).
+//! calls of this response), deterministic for the same bytes
+//! (docs/decisions/0019-gemini-call-ids.md).
 
 use super::{Decoder, Emitter, EventDecoder, SseDecoder, provider_error, str_at, u64_at};
 use crate::sse::SseEvent;

@@ -8,6 +8,20 @@
 //! objects, check every skipped member as strictly as `Value` does ([`Strict`]) and let the last
 //! of repeated keys win, so whenever a fast path succeeds, the `Value` path would have read the
 //! same fields; whenever it fails, the event goes to the `Value` path, unchanged.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a stream event read through a decode template means what the `Value` path reads from it (Chat
+//!   hot chunks, Anthropic text and tool-input deltas); the assembler's dedupe keys are a set.
+//!   Enforced in `adapters/src/decode/json.rs` (`Templates`, `Pieces`: the hole is the raw token of
+//!   the member read, each new token checked by serde_json), `decode/openai_chat.rs` (`Template`,
+//!   rebuilt chunk through `Chat::chunk`), `decode/anthropic_messages.rs` (objects only, unknown
+//!   members checked); `core/src/assemble.rs` (`SeenKeys`). Tests: `openai_chat.rs` and
+//!   `anthropic_messages.rs` unit properties (streams sharing templates, holes of every kind,
+//!   against the `Value`-only decoder; red without the token check, with the last piece compared as
+//!   a prefix, without the remembered id), `…read_through_templates…` hit counts with varying
+//!   `obfuscation`; `assemble.rs::the_dedupe_keys_are_a_set` (red with a strict comparison).
 
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use std::borrow::Cow;

@@ -8,6 +8,24 @@
 //!
 //! Polling order: after each [`Decoder::handle_bytes`] (or [`Decoder::handle_end_of_input`]),
 //! drain [`Decoder::poll_event`] until `None`.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - an event fed to the assembler twice adds nothing twice (dedupe on `Seq`); an event duplicated
+//!   on the wire adds nothing on Responses (sequence numbers) and Gemini (cumulative token count),
+//!   and never commits on OpenAI Chat for a model the catalog counts exactly when the usage chunk
+//!   arrives (BPE count of the output > `completion_tokens − reasoning_tokens` → malformed) nor on
+//!   Anthropic when it repeats `message_start`, `content_block_start` or `content_block_stop`.
+//!   **Not detected**: an Anthropic text or argument delta duplicated alone; on Chat a stream
+//!   without usage, a model we cannot count exactly (compatible endpoints), or a duplicate smaller
+//!   than a tool-call reply's hidden tokens. Enforced in `assemble.rs` dedupe keys,
+//!   `decode/gemini.rs`, `decode/openai_chat.rs::check_usage`, `decode/anthropic_messages.rs`.
+//!   Tests: `adapters/tests/it/stream/faults.rs`, `stream/integrity.rs` (incl.
+//!   `anthropic_a_duplicated_text_delta_alone_cannot_be_detected`),
+//!   `gateway/tests/it/assemble.rs::an_openai_chat_text_reply_with_duplicated_deltas_exits_6`,
+//!   `serve.rs::a_lost_stop_event_or_duplicated_events…`,
+//!   `serve.rs::duplicated_events_on_a_text_only_reply…`.
 
 /// Declares one public decoder type: SSE framing plus one API's event rules, forwarding the
 /// [`Decoder`] methods to [`SseDecoder`] (the API rules type stays private to its module).

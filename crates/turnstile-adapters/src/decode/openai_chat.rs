@@ -31,7 +31,8 @@
 //! one-sided on purpose: hidden tokens (reasoning, tool-call framing) only raise the reported
 //! count. Not detectable: a stream without a usage chunk, a model we cannot count exactly
 //! (compatible endpoints), and a duplicate small enough to stay under the hidden tokens of a
-//! reply with tool calls (`docs/decisions.md`, 2026-12-01).
+//! reply with tool calls
+//! (`docs/decisions/0048-duplicated-deltas-on-wires-without-sequence-numbers.md`, 2026-12-01).
 //!
 //! Decoding: every chunk is read into the borrowing [`Chunk`] (no `serde_json::Value`, strings
 //! borrowed from the event data when unescaped; `decode/json.rs` says why that reads exactly

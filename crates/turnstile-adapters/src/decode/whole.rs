@@ -12,6 +12,19 @@
 //! stream rule (call ids, whole argument JSON, stop reasons, limits) holds for it unchanged.
 //! A body cut short, over its bound or not JSON commits nothing: a cut body never reaches the
 //! translation, and the rest decode as malformed.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the world's dialects commit exactly what the vendor's stream commits: a Chat body ended
+//!   cleanly after its finish reason without `[DONE]`, a whole JSON answer to a stream request
+//!   (every prefix commits nothing; a body of another shape is malformed, never a panic), a
+//!   compatible upstream's own usage count (a notice, not a violation). Enforced in
+//!   `decode/openai_chat.rs` (`end_of_input`, `check_usage` with `DecoderOptions`),
+//!   `decode/whole.rs`. Tests: `stream/integrity.rs::an_openai_chat_stream_that_ends_cleanly…`,
+//!   `…usage_count_is_a_notice…`, `stream/whole.rs` (all four APIs),
+//!   `gateway/tests/it/open_world.rs`, `foreign.rs` (servers we did not write), seeds (`no_done`,
+//!   `json_answer`).
 
 use super::{Decoder, StreamApi};
 use serde_json::{Value, json};

@@ -557,7 +557,9 @@ pub(crate) fn arguments_text(arguments: &Arguments) -> std::borrow::Cow<'_, str>
 /// the per-function header and footer the cookbook measured (`func_init` 7 + `func_end` 12).
 /// The cookbook formula alone counts only name, description and first-level `properties`: a
 /// tool with a 438 KB `$defs` block counted 53 tokens under it (issue 17). The bound per
-/// provider is recorded in `docs/decisions.md` (2026-12-01, "tool schemas are counted as sent").
+/// provider is recorded in
+/// `docs/decisions/0046-tool-schemas-are-counted-as-sent-on-every-adapter.md` (2026-12-01, "tool
+/// schemas are counted as sent").
 pub(crate) fn openai_tool_tokens(tokenizer: Tokenizer, tool: &ToolDef, rendered: &[u8]) -> u64 {
     // Invariant: the renderer writes UTF-8 JSON (str literals and RFC 8785 output), so this
     // borrows; the lossy path is never taken, and could only over-count (U+FFFD is 1 token+).

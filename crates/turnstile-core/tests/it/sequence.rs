@@ -27,7 +27,7 @@ fn sequence_of(relative: &str) -> MessageSequence {
 /// Pinned digests. If one changes, the canonical form of the sequence changed: that is a
 /// format change (every stored manifest's sequence_digest stops matching) and needs a new
 /// format version, not a new snapshot. (v1 → v2 on 2026-12-02: the arrays are digested apart,
-/// `docs/decisions.md`.)
+/// `docs/decisions/0085-the-agent-step-grows-with-the-new-turn-kept.md`.)
 #[test]
 fn sequence_digests_are_pinned() {
     let pins = [

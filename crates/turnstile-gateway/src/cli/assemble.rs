@@ -3,11 +3,12 @@
 //! received) through the decoder and the assembler, and print the assistant turn that would be
 //! committed, or why nothing would be.
 //!
-//! Output contract (docs/decisions.md): exit 0 prints the v1 turn JSON on standard output
-//! (pretty, or one line with `--json`); exit 6 prints the reason (`nothing committed: CODE:
-//! message`, or with `--json` `{"status":"retracted","code","message"}`) and never any part of
-//! a tool call; exit 2 is a usage error or unreadable input. Input from another handle in the
-//! same file (a second response concatenated) is quarantined and reported on standard error.
+//! Output contract (docs/decisions/0021-turnstile-assemble-reads-a-file-not-a-connection.md): exit
+//! 0 prints the v1 turn JSON on standard output (pretty, or one line with `--json`); exit 6 prints
+//! the reason (`nothing committed: CODE: message`, or with `--json`
+//! `{"status":"retracted","code","message"}`) and never any part of a tool call; exit 2 is a usage
+//! error or unreadable input. Input from another handle in the same file (a second response
+//! concatenated) is quarantined and reported on standard error.
 
 use super::{Exit, read_input};
 use serde_json::{Value, json};
@@ -67,7 +68,8 @@ pub fn run(args: &AssembleArgs) -> Exit {
     let mut decoder = api.decoder();
     decoder.handle_bytes(&bytes);
     // A file, not a live connection: a last event that lost its blank line in storage still
-    // counts (docs/decisions.md); a cut inside an event still commits nothing.
+    // counts (docs/decisions/0021-turnstile-assemble-reads-a-file-not-a-connection.md); a cut
+    // inside an event still commits nothing.
     decoder.handle_end_of_file();
     let mut quarantined = 0u64;
     while let Some(event) = decoder.poll_event() {

@@ -3,6 +3,24 @@
 //! the machine may be offline). Every file is compiled into the binary. The page reads the
 //! same HTTP API as any client, with the tenant token the user types in, so it can show
 //! nothing the token could not read.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the console opens one stream per dispatch: a double click sends one request. Enforced in
+//!   `console/dispatch.js::Dispatches.start` (registered before the first await), the disabled
+//!   button. Tests: `tests/console/console.test.mjs` step 3 via `tests/it/console.rs` (red with the
+//!   guard and the disabled state removed).
+//! - one conversation's preview never shows under another. Enforced in
+//!   `console/app.js::renderSession` (the open conversation's session only). Tests:
+//!   `console.test.mjs` step 5 (red when the newest running session is drawn).
+//! - the console shows the request bytes exactly as stored and checks their SHA-256 against the
+//!   manifest. Enforced in `console/inspect.js::dispatchView`, `sha256`. Tests: `console.test.mjs`
+//!   step 6 (19-digit seed; red with the body re-formatted).
+//! - the page holds from 360 px to wide: long content wraps or scrolls in its own box. Enforced in
+//!   `console/console.css` (`minmax(0, …)` columns, `overflow-wrap: anywhere`, scroll boxes).
+//!   Tests: `console.test.mjs` steps 3 and 10 (1440, 390, 360 px; red without `overflow-wrap` on
+//!   the inspector).
 
 use crate::serve::api::{ApiError, ErrorCode};
 use axum::extract::Path;

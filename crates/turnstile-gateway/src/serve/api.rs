@@ -6,6 +6,11 @@
 //! tenant's conversations and operations live under the store ids `<tenant>~<id>`, so another
 //! tenant's conversation answers exactly like a missing one (404). Responses show the caller's
 //! own ids; manifests (which pin exactly what was sent) show the store id.
+//!
+//! Also here: `harden` (JSON errors for the router's own 404, 405, 414 and rejections), the
+//! executor routes (`/v1/tool-calls/…/claim|renew|release|result`), `healthz` and `readyz`. Client
+//! events are written as JSON only at this edge (`push_event_data`, straight into bytes, and
+//! `client_event_json`); the hub and the change feed carry them typed.
 
 use super::driver::{self, DriveContext};
 use super::hub::{Hub, Next};
@@ -455,7 +460,8 @@ const OPENAI_CONVERSATIONS_FIELDS: &[&str] = &["items", "metadata"];
 /// items`) shares the native API's path and is not served. Its clients (the OpenAI Agents SDK's
 /// conversation session) get 404 in OpenAI's error shape naming it and what to use instead,
 /// never the native "unknown field items". 404, not 501: the OpenAI SDKs retry every 5xx, and
-/// retrying cannot help (docs/decisions.md, 2026-12-07).
+/// retrying cannot help
+/// (docs/decisions/0120-openais-conversations-api-is-refused-in-openais-shape.md, 2026-12-07).
 pub async fn openai_conversations_refused() -> Response {
     super::proxy::provider_error(
         turnstile_adapters::Api::OpenaiResponses,
@@ -635,7 +641,8 @@ struct DispatchBody {
     /// Generation settings in neutral names (`temperature`, `top_p`, `top_k`, `stop`, `seed`,
     /// `presence_penalty`, `frequency_penalty`); absent means none. An unknown name is 422
     /// `invalid_request`, a setting the adapter's API cannot take 422 `unsupported_setting` or
-    /// `setting_out_of_range` (`docs/decisions.md`, 2026-11-30).
+    /// `setting_out_of_range`
+    /// (`docs/decisions/0041-generation-settings-travel-with-the-request.md`, 2026-11-30).
     #[serde(default)]
     sampling: Sampling,
     /// The revision the caller answers: another revision is 409 `revision_conflict` and
@@ -645,7 +652,8 @@ struct DispatchBody {
     /// Tool choice in neutral names (`{"type": "auto" | "none" | "required"}`, `{"type":
     /// "tool", "name"}`, `{"type": "allowed", "mode", "tools"}`, `{"type": "validated"}`) and
     /// the parallel switch; one the adapter's API cannot spell is 422 `unsupported_setting`
-    /// (`tool_choice.rs`, `docs/decisions.md`, 2026-12-01).
+    /// (`tool_choice.rs`,
+    /// `docs/decisions/0052-tool-choice-and-parallel-tool-calls-travel-with-the.md`, 2026-12-01).
     #[serde(default)]
     tool_choice: Option<Choice>,
     #[serde(default)]
@@ -788,8 +796,9 @@ async fn dispatch_detached(shared: Arc<Shared>, id: String, request: Request) ->
     // conversation or writes). Only an answer that stored nothing (an error, waiting,
     // rejected, paused) asks the store whether the operation exists after all, and then
     // attaches to it as the read first did: a client asking again with the same operation id
-    // gets that dispatch, whatever the conversation became since (docs/decisions.md, "A
-    // dispatch reads its operation id only when its prepare stored nothing").
+    // gets that dispatch, whatever the conversation became since
+    // (docs/decisions/0112-a-dispatch-reads-its-operation-id-only-when-its-prepare.md, "A dispatch
+    // reads its operation id only when its prepare stored nothing").
     let stored = match super::kept::current(&shared, &conversation_id).await {
         // The kept history plus the turns committed since, or the whole document (`kept.rs`).
         Ok(Some(current)) => {
@@ -1534,8 +1543,9 @@ impl Stream {
     /// A request's `Last-Event-ID`.
     fn id_seen(headers: &HeaderMap) -> Option<u64> {
         // Anything but a decimal id (garbage, or another server's) is as if absent: the whole
-        // stream, never a guess at where to start (docs/decisions.md, "Native streams resume
-        // by Last-Event-ID").
+        // stream, never a guess at where to start
+        // (docs/decisions/0126-native-streams-resume-by-last-event-id-the-proxys.md, "Native
+        // streams resume by Last-Event-ID").
         headers
             .get("last-event-id")
             .and_then(|value| value.to_str().ok())
@@ -2113,8 +2123,8 @@ pub async fn tool_calls(
 }
 
 /// `POST …/claim`: `{"holder", "lease_ms"?}`. `holder` is required (the spec's claim body
-/// names it): an empty body or `{}` claims nothing (docs/decisions.md, "A claim names its
-/// holder").
+/// names it): an empty body or `{}` claims nothing
+/// (docs/decisions/0129-a-claim-names-its-holder.md, "A claim names its holder").
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClaimBody {

@@ -11,6 +11,14 @@
 //! falls further behind gets `event: resync` and re-reads its view instead of a silent gap), at
 //! most [`FEED_SUBSCRIBERS_MAX`] subscribers (the next is 503 `overloaded`), and a comment line
 //! every [`FEED_KEEPALIVE`] so proxies do not cut an idle stream.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - the change feed carries only the subscriber's tenant's ids, and no content. Enforced in
+//!   `serve/feed.rs::client_event`. Tests: `feed.rs::tests::a_tenant_sees_only_its_own_changes…`,
+//!   `console_api.rs::the_change_feed_announces_a_tenants_own…` (red with other tenants' ids let
+//!   through).
 
 use super::Shared;
 use super::api::{ApiError, ApiResult, ErrorCode, caller};

@@ -21,6 +21,19 @@
 //! Bounds: [`KeptConversations::ENTRIES_MAX`] conversations and
 //! [`KeptConversations::BYTES_MAX`] bytes of their JSON (an estimate from the stored turns),
 //! least recently used out first. A conversation bigger than the byte bound is not kept.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a gateway's kept history is used only as the store's history: the kept revision's turn has the
+//!   kept last turn's id and the tail is every turn after it, else the whole document is read; the
+//!   bytes it renders are a fresh replica's. Enforced in `gateway/src/serve/kept.rs` (`current`),
+//!   `store/src/ops.rs::conversation_since`. Tests:
+//!   `gateway/tests/it/serve.rs::an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends`
+//!   (SQLite and PostgreSQL; a turn appended by another replica; red with a tail turn skipped or
+//!   the kept path never taken), `gateway/src/serve/kept.rs::tests` (another history under the same
+//!   id, one ahead of the store: the store's is read whole; bounds, LRU, the newer of two kept),
+//!   `store/tests/it/conformance.rs::a_reader_s_tail_is_the_turns_after_its_revision…`.
 
 use super::Shared;
 use super::api::{ApiError, ErrorCode};

@@ -3,6 +3,13 @@
 //! start-up (at zero), so a scrape shows a metric that must stay 0 as 0, not as absent.
 //!
 //! Counts are per gateway process; with several replicas, sum them.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a stuck dispatch anywhere shows in `turnstile_dispatch_unknown_age_seconds` on every replica.
+//!   Enforced in `ops.rs::stuck_age_ms` (store clock), `api.rs::metrics_text`. Tests:
+//!   `store/tests/it/conformance.rs::a_live_attempt_past_its_lease_is_seen_as_stuck…`.
 
 use metrics::{counter, gauge};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};

@@ -26,6 +26,29 @@
 //! `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`) the dispatch span also carries
 //! `gen_ai.system_instructions`, `gen_ai.input.messages` and `gen_ai.output.messages` as JSON
 //! strings in the conventions' message schema, each bounded by [`CONTENT_BYTES_MAX`].
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - no span holds a credential or message text unless content capture is on. Enforced in
+//!   `serve/traces.rs` (attributes are ids, names, counts, states, codes; content only under
+//!   `capture_content`). Tests:
+//!   `traces.rs::a_streamed_dispatch_joins_the_callers_trace_with_genai_attributes_and_no_key_or_text`,
+//!   `…a_proxied_request_joins…`,
+//!   `…content_capture_records_the_conventions_messages_only_when_turned_on`.
+//! - a caller's `traceparent` (native or proxy) makes the dispatch span its child; each provider
+//!   request carries its attempt span's `traceparent`. Enforced in `serve/traces.rs`
+//!   (`accept_traceparent`, `Hook::open`), `api.rs::dispatch` (`traces::carry`),
+//!   `api.rs::context_with` (`Parent::current`). Tests: `traces.rs::a_streamed_dispatch_joins…`,
+//!   `…a_proxied_request_joins_the_callers_trace…`,
+//!   `…a_retried_dispatch_has_one_attempt_span_per_generation…`.
+//! - span usage and finish reasons are the ledger's outcome (what `/v1/dispatches` reports); the
+//!   response id is the handle bound to the attempt. Enforced in `serve/traces.rs`
+//!   (`DispatchTrace::store`: `Commit`, `BindHandle`). Tests: `traces.rs` (every dispatch test,
+//!   `assert_outcome_matches`).
+//! - with no endpoint nothing is traced: no pipeline, no `traceparent` sent, no trace metrics.
+//!   Enforced in `serve/traces.rs::wanted`, `install`, `Hook` (`None`). Tests:
+//!   `traces.rs::without_an_endpoint_nothing_is_traced_and_no_traceparent_is_sent`.
 
 use super::config::Config;
 use super::transport::Endpoint;

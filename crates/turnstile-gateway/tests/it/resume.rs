@@ -1,7 +1,8 @@
 //! Native dispatch streams resume by `Last-Event-ID`: every event carries an `id:` (its
 //! ordinal in the dispatch's stream), and a request with the same operation id and a
 //! `Last-Event-ID` gets exactly the events after that one, the commit exactly once
-//! (docs/decisions.md, "Native streams resume by Last-Event-ID").
+//! (docs/decisions/0126-native-streams-resume-by-last-event-id-the-proxys.md, "Native streams
+//! resume by Last-Event-ID").
 
 use crate::serve::{Gateway, client, conversation_with_question, sqlite};
 use crate::sim::SimProcess;

@@ -1810,12 +1810,13 @@ fn an_agent_loop_reads_only_the_new_turns_and_sends_what_a_fresh_replica_sends()
 }
 
 /// The `turnstile` binary's SQLite syncs with `fdatasync(2)`, never `fsync(2)`
-/// (`-DHAVE_FDATASYNC=1` in `.cargo/config.toml`'s `LIBSQLITE3_FLAGS`; docs/decisions.md,
-/// "SQLite syncs with fdatasync"). Without the option the amalgamation defines `fdatasync` as
-/// `fsync`, and every sync of the WAL and the database file is an `fsync`: the binary then
-/// imports `fsync` and not `fdatasync`. Nothing else in the binary syncs a file, so its
-/// imports say which call the ledger makes. glibc Linux only: a static (musl) build has no
-/// dynamic imports to read, and on macOS SQLite calls `fsync` whatever the option says.
+/// (`-DHAVE_FDATASYNC=1` in `.cargo/config.toml`'s `LIBSQLITE3_FLAGS`;
+/// docs/decisions/0115-sqlite-syncs-with-fdatasync.md, "SQLite syncs with fdatasync"). Without the
+/// option the amalgamation defines `fdatasync` as `fsync`, and every sync of the WAL and the
+/// database file is an `fsync`: the binary then imports `fsync` and not `fdatasync`. Nothing else
+/// in the binary syncs a file, so its imports say which call the ledger makes. glibc Linux only: a
+/// static (musl) build has no dynamic imports to read, and on macOS SQLite calls `fsync` whatever
+/// the option says.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn the_turnstile_binary_syncs_with_fdatasync() {

@@ -1,9 +1,10 @@
 -- Version 10 (SQLite): fewer B-trees written per dispatch, and state indexes that hold only
--- the rows a sweep looks for (issue 21; docs/decisions.md, "Fewer B-trees per dispatch").
--- Every page a transaction changes is one WAL frame; a row of a rowid table with a TEXT
--- primary key lives in two B-trees (the table and its key's index), and AUTOINCREMENT writes
--- sqlite_sequence on every insert. The migration runs with foreign keys off, as SQLite's
--- procedure for changing a table's definition asks; the ledger checks them before it commits.
+-- the rows a sweep looks for (issue 21;
+-- docs/decisions/0091-fewer-b-trees-per-dispatch-partial-state-indexes-without.md, "Fewer B-trees
+-- per dispatch"). Every page a transaction changes is one WAL frame; a row of a rowid table with a
+-- TEXT primary key lives in two B-trees (the table and its key's index), and AUTOINCREMENT writes
+-- sqlite_sequence on every insert. The migration runs with foreign keys off, as SQLite's procedure
+-- for changing a table's definition asks; the ledger checks them before it commits.
 
 -- attempts and handles: rows of a few hundred bytes, always found by their primary key, so
 -- one B-tree each.

@@ -21,7 +21,7 @@
 //!   body unread to `URL` with a reqwest client built as the gateway builds its own, then
 //!   answers with the provider's status and bytes: no parse, no store, no render. What it
 //!   reaches is the most any gateway on this stack could do between this client and this
-//!   simulator (docs/benchmarks.md, "The relay ceiling").
+//!   simulator (docs/benchmarks-log.md, "The relay ceiling").
 //!
 //! Timing rule shared with the Python and Node peers' harnesses: one warm-up call, then each
 //! run repeats the operation enough times to last at least `--min-run-ms`; a run's figure is

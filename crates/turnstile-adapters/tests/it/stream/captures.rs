@@ -69,7 +69,8 @@ pub fn cases() -> Vec<(&'static str, StreamApi, Vec<&'static str>)> {
             ],
         ),
         // `max_tokens=1`: one text delta, then `length`; text is whole as far as the provider
-        // is concerned, so the turn commits (docs/decisions.md).
+        // is concerned, so the turn commits
+        // (docs/decisions/0017-stream-assembly-when-a-turn-commits.md).
         (
             "openai-chat/gpt-4o-length-with-usage.sse",
             StreamApi::OpenAiChat,

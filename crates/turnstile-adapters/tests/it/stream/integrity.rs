@@ -275,7 +275,7 @@ fn anthropic_duplicated_block_starts_or_stops_commit_nothing() {
 fn anthropic_a_duplicated_text_delta_alone_cannot_be_detected() {
     // No sequence number, no local tokenizer for an exact usage check: a text delta delivered
     // twice between an intact start and stop is indistinguishable from a model that wrote the
-    // words twice. Pinned so that the limit stated in ARCHITECTURE.md stays true (a change
+    // words twice. Pinned so that the limit stated in `src/decode/mod.rs` stays true (a change
     // that detects it should update this test and the docs together).
     let reply = text_reply(TEXT);
     let doubled = sim_stream(Api::Anthropic, &reply, "claude-sonnet-4-5", |_, bytes| {

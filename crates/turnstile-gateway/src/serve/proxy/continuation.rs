@@ -36,6 +36,14 @@
 //! turns are not this request's. The continued history is rendered with exactly the request's
 //! marks ([`with_request_marks`]); marks are outside every digest, so this changes no
 //! digest and nothing stored.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a stateless follow-up after a retried dispatch continues its conversation (results take the
+//!   stored call's generation). Enforced in `proxy/continuation.rs::pair_results`,
+//!   `proxy/previous.rs::splice`. Tests:
+//!   `proxy.rs::a_stateless_follow_up_after_a_retried_dispatch_continues_its_conversation`.
 
 use super::previous::renamed;
 use serde_json::{Value, json};

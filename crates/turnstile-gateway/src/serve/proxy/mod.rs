@@ -27,6 +27,22 @@
 //! same key with another history is 409. Committed tool calls are claimed for the client
 //! (holder `proxy-client`) at once: the client runs them and sends the results in its next
 //! request, which is a new conversation.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - Gemini is served under `/v1/models/…` and `/v1beta/models/…`; every wrong method and unknown
+//!   path under a provider prefix is answered in the client API's error shape. Enforced in
+//!   `proxy/mod.rs::router`, `client_api`. Tests:
+//!   `gateway/tests/it/proxy.rs::gemini_is_served_under_v1_as_well_as_v1beta…`,
+//!   `proxy_sdk.py::gemini_default_api_version`.
+//!
+//! The path of one request in mode `on`: `admit` (import → structure → validate; an illegal history
+//! is refused here, before anything is stored) → `place` (a continuation of a committed
+//! conversation, or a fresh one imported in the prepare's own write) → `targets_of` →
+//! `prepare_dispatch` (`api::render_targets`, no I/O, then `api::store_rendered`) → the dispatch's
+//! hub, read by one `Follower` per request, which pumps the `answer.rs` machines and hands the
+//! committed calls to the client. The simulation calls the same functions.
 
 pub mod answer;
 pub mod continuation;
@@ -1034,10 +1050,10 @@ fn same_prefix(stored: &Value, turns: &[Value]) -> bool {
     }
 }
 
-/// The one reader of a proxied request's dispatch events (`docs/decisions.md`, 2026-12-01:
-/// one subscription per proxy request). Reading the commit hands its tool calls to the client
-/// before the commit is passed on, so the answer that shows a call never precedes its
-/// hand-over.
+/// The one reader of a proxied request's dispatch events
+/// (`docs/decisions/0078-typed-hub-events-one-hub-reader-per-proxy-request.md`, 2026-12-01: one
+/// subscription per proxy request). Reading the commit hands its tool calls to the client before
+/// the commit is passed on, so the answer that shows a call never precedes its hand-over.
 struct Follower {
     shared: Arc<Shared>,
     conversation_id: String,

@@ -9,6 +9,13 @@
 //! at most [`REFUSAL_BLOCKS_MAX`] offending blocks of at most [`REFUSAL_BLOCK_BYTES_MAX`] bytes
 //! of JSON each, and an outline of at most [`REFUSAL_TURNS_MAX`] turns (ids, roles, block
 //! kinds; no content).
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - proxy refusals are kept newest first, bounded, with codes and the offending block. Enforced in
+//!   `serve/proxy/refusals.rs`. Tests: `console_api.rs::proxy_refusals_are_kept_newest_first…` (red
+//!   oldest first).
 
 use super::super::{Shared, now};
 use crate::serve::api;

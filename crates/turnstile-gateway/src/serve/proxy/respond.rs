@@ -16,6 +16,21 @@
 //!
 //! Errors after the stream started are the provider's own mid-stream error event, which the
 //! SDKs raise as an exception.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - a streamed Anthropic answer's `message_delta` carries the provider's cumulative usage (cache
+//!   counters only when reported). Enforced in `proxy/respond.rs` (`Facts::anthropic_usage`,
+//!   `StreamEncoder::known_usage`). Tests:
+//!   `proxy.rs::a_streamed_anthropic_answer_reports_the_providers_cumulative_usage…`,
+//!   `respond.rs::anthropic_stream_usage_is_the_providers_cumulative_count…`.
+//! - a streamed Anthropic answer's `message_start` reports the provider's own start-event usage
+//!   (not the admission estimate), cache counters included when reported. Enforced in
+//!   `decode/anthropic_messages.rs`, `assemble.rs` (`Usage`), `drive.rs` (`DriveEvent::Usage`),
+//!   `proxy/mod.rs::stream_answer` (`opens_with_usage`). Tests:
+//!   `proxy.rs::a_streamed_anthropic_answer_reports…`, `proxy_sdk.py::anthropic_streamed_usage`
+//!   (both red with the wait removed), `stream/captures.rs::anthropic_cache_counters_are_decoded…`.
 
 use serde_json::{Value, json};
 use turnstile_adapters::Api;

@@ -5,6 +5,13 @@
 //! — plus what the validator would have refused. The last `shadow_diffs_max` records are at
 //! `GET /v1/shadow/diffs`; counts are in `turnstile_shadow_*` metrics. Nothing here touches
 //! the ledger: shadow traffic is observed, not protected.
+//!
+//! Invariants held here, each with where it is enforced and the tests that fail when it
+//! breaks (moved from ARCHITECTURE.md, which keeps the cross-cutting ones):
+//!
+//! - every shadow record carries our manifest, or null with the reason none could be made; bytes
+//!   are compared only when both sides exist. Enforced in `serve/proxy/shadow.rs::compare`. Tests:
+//!   `proxy.rs::shadow_forwards_the_original_bytes…`.
 
 use super::super::{Shared, metrics, now};
 use super::{RouteSpec, api_label, provider_error};
