@@ -9,6 +9,7 @@ mod history;
 mod kept;
 mod never_panics;
 mod properties;
+mod repair;
 mod push_turn;
 mod sequence;
 mod tidy;
