@@ -77,6 +77,19 @@ pub enum Cause {
 }
 
 impl Cause {
+    /// Every cause.
+    pub const ALL: [Cause; 9] = [
+        Cause::OrphanResult,
+        Cause::DuplicateResult,
+        Cause::ResultMismatch,
+        Cause::UnclosedArguments,
+        Cause::DuplicateCallId,
+        Cause::UncommittedBlock,
+        Cause::MissingResult,
+        Cause::PendingCall,
+        Cause::EmptiedTurn,
+    ];
+
     /// The string written in the plan and in metrics' `kind` label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -696,17 +709,7 @@ mod tests {
 
     #[test]
     fn cause_strings_are_their_serialisation() {
-        for cause in [
-            Cause::OrphanResult,
-            Cause::DuplicateResult,
-            Cause::ResultMismatch,
-            Cause::UnclosedArguments,
-            Cause::DuplicateCallId,
-            Cause::UncommittedBlock,
-            Cause::MissingResult,
-            Cause::PendingCall,
-            Cause::EmptiedTurn,
-        ] {
+        for cause in Cause::ALL {
             assert_eq!(serde_json::to_value(cause).unwrap(), Value::from(cause.as_str()));
         }
     }

@@ -117,3 +117,91 @@ fn repair_reads_standard_input_and_exits_2_on_unreadable_input() {
     assert_eq!(turnstile(&["repair", "/nonexistent/file.json"], None).status.code(), Some(2));
     assert_eq!(turnstile(&["repair"], None).status.code(), Some(2));
 }
+
+/// `POST /v1/conversations/{id}/repair`: a conversation bricked by calls nobody will answer (an
+/// agent that stopped at its iteration limit) refuses every user turn; nothing is repaired by a
+/// dry run or without the revision; the repair appends gateway cancels as the next revision
+/// with its record, which `GET` shows and which survives a restart; then the conversation takes
+/// the user's turn and dispatches again.
+#[test]
+fn a_conversation_bricked_by_unanswered_calls_is_repaired_only_when_asked_and_on_the_record() {
+    use crate::serve::{Gateway, conversation_with_question, named, sqlite, two_calls};
+    use crate::sim::SimProcess;
+    use serde_json::json;
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir);
+    let mut gateway = Gateway::start(&dir, &store, &sim, "");
+    conversation_with_question(&gateway, "c-brick");
+    sim.script("brick", json!([two_calls(json!({}))]));
+    let events = gateway.dispatch("c-brick", "op-brick-1", "openai-chat@1", "brick");
+    assert_eq!(named(&events, "committed").len(), 1);
+    let user = |id: &str, revision: u64| {
+        json!({"expected_revision": revision, "turn": {"id": id, "role": "user",
+               "blocks": [{"id": format!("{id}-b"), "kind": "text", "text": "Go on without them."}]}})
+    };
+    // Bricked: the next user turn is refused, and stays refused.
+    let (status, body) = gateway.post("/v1/conversations/c-brick/turns", user("t-user-2", 2));
+    assert_eq!((status, body["error"]["code"].clone()), (422, json!("rejected")), "{body}");
+    let before = gateway.get("/v1/conversations/c-brick");
+    assert!(before.get("repairs").is_none(), "an unrepaired conversation's document is unchanged");
+
+    // A dry run shows the plan and changes nothing.
+    let (status, dry) = gateway.post("/v1/conversations/c-brick/repair", json!({"dry_run": true}));
+    assert_eq!(status, 200, "{dry}");
+    assert_eq!((dry["applied"].clone(), dry["revision"].clone()), (json!(false), json!(2)));
+    let actions = dry["plan"]["actions"].as_array().unwrap();
+    assert_eq!(actions.len(), 2);
+    assert!(actions.iter().all(|action| action["op"] == "cancel" && action["cause"] == "pending_call"));
+    assert_eq!(gateway.get("/v1/conversations/c-brick"), before);
+    // Without the revision, or with a stale one, nothing is repaired.
+    let (status, body) = gateway.post("/v1/conversations/c-brick/repair", json!({}));
+    assert_eq!((status, body["error"]["code"].clone()), (422, json!("invalid_request")));
+    let (status, body) = gateway.post("/v1/conversations/c-brick/repair", json!({"expected_revision": 1}));
+    assert_eq!((status, body["error"]["code"].clone()), (409, json!("revision_conflict")));
+    let (status, body) = gateway.post("/v1/conversations/c-brick/repair", json!({"expected_revision": 2, "force": true}));
+    assert_eq!((status, body["error"]["code"].clone()), (422, json!("invalid_request")));
+    let (status, body) = gateway.post("/v1/conversations/nope/repair", json!({"expected_revision": 0}));
+    assert_eq!((status, body["error"]["code"].clone()), (404, json!("not_found")));
+    assert_eq!(gateway.get("/v1/conversations/c-brick"), before);
+    assert_eq!(gateway.metric(r#"turnstile_history_repairs_total{kind="pending_call",route="native"}"#), 0.0);
+
+    // The repair: one new tool turn of gateway cancels, with its record.
+    let (status, applied) = gateway.post(
+        "/v1/conversations/c-brick/repair",
+        json!({"expected_revision": 2, "actor": "ops@example"}),
+    );
+    assert_eq!(status, 200, "{applied}");
+    assert_eq!((applied["applied"].clone(), applied["revision"].clone()), (json!(true), json!(3)));
+    assert_eq!(applied["plan"]["digest"], dry["plan"]["digest"], "the plan shown is the plan applied");
+    assert_eq!(gateway.metric(r#"turnstile_history_repairs_total{kind="pending_call",route="native"}"#), 2.0);
+    let done = gateway.get("/v1/tool-calls?state=done")["tool_calls"].as_array().unwrap().len();
+    assert_eq!(done, 2, "the cancels close the calls in the execution ledger");
+    let after = gateway.get("/v1/conversations/c-brick");
+    let last = after["turns"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["role"], "tool");
+    assert!(last["blocks"].as_array().unwrap().iter().all(|block| block["status"] == "cancel"));
+    let record = |document: &Value| document["repairs"][0].clone();
+    assert_eq!(record(&after)["plan_digest"], applied["plan"]["digest"]);
+    assert_eq!(record(&after)["revision"], 3);
+    assert_eq!(record(&after)["actor"], "ops@example");
+    assert_eq!(record(&after)["plan"], applied["plan"]);
+
+    // A legal history has nothing to repair: nothing is written.
+    let (status, again) = gateway.post("/v1/conversations/c-brick/repair", json!({"expected_revision": 3}));
+    assert_eq!((status, again["applied"].clone()), (200, json!(false)));
+    assert!(again["plan"]["actions"].as_array().unwrap().is_empty());
+
+    // The record survives a restart.
+    gateway.kill();
+    drop(gateway);
+    let gateway = Gateway::start(&dir, &store, &sim, "");
+    assert_eq!(record(&gateway.get("/v1/conversations/c-brick")), record(&after));
+
+    // Un-bricked: the user's turn is taken and the conversation dispatches again.
+    let (status, body) = gateway.post("/v1/conversations/c-brick/turns", user("t-user-2", 3));
+    assert_eq!(status, 200, "{body}");
+    sim.script("brick", json!([{"text": "Done without them."}]));
+    let events = gateway.dispatch("c-brick", "op-brick-2", "anthropic-messages@2", "brick");
+    assert_eq!(named(&events, "committed").len(), 1, "{events:?}");
+}
