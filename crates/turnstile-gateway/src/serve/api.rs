@@ -920,6 +920,7 @@ async fn dispatch_current(
             },
             output_format: request.output_format,
             passthrough: Default::default(),
+            repair: None,
         },
         None,
     )

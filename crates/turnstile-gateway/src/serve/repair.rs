@@ -19,7 +19,12 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use turnstile_core::Revision;
 use turnstile_core::repair::{self, Action, Options, Placement, RepairPlan};
+use turnstile_adapters::import::{ImportError, Imported};
 use turnstile_store::{AppendOutcome, NewRepair};
+
+/// The response header of a proxied request whose history was repaired:
+/// `plan=<digest>; <cause>=<count>,…`.
+pub const REPAIRED_HEADER: &str = "x-turnstile-repaired";
 
 /// Longest `actor` a repair request may name.
 pub const ACTOR_BYTES_MAX: usize = 256;
@@ -201,4 +206,39 @@ pub async fn with_repairs(shared: &Shared, store_id: &str, mut document: Value) 
         .collect();
     document["repairs"] = Value::Array(records);
     Ok(document)
+}
+
+/// A proxy route's repair (`repair_history`): the imported request with its history repaired,
+/// and the plan, when there is something to repair. A plan that cannot make the history legal
+/// is not applied (the request is refused as it stands, the plan shown with the refusal); the
+/// plan comes back so the caller can tell (`RepairPlan::is_complete`).
+pub fn repair_imported(
+    imported: Result<Imported, ImportError>,
+) -> (Result<Imported, ImportError>, Option<RepairPlan>) {
+    let Ok(mut imported) = imported else {
+        return (imported, None);
+    };
+    // A document that is not v1 at all is the importer's bug; `admit` reports it as it is.
+    let Ok(plan) = repair::plan(&imported.document, Options { close_pending: true }) else {
+        return (Ok(imported), None);
+    };
+    if plan.is_empty() {
+        return (Ok(imported), None);
+    }
+    if plan.is_complete()
+        && let Ok(repaired) = repair::apply(&plan, &imported.document)
+    {
+        imported.document = repaired;
+    }
+    (Ok(imported), Some(plan))
+}
+
+/// The value of [`REPAIRED_HEADER`] for an applied plan.
+pub fn header_value(plan: &RepairPlan) -> String {
+    let counts: Vec<String> = plan
+        .counts()
+        .into_iter()
+        .map(|(cause, count)| format!("{}={count}", cause.as_str()))
+        .collect();
+    format!("plan={}; {}", plan.digest, counts.join(","))
 }
