@@ -182,7 +182,9 @@ impl Action {
     /// Why the action is in the plan.
     pub fn cause(&self) -> Cause {
         match self {
-            Action::TakeOut { cause, .. } | Action::DropTurn { cause, .. } | Action::Cancel { cause, .. } => *cause,
+            Action::TakeOut { cause, .. } | Action::DropTurn { cause, .. } | Action::Cancel { cause, .. } => {
+                *cause
+            }
         }
     }
 }
@@ -253,7 +255,12 @@ pub fn plan(document: &Value, options: Options) -> Result<RepairPlan, Unreadable
         Verdict::Rejected(violations) => violations,
         Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
     };
-    Ok(seal(conversation.conversation_id, document_digest, actions, needs_person))
+    Ok(seal(
+        conversation.conversation_id,
+        document_digest,
+        actions,
+        needs_person,
+    ))
 }
 
 /// The repaired document: `document` with `plan` applied (the same document when the plan is
@@ -317,7 +324,9 @@ fn build(document: &Value, actions: &[Action]) -> Value {
             Action::Cancel {
                 placement, result, ..
             } => match placement {
-                Placement::Turn { turn_index } => appended.entry(*turn_index).or_default().push(result.clone()),
+                Placement::Turn { turn_index } => {
+                    appended.entry(*turn_index).or_default().push(result.clone())
+                }
                 Placement::NewTurn {
                     after_turn_index,
                     turn,
@@ -463,7 +472,9 @@ impl<'a> Planner<'a> {
                         let digest = arguments.digest();
                         match self.calls.get(call_id.as_str()) {
                             Some(&(first_turn, first_tool, first_digest))
-                                if first_turn == turn_index && first_tool == tool && first_digest == digest =>
+                                if first_turn == turn_index
+                                    && first_tool == tool
+                                    && first_digest == digest =>
                             {
                                 self.take_out(Cause::DuplicateCallId, turn_index, block_index);
                                 taken_here += 1;
@@ -598,7 +609,9 @@ impl<'a> Planner<'a> {
         let turn = &self.conversation.turns[turn_index];
         let block = &turn.blocks[block_index];
         let call_id = match &block.body {
-            BlockBody::ToolCall { call_id, .. } | BlockBody::ToolResult { call_id, .. } => Some(call_id.0.clone()),
+            BlockBody::ToolCall { call_id, .. } | BlockBody::ToolResult { call_id, .. } => {
+                Some(call_id.0.clone())
+            }
             _ => None,
         };
         let original = self.document["turns"]

@@ -593,7 +593,10 @@ pub(crate) async fn append_repair<T: Tx>(
 }
 
 /// The repairs recorded for a conversation, oldest first.
-pub(crate) async fn repairs<T: Tx>(tx: &mut T, conversation_id: &str) -> Result<Vec<RepairRecord>, StoreError> {
+pub(crate) async fn repairs<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+) -> Result<Vec<RepairRecord>, StoreError> {
     let rows = tx
         .query(
             "SELECT revision, plan_digest, plan, tenant, actor, repaired_at FROM history_repairs \

@@ -1452,7 +1452,9 @@ impl Ledger for SqliteLedger {
     ) -> Result<AppendOutcome, StoreError> {
         let (id, turn, repair) = (conversation_id.to_owned(), turn.clone(), repair.clone());
         self.run_checking(move |tx, states, next| {
-            block_on_ready(ops::append_repair(tx, &id, expected, &turn, &repair, states, next, now))
+            block_on_ready(ops::append_repair(
+                tx, &id, expected, &turn, &repair, states, next, now,
+            ))
         })
         .await
     }

@@ -24,7 +24,9 @@ fn repaired(api: Api, body: Value, refused: &str) -> Vec<&'static str> {
         panic!("{api:?}: not refused: {body}");
     };
     assert!(
-        violations.iter().any(|violation| violation.code.as_str() == refused),
+        violations
+            .iter()
+            .any(|violation| violation.code.as_str() == refused),
         "{api:?}: {violations:?}"
     );
     let plan = repair::plan(&imported.document, Options { close_pending: true }).unwrap();
@@ -44,7 +46,11 @@ fn repaired(api: Api, body: Value, refused: &str) -> Vec<&'static str> {
         }
     }
     assert!(problems.is_empty(), "{api:?}: {}", problems.join("\n"));
-    let mut causes: Vec<&'static str> = plan.actions.iter().map(|action| action.cause().as_str()).collect();
+    let mut causes: Vec<&'static str> = plan
+        .actions
+        .iter()
+        .map(|action| action.cause().as_str())
+        .collect();
     causes.sort();
     causes.dedup();
     causes
@@ -67,29 +73,56 @@ fn openai_chat_histories_poisoned_by_agents_are_repaired_and_render_for_every_ad
     // An aborted stream mid tool call, kept by the client with its cut arguments.
     let cut = json!({"role": "assistant", "content": "Checking.", "tool_calls": [chat_call("call_a", "{\"city\": \"Os")]});
     assert_eq!(
-        repaired(Api::OpenaiChat, chat(json!([user, cut, after])), "unclosed_arguments"),
+        repaired(
+            Api::OpenaiChat,
+            chat(json!([user, cut, after])),
+            "unclosed_arguments"
+        ),
         ["unclosed_arguments"]
     );
     // A retry appended to the same assistant message, then its result twice.
     let retried = json!({"role": "assistant", "tool_calls": [chat_call("call_a", "{\"city\":\"Oslo\"}"), chat_call("call_a", "{\"city\":\"Oslo\"}")]});
     assert_eq!(
-        repaired(Api::OpenaiChat, chat(json!([user, retried, result("call_a"), result("call_a"), after])), "duplicate_call_id"),
+        repaired(
+            Api::OpenaiChat,
+            chat(json!([user, retried, result("call_a"), result("call_a"), after])),
+            "duplicate_call_id"
+        ),
         ["duplicate_call_id", "duplicate_result"]
     );
     // A max-iterations exit: the call never answered, the user asks again.
     let calls = json!({"role": "assistant", "tool_calls": [chat_call("call_a", "{\"city\":\"Oslo\"}"), chat_call("call_b", "{\"city\":\"Rome\"}")]});
     assert_eq!(
-        repaired(Api::OpenaiChat, chat(json!([user, calls, result("call_a"), after])), "missing_result"),
+        repaired(
+            Api::OpenaiChat,
+            chat(json!([user, calls, result("call_a"), after])),
+            "missing_result"
+        ),
         ["missing_result"]
     );
     // A result sent twice.
     assert_eq!(
-        repaired(Api::OpenaiChat, chat(json!([user, calls, result("call_a"), result("call_b"), result("call_a"), after])), "duplicate_result"),
+        repaired(
+            Api::OpenaiChat,
+            chat(json!([
+                user,
+                calls,
+                result("call_a"),
+                result("call_b"),
+                result("call_a"),
+                after
+            ])),
+            "duplicate_result"
+        ),
         ["duplicate_result"]
     );
     // "No tool call found for function call output": a result for no call.
     assert_eq!(
-        repaired(Api::OpenaiChat, chat(json!([user, result("call_z"), after])), "orphan_result"),
+        repaired(
+            Api::OpenaiChat,
+            chat(json!([user, result("call_z"), after])),
+            "orphan_result"
+        ),
         ["emptied_turn", "orphan_result"]
     );
 }
@@ -101,24 +134,56 @@ fn openai_responses_histories_poisoned_by_agents_are_repaired_and_render_for_eve
     let output = |id: &str| json!({"type": "function_call_output", "call_id": id, "output": "ok"});
     let input = |items: Value| json!({"model": "gpt-4.1", "input": items, "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]});
     assert_eq!(
-        repaired(Api::OpenaiResponses, input(json!([user, call("c1", "{\"city\": \"Os"), user])), "unclosed_arguments"),
+        repaired(
+            Api::OpenaiResponses,
+            input(json!([user, call("c1", "{\"city\": \"Os"), user])),
+            "unclosed_arguments"
+        ),
         ["emptied_turn", "unclosed_arguments"]
     );
     assert_eq!(
-        repaired(Api::OpenaiResponses, input(json!([user, call("c1", "{}"), call("c1", "{}"), output("c1"), user])), "duplicate_call_id"),
+        repaired(
+            Api::OpenaiResponses,
+            input(json!([
+                user,
+                call("c1", "{}"),
+                call("c1", "{}"),
+                output("c1"),
+                user
+            ])),
+            "duplicate_call_id"
+        ),
         ["duplicate_call_id"]
     );
     assert_eq!(
-        repaired(Api::OpenaiResponses, input(json!([user, call("c1", "{}"), call("c2", "{}"), output("c1"), user])), "missing_result"),
+        repaired(
+            Api::OpenaiResponses,
+            input(json!([
+                user,
+                call("c1", "{}"),
+                call("c2", "{}"),
+                output("c1"),
+                user
+            ])),
+            "missing_result"
+        ),
         ["missing_result"]
     );
     assert_eq!(
-        repaired(Api::OpenaiResponses, input(json!([user, call("c1", "{}"), output("c1"), output("c1"), user])), "duplicate_result"),
+        repaired(
+            Api::OpenaiResponses,
+            input(json!([user, call("c1", "{}"), output("c1"), output("c1"), user])),
+            "duplicate_result"
+        ),
         ["duplicate_result"]
     );
     // A call the client is about to send on unanswered: pending, closed on the proxy's request.
     assert_eq!(
-        repaired(Api::OpenaiResponses, input(json!([user, call("c1", "{}"), output("c2")])), "orphan_result"),
+        repaired(
+            Api::OpenaiResponses,
+            input(json!([user, call("c1", "{}"), output("c2")])),
+            "orphan_result"
+        ),
         ["emptied_turn", "orphan_result", "pending_call"]
     );
 }
@@ -128,23 +193,45 @@ fn anthropic_histories_poisoned_by_agents_are_repaired_and_render_for_every_adap
     let user = json!({"role": "user", "content": "weather?"});
     let use_block = |id: &str, city: &str| json!({"type": "tool_use", "id": id, "name": "get_weather", "input": {"city": city}});
     let result = |id: &str| json!({"type": "tool_result", "tool_use_id": id, "content": "ok"});
-    let messages = |messages: Value| json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": messages,
-        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]});
+    let messages = |messages: Value| {
+        json!({"model": "claude-sonnet-4-5", "max_tokens": 10, "messages": messages,
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]})
+    };
     // "tool_use ids were found without tool_result blocks": a max-iterations exit.
-    let calls = json!({"role": "assistant", "content": [use_block("toolu_a", "Oslo"), use_block("toolu_b", "Rome")]});
+    let calls =
+        json!({"role": "assistant", "content": [use_block("toolu_a", "Oslo"), use_block("toolu_b", "Rome")]});
     assert_eq!(
-        repaired(Api::AnthropicMessages, messages(json!([user, calls, {"role": "user", "content": [result("toolu_a"), {"type": "text", "text": "and?"}]}])), "missing_result"),
+        repaired(
+            Api::AnthropicMessages,
+            messages(
+                json!([user, calls, {"role": "user", "content": [result("toolu_a"), {"type": "text", "text": "and?"}]}])
+            ),
+            "missing_result"
+        ),
         ["missing_result"]
     );
     // "unexpected tool_use_id found in tool_result blocks".
     assert_eq!(
-        repaired(Api::AnthropicMessages, messages(json!([user, calls, {"role": "user", "content": [result("toolu_a"), result("toolu_z"), result("toolu_b")]}])), "orphan_result"),
+        repaired(
+            Api::AnthropicMessages,
+            messages(
+                json!([user, calls, {"role": "user", "content": [result("toolu_a"), result("toolu_z"), result("toolu_b")]}])
+            ),
+            "orphan_result"
+        ),
         ["orphan_result"]
     );
     // A retry appended to the same message, and a result sent twice.
-    let retried = json!({"role": "assistant", "content": [use_block("toolu_a", "Oslo"), use_block("toolu_a", "Oslo")]});
+    let retried =
+        json!({"role": "assistant", "content": [use_block("toolu_a", "Oslo"), use_block("toolu_a", "Oslo")]});
     assert_eq!(
-        repaired(Api::AnthropicMessages, messages(json!([user, retried, {"role": "user", "content": [result("toolu_a"), result("toolu_a")]}])), "duplicate_call_id"),
+        repaired(
+            Api::AnthropicMessages,
+            messages(
+                json!([user, retried, {"role": "user", "content": [result("toolu_a"), result("toolu_a")]}])
+            ),
+            "duplicate_call_id"
+        ),
         ["duplicate_call_id", "duplicate_result"]
     );
 }
@@ -156,21 +243,41 @@ fn gemini_histories_poisoned_by_agents_are_repaired_and_render_for_every_adapter
         {"functionCall": {"name": "get_weather", "args": {"city": "Oslo"}}},
         {"functionCall": {"name": "get_time", "args": {}}}]});
     let response = |name: &str| json!({"functionResponse": {"name": name, "response": {"output": "ok"}}});
-    let contents = |contents: Value| json!({"contents": contents, "tools": [{"functionDeclarations": [
-        {"name": "get_weather", "parameters": {"type": "object"}}, {"name": "get_time", "parameters": {"type": "object"}}]}]});
+    let contents = |contents: Value| {
+        json!({"contents": contents, "tools": [{"functionDeclarations": [
+        {"name": "get_weather", "parameters": {"type": "object"}}, {"name": "get_time", "parameters": {"type": "object"}}]}]})
+    };
     // "the number of function response parts is equal to the number of function call parts":
     // fewer responses than calls, then the user goes on.
     assert_eq!(
-        repaired(Api::Gemini, contents(json!([user, calls, {"role": "user", "parts": [response("get_weather"), {"text": "and?"}]}])), "missing_result"),
+        repaired(
+            Api::Gemini,
+            contents(
+                json!([user, calls, {"role": "user", "parts": [response("get_weather"), {"text": "and?"}]}])
+            ),
+            "missing_result"
+        ),
         ["missing_result"]
     );
     // A response sent twice, and one for a call nobody made.
     assert_eq!(
-        repaired(Api::Gemini, contents(json!([user, calls, {"role": "user", "parts": [response("get_weather"), response("get_time"), response("get_time")]}])), "duplicate_result"),
+        repaired(
+            Api::Gemini,
+            contents(
+                json!([user, calls, {"role": "user", "parts": [response("get_weather"), response("get_time"), response("get_time")]}])
+            ),
+            "duplicate_result"
+        ),
         ["duplicate_result"]
     );
     assert_eq!(
-        repaired(Api::Gemini, contents(json!([user, calls, {"role": "user", "parts": [response("get_weather"), response("get_time"), response("get_news")]}])), "orphan_result"),
+        repaired(
+            Api::Gemini,
+            contents(
+                json!([user, calls, {"role": "user", "parts": [response("get_weather"), response("get_time"), response("get_news")]}])
+            ),
+            "orphan_result"
+        ),
         ["orphan_result"]
     );
 }
@@ -186,5 +293,8 @@ fn a_legal_imported_history_is_left_exactly_as_it_was() {
     let imported = import_as(Api::OpenaiChat, &serde_json::to_vec(&body).unwrap(), "m").unwrap();
     let plan = repair::plan(&imported.document, Options { close_pending: true }).unwrap();
     assert!(plan.is_empty());
-    assert_eq!(repair::apply(&plan, &imported.document).unwrap(), imported.document);
+    assert_eq!(
+        repair::apply(&plan, &imported.document).unwrap(),
+        imported.document
+    );
 }

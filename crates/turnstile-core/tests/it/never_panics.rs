@@ -20,7 +20,8 @@ pub fn pipeline(bytes: &[u8]) {
         for close_pending in [false, true] {
             if let Ok(plan) = repair::plan(&document, repair::Options { close_pending }) {
                 let repaired = repair::apply(&plan, &document).expect("a plan applies to its own document");
-                let _ = validate(&Conversation::from_value(repaired).expect("a repaired document is readable"));
+                let _ =
+                    validate(&Conversation::from_value(repaired).expect("a repaired document is readable"));
             }
         }
     }

@@ -21,7 +21,10 @@ fn planned(document: &Value, options: Options) -> (RepairPlan, Value) {
 }
 
 fn causes(plan: &RepairPlan) -> Vec<&'static str> {
-    plan.actions.iter().map(|action| action.cause().as_str()).collect()
+    plan.actions
+        .iter()
+        .map(|action| action.cause().as_str())
+        .collect()
 }
 
 fn args_digest(arguments: &Value) -> String {
@@ -65,7 +68,9 @@ fn check_plan(original: &Value, plan: &RepairPlan, repaired: &Value) -> Result<(
         .collect();
     for turn in repaired["turns"].as_array().unwrap() {
         let id = turn["id"].as_str().ok_or("a repaired turn without an id")?;
-        let blocks = turn["blocks"].as_array().ok_or("a repaired turn without blocks")?;
+        let blocks = turn["blocks"]
+            .as_array()
+            .ok_or("a repaired turn without blocks")?;
         let Some(before) = by_id.get(id) else {
             // A new turn: the gateway's, a tool turn of cancel results only.
             if !id.starts_with(REPAIR_ID_PREFIX) || turn["role"] != "tool" {
@@ -185,7 +190,9 @@ fn a_result_sent_twice_keeps_the_first_terminal_result() {
     assert_eq!(causes(&plan), ["duplicate_result", "emptied_turn"]);
     assert_eq!(verdict_of(&repaired), Verdict::Ready);
     assert_eq!(repaired["turns"].as_array().unwrap().len(), 4);
-    let Action::TakeOut { original, .. } = &plan.actions[0] else { panic!() };
+    let Action::TakeOut { original, .. } = &plan.actions[0] else {
+        panic!()
+    };
     assert_eq!(original["content"][0]["text"], "second");
     check_plan(&doc, &plan, &repaired).unwrap();
 }
@@ -266,7 +273,10 @@ fn what_a_plan_cannot_fix_is_named_and_left_in_place() {
     assert!(plan.is_empty(), "{:?}", plan.actions);
     assert_eq!(repaired, doc);
     let codes: BTreeSet<&str> = plan.needs_person.iter().map(|v| v.code.as_str()).collect();
-    assert_eq!(codes, BTreeSet::from(["duplicate_call_id", "orphan_result", "unknown_kind"]));
+    assert_eq!(
+        codes,
+        BTreeSet::from(["duplicate_call_id", "orphan_result", "unknown_kind"])
+    );
 }
 
 #[test]
@@ -280,10 +290,19 @@ fn a_plan_applies_only_to_its_own_document() {
     let plan = repair::plan(&doc, Options::default()).unwrap();
     let mut other = doc.clone();
     other["turns"][2]["blocks"][0]["text"] = json!("go on");
-    assert!(matches!(repair::apply(&plan, &other), Err(repair::ApplyError::OtherDocument { .. })));
+    assert!(matches!(
+        repair::apply(&plan, &other),
+        Err(repair::ApplyError::OtherDocument { .. })
+    ));
     // The digest covers the plan: the same document gives the same digest, another does not.
-    assert_eq!(repair::plan(&doc, Options::default()).unwrap().digest, plan.digest);
-    assert_ne!(repair::plan(&other, Options::default()).unwrap().digest, plan.digest);
+    assert_eq!(
+        repair::plan(&doc, Options::default()).unwrap().digest,
+        plan.digest
+    );
+    assert_ne!(
+        repair::plan(&other, Options::default()).unwrap().digest,
+        plan.digest
+    );
 }
 
 /// Mutations a plan always repairs by itself (the rest may need a person).

@@ -92,7 +92,10 @@ fn print_summary(plan: &RepairPlan) {
                 cause.as_str()
             ),
             Action::DropTurn { turn, .. } => {
-                println!("  drop turn {}, left with no block", turn.as_deref().unwrap_or("-"))
+                println!(
+                    "  drop turn {}, left with no block",
+                    turn.as_deref().unwrap_or("-")
+                )
             }
             Action::Cancel {
                 cause,

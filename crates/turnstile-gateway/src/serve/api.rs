@@ -353,7 +353,10 @@ fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
 }
 
 /// Authenticate, then read the JSON body within its limits.
-pub(crate) async fn authenticated_json(shared: &Shared, request: Request) -> Result<(Caller, Value), ApiError> {
+pub(crate) async fn authenticated_json(
+    shared: &Shared,
+    request: Request,
+) -> Result<(Caller, Value), ApiError> {
     let (parts, body) = request.into_parts();
     let caller = caller(shared, &parts.headers)?;
     Ok((caller, json_body(shared, body).await?))
@@ -413,7 +416,10 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
 
 /// A native body must be a JSON object naming only fields the endpoint knows (spec additions:
 /// unknown fields are 422 `invalid_request`, never ignored; so is a body that is not an object).
-pub(crate) fn strict_object(body: Value, allowed: &[&str]) -> Result<serde_json::Map<String, Value>, ApiError> {
+pub(crate) fn strict_object(
+    body: Value,
+    allowed: &[&str],
+) -> Result<serde_json::Map<String, Value>, ApiError> {
     let Value::Object(map) = body else {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -222,7 +222,8 @@ pub fn rejected_codes(codes: &[ViolationCode]) {
 /// Count the changes of an applied repair plan, one per action, by cause.
 pub fn history_repairs(plan: &turnstile_core::repair::RepairPlan, route: &str) {
     for (cause, count) in plan.counts() {
-        counter!(HISTORY_REPAIRS, "kind" => cause.as_str(), "route" => route.to_owned()).increment(count as u64);
+        counter!(HISTORY_REPAIRS, "kind" => cause.as_str(), "route" => route.to_owned())
+            .increment(count as u64);
     }
 }
 

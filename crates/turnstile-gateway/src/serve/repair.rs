@@ -17,9 +17,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json};
 use serde_json::{Value, json};
 use std::sync::Arc;
+use turnstile_adapters::import::{ImportError, Imported};
 use turnstile_core::Revision;
 use turnstile_core::repair::{self, Action, Options, Placement, RepairPlan};
-use turnstile_adapters::import::{ImportError, Imported};
 use turnstile_store::{AppendOutcome, NewRepair};
 
 /// The response header of a proxied request whose history was repaired:
@@ -40,7 +40,11 @@ struct RepairBody {
 }
 
 fn invalid(message: &str) -> ApiError {
-    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, ErrorCode::InvalidRequest, message)
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::InvalidRequest,
+        message,
+    )
 }
 
 fn read_body(body: Value) -> Result<RepairBody, ApiError> {
@@ -55,7 +59,9 @@ fn read_body(body: Value) -> Result<RepairBody, ApiError> {
     };
     let dry_run = match map.get("dry_run") {
         None => false,
-        Some(value) => value.as_bool().ok_or_else(|| invalid("dry_run must be a boolean"))?,
+        Some(value) => value
+            .as_bool()
+            .ok_or_else(|| invalid("dry_run must be a boolean"))?,
     };
     let actor = match map.get("actor") {
         None | Some(Value::Null) => None,
@@ -107,7 +113,12 @@ pub async fn repair_conversation(
     let (caller, body) = api::authenticated_json(&shared, request).await?;
     let body = read_body(body)?;
     let store_id = caller.store_id(&id);
-    let Some(stored) = shared.ledger.conversation(&store_id).await.map_err(ApiError::store)? else {
+    let Some(stored) = shared
+        .ledger
+        .conversation(&store_id)
+        .await
+        .map_err(ApiError::store)?
+    else {
         return Err(ApiError::not_found("conversation"));
     };
     // The plan is the caller's view: its own conversation id, digests over that document.

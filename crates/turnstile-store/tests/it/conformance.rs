@@ -2471,22 +2471,36 @@ pub async fn a_repair_appends_its_turn_and_its_record_together_and_both_survive_
         };
         // A stale revision and an illegal turn write neither the turn nor the record.
         assert_eq!(
-            store.append_repair("c", Revision(1), &turn, &record, at(30)).await.unwrap(),
+            store
+                .append_repair("c", Revision(1), &turn, &record, at(30))
+                .await
+                .unwrap(),
             AppendOutcome::Conflict { current: Revision(2) }
         );
         let orphan = json!({"id": "t-orphan", "role": "tool", "blocks": [{"id": "r", "kind": "tool_result",
             "call_id": "call-none", "tool": "get_weather", "status": "success", "content": []}]});
         assert!(matches!(
-            store.append_repair("c", Revision(2), &orphan, &record, at(30)).await.unwrap(),
+            store
+                .append_repair("c", Revision(2), &orphan, &record, at(30))
+                .await
+                .unwrap(),
             AppendOutcome::Rejected(_)
         ));
         assert!(store.repairs("c").await.unwrap().is_empty());
         assert_eq!(
-            store.append_repair("c", Revision(2), &turn, &record, at(31)).await.unwrap(),
-            AppendOutcome::Appended { revision: Revision(3) }
+            store
+                .append_repair("c", Revision(2), &turn, &record, at(31))
+                .await
+                .unwrap(),
+            AppendOutcome::Appended {
+                revision: Revision(3)
+            }
         );
         // The cancels close the calls in the execution ledger, as any tool turn does.
-        assert_eq!(store.tool_calls(Some(ToolCallState::Done)).await.unwrap().len(), 2);
+        assert_eq!(
+            store.tool_calls(Some(ToolCallState::Done)).await.unwrap().len(),
+            2
+        );
         plan
     };
     let store = open_at(&place, 2).await;
