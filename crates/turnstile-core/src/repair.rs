@@ -248,12 +248,34 @@ pub enum ApplyError {
 /// one (a new turn past `TURNS_MAX`).
 pub fn plan(document: &Value, options: Options) -> Result<RepairPlan, Unreadable> {
     let conversation = Conversation::from_value(document.clone())?;
-    let actions = Planner::new(&conversation, document, options).run();
     let document_digest = Digest::of_value(document);
-    let repaired = build(document, &actions);
-    let needs_person = match validate(&Conversation::from_value(repaired)?) {
-        Verdict::Rejected(violations) => violations,
-        Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
+    let verdict = validate(&conversation);
+    // A legal history (with nothing pending, when pending calls are to be closed) has nothing
+    // to repair: no walk, and no second decode of a copy.
+    let legal = match &verdict {
+        Verdict::Ready => true,
+        Verdict::Waiting { .. } => !options.close_pending,
+        Verdict::Rejected(_) => false,
+    };
+    if legal {
+        return Ok(seal(
+            conversation.conversation_id,
+            document_digest,
+            Vec::new(),
+            Vec::new(),
+        ));
+    }
+    let actions = Planner::new(&conversation, document, options).run();
+    let needs_person = if actions.is_empty() {
+        match verdict {
+            Verdict::Rejected(violations) => violations,
+            Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
+        }
+    } else {
+        match validate(&Conversation::from_value(build(document, &actions))?) {
+            Verdict::Rejected(violations) => violations,
+            Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
+        }
     };
     Ok(seal(
         conversation.conversation_id,
