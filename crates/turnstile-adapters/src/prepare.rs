@@ -104,6 +104,11 @@ pub struct Settings {
     pub output_format: OutputFormat,
     /// Fields only the client's API takes (proxy requests only).
     pub passthrough: Passthrough,
+    /// The history repair applied to the conversation before it was rendered (a proxy route
+    /// with `repair_history`: `turnstile_core::repair`'s plan as JSON): written into the render
+    /// policy as `repair`, so the manifest's `policy_digest` pins it. None: nothing repaired,
+    /// and the policy (and its digest) is what it always was.
+    pub repair: Option<serde_json::Value>,
 }
 
 /// A request setting the target API cannot take. Tests assert [`SettingError::code`] and
@@ -166,6 +171,7 @@ pub fn prepare_with_sampling(
         tool_choice: ToolChoice::default(),
         output_format: OutputFormat::default(),
         passthrough: Passthrough::default(),
+        repair: None,
     };
     match prepare_with_settings(graph, request, &settings, catalog, cache) {
         Ok(outcome) => Ok(outcome),
@@ -223,7 +229,10 @@ pub fn prepare_with_settings(
     let conversation = graph.conversation();
     // The policy as the JSON value `policy_digest` is over, built once: the digest here and the
     // copy the store keeps (and checks against the digest) are both of it.
-    let policy = serde_json::to_value(&rendered.policy).expect("a render policy serialises to JSON");
+    let mut policy = serde_json::to_value(&rendered.policy).expect("a render policy serialises to JSON");
+    if let (Some(repair), Some(map)) = (&settings.repair, policy.as_object_mut()) {
+        map.insert("repair".to_owned(), repair.clone());
+    }
     let manifest = ManifestBody {
         format: MANIFEST_FORMAT_V1.to_owned(),
         operation_id: request.operation_id.clone(),

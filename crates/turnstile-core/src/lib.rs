@@ -23,6 +23,7 @@ pub mod kept;
 pub mod limits;
 pub mod manifest;
 pub mod parse;
+pub mod repair;
 pub mod sequence;
 pub mod stream;
 pub mod validate;

@@ -29,6 +29,8 @@ enum Command {
     Assemble(cli::assemble::AssembleArgs),
     /// Render the request an adapter would send (exit 0 rendered, 3 waiting, 1 rejected, 4 paused, 5 over budget, 2 usage).
     Render(cli::render::RenderArgs),
+    /// Plan (or with --apply, perform) the repair of a poisoned history (exit 0 ready, 3 waiting, 1 a person is needed, 2 unreadable).
+    Repair(cli::repair::RepairArgs),
     /// Run the provider simulator (OpenAI Chat, OpenAI Responses, Anthropic, Gemini wire formats on loopback).
     Sim(cli::sim::SimArgs),
     /// Run the gateway (HTTP API, dispatch, recovery, metrics) on its embedded default: SQLite + built-in simulator.
@@ -52,6 +54,7 @@ fn main() -> ExitCode {
         Command::Validate(args) => cli::validate::run(&args),
         Command::Assemble(args) => cli::assemble::run(&args),
         Command::Render(args) => cli::render::run(&args),
+        Command::Repair(args) => cli::repair::run(&args),
         Command::Sim(args) => cli::sim::run(&args),
         Command::Serve(args) => cli::serve::run(args),
     };

@@ -193,6 +193,21 @@ pub trait Ledger: Send + Sync {
         now: Timestamp,
     ) -> Result<AppendOutcome, StoreError>;
 
+    /// [`Ledger::append_turn`] of a repaired history's turn (`turnstile_core::repair`), with the
+    /// durable record of the repair in the same transaction.
+    async fn append_repair(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        repair: &NewRepair,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError>;
+
+    /// The repairs recorded for a conversation, oldest first (empty for none or no such
+    /// conversation).
+    async fn repairs(&self, conversation_id: &str) -> Result<Vec<RepairRecord>, StoreError>;
+
     /// Store a dispatch: the manifest as given and the exact request bytes. Idempotent on the
     /// manifest's `operation_id`.
     async fn prepare(

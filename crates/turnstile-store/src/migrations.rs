@@ -108,6 +108,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0012_turn_digests.sql"),
         postgres: include_str!("../migrations/postgres/0012_turn_digests.sql"),
     },
+    Migration {
+        version: 13,
+        name: "history_repairs",
+        sqlite: include_str!("../migrations/sqlite/0013_history_repairs.sql"),
+        postgres: include_str!("../migrations/postgres/0013_history_repairs.sql"),
+    },
 ];
 
 /// The newest version this build knows.

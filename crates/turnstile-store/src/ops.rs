@@ -599,6 +599,66 @@ pub(crate) async fn append_turn<T: Tx>(
     Ok(AppendOutcome::Appended { revision })
 }
 
+/// [`append_turn`] of a repaired history's turn, and in the same transaction the durable record
+/// of the repair, keyed by the revision the turn makes: the repair and its record land
+/// together or not at all.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn append_repair<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+    expected: Revision,
+    turn: &Value,
+    repair: &NewRepair,
+    states: &States<'_>,
+    next: &mut Option<Checked>,
+    now: Timestamp,
+) -> Result<AppendOutcome, StoreError> {
+    let outcome = append_turn(tx, conversation_id, expected, turn, states, next, now).await?;
+    if let AppendOutcome::Appended { revision } = &outcome {
+        tx.execute(
+            "INSERT INTO history_repairs (conversation_id, revision, plan_digest, plan, tenant, actor, repaired_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                conversation_id.into(),
+                revision.0.into(),
+                repair.plan_digest.as_str().into(),
+                repair.plan.to_string().into(),
+                repair.tenant.clone().into(),
+                repair.actor.clone().into(),
+                ts(now),
+            ],
+        )
+        .await?;
+    }
+    Ok(outcome)
+}
+
+/// The repairs recorded for a conversation, oldest first.
+pub(crate) async fn repairs<T: Tx>(
+    tx: &mut T,
+    conversation_id: &str,
+) -> Result<Vec<RepairRecord>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT revision, plan_digest, plan, tenant, actor, repaired_at FROM history_repairs \
+             WHERE conversation_id = $1 ORDER BY revision",
+            &[conversation_id.into()],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(RepairRecord {
+                revision: Revision(row.uint(0)?),
+                plan_digest: row.text(1)?,
+                plan: json_of(&row.text(2)?)?,
+                tenant: row.text_opt(3)?,
+                actor: row.text_opt(4)?,
+                repaired_at: Timestamp(row.uint(5)?),
+            })
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatches
 

@@ -608,6 +608,38 @@ impl Ledger for PgLedger {
         Ok(outcome)
     }
 
+    async fn append_repair(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        repair: &NewRepair,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError> {
+        let mut next = None;
+        let outcome = in_tx!(self, |tx| ops::append_repair(
+            &mut tx,
+            conversation_id,
+            expected,
+            turn,
+            repair,
+            &history::States {
+                cache: &self.validation,
+                walk: true,
+            },
+            &mut next,
+            now
+        ))?;
+        if let Some(next) = next {
+            self.validation.put(next);
+        }
+        Ok(outcome)
+    }
+
+    async fn repairs(&self, conversation_id: &str) -> Result<Vec<RepairRecord>, StoreError> {
+        in_tx!(self, |tx| ops::repairs(&mut tx, conversation_id))
+    }
+
     async fn prepare_with_policy(
         &self,
         manifest: &DispatchManifest,

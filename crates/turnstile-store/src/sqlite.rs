@@ -1461,6 +1461,28 @@ impl Ledger for SqliteLedger {
         .await
     }
 
+    async fn append_repair(
+        &self,
+        conversation_id: &str,
+        expected: Revision,
+        turn: &Value,
+        repair: &NewRepair,
+        now: Timestamp,
+    ) -> Result<AppendOutcome, StoreError> {
+        let (id, turn, repair) = (conversation_id.to_owned(), turn.clone(), repair.clone());
+        self.run_checking(move |tx, states, next| {
+            block_on_ready(ops::append_repair(
+                tx, &id, expected, &turn, &repair, states, next, now,
+            ))
+        })
+        .await
+    }
+
+    async fn repairs(&self, conversation_id: &str) -> Result<Vec<RepairRecord>, StoreError> {
+        let id = conversation_id.to_owned();
+        self.read(|tx| block_on_ready(ops::repairs(tx, &id)))
+    }
+
     async fn prepare_with_policy(
         &self,
         manifest: &DispatchManifest,

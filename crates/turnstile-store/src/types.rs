@@ -109,6 +109,37 @@ pub enum AppendOutcome {
     NotFound,
 }
 
+/// A history repair to record with the turn it appends (`Ledger::append_repair`): the plan
+/// (`turnstile_core::repair`) as JSON and its digest, and who asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewRepair {
+    /// The plan's `digest`.
+    pub plan_digest: String,
+    /// The whole plan, as the caller was shown it.
+    pub plan: Value,
+    /// The tenant that asked (None without tenants).
+    pub tenant: Option<String>,
+    /// Who asked, as the caller named itself (free text, bounded by the caller).
+    pub actor: Option<String>,
+}
+
+/// A recorded history repair, as `Ledger::repairs` reads it back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RepairRecord {
+    /// The revision the repaired turn made.
+    pub revision: Revision,
+    /// The plan's `digest`.
+    pub plan_digest: String,
+    /// The whole plan.
+    pub plan: Value,
+    /// The tenant that asked.
+    pub tenant: Option<String>,
+    /// Who asked, as named.
+    pub actor: Option<String>,
+    /// When (ms since the epoch, the writer's `now`).
+    pub repaired_at: Timestamp,
+}
+
 /// A stored dispatch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DispatchRecord {

@@ -330,6 +330,8 @@ impl World {
             original_provider: "sim".to_owned(),
             fallbacks,
             answer: turnstile_gateway::serve::config::AnswerMode::Stream,
+            repair_history: false,
+            label: "sim/*".to_owned(),
         };
         let targets = proxy::targets_of(&route, &imported.model);
         let settings = proxy::settings_of(&imported);

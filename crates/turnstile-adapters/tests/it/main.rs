@@ -3,6 +3,7 @@
 mod import_golden;
 mod import_props;
 mod import_refusals;
+mod import_repair;
 mod import_validator;
 mod render_admission;
 mod render_cache;

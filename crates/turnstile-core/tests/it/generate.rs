@@ -297,7 +297,7 @@ pub fn mutate(conversation: &mut Value, mutation: Mutation, rng: &mut Rng) -> bo
                 Mutation::ChangeResultArgsDigest => {
                     block["args_digest"] = json!(Digest::of_canonical(&json!({"city": "Elsewhere"})))
                 }
-                _ => block["generation"] = json!(block["generation"].as_u64().unwrap() + 100),
+                _ => block["generation"] = json!(block["generation"].as_u64().unwrap_or(0) + 100),
             }
         }
         Mutation::OmitResultField => {

@@ -10,6 +10,7 @@ mod kept;
 mod never_panics;
 mod properties;
 mod push_turn;
+mod repair;
 mod sequence;
 mod tidy;
 mod typed_decode;

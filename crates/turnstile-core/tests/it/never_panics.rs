@@ -4,14 +4,25 @@
 
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
-use turnstile_core::{MessageSequence, Validated, parse, validate};
+use turnstile_core::{Conversation, MessageSequence, Validated, parse, repair, validate};
 
-/// The whole pipeline on untrusted bytes; any panic fails the property.
+/// The whole pipeline on untrusted bytes; any panic fails the property. The history doctor
+/// (`repair.rs`) too: its plan of any readable document applies to it, and the repaired
+/// document decodes again.
 pub fn pipeline(bytes: &[u8]) {
     if let Ok(conversation) = parse::conversation_from_slice(bytes) {
         let _ = validate(&conversation);
         if let Ok(validated) = Validated::new(&conversation) {
             let _ = MessageSequence::build(validated);
+        }
+    }
+    if let Ok(document) = parse::json_from_slice(bytes) {
+        for close_pending in [false, true] {
+            if let Ok(plan) = repair::plan(&document, repair::Options { close_pending }) {
+                let repaired = repair::apply(&plan, &document).expect("a plan applies to its own document");
+                let _ =
+                    validate(&Conversation::from_value(repaired).expect("a repaired document is readable"));
+            }
         }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod assemble;
 pub mod render;
+pub mod repair;
 pub mod serve;
 pub mod sim;
 pub mod validate;

@@ -7,7 +7,7 @@
 // Routes (deep links): #/c/<conversation>, #/c/<conversation>/d/<operation>, #/d/<operation>.
 
 import { ApiFailure, describe, json, setToken, token } from "./api.js";
-import { outcomeView, previewView, turnsView } from "./conversation.js";
+import { outcomeView, previewView, repairsView, turnsView } from "./conversation.js";
 import { Dispatches, TERMINAL } from "./dispatch.js";
 import { byId, el, renderIfChanged, typed } from "./dom.js";
 import { Feed } from "./feed.js";
@@ -81,7 +81,7 @@ async function loadConversation() {
     if (navigation !== view.navigation) return;
     view.revision = doc.revision;
     byId("conversation-revision").textContent = `revision ${doc.revision}`;
-    renderIfChanged(byId("turns"), `${id}@${doc.revision}`, () => turnsView(doc));
+    renderIfChanged(byId("turns"), `${id}@${doc.revision}`, () => [...turnsView(doc), ...repairsView(doc)]);
     byId("conversation-problem").replaceChildren();
   } catch (error) {
     if (navigation !== view.navigation) return;

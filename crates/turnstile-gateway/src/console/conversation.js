@@ -1,7 +1,8 @@
 // @ts-check
 // conversation.js — owns the open conversation's view: committed turns and blocks (tool calls
-// linked to their results and back), the open conversation's live preview (labelled as
-// preview in text and to assistive technology, never styled as history), and its outcome
+// linked to their results and back; a result the gateway's history repair made says so), the
+// repairs on record (who, when, what changed), the open conversation's live preview (labelled
+// as preview in text and to assistive technology, never styled as history), and its outcome
 // (waiting, rejected, paused, error) in words.
 
 import { el } from "./dom.js";
@@ -11,7 +12,10 @@ import { el } from "./dom.js";
  * @typedef {{ id: string, kind: string, text?: string, trust?: string, call_id?: string, tool?: string,
  *             arguments?: unknown, status?: string, content?: Part[] }} Block
  * @typedef {{ id: string, role: string, revision: number, generation?: number, blocks: Block[] }} Turn
- * @typedef {{ conversation_id: string, revision: number, turns: Turn[] }} ConversationDocument
+ * @typedef {{ op: string, cause: string, call_id?: string, block?: string | null, turn?: string | null }} RepairAction
+ * @typedef {{ revision: number, plan_digest: string, tenant: string | null, actor: string | null, repaired_at: number,
+ *             plan: { actions: RepairAction[] } }} RepairRecord
+ * @typedef {{ conversation_id: string, revision: number, turns: Turn[], repairs?: RepairRecord[] }} ConversationDocument
  * @typedef {import("./dispatch.js").Session} Session
  */
 
@@ -61,8 +65,10 @@ function blockView(block, results, calls) {
       const callId = block.call_id || "";
       const call = calls.get(callId);
       const content = (block.content || []).map((part) => part.text ?? `[${part.kind}]`).join(" ");
+      // A result whose id is the repair's prefix was made by the gateway, not by a tool.
+      const byRepair = block.id.startsWith("repair-") ? " · by the gateway's history repair" : "";
       return el("div", { class: "edge", id: resultAnchor(callId), tabindex: "-1" },
-        el("span", { class: "badge" }, `result · ${block.status}`), " ",
+        el("span", { class: "badge" }, `result · ${block.status}${byRepair}`), " ",
         call ? jump(`for call ${call.tool} (${callId})`, callAnchor(callId)) : `for call ${callId}`, " ",
         el("span", { class: "block-text" }, content));
     }
@@ -88,6 +94,32 @@ export function turnsView(doc) {
   return doc.turns.map((turn) => el("article", { class: "turn", "data-role": turn.role, "aria-label": `${turn.role} turn, revision ${turn.revision}` },
     el("div", { class: "meta" }, `${turn.role} · ${turn.id} · revision ${turn.revision}`, turn.generation ? ` · generation ${turn.generation}` : ""),
     turn.blocks.map((block) => blockView(block, results, calls))));
+}
+
+/** @param {RepairAction} action */
+function repairActionText(action) {
+  switch (action.op) {
+    case "cancel": return `cancelled call ${action.call_id} in the gateway's name (${action.cause})`;
+    case "take_out": return `took out block ${action.block ?? "–"} of turn ${action.turn ?? "–"}, kept in the plan (${action.cause})`;
+    case "drop_turn": return `dropped turn ${action.turn ?? "–"}, left with no block`;
+    default: return `${action.op} (${action.cause})`;
+  }
+}
+
+/**
+ * The history repairs on record (`repairs` of the conversation document), oldest first.
+ * @param {ConversationDocument} doc
+ */
+export function repairsView(doc) {
+  const repairs = doc.repairs || [];
+  if (repairs.length === 0) return [];
+  return [el("section", { class: "repairs", "aria-label": "History repairs" },
+    el("h3", {}, "History repairs"),
+    repairs.map((repair) => el("article", { class: "turn", "aria-label": `History repair at revision ${repair.revision}` },
+      el("div", { class: "meta" }, `Repaired at revision ${repair.revision} · ${new Date(repair.repaired_at).toISOString()}`,
+        ` · by ${repair.actor ?? "(unnamed)"}${repair.tenant ? ` (tenant ${repair.tenant})` : ""}`),
+      el("div", { class: "block-text" }, `plan ${repair.plan_digest}`),
+      el("ul", {}, (repair.plan.actions || []).map((action) => el("li", {}, repairActionText(action)))))))];
 }
 
 /**

@@ -237,7 +237,7 @@ impl ApiError {
         self.extra = extra;
         self
     }
-    fn not_found(what: &str) -> ApiError {
+    pub(crate) fn not_found(what: &str) -> ApiError {
         ApiError::new(
             StatusCode::NOT_FOUND,
             ErrorCode::NotFound,
@@ -297,6 +297,10 @@ impl Caller {
     pub(crate) fn store_id(&self, id: &str) -> String {
         format!("{}{id}", self.prefix)
     }
+    /// The tenant's name (None without tenants): who asked, for a repair's record.
+    pub(crate) fn tenant(&self) -> Option<&str> {
+        self.prefix.strip_suffix('~')
+    }
     fn client_id<'a>(&self, store_id: &'a str) -> Option<&'a str> {
         store_id.strip_prefix(self.prefix.as_str())
     }
@@ -354,7 +358,10 @@ fn check_id(id: &str, what: &str) -> Result<(), ApiError> {
 }
 
 /// Authenticate, then read the JSON body within its limits.
-async fn authenticated_json(shared: &Shared, request: Request) -> Result<(Caller, Value), ApiError> {
+pub(crate) async fn authenticated_json(
+    shared: &Shared,
+    request: Request,
+) -> Result<(Caller, Value), ApiError> {
     let (parts, body) = request.into_parts();
     let caller = caller(shared, &parts.headers)?;
     Ok((caller, json_body(shared, body).await?))
@@ -414,7 +421,10 @@ async fn json_body(shared: &Shared, body: Body) -> Result<Value, ApiError> {
 
 /// A native body must be a JSON object naming only fields the endpoint knows (spec additions:
 /// unknown fields are 422 `invalid_request`, never ignored; so is a body that is not an object).
-fn strict_object(body: Value, allowed: &[&str]) -> Result<serde_json::Map<String, Value>, ApiError> {
+pub(crate) fn strict_object(
+    body: Value,
+    allowed: &[&str],
+) -> Result<serde_json::Map<String, Value>, ApiError> {
     let Value::Object(map) = body else {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -441,7 +451,7 @@ pub(crate) fn violations_json(violations: &[turnstile_core::Violation]) -> Value
 }
 
 /// The conversation document with the caller's own id.
-fn client_document(caller: &Caller, mut document: Value) -> Value {
+pub(crate) fn client_document(caller: &Caller, mut document: Value) -> Value {
     if let Some(id) = document["conversation_id"]
         .as_str()
         .and_then(|id| caller.client_id(id))
@@ -566,7 +576,10 @@ pub async fn get_conversation(
         .await
         .map_err(ApiError::store)?
     {
-        Some(document) => Ok(Json(client_document(&caller, document)).into_response()),
+        Some(document) => {
+            let document = super::repair::with_repairs(&shared, &caller.store_id(&id), document).await?;
+            Ok(Json(client_document(&caller, document)).into_response())
+        }
         None => Err(ApiError::not_found("conversation")),
     }
 }
@@ -922,6 +935,7 @@ async fn dispatch_current(
             },
             output_format: request.output_format,
             passthrough: Default::default(),
+            repair: None,
         },
         None,
     )

@@ -260,6 +260,10 @@ pub struct Route {
     /// How a streamed client request is answered (default `stream`).
     #[serde(default)]
     pub answer: AnswerMode,
+    /// Repair a request's illegal history before dispatch (`turnstile_core::repair`, pending
+    /// calls closed) instead of refusing it (default `false`: refused, as always).
+    #[serde(default)]
+    pub repair_history: bool,
 }
 
 /// One failover target of a route.

@@ -48,6 +48,11 @@ pub const SHADOW_COMPARISONS: &str = "turnstile_shadow_comparisons_total";
 /// `not_importable`).
 pub const SHADOW_DIFFS: &str = "turnstile_shadow_diffs_total";
 
+/// History repairs applied, by `kind` (the cause of each change: a violation code,
+/// `pending_call` or `emptied_turn`) and `route` (`native` for `POST
+/// /v1/conversations/{id}/repair`).
+pub const HISTORY_REPAIRS: &str = "turnstile_history_repairs_total";
+
 /// Store operations of the dispatch driver that failed (the driver ended or left the attempt
 /// explicitly; see `turnstile_drive`).
 pub const DRIVER_STORE_FAILURES: &str = "turnstile_driver_store_failures_total";
@@ -170,6 +175,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
     ] {
         counter!(name).absolute(0);
     }
+    for cause in turnstile_core::repair::Cause::ALL {
+        counter!(HISTORY_REPAIRS, "kind" => cause.as_str(), "route" => "native").absolute(0);
+    }
     for reason in SELF_FENCE_REASONS {
         counter!(SELF_FENCES, "reason" => reason).absolute(0);
     }
@@ -215,6 +223,14 @@ pub fn rejected_codes(codes: &[ViolationCode]) {
             ViolationCode::DuplicateResult => counter!(TOOL_RESULT_DUPLICATES).increment(1),
             _ => {}
         }
+    }
+}
+
+/// Count the changes of an applied repair plan, one per action, by cause.
+pub fn history_repairs(plan: &turnstile_core::repair::RepairPlan, route: &str) {
+    for (cause, count) in plan.counts() {
+        counter!(HISTORY_REPAIRS, "kind" => cause.as_str(), "route" => route.to_owned())
+            .increment(count as u64);
     }
 }
 

@@ -17,6 +17,7 @@ pub mod listener;
 pub mod metrics;
 pub mod parse_errors;
 pub mod proxy;
+pub mod repair;
 pub mod traces;
 pub mod transport;
 pub mod write_timeout;
@@ -244,6 +245,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         )
         .route("/v1/conversations/{id}", get(api::get_conversation))
         .route("/v1/conversations/{id}/turns", post(api::append_turn))
+        .route("/v1/conversations/{id}/repair", post(repair::repair_conversation))
         // OpenAI's Conversations API: refused in OpenAI's error shape, whatever the method.
         .route(
             "/v1/conversations/{id}/items",

@@ -233,6 +233,18 @@ try {
   await page.getByRole("alert").filter({ hasText: "cannot be reached" }).first().waitFor(WAIT);
   await page.unroute("**/v1/**");
 
+  // 12. A history repair on record: who, when, what changed; the gateway's cancel says whose it is.
+  await post("/v1/conversations", { conversation_id: "c-repair", tools: [{ name: "get_weather", input_schema: { type: "object" } }] });
+  await post("/v1/conversations/c-repair/turns", { expected_revision: 0, turn: userTurn("t1", "Weather in Oslo?") });
+  await post("/v1/conversations/c-repair/turns", { expected_revision: 1, turn: { id: "t2", role: "assistant", generation: 1,
+    blocks: [{ id: "a1", kind: "tool_call", call_id: "call-oslo", tool: "get_weather", arguments: { city: "Oslo" } }] } });
+  await post("/v1/conversations/c-repair/repair", { expected_revision: 2, actor: "console-test" });
+  await page.goto(base + "/#/c/c-repair");
+  const repairs = page.getByRole("region", { name: "History repairs" });
+  await repairs.getByText(/^Repaired at revision 3 .* by console-test \(tenant ops\)$/).waitFor(WAIT);
+  await repairs.getByText("cancelled call call-oslo in the gateway's name (pending_call)").waitFor(WAIT);
+  await page.getByText("result · cancel · by the gateway's history repair").waitFor(WAIT);
+
   assert.deepEqual(errors, [], "no uncaught error in the page");
   console.log("console test passed; screenshots in " + process.env.SCREENSHOT_DIR);
   failedPage = null;

@@ -17,6 +17,7 @@ mod proxy;
 mod proxy_sdk;
 mod recovery;
 mod render;
+mod repair;
 mod resume;
 mod serve;
 mod sim;

@@ -77,6 +77,7 @@ suite!(
     a_fault_is_the_commit_s_own_when_its_check_must_first_walk_the_history,
     a_begin_at_once_naming_a_target_the_dispatch_lacks_prepares_and_begins_nothing,
     sealed_targets_are_stored_as_checked_ones_and_a_target_that_does_not_match_cannot_be_sealed,
+    a_repair_appends_its_turn_and_its_record_together_and_both_survive_a_reopen,
 );
 
 /// Targets sealed in this process (`prepare_sealed`, `import_and_prepare_sealed`: what the
@@ -2438,6 +2439,82 @@ pub async fn a_tool_turn_appended_directly_closes_its_calls_in_the_ledger(backen
         panic!("an answered call was claimable");
     };
     assert_eq!(state, ToolCallState::Done);
+    check_invariants(&*store, &["c".into()]).await;
+}
+
+pub async fn a_repair_appends_its_turn_and_its_record_together_and_both_survive_a_reopen(
+    backend: Backend,
+    name: &str,
+) {
+    use turnstile_core::repair::{self, Cause, Options};
+    let place = place(backend, name).await;
+    let plan = {
+        let store = open_at(&place, 2).await;
+        conversation_at_1(&*store, "c").await;
+        let generation = prepared_and_begun(&*store, "op-1", "c", 1).await;
+        to_streaming(&*store, "op-1", generation).await;
+        let _ = store
+            .commit("op-1", generation, Revision(1), &assistant_turn("a", 2), at(20))
+            .await
+            .unwrap();
+        // Two calls nobody will answer: the repair closes them with gateway cancels.
+        let document = store.conversation("c").await.unwrap().unwrap();
+        let plan = repair::plan(&document, Options { close_pending: true }).unwrap();
+        assert_eq!(plan.counts().get(&Cause::PendingCall), Some(&2));
+        let repaired = repair::apply(&plan, &document).unwrap();
+        let turn = repaired["turns"].as_array().unwrap().last().unwrap().clone();
+        let record = NewRepair {
+            plan_digest: plan.digest.as_str().to_owned(),
+            plan: serde_json::to_value(&plan).unwrap(),
+            tenant: Some("acme".into()),
+            actor: Some("ops@example".into()),
+        };
+        // A stale revision and an illegal turn write neither the turn nor the record.
+        assert_eq!(
+            store
+                .append_repair("c", Revision(1), &turn, &record, at(30))
+                .await
+                .unwrap(),
+            AppendOutcome::Conflict { current: Revision(2) }
+        );
+        let orphan = json!({"id": "t-orphan", "role": "tool", "blocks": [{"id": "r", "kind": "tool_result",
+            "call_id": "call-none", "tool": "get_weather", "status": "success", "content": []}]});
+        assert!(matches!(
+            store
+                .append_repair("c", Revision(2), &orphan, &record, at(30))
+                .await
+                .unwrap(),
+            AppendOutcome::Rejected(_)
+        ));
+        assert!(store.repairs("c").await.unwrap().is_empty());
+        assert_eq!(
+            store
+                .append_repair("c", Revision(2), &turn, &record, at(31))
+                .await
+                .unwrap(),
+            AppendOutcome::Appended {
+                revision: Revision(3)
+            }
+        );
+        // The cancels close the calls in the execution ledger, as any tool turn does.
+        assert_eq!(
+            store.tool_calls(Some(ToolCallState::Done)).await.unwrap().len(),
+            2
+        );
+        plan
+    };
+    let store = open_at(&place, 2).await;
+    let records = store.repairs("c").await.unwrap();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].revision, Revision(3));
+    assert_eq!(records[0].plan_digest, plan.digest.as_str());
+    assert_eq!(records[0].plan, serde_json::to_value(&plan).unwrap());
+    assert_eq!(records[0].tenant.as_deref(), Some("acme"));
+    assert_eq!(records[0].actor.as_deref(), Some("ops@example"));
+    assert_eq!(records[0].repaired_at, at(31));
+    let document = store.conversation("c").await.unwrap().unwrap();
+    assert_eq!(document["revision"], 3);
+    assert!(store.repairs("nope").await.unwrap().is_empty());
     check_invariants(&*store, &["c".into()]).await;
 }
 

@@ -99,6 +99,10 @@ pub struct RouteSpec {
     pub fallbacks: Vec<super::config::Fallback>,
     /// How a streamed client request is answered.
     pub answer: super::config::AnswerMode,
+    /// Repair an illegal request history before dispatch (off unless the route says so).
+    pub repair_history: bool,
+    /// The route as configured, `<api>/<model>`, for the metrics' `route` label.
+    pub label: String,
 }
 
 fn mode_label(mode: Mode) -> &'static str {
@@ -139,6 +143,8 @@ fn route_for(routes: &[Route], simulator: bool, api: Api, model: &str) -> Option
             original_provider: "sim".into(),
             fallbacks: Vec::new(),
             answer: super::config::AnswerMode::Stream,
+            repair_history: false,
+            label: format!("{}/*", api.as_str()),
         });
     }
     let route = routes.iter().find(|route| route.matches(api.as_str(), model))?;
@@ -155,6 +161,8 @@ fn route_for(routes: &[Route], simulator: bool, api: Api, model: &str) -> Option
             .unwrap_or_else(|| route.provider.clone()),
         fallbacks: route.fallbacks.clone(),
         answer: route.answer,
+        repair_history: route.repair_history,
+        label: format!("{}/{}", route.api, route.model),
     })
 }
 
@@ -609,7 +617,13 @@ pub fn admit(imported: Result<Imported, ImportError>) -> Result<(Imported, Conve
 }
 
 /// A request that was not admitted: recorded for the console, answered in the client's shape.
-fn refuse(shared: &Shared, tenant_prefix: &str, api: Api, not: NotAdmitted) -> Response {
+fn refuse(
+    shared: &Shared,
+    tenant_prefix: &str,
+    api: Api,
+    not: NotAdmitted,
+    repair: Option<&turnstile_core::repair::RepairPlan>,
+) -> Response {
     match not {
         NotAdmitted::NotImportable(error) => {
             shared.refusals.record(refusals::Refused {
@@ -621,6 +635,7 @@ fn refuse(shared: &Shared, tenant_prefix: &str, api: Api, not: NotAdmitted) -> R
                     path: &error.path(),
                 },
                 document: None,
+                repair,
             });
             let mut extra = json!({"path": error.path()});
             if let ImportError::ThreadUnsupported { .. } = error {
@@ -650,6 +665,7 @@ fn refuse(shared: &Shared, tenant_prefix: &str, api: Api, not: NotAdmitted) -> R
                 model: &imported.model,
                 refusal: refusals::Refusal::Waiting(&pending),
                 document: Some(&imported.document),
+                repair,
             });
             provider_error(
                 api,
@@ -667,6 +683,7 @@ fn refuse(shared: &Shared, tenant_prefix: &str, api: Api, not: NotAdmitted) -> R
                 model: &imported.model,
                 refusal: refusals::Refusal::Rejected(&violations),
                 document: Some(&imported.document),
+                repair,
             });
             let codes: Vec<&str> = violations
                 .iter()
@@ -841,6 +858,7 @@ pub fn settings_of(imported: &Imported) -> turnstile_adapters::prepare::Settings
         tool_choice: imported.tool_choice.clone(),
         output_format: imported.output_format.clone(),
         passthrough: imported.passthrough.clone(),
+        repair: None,
     }
 }
 
@@ -857,7 +875,15 @@ async fn serve_ours(
     include_usage: bool,
 ) -> Result<Response, Response> {
     let tenant_prefix = proxy_prefix.strip_suffix("proxy-").unwrap_or("");
-    let (imported, conversation) = admit(imported).map_err(|not| refuse(shared, tenant_prefix, api, not))?;
+    // Off unless the route asks: a repaired history, with the plan that made it.
+    let (imported, repair) = match route.repair_history {
+        true => super::repair::repair_imported(imported),
+        false => (imported, None),
+    };
+    let (imported, conversation) =
+        admit(imported).map_err(|not| refuse(shared, tenant_prefix, api, not, repair.as_ref()))?;
+    // Admitted: a plan that was applied (one that was not would have been refused above).
+    let repair = repair.filter(turnstile_core::repair::RepairPlan::is_complete);
     let Placed {
         conversation_id,
         operation_id,
@@ -896,7 +922,10 @@ async fn serve_ours(
         operation_id.clone(),
         &targets,
         imported.max_output_tokens,
-        settings_of(&imported),
+        turnstile_adapters::prepare::Settings {
+            repair: repair.as_ref().and_then(|plan| serde_json::to_value(plan).ok()),
+            ..settings_of(&imported)
+        },
         import.as_ref(),
     )
     .await
@@ -945,6 +974,10 @@ async fn serve_ours(
             .collect(),
     };
     let mut headers = vec![("x-turnstile-operation-id", local_part(&operation_id).to_owned())];
+    if let Some(plan) = &repair {
+        headers.push((super::repair::REPAIRED_HEADER, super::repair::header_value(plan)));
+        metrics::history_repairs(plan, &route.label);
+    }
     // What the graph does not carry, and the client-only identifiers left out towards another
     // API (`passthrough::INERT_ACROSS_APIS`).
     let mut dropped = imported.dropped.clone();

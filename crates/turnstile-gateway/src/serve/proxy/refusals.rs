@@ -83,6 +83,9 @@ pub struct Refused<'a> {
     pub refusal: Refusal<'a>,
     /// The imported v1 document, when there is one.
     pub document: Option<&'a Value>,
+    /// The repair plan of a route with `repair_history` that could not make the history legal
+    /// (its `needs_person`): shown with the refusal as `repair`.
+    pub repair: Option<&'a turnstile_core::repair::RepairPlan>,
 }
 
 /// A block's JSON, cut to [`REFUSAL_BLOCK_BYTES_MAX`] on a character boundary.
@@ -176,6 +179,10 @@ impl Refusals {
         }
         if let Some(document) = refused.document {
             body["outline"] = outline(document);
+        }
+        if let Some(plan) = refused.repair {
+            body["repair"] = json!({"plan_digest": plan.digest, "actions": plan.actions.len(),
+                                    "needs_person": api::violations_json(&plan.needs_person)});
         }
         // A poisoned lock only means another push panicked mid-way; the deque is still whole.
         let mut records = self

@@ -313,6 +313,7 @@ pub fn compare(
         tool_choice: imported.tool_choice.clone(),
         output_format: imported.output_format.clone(),
         passthrough: imported.passthrough.clone(),
+        repair: None,
     };
     let outcome = match prepare_with_settings(graph, &request, &settings, &shared.catalog, &mut cache) {
         Ok(outcome) => outcome,
