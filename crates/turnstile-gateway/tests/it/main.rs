@@ -21,6 +21,7 @@ mod resume;
 mod serve;
 mod sim;
 mod slow_clients;
+mod startup;
 mod stored_history;
 mod traces;
 mod validate;
