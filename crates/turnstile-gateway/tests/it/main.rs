@@ -17,6 +17,7 @@ mod proxy;
 mod proxy_sdk;
 mod recovery;
 mod render;
+mod replicas;
 mod resume;
 mod serve;
 mod sim;
