@@ -1,6 +1,7 @@
 //! Issue 55: start-up an operator can act on. The real binary against real failures: a port
-//! nothing listens on, a name that does not resolve, a PostgreSQL cluster of the test's own
-//! that checks passwords (SCRAM), a database that does not exist; the bounded retry at start
+//! nothing listens on, a name that does not resolve, a server that never answers, a URL that
+//! requires TLS, a PostgreSQL cluster of the test's own that checks passwords (SCRAM), a
+//! database that does not exist; the bounded retry at start
 //! (`store_connect_retry_ms`) against a store that appears late; one exit status per stage;
 //! `--version` with the commit; `--help` with the environment.
 
@@ -128,6 +129,26 @@ fn a_missing_database_is_named_and_exits_with_the_store_status() {
         EXIT_STORE,
         &["database named in the store URL does not exist", "turnstile_no_such_database"],
     );
+}
+
+#[test]
+fn a_server_that_never_answers_is_named_as_a_timeout_and_exits_with_the_store_status() {
+    // Accepts the connection and says nothing: a frozen server, or a firewall that drops.
+    let port = crate::serve::silent_provider();
+    refused_start(
+        &format!("postgres://turnstile@127.0.0.1:{port}/turnstile"),
+        "store_timeout_ms = 300\n",
+        EXIT_STORE,
+        &["no answer within store_timeout_ms"],
+    );
+}
+
+#[test]
+fn a_url_that_requires_tls_is_named_as_tls_and_exits_with_the_store_status() {
+    // The suite's server speaks no TLS; this build speaks none to PostgreSQL either.
+    let mut url = reqwest::Url::parse(&pg_url()).unwrap();
+    url.set_query(Some("sslmode=require"));
+    refused_start(url.as_str(), "", EXIT_STORE, &["TLS: the URL's sslmode or the server's pg_hba.conf requires TLS"]);
 }
 
 /// A PostgreSQL cluster of this test's own that checks passwords (SCRAM-SHA-256 on loopback
