@@ -396,8 +396,8 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
     }
     let mut catalog = Catalog::builtin();
     if let Some(models) = &config.models {
-        let value = serde_json::to_value(models)
-            .map_err(|error| Failure::config(format!("models: {error}")))?;
+        let value =
+            serde_json::to_value(models).map_err(|error| Failure::config(format!("models: {error}")))?;
         catalog
             .apply_overrides(value)
             .map_err(|error| Failure::config(format!("models: {error}")))?;

@@ -7,15 +7,15 @@
 
 use crate::recovery::wait_for;
 use crate::serve::{
-    Gateway, assert_safety_metrics_zero, assistant_turns, client, client_events, history_is_legal, named, pg_url,
-    run_id,
+    Gateway, assert_safety_metrics_zero, assistant_turns, client, client_events, history_is_legal, named,
+    pg_url, run_id,
 };
 use crate::sim::SimProcess;
 use serde_json::{Value, json};
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// A round-robin TCP load balancer on loopback: each connection goes to the next backend that
@@ -63,7 +63,12 @@ fn address(gateway: &Gateway) -> SocketAddr {
 /// One client's dispatch through the balancer: sent again with the same operation id while
 /// its stream breaks (a replica died under it), for at most 90 s in all (each try at most
 /// 20 s). The events of each try.
-fn dispatch_until_answered(base: &str, conversation: &str, operation: &str, model: &str) -> Vec<Vec<(String, Value)>> {
+fn dispatch_until_answered(
+    base: &str,
+    conversation: &str,
+    operation: &str,
+    model: &str,
+) -> Vec<Vec<(String, Value)>> {
     let body = json!({"operation_id": operation, "target": {"provider": "sim", "model": model, "adapter": "openai-chat@2"},
                       "stream": true, "max_output_tokens": 256});
     let client = reqwest::blocking::Client::builder()
@@ -104,10 +109,17 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
     let model = format!("lb-{run}");
     // Slow streams (~40 deltas, 40 ms apart: over 1.5 s each), so that the kill lands on live
     // ones; replies after these (new generations) are the simulator's short fixed text.
-    let words = (0..40).map(|word| format!("w{word}")).collect::<Vec<_>>().join(" ");
+    let words = (0..40)
+        .map(|word| format!("w{word}"))
+        .collect::<Vec<_>>()
+        .join(" ");
     sim.script(
         &model,
-        Value::Array((0..DISPATCHES).map(|_| json!({"text": words, "faults": {"delay_ms": 40}})).collect()),
+        Value::Array(
+            (0..DISPATCHES)
+                .map(|_| json!({"text": words, "faults": {"delay_ms": 40}}))
+                .collect(),
+        ),
     );
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let mut replicas: Vec<Gateway> = dirs
@@ -119,7 +131,11 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
 
     let conversations: Vec<String> = (0..DISPATCHES).map(|k| format!("c-lb-{run}-{k}")).collect();
     for id in &conversations {
-        let (status, _) = post(&balancer.base, "/v1/conversations", json!({"conversation_id": id}));
+        let (status, _) = post(
+            &balancer.base,
+            "/v1/conversations",
+            json!({"conversation_id": id}),
+        );
         assert_eq!(status, 201);
         let (status, body) = post(
             &balancer.base,
@@ -137,7 +153,12 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
             .enumerate()
             .map(|(k, id)| {
                 let (base, model, operation) = (&balancer.base, &model, format!("op-lb-{run}-{k}"));
-                scope.spawn(move || (operation.clone(), dispatch_until_answered(base, id, &operation, model)))
+                scope.spawn(move || {
+                    (
+                        operation.clone(),
+                        dispatch_until_answered(base, id, &operation, model),
+                    )
+                })
             })
             .collect();
         // Under load: most streams are running (the simulator received their requests) …
@@ -151,7 +172,10 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
         });
         // … when one replica dies without a word.
         replicas[victim].kill();
-        clients.into_iter().map(|client| client.join().unwrap()).collect::<Vec<_>>()
+        clients
+            .into_iter()
+            .map(|client| client.join().unwrap())
+            .collect::<Vec<_>>()
     });
 
     let survivor = &replicas[0];
@@ -171,7 +195,11 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
                 assert_eq!(assistant_turns(&document), 1, "{operation}: {document}");
                 assert_eq!(document["revision"], 2, "{operation}");
             }
-            _ => assert_eq!(assistant_turns(&document), 0, "{operation} FAILED yet committed: {document}"),
+            _ => assert_eq!(
+                assistant_turns(&document),
+                0,
+                "{operation} FAILED yet committed: {document}"
+            ),
         }
         // A client that saw `committed` saw the revision the store holds.
         for events in tries {
@@ -190,8 +218,14 @@ fn three_replicas_behind_a_balancer_end_every_dispatch_once_when_one_is_killed_u
             recovered += 1;
         }
     }
-    assert!(recovered >= 1, "the kill landed on live dispatches, which survivors recovered");
-    assert_eq!(committed, DISPATCHES, "every dispatch of a replica that died is still committed once");
+    assert!(
+        recovered >= 1,
+        "the kill landed on live dispatches, which survivors recovered"
+    );
+    assert_eq!(
+        committed, DISPATCHES,
+        "every dispatch of a replica that died is still committed once"
+    );
     for (index, replica) in replicas.iter().enumerate() {
         if index != victim {
             assert_safety_metrics_zero(replica);

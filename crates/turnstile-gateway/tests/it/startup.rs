@@ -51,7 +51,9 @@ impl Start {
 
     /// The exit status, waiting at most `limit`.
     fn exit(&mut self, limit: Duration) -> ExitStatus {
-        wait_for(limit, "turnstile serve to exit", || self.child.try_wait().unwrap())
+        wait_for(limit, "turnstile serve to exit", || {
+            self.child.try_wait().unwrap()
+        })
     }
 
     fn log(&self) -> String {
@@ -76,13 +78,22 @@ impl Drop for Start {
 
 /// A loopback port nothing listens on (bound, then released).
 fn refused_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Start `serve` on `store` and expect it to exit with `status` and `wording` in its last line.
 fn refused_start(store: &str, config: &str, status: i32, wording: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let mut start = Start::run(dir.path(), &["--listen", "127.0.0.1:0", "--store", store], config, &[]);
+    let mut start = Start::run(
+        dir.path(),
+        &["--listen", "127.0.0.1:0", "--store", store],
+        config,
+        &[],
+    );
     let exit = start.exit(Duration::from_secs(60));
     let log = start.log();
     assert_eq!(exit.code(), Some(status), "{store}: {log}");
@@ -97,12 +108,19 @@ fn refused_start(store: &str, config: &str, status: i32, wording: &[&str]) -> St
 
 #[test]
 fn a_refused_port_is_named_as_refused_and_exits_with_the_store_status() {
-    let url = format!("postgres://turnstile:secret@127.0.0.1:{}/turnstile", refused_port());
+    let url = format!(
+        "postgres://turnstile:secret@127.0.0.1:{}/turnstile",
+        refused_port()
+    );
     let log = refused_start(
         &url,
         "",
         EXIT_STORE,
-        &["connection refused", "nothing listens", "Connection refused (os error 111)"],
+        &[
+            "connection refused",
+            "nothing listens",
+            "Connection refused (os error 111)",
+        ],
     );
     assert!(!log.contains("secret"), "the password never appears: {log}");
     assert!(log.contains("turnstile:***@"), "{log}");
@@ -127,7 +145,10 @@ fn a_missing_database_is_named_and_exits_with_the_store_status() {
         url.as_str(),
         "",
         EXIT_STORE,
-        &["database named in the store URL does not exist", "turnstile_no_such_database"],
+        &[
+            "database named in the store URL does not exist",
+            "turnstile_no_such_database",
+        ],
     );
 }
 
@@ -148,7 +169,12 @@ fn a_url_that_requires_tls_is_named_as_tls_and_exits_with_the_store_status() {
     // The suite's server speaks no TLS; this build speaks none to PostgreSQL either.
     let mut url = reqwest::Url::parse(&pg_url()).unwrap();
     url.set_query(Some("sslmode=require"));
-    refused_start(url.as_str(), "", EXIT_STORE, &["TLS: the URL's sslmode or the server's pg_hba.conf requires TLS"]);
+    refused_start(
+        url.as_str(),
+        "",
+        EXIT_STORE,
+        &["TLS: the URL's sslmode or the server's pg_hba.conf requires TLS"],
+    );
 }
 
 /// A PostgreSQL cluster of this test's own that checks passwords (SCRAM-SHA-256 on loopback
@@ -207,9 +233,15 @@ impl ScramCluster {
 
     fn as_owner(&self, command: &str) {
         let output = if is_root() {
-            Command::new("su").args(["postgres", "-c", command]).stdin(Stdio::null()).output()
+            Command::new("su")
+                .args(["postgres", "-c", command])
+                .stdin(Stdio::null())
+                .output()
         } else {
-            Command::new("sh").args(["-c", command]).stdin(Stdio::null()).output()
+            Command::new("sh")
+                .args(["-c", command])
+                .stdin(Stdio::null())
+                .output()
         }
         .unwrap();
         assert!(
@@ -228,7 +260,11 @@ impl ScramCluster {
 impl Drop for ScramCluster {
     fn drop(&mut self) {
         let data = self.dir.path().join("data");
-        let command = format!("{}/pg_ctl -D {} -m immediate -w stop", self.bin.display(), data.display());
+        let command = format!(
+            "{}/pg_ctl -D {} -m immediate -w stop",
+            self.bin.display(),
+            data.display()
+        );
         let _ = if is_root() {
             Command::new("su").args(["postgres", "-c", &command]).output()
         } else {
@@ -261,14 +297,19 @@ fn a_wrong_password_is_named_as_authentication_and_never_retried() {
         ],
     );
     assert!(!log.contains("wrong-password"), "{log}");
-    assert!(!log.contains("trying again"), "credentials are not retried: {log}");
+    assert!(
+        !log.contains("trying again"),
+        "credentials are not retried: {log}"
+    );
     assert!(began.elapsed() < Duration::from_secs(20), "{:?}", began.elapsed());
 
     // The control: the same cluster with the right password serves.
     let dir = tempfile::tempdir().unwrap();
     let url = cluster.url(SCRAM_PASSWORD);
     let start = Start::run(dir.path(), &["--listen", "127.0.0.1:0", "--store", &url], "", &[]);
-    wait_for(Duration::from_secs(60), "the gateway to listen", || start.listening());
+    wait_for(Duration::from_secs(60), "the gateway to listen", || {
+        start.listening()
+    });
 }
 
 #[test]
@@ -294,13 +335,18 @@ fn a_store_that_appears_within_store_connect_retry_ms_is_waited_for() {
     );
     // The first attempt was refused and the process waits (its log says so) …
     wait_for(Duration::from_secs(30), "a refused attempt to be logged", || {
-        start.log().contains("trying again within store_connect_retry_ms").then_some(())
+        start
+            .log()
+            .contains("trying again within store_connect_retry_ms")
+            .then_some(())
     });
     assert!(start.listening().is_none());
     assert!(start.log().contains("connection refused"), "{}", start.log());
     // … the database appears on that port, and the gateway starts on it.
     let _relay = Relay::start_on(TcpListener::bind(("127.0.0.1", port)).unwrap(), upstream);
-    let base = wait_for(Duration::from_secs(30), "the gateway to listen", || start.listening());
+    let base = wait_for(Duration::from_secs(30), "the gateway to listen", || {
+        start.listening()
+    });
     let health = reqwest::blocking::get(format!("{base}/healthz")).unwrap();
     assert_eq!(health.status().as_u16(), 200);
 }
@@ -319,10 +365,20 @@ fn a_store_that_stays_away_past_the_window_ends_the_start_with_the_store_status(
     let exit = start.exit(Duration::from_secs(60));
     let log = start.log();
     assert_eq!(exit.code(), Some(EXIT_STORE), "{log}");
-    assert!(began.elapsed() >= Duration::from_millis(1500), "{:?}", began.elapsed());
+    assert!(
+        began.elapsed() >= Duration::from_millis(1500),
+        "{:?}",
+        began.elapsed()
+    );
     let retries = log.matches("trying again within store_connect_retry_ms").count();
-    assert!(retries >= 3, "100, 200, 400, 800 ms waits fit 1.5 s: {retries} in {log}");
-    assert!(log.lines().last().unwrap().contains("connection refused"), "{log}");
+    assert!(
+        retries >= 3,
+        "100, 200, 400, 800 ms waits fit 1.5 s: {retries} in {log}"
+    );
+    assert!(
+        log.lines().last().unwrap().contains("connection refused"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -330,25 +386,51 @@ fn a_configuration_error_and_a_taken_port_have_their_own_exit_statuses() {
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let mut start = Start::run(dir.path(), &["--store", &store], "lease_msec = 5\n", &[]);
-    assert_eq!(start.exit(Duration::from_secs(60)).code(), Some(EXIT_CONFIG), "{}", start.log());
-    assert!(start.log().contains("unknown field `lease_msec`"), "{}", start.log());
+    assert_eq!(
+        start.exit(Duration::from_secs(60)).code(),
+        Some(EXIT_CONFIG),
+        "{}",
+        start.log()
+    );
+    assert!(
+        start.log().contains("unknown field `lease_msec`"),
+        "{}",
+        start.log()
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let mut start = Start::run(dir.path(), &["--store", "mysql://db/x"], "", &[]);
-    assert_eq!(start.exit(Duration::from_secs(60)).code(), Some(EXIT_CONFIG), "{}", start.log());
+    assert_eq!(
+        start.exit(Duration::from_secs(60)).code(),
+        Some(EXIT_CONFIG),
+        "{}",
+        start.log()
+    );
 
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let address = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite:{}", dir.path().join("t.db").display());
     let mut start = Start::run(dir.path(), &["--listen", &address, "--store", &store], "", &[]);
-    assert_eq!(start.exit(Duration::from_secs(60)).code(), Some(EXIT_LISTEN), "{}", start.log());
-    assert!(start.log().contains(&format!("listen on {address}")), "{}", start.log());
+    assert_eq!(
+        start.exit(Duration::from_secs(60)).code(),
+        Some(EXIT_LISTEN),
+        "{}",
+        start.log()
+    );
+    assert!(
+        start.log().contains(&format!("listen on {address}")),
+        "{}",
+        start.log()
+    );
 }
 
 #[test]
 fn version_names_the_commit_and_help_lists_the_environment() {
-    let version = Command::new(env!("CARGO_BIN_EXE_turnstile")).arg("--version").output().unwrap();
+    let version = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("--version")
+        .output()
+        .unwrap();
     assert!(version.status.success());
     let version = String::from_utf8(version.stdout).unwrap();
     let head = Command::new("git")
@@ -363,10 +445,19 @@ fn version_names_the_commit_and_help_lists_the_environment() {
         format!("turnstile {} (commit {})", env!("CARGO_PKG_VERSION"), head.trim())
     );
 
-    let help = Command::new(env!("CARGO_BIN_EXE_turnstile")).arg("--help").output().unwrap();
+    let help = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("--help")
+        .output()
+        .unwrap();
     let help = String::from_utf8(help.stdout).unwrap();
     assert!(!help.contains("(later)"), "{help}");
-    for variable in ["TURNSTILE_CONFIG", "TURNSTILE_STORE", "RUST_LOG", "NO_COLOR", "OTEL_EXPORTER_OTLP_ENDPOINT"] {
+    for variable in [
+        "TURNSTILE_CONFIG",
+        "TURNSTILE_STORE",
+        "RUST_LOG",
+        "NO_COLOR",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ] {
         assert!(help.contains(variable), "{variable} not in {help}");
     }
     for status in ["78", "69", "71"] {
