@@ -12,10 +12,32 @@ use turnstile_gateway::cli;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `--version`: the package version and the commit it was built from (`build.rs`).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TURNSTILE_COMMIT"),
+    ")"
+);
+
+/// The environment the binary reads, for `--help` (docs/operating.md, "Deploying").
+const ENVIRONMENT: &str = "\
+Environment:
+  TURNSTILE_CONFIG, TURNSTILE_LISTEN, TURNSTILE_STORE, TURNSTILE_SIM_URL
+                       serve's --config, --listen, --store, --sim-url (a flag wins)
+  RUST_LOG             log filter (default info), e.g. RUST_LOG=turnstile_gateway=debug
+  NO_COLOR             no colour in logs (none either when stderr is not a terminal)
+  OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME
+                       traces (OTLP/HTTP); the config's otlp_endpoint wins
+  and each variable the config names (tenants' token_env, providers' api_key_env).
+
+serve exits 0 after a drain, 2 on a usage error, 78 on a configuration error, 69 when the
+store cannot be reached or refuses it, 71 when it cannot listen.";
+
 /// Turnstile: every request to a model provider legal and complete; every response committed
 /// at most once per conversation revision.
 #[derive(Parser)]
-#[command(name = "turnstile", version, about)]
+#[command(name = "turnstile", version = VERSION, after_help = ENVIRONMENT)]
 struct Args {
     #[command(subcommand)]
     command: Command,
@@ -33,7 +55,7 @@ enum Command {
     Repair(cli::repair::RepairArgs),
     /// Run the provider simulator (OpenAI Chat, OpenAI Responses, Anthropic, Gemini wire formats on loopback).
     Sim(cli::sim::SimArgs),
-    /// Run the gateway (HTTP API, dispatch, recovery, metrics) on its embedded default: SQLite + built-in simulator.
+    /// Run the gateway (HTTP API, dispatch, recovery, metrics); with no configuration, SQLite + built-in simulator (exit 0 drained, 78 configuration, 69 store, 71 listen).
     Serve(cli::serve::ServeArgs),
 }
 

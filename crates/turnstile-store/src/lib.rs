@@ -41,7 +41,7 @@ pub mod sqlite;
 pub mod types;
 
 pub use clock::StoreClock;
-pub use error::StoreError;
+pub use error::{ConnectCause, StoreError};
 pub use faults::{Fault, FaultInjector};
 pub use listing::{
     ConversationCursor, ConversationPage, ConversationQuery, ConversationSummary, LastDispatch,

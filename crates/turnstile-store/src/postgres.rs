@@ -235,7 +235,8 @@ impl PgLedger {
     }
 
     async fn migrate(&self, schema: Option<&str>) -> Result<(), StoreError> {
-        let mut client = self.client().await?;
+        // The first connection: its failure is reported with its cause.
+        let mut client = self.client().await.map_err(StoreError::at_connect)?;
         let tx = client.transaction().await?;
         // Migrations are not bounded by `store_timeout_ms`: a rebuild of a large table takes
         // as long as it takes, and a replica starting meanwhile waits for the migration lock

@@ -29,6 +29,14 @@ pub enum Exit {
     Paused,
     /// `render`: prompt tokens plus the output cap exceed the model's context window.
     OverBudget,
+    /// `serve`: the configuration (file, flags, or an environment variable it names) is
+    /// unusable (sysexits' `EX_CONFIG`).
+    Config,
+    /// `serve`: the store cannot be reached, refused us, or failed start-up recovery
+    /// (sysexits' `EX_UNAVAILABLE`).
+    Store,
+    /// `serve`: the listening socket could not be opened or served (sysexits' `EX_OSERR`).
+    Listen,
 }
 
 impl From<Exit> for ExitCode {
@@ -41,6 +49,9 @@ impl From<Exit> for ExitCode {
             Exit::Paused => 4,
             Exit::OverBudget => 5,
             Exit::NothingCommitted => 6,
+            Exit::Store => 69,
+            Exit::Listen => 71,
+            Exit::Config => 78,
         })
     }
 }

@@ -44,6 +44,8 @@ pub const LISTEN_BACKLOG_DEFAULT: u32 = 1024;
 /// Default `store_timeout_ms` ([`turnstile_store::STORE_TIMEOUT_MS_DEFAULT`]): what SQLite
 /// already waited for a write lock.
 pub const STORE_TIMEOUT_MS_DEFAULT: u64 = turnstile_store::STORE_TIMEOUT_MS_DEFAULT;
+/// Largest `store_connect_retry_ms`: ten minutes. The default, 0, fails at the first refusal.
+pub const STORE_CONNECT_RETRY_MS_MAX: u64 = 600_000;
 /// Default `health_timeout_ms`: `/healthz` and `/readyz` answer within 2 s whatever the store
 /// does, under the 1 s–10 s probe timeouts load balancers and Kubernetes use once raised from
 /// Kubernetes' 1 s default (docs/operating.md, "Health and readiness").
@@ -128,6 +130,12 @@ pub struct Config {
     /// `lock_timeout`); past it the request gets 503 `store_unavailable`.
     #[serde(default = "store_timeout_default")]
     pub store_timeout_ms: u64,
+    /// At start, how long a store that cannot be reached yet (connection refused, unknown
+    /// host, no answer, server starting up) is tried again before the process exits with the
+    /// store status; 0 (default) tries once. Credentials, TLS and a missing database are never
+    /// retried (`serve/start.rs`).
+    #[serde(default)]
+    pub store_connect_retry_ms: u64,
     /// Longest `/healthz` and `/readyz` wait for the store before they answer 503.
     #[serde(default = "health_timeout_default")]
     pub health_timeout_ms: u64,
@@ -581,6 +589,12 @@ impl Config {
                 self.drain_timeout_ms
             ));
         }
+        if self.store_connect_retry_ms > STORE_CONNECT_RETRY_MS_MAX {
+            return Err(format!(
+                "store_connect_retry_ms must be 0–{STORE_CONNECT_RETRY_MS_MAX} (ms), not {}",
+                self.store_connect_retry_ms
+            ));
+        }
         if !(1..=turnstile_store::CLIENT_CALL_TIMEOUT_MS_MAX).contains(&self.proxy_client_call_timeout_ms) {
             return Err(format!(
                 "proxy_client_call_timeout_ms must be 1–{} (ms), not {}",
@@ -658,6 +672,18 @@ mod tests {
             ("drain_timeout_ms = 0", true),
             ("drain_timeout_ms = 3600000", true),
             ("drain_timeout_ms = 3600001", false),
+        ] {
+            assert_eq!(config(text).check().is_ok(), ok, "{text}");
+        }
+    }
+
+    #[test]
+    fn the_store_connect_retry_defaults_to_none_and_is_refused_past_ten_minutes() {
+        let config = |text: &str| toml::from_str::<Config>(text).unwrap();
+        assert_eq!(config("").store_connect_retry_ms, 0);
+        for (text, ok) in [
+            ("store_connect_retry_ms = 600000", true),
+            ("store_connect_retry_ms = 600001", false),
         ] {
             assert_eq!(config(text).check().is_ok(), ok, "{text}");
         }

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod parse_errors;
 pub mod proxy;
 pub mod repair;
+pub mod start;
 pub mod traces;
 pub mod transport;
 pub mod write_timeout;
@@ -301,10 +302,12 @@ pub struct Flags {
     pub config: Option<String>,
 }
 
-/// Run the gateway until a shutdown signal.
-pub async fn run(flags: Flags) -> Result<(), String> {
+/// Run the gateway until a shutdown signal. A failure names its stage (configuration, store,
+/// listen: `start.rs`), which the CLI turns into its exit status.
+pub async fn run(flags: Flags) -> Result<(), start::Failure> {
+    use start::Failure;
     let mut config = match &flags.config {
-        Some(path) => Config::load(path)?,
+        Some(path) => Config::load(path).map_err(Failure::config)?,
         None => Config::default(),
     };
     if let Some(listen) = flags.listen {
@@ -316,18 +319,25 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     if flags.sim_url.is_some() {
         config.sim_url = flags.sim_url;
     }
-    let address = config.check()?;
-    let prometheus = metrics::install()?;
-    let tracing_on = traces::install(&config)?;
+    let address = config.check().map_err(Failure::config)?;
+    let prometheus = metrics::install().map_err(Failure::config)?;
+    let tracing_on = traces::install(&config).map_err(Failure::config)?;
     let ledger: Arc<dyn Ledger> = Arc::from(
-        turnstile_store::open_with(
+        start::open_store(
             &config.store,
             turnstile_store::StoreOptions {
                 timeout_ms: config.store_timeout_ms,
             },
+            Duration::from_millis(config.store_connect_retry_ms),
         )
         .await
-        .map_err(|error| format!("store {}: {error}", redact(&config.store)))?,
+        .map_err(|error| match error {
+            // Not the store's fault: the URL itself is wrong.
+            turnstile_store::StoreError::BadUrl => {
+                Failure::config(format!("store {}: {error}", redact(&config.store)))
+            }
+            _ => Failure::store(format!("store {}: {error}", redact(&config.store))),
+        })?,
     );
 
     // The built-in simulator only on the embedded default (`Config::simulator`): it listens on
@@ -340,8 +350,10 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         config::Simulator::Embedded => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                 .await
-                .map_err(|error| format!("built-in simulator: {error}"))?;
-            let sim_address = listener.local_addr().map_err(|error| error.to_string())?;
+                .map_err(|error| Failure::listen(format!("built-in simulator: {error}")))?;
+            let sim_address = listener
+                .local_addr()
+                .map_err(|error| Failure::listen(error.to_string()))?;
             let sim = crate::sim::Sim::default();
             sim_control = Some(crate::sim::control_router(sim.clone()));
             tokio::spawn(crate::sim::serve(listener, sim));
@@ -372,12 +384,12 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     for (name, provider) in &config.providers {
         // A missing key would only show up as the provider's 401 on the first dispatch.
-        if let Some(variable) = &provider.api_key_env {
-            if std::env::var_os(variable).is_none() {
-                return Err(format!(
-                    "provider {name:?}: the environment variable {variable} is not set"
-                ));
-            }
+        if let Some(variable) = &provider.api_key_env
+            && std::env::var_os(variable).is_none()
+        {
+            return Err(Failure::config(format!(
+                "provider {name:?}: the environment variable {variable} is not set"
+            )));
         }
         endpoints.insert(
             name.clone(),
@@ -397,17 +409,18 @@ pub async fn run(flags: Flags) -> Result<(), String> {
         let token = match (&tenant.token, &tenant.token_env) {
             (Some(token), _) => token.clone(),
             (None, Some(variable)) => std::env::var(variable)
-                .map_err(|_| format!("tenant {:?}: {variable} is not set", tenant.name))?,
+                .map_err(|_| Failure::config(format!("tenant {:?}: {variable} is not set", tenant.name)))?,
             (None, None) => unreachable!("Config::check refuses a tenant without a token"),
         };
         tenants.push((token, tenant.name.clone()));
     }
     let mut catalog = Catalog::builtin();
     if let Some(models) = &config.models {
-        let value = serde_json::to_value(models).map_err(|error| format!("models: {error}"))?;
+        let value =
+            serde_json::to_value(models).map_err(|error| Failure::config(format!("models: {error}")))?;
         catalog
             .apply_overrides(value)
-            .map_err(|error| format!("models: {error}"))?;
+            .map_err(|error| Failure::config(format!("models: {error}")))?;
     }
     // Process-wide, so the longest head bound of any provider: an upper bound only; each
     // target's own head bound is the driver's deadline (decisions: per-provider timeouts).
@@ -418,7 +431,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(connect_timeout_ms))
         .build()
-        .map_err(|error| format!("HTTP client: {error}"))?;
+        .map_err(|error| Failure::config(format!("HTTP client: {error}")))?;
     // Unique per process unless configured: two processes never share a lease holder by
     // accident (a same-host rolling restart would otherwise take the old process's live
     // attempts for its own crashed ones). A restart therefore recovers its predecessor's
@@ -466,12 +479,16 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     {
         tracing::warn!(%error, "no warm-up thread; the first render loads the tokenizers");
     }
-    recover(&shared, &shared.holder.clone(), 0).await?;
+    recover(&shared, &shared.holder.clone(), 0)
+        .await
+        .map_err(Failure::store)?;
     tokio::spawn(sweep(shared.clone()));
 
     let listener = listener::bind(address, config.listen_backlog)
-        .map_err(|error| format!("listen on {address}: {error}"))?;
-    let bound = listener.local_addr().map_err(|error| error.to_string())?;
+        .map_err(|error| Failure::listen(format!("listen on {address}: {error}")))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|error| Failure::listen(error.to_string()))?;
     println!(
         "turnstile serve listening on http://{bound} (store {}, sim {})",
         redact(&config.store),
@@ -501,7 +518,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     let served = listener::serve(listener, app, limits, drain, drained)
         .await
-        .map_err(|error| error.to_string());
+        .map_err(|error| Failure::listen(error.to_string()));
     if tracing_on {
         // Export what is queued before the process ends (bounded by the SDK's shutdown time).
         let _ = tokio::task::spawn_blocking(traces::shutdown).await;

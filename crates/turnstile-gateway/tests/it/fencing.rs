@@ -121,15 +121,19 @@ fn serve(stream: TcpStream, seen: &Mutex<Vec<Seen>>, chunks: &AtomicU64) {
 }
 
 /// A TCP relay in front of PostgreSQL that can cut every connection and refuse new ones.
-struct Relay {
-    port: u16,
+pub(crate) struct Relay {
+    pub(crate) port: u16,
     cut: Arc<AtomicBool>,
     sockets: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl Relay {
     fn start(upstream: std::net::SocketAddr) -> Relay {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Relay::start_on(TcpListener::bind("127.0.0.1:0").unwrap(), upstream)
+    }
+
+    /// A relay on `listener`, a port chosen by the caller (a store that appears late).
+    pub(crate) fn start_on(listener: TcpListener, upstream: std::net::SocketAddr) -> Relay {
         let port = listener.local_addr().unwrap().port();
         let cut = Arc::new(AtomicBool::new(false));
         let sockets: Arc<Mutex<Vec<TcpStream>>> = Arc::default();

@@ -1045,7 +1045,8 @@ fn without_tenants_the_gateway_refuses_a_non_loopback_address() {
         .args(["serve", "--listen", "0.0.0.0:0", "--store", &sqlite(&dir)])
         .output()
         .unwrap();
-    assert_eq!(output.status.code(), Some(2));
+    // A configuration error: sysexits' EX_CONFIG (docs/operating.md, "Exit statuses of `turnstile serve`").
+    assert_eq!(output.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&output.stderr).contains("loopback"));
 }
 
@@ -1304,7 +1305,8 @@ fn a_provider_whose_key_variable_is_unset_refuses_to_start() {
         .env_remove("TURNSTILE_TEST_UNSET_KEY")
         .output()
         .unwrap();
-    assert_eq!(output.status.code(), Some(2));
+    // A configuration error: sysexits' EX_CONFIG (docs/operating.md, "Exit statuses of `turnstile serve`").
+    assert_eq!(output.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&output.stderr).contains("TURNSTILE_TEST_UNSET_KEY"));
 }
 
