@@ -12,6 +12,7 @@ a grace period longer than the drain, a PodDisruptionBudget, the scrape annotati
 a chart without a tenant refuses to render.
 """
 
+import hashlib
 import sys
 import tomllib
 from pathlib import Path
@@ -77,9 +78,17 @@ check(annotations.get("prometheus.io/scrape") == "true", "scrape annotation")
 check(annotations.get("prometheus.io/path") == "/metrics", "scrape path")
 env = {item["name"]: item for item in container["env"]}
 check("secretKeyRef" in env["TURNSTILE_STORE"]["valueFrom"], "the store URL from a Secret")
-check("secretKeyRef" in env["TURNSTILE_TENANT_TOKEN_DEFAULT"]["valueFrom"], "the token from a Secret")
+
+def env_name(prefix, name):
+    """The chart's variable name: the name made a variable name, then 8 hex of its SHA-256."""
+    cleaned = name.upper().replace("-", "_").replace(".", "_")
+    return f"{prefix}_{cleaned}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+default_token = env_name("TURNSTILE_TENANT_TOKEN", "default")
+check(default_token in env and "secretKeyRef" in env[default_token]["valueFrom"], f"the token from a Secret: {sorted(env)}")
 config = kinds["ConfigMap"]["data"]["turnstile.toml"]
-check('token_env = "TURNSTILE_TENANT_TOKEN_DEFAULT"' in config, f"token_env in the config: {config}")
+check(f'token_env = "{default_token}"' in config, f"token_env in the config: {config}")
 check('listen = "0.0.0.0:8080"' in config, "listens on every address")
 check("drain_timeout_ms = 120000" in config, "the drain in the config")
 check(kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1, "PDB")
@@ -99,9 +108,23 @@ spec = kinds["Deployment"]["spec"]["template"]["spec"]
 check(kinds["Deployment"]["spec"]["replicas"] == 2, "replicaCount")
 check(spec["terminationGracePeriodSeconds"] == 615, f"grace {spec['terminationGracePeriodSeconds']}")
 env = {item["name"] for item in spec["containers"][0]["env"]}
-check({"TURNSTILE_TENANT_TOKEN_ACME_EU", "TURNSTILE_PROVIDER_KEY_OPENAI"} <= env, f"env {env}")
+check({env_name("TURNSTILE_TENANT_TOKEN", "acme-eu"), env_name("TURNSTILE_PROVIDER_KEY", "openai")} <= env, f"env {env}")
 config = kinds["ConfigMap"]["data"]["turnstile.toml"]
-check('api_key_env = "TURNSTILE_PROVIDER_KEY_OPENAI"' in config, config)
+check(f'api_key_env = "{env_name("TURNSTILE_PROVIDER_KEY", "openai")}"' in config, config)
+
+# Names that clean up to one variable name keep their own variables (review finding: two
+# tenants sharing one token variable would share one token).
+similar = render(
+    {
+        "tenants": [
+            {"name": "acme-eu", "tokenSecret": {"name": "t", "key": "a"}},
+            {"name": "acme_eu", "tokenSecret": {"name": "t", "key": "b"}},
+        ]
+    }
+)
+names = [item["name"] for item in by_kind(similar)["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]]
+tokens = [name for name in names if name.startswith("TURNSTILE_TENANT_TOKEN")]
+check(len(tokens) == 2 and len(set(tokens)) == 2, f"two tenants, two variables: {tokens}")
 check(config.index("[[routes]]") > config.index("[providers.openai]"), "tables after the keys")
 
 # The rendered TOML parses (the gateway itself refuses an unknown key at start, exit 78).

@@ -266,16 +266,30 @@ pub fn plan(document: &Value, options: Options) -> Result<RepairPlan, Unreadable
         ));
     }
     let actions = Planner::new(&conversation, document, options).run();
-    let needs_person = if actions.is_empty() {
-        match verdict {
-            Verdict::Rejected(violations) => violations,
-            Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
-        }
+    let after = if actions.is_empty() {
+        verdict
     } else {
-        match validate(&Conversation::from_value(build(document, &actions))?) {
-            Verdict::Rejected(violations) => violations,
-            Verdict::Ready | Verdict::Waiting { .. } => Vec::new(),
-        }
+        validate(&Conversation::from_value(build(document, &actions))?)
+    };
+    let needs_person = match after {
+        Verdict::Rejected(violations) => violations,
+        Verdict::Ready => Vec::new(),
+        // Asked to close pending calls and some are still pending (a call in a turn without a
+        // generation, which no result can match): named, never reported as repaired.
+        Verdict::Waiting { pending } if options.close_pending => pending
+            .into_iter()
+            .map(|call_id| Violation {
+                code: ViolationCode::MissingResult,
+                turn: None,
+                block: None,
+                call_id: Some(call_id.0.clone()),
+                message: format!(
+                    "call {:?} is pending and cannot be cancelled by the gateway: its turn has no generation for a result to name",
+                    call_id.0
+                ),
+            })
+            .collect(),
+        Verdict::Waiting { .. } => Vec::new(),
     };
     Ok(seal(
         conversation.conversation_id,
@@ -664,7 +678,7 @@ impl<'a> Planner<'a> {
                     let turn = self.new_turn_id(usize::MAX, run.turn_id.as_deref());
                     Placement::NewLastTurn {
                         turn,
-                        revision: self.conversation.revision.0 + 1,
+                        revision: self.conversation.revision.0.saturating_add(1),
                     }
                 }
                 (_, Some(turn_index)) => Placement::Turn { turn_index },

@@ -177,7 +177,8 @@ impl PgLedger {
     ) -> Result<PgLedger, StoreError> {
         let timeout_ms = options.timeout_ms.max(1);
         let timeout = std::time::Duration::from_millis(timeout_ms);
-        let mut config: tokio_postgres::Config = url.parse()?;
+        // A URL that does not parse is the operator's to fix, not the store's to retry.
+        let mut config: tokio_postgres::Config = url.parse().map_err(|_| StoreError::BadUrl)?;
         // Appended to any `options` the URL carries (a later `-c` of the same name wins).
         let mut server_options = config.get_options().unwrap_or_default().to_owned();
         server_options.push_str(&format!(

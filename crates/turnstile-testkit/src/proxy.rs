@@ -191,12 +191,14 @@ impl World {
         client_turns(&mut history);
         let stream = self.rng.chance(0.5);
         let replica = self.rng.index(REPLICAS);
+        let replica = self.answering(replica);
         self.proxy_request(&history, stream, replica, true)?;
         if self.phase == Phase::Safety && self.rng.chance(self.plan.race) {
             // Another copy of the request (a second agent process) on the other replica: the
             // stored conversation takes one continuation; the other forks.
             self.report.fault(FaultKind::RacingOperations);
-            self.proxy_request(&history, stream, (replica + 1) % REPLICAS, false)?;
+            let other = self.answering((replica + 1) % REPLICAS);
+            self.proxy_request(&history, stream, other, false)?;
         }
         Ok(())
     }

@@ -30,8 +30,8 @@ pub enum Invariant {
     /// A new generation was sent while an older one was not confirmed over (its lease had not
     /// run out by the store's clock and the provider had not ended it).
     EarlyNewGeneration,
-    /// A driver showed preview of (or committed) a generation after a newer generation of its
-    /// operation was sent: the old holder read its connection past the hand-over.
+    /// A driver showed preview of a generation after a newer generation of its operation was
+    /// sent: the old holder read its connection past the hand-over.
     StaleGenerationRead,
     /// An operation made more provider attempts (generations) than the budget.
     AttemptBudget,

@@ -493,6 +493,16 @@ impl World {
             .map(|pause| pause.until)
     }
 
+    /// Where a request meant for `replica` goes: there, unless it is paused (a balancer's health
+    /// check sends it to a replica that answers; a stopped process takes no new work).
+    pub(crate) fn answering(&self, replica: usize) -> usize {
+        if self.paused_until(replica).is_some() {
+            (replica + 1) % REPLICAS
+        } else {
+            replica
+        }
+    }
+
     /// Replica `replica`'s own clock.
     pub(crate) fn local_now(&self, replica: usize) -> Timestamp {
         let skew = self.replicas[replica].skew_ms;
@@ -621,16 +631,14 @@ impl World {
 
     /// The client starts a new operation at the conversation's current revision.
     fn start_op(&mut self) -> Result<(), String> {
-        let mut replica = self.rng.index(REPLICAS);
-        if self.paused_until(replica).is_some() {
-            // A balancer's health check sends the request to a replica that answers.
-            replica = (replica + 1) % REPLICAS;
-        }
+        let replica = self.rng.index(REPLICAS);
+        let replica = self.answering(replica);
         self.start_op_on(replica)?;
         if self.phase == Phase::Safety && self.rng.chance(self.plan.race) {
             // Another client asks the same question at the same revision, on the other replica.
             self.report.fault(FaultKind::RacingOperations);
-            self.start_op_on((replica + 1) % REPLICAS)?;
+            let other = self.answering((replica + 1) % REPLICAS);
+            self.start_op_on(other)?;
         }
         Ok(())
     }
@@ -712,6 +720,7 @@ impl World {
             // The client retries with the same operation id on any replica: it attaches.
             self.report.fault(FaultKind::ClientRetry);
             let again = self.rng.index(REPLICAS);
+            let again = self.answering(again);
             if let Ok(Some(record)) = store!(self, dispatch(&operation_id))
                 && record.state == DispatchState::Prepared
             {

@@ -257,6 +257,26 @@ fn pending_calls_are_closed_only_when_asked() {
     check_plan(&doc, &plan, &repaired).unwrap();
 }
 
+/// Review finding: a pending call in a turn without a generation cannot be cancelled (no result
+/// can name it); asked to close pending calls, the plan names it for a person instead of
+/// reporting nothing to repair (red with the waiting verdict read as nothing left).
+#[test]
+fn a_pending_call_without_a_generation_is_named_for_a_person_when_asked_to_close() {
+    let arguments = json!({"q": "rust"});
+    let doc = document(json!([
+        user("t-1", "find it"),
+        {"id": "t-2", "revision": 2, "role": "assistant", "blocks": [call("a-1", "call-1", arguments)]},
+    ]));
+    let (plan, _) = planned(&doc, Options::default());
+    assert!(plan.is_empty(), "not asked: a waiting history is left as it is");
+    assert!(plan.needs_person.is_empty());
+    let (plan, repaired) = planned(&doc, Options { close_pending: true });
+    assert!(plan.actions.is_empty());
+    assert_eq!(repaired, doc);
+    assert_eq!(plan.needs_person.len(), 1, "{plan:?}");
+    assert_eq!(plan.needs_person[0].call_id.as_deref(), Some("call-1"));
+}
+
 #[test]
 fn what_a_plan_cannot_fix_is_named_and_left_in_place() {
     // A call id reused by a later turn: which call its result answers cannot be told.

@@ -514,7 +514,10 @@ impl Config {
                  {address}: configure [[tenants]] or listen on a loopback address"
             ));
         }
-        for tenant in &self.tenants {
+        for (index, tenant) in self.tenants.iter().enumerate() {
+            if self.tenants[..index].iter().any(|earlier| earlier.name == tenant.name) {
+                return Err(format!("tenant {:?} is named twice", tenant.name));
+            }
             // A tenant name is a store-id prefix ending in `~`: a `~` (or anything outside a
             // plain id) in it could make one tenant's ids a prefix of another's.
             let plain = !tenant.name.is_empty()

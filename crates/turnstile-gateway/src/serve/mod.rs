@@ -412,6 +412,17 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
                 .map_err(|_| Failure::config(format!("tenant {:?}: {variable} is not set", tenant.name)))?,
             (None, None) => unreachable!("Config::check refuses a tenant without a token"),
         };
+        if token.is_empty() {
+            return Err(Failure::config(format!("tenant {:?}: its token is empty", tenant.name)));
+        }
+        // Two tenants with one token: the first would answer for both (a client of one acting
+        // as the other). Refused, whatever put them there (a chart's colliding variables).
+        if let Some((_, first)) = tenants.iter().find(|(known, _): &&(String, String)| *known == token) {
+            return Err(Failure::config(format!(
+                "tenants {first:?} and {:?} have the same token: each tenant needs its own",
+                tenant.name
+            )));
+        }
         tenants.push((token, tenant.name.clone()));
     }
     let mut catalog = Catalog::builtin();

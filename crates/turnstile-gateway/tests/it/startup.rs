@@ -398,14 +398,40 @@ fn a_configuration_error_and_a_taken_port_have_their_own_exit_statuses() {
         start.log()
     );
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut start = Start::run(dir.path(), &["--store", "mysql://db/x"], "", &[]);
-    assert_eq!(
-        start.exit(Duration::from_secs(60)).code(),
-        Some(EXIT_CONFIG),
-        "{}",
-        start.log()
-    );
+    // A scheme this build does not know, and a PostgreSQL URL that does not parse (review
+    // finding: it exited with the store status, so a unit restarted it for ever).
+    for url in ["mysql://db/x", "postgres://user@127.0.0.1:notaport/db"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut start = Start::run(dir.path(), &["--store", url], "", &[]);
+        assert_eq!(
+            start.exit(Duration::from_secs(60)).code(),
+            Some(EXIT_CONFIG),
+            "{url}: {}",
+            start.log()
+        );
+    }
+
+    // Two tenants with one token (or one name twice): refused at start, since the first would
+    // answer for both (review finding).
+    for tenants in [
+        "[[tenants]]\nname = \"a-b\"\ntoken = \"same\"\n[[tenants]]\nname = \"a_b\"\ntoken = \"same\"\n",
+        "[[tenants]]\nname = \"a\"\ntoken = \"one\"\n[[tenants]]\nname = \"a\"\ntoken = \"two\"\n",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = format!("sqlite:{}", dir.path().join("t.db").display());
+        let mut start = Start::run(dir.path(), &["--store", &store], tenants, &[]);
+        assert_eq!(
+            start.exit(Duration::from_secs(60)).code(),
+            Some(EXIT_CONFIG),
+            "{tenants}: {}",
+            start.log()
+        );
+        assert!(
+            start.log().contains("same token") || start.log().contains("named twice"),
+            "{}",
+            start.log()
+        );
+    }
 
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let address = taken.local_addr().unwrap().to_string();

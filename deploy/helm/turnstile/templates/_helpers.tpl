@@ -18,7 +18,9 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{/* The environment variable a tenant's token or a provider's key arrives in. */}}
+{{/* The environment variable a tenant's token or a provider's key arrives in: the name made
+     a variable name, then a digest of the exact name, so `acme-eu` and `acme_eu` never share
+     one variable (and so one token). */}}
 {{- define "turnstile.envName" -}}
-{{- printf "%s_%s" .prefix (.name | upper | replace "-" "_" | replace "." "_") -}}
+{{- printf "%s_%s_%s" .prefix (.name | upper | replace "-" "_" | replace "." "_") (.name | sha256sum | trunc 8) -}}
 {{- end -}}
