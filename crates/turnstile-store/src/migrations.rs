@@ -89,6 +89,13 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0012_turn_digests.sql"),
         postgres: include_str!("../migrations/postgres/0012_turn_digests.sql"),
     },
+    // Issue 51; numbered 14 beside another change's 13 (renumbered at merge if need be).
+    Migration {
+        version: 14,
+        name: "attempt_evidence",
+        sqlite: include_str!("../migrations/sqlite/0014_attempt_evidence.sql"),
+        postgres: include_str!("../migrations/postgres/0014_attempt_evidence.sql"),
+    },
 ];
 
 /// The newest version this build knows.
