@@ -2036,16 +2036,23 @@ pub async fn get_dispatch(
                             "request_body": String::from_utf8_lossy(&target.request_bytes)}),
         );
     }
+    // What the provider's side of each attempt's connections showed (`attempts.rs`).
+    let evidence = shared.ledger.evidence(&store_id).await.map_err(ApiError::store)?;
     let attempts: Vec<Value> = attempts
         .into_iter()
         .map(|attempt| {
             let target = &targets[(attempt.target as usize).min(targets.len() - 1)];
+            let seen: Vec<&Value> = evidence
+                .iter()
+                .filter(|(generation, _)| *generation == attempt.generation)
+                .map(|(_, row)| row)
+                .collect();
             json!({"generation": attempt.generation.0, "state": attempt.state.as_str(), "handle": attempt.handle,
                    "target": attempt.target, "provider": target["provider"], "model": target["model"],
                    "adapter": target["adapter"], "manifest_digest": target["manifest_digest"],
                    "request_digest": attempt.request_digest,
                    "end_reason": attempt.end_reason, "confirmed_over": attempt.confirmed_over,
-                   "resumes": attempt.resumes, "replays": attempt.replays,
+                   "resumes": attempt.resumes, "replays": attempt.replays, "evidence": seen,
                    "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
         })
         .collect();

@@ -9,6 +9,7 @@
 //! the store's compare-and-sets; this file only moves data between them and the network. The
 //! simulation (`turnstile-testkit`) pumps the same driver.
 
+use super::attempts::AttemptLog;
 use super::drain::Phase;
 use super::hub::Hub;
 use super::metrics;
@@ -198,6 +199,10 @@ struct Pump {
     provider_of: HashMap<ConnectionId, (usize, bool, Option<u16>)>,
     /// This dispatch's spans (a no-op when traces are off).
     trace: traces::Hook,
+    /// What each provider response connection did: metrics and evidence (`attempts.rs`).
+    log: AttemptLog,
+    /// The target of the last response connection opened (the dispatch's metric labels).
+    current_target: usize,
 }
 
 async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
@@ -217,6 +222,8 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         aborted: Vec::new(),
         provider_of: HashMap::new(),
         trace,
+        log: AttemptLog::new(std::time::Instant::now()),
+        current_target: 0,
     };
     // The process does not exit before this dispatch ended or was handed over.
     let _running = pump.shared.drain.task();
@@ -248,11 +255,13 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 }
                 pump.trace.transport(connection, &event);
                 match event {
-                    TransportEvent::Head { status, retry_after_ms } => {
+                    TransportEvent::Head { status, retry_after_ms, request_id } => {
+                        pump.log.head(connection, status, retry_after_ms, request_id.as_deref());
                         pump.provider_outcome(connection, Outcome::Head(status, retry_after_ms));
                         drive.handle_head(now(), connection, status);
                     }
                     TransportEvent::Chunk(bytes) => {
+                        pump.log.chunk(connection, &bytes);
                         let over = share.take(bytes.len() as u64);
                         metrics::output_bytes(pump.shared.output_budget.held());
                         if over && !shed {
@@ -265,18 +274,21 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                         }
                     }
                     TransportEvent::End => {
+                        pump.log.ended(connection, "clean");
                         pump.provider_outcome(connection, Outcome::End);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Clean);
                     }
                     TransportEvent::Broken(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider connection broke");
+                        pump.log.ended(connection, "broken");
                         pump.provider_outcome(connection, Outcome::Broken);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Broken);
                     }
                     TransportEvent::Unreachable(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
+                        pump.log.ended(connection, "unreachable");
                         pump.provider_outcome(connection, Outcome::Unreachable);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Unreachable);
@@ -302,6 +314,19 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     drop(share);
     metrics::output_bytes(pump.shared.output_budget.held());
     pump.trace.finish(drive.state());
+    pump.log.close_all();
+    let left = pump.log.take_all();
+    pump.write_evidence(left);
+    let outcome = match drive.state() {
+        DispatchState::Committed => Some("committed"),
+        DispatchState::Failed => Some("failed"),
+        DispatchState::Abandoned => Some("abandoned"),
+        _ => None,
+    };
+    if let Some(outcome) = outcome {
+        let labels = pump.labels();
+        metrics::dispatch_ended(&labels, outcome, pump.log.accepted().elapsed().as_secs_f64());
+    }
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {
         task.abort();
@@ -382,17 +407,33 @@ async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
 }
 
 impl Pump {
+    /// The dispatch's metric labels: the target of its last response connection.
+    fn labels(&self) -> (String, String) {
+        let target = &self.ctx.targets[self.current_target.min(self.ctx.targets.len() - 1)];
+        metrics::target_labels(&target.provider, &target.model)
+    }
+
     /// Perform every action the driver has, in order.
     async fn perform(&mut self, drive: &mut Drive) {
         while let Some(action) = drive.poll_action() {
             match action {
                 Action::Store(op) => {
-                    let performed = turnstile_store::drive::perform(
+                    // The commit carries the evidence gathered so far (written with it when it
+                    // wins, on its own when it does not).
+                    let evidence = match op {
+                        turnstile_drive::StoreOp::Commit { generation, .. } => {
+                            self.log.take_for_commit(generation.0)
+                        }
+                        _ => Vec::new(),
+                    };
+                    let carried = evidence.clone();
+                    let performed = turnstile_store::drive::perform_with_evidence(
                         self.shared.ledger.as_ref(),
                         &self.shared.holder,
                         &self.ctx.record.operation_id,
                         &op,
                         now(),
+                        carried,
                     );
                     // While provider connections hang on the lease, the store is waited for
                     // only until the driver's fence: then the operation's outcome is unknown
@@ -413,6 +454,13 @@ impl Pump {
                     if let turnstile_drive::StoreResult::Failed(error) = &result {
                         tracing::error!(operation_id = %self.ctx.record.operation_id, %error, "ledger operation failed");
                     }
+                    match (&op, &result) {
+                        (
+                            turnstile_drive::StoreOp::Commit { generation, .. },
+                            turnstile_drive::StoreResult::Committed { .. },
+                        ) => self.log.committed(generation.0),
+                        _ => self.write_evidence(super::attempts::not_committed(evidence)),
+                    }
                     self.trace.store(&op, &result);
                     drive.handle_store(now(), result);
                 }
@@ -426,9 +474,10 @@ impl Pump {
                     // opens its stream (`hub::Receiver::target_of`).
                     self.ctx.hub.opened(generation, target as usize);
                     let trace_headers = self.trace.open(connection, generation.0, &request);
-                    self.open(drive, connection, target, request, trace_headers);
+                    self.open(drive, connection, target, generation.0, request, trace_headers);
                 }
                 Action::Close { connection } => {
+                    self.log.ended(connection, "closed");
                     if let Some(task) = self.connections.remove(&connection) {
                         task.abort();
                         self.aborted.push(task);
@@ -436,6 +485,8 @@ impl Pump {
                 }
                 Action::Emit(event) => {
                     self.trace.emit(&event);
+                    let labels = self.labels();
+                    self.log.event(&event, &labels);
                     // Typed to the hub; JSON only at the client edges (`hub.rs`).
                     self.ctx.hub.send(event);
                 }
@@ -449,6 +500,24 @@ impl Pump {
                 }
             }
         }
+        // Connections that failed, once their end (and any retraction) was handled.
+        let failed = self.log.take_failed();
+        self.write_evidence(failed);
+    }
+
+    /// Write attempt evidence on its own, off the dispatch's path (a failure path: one write
+    /// per failed connection; nothing waits for it).
+    fn write_evidence(&self, rows: Vec<(turnstile_core::Generation, serde_json::Value)>) {
+        if rows.is_empty() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let operation_id = self.ctx.record.operation_id.clone();
+        tokio::spawn(async move {
+            if let Err(error) = shared.ledger.record_evidence(&operation_id, &rows, now()).await {
+                tracing::warn!(%operation_id, %error, "attempt evidence not written");
+            }
+        });
     }
 
     fn open(
@@ -456,6 +525,7 @@ impl Pump {
         drive: &Drive,
         connection: ConnectionId,
         target: u32,
+        generation: u64,
         request: Request,
         trace_headers: Vec<(String, String)>,
     ) {
@@ -463,6 +533,16 @@ impl Pump {
         let to = &self.ctx.targets[index];
         let streams = matches!(request, Request::Send { .. } | Request::Resume { .. });
         self.provider_of.insert(connection, (index, streams, None));
+        if streams {
+            self.current_target = index;
+            let kind = if matches!(request, Request::Send { .. }) {
+                "send"
+            } else {
+                "resume"
+            };
+            self.log
+                .opened(connection, generation, index, (&to.provider, &to.model), kind);
+        }
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &to.endpoint,

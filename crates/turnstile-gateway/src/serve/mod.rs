@@ -5,6 +5,7 @@
 //! recovery with a typed event to each client.
 
 pub mod api;
+pub mod attempts;
 pub mod breaker;
 pub mod budget;
 pub mod config;

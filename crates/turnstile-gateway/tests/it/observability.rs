@@ -1,0 +1,317 @@
+//! Issue 51: what an operator sees of the gateway. `/metrics` read with a real Prometheus
+//! parser (`prometheus-parse`) and checked by `promtool check metrics` (Debian's `prometheus`
+//! package, installed by `scripts/test`); per-attempt evidence in `GET /v1/dispatches/{id}`.
+
+use crate::serve::{Gateway, client, conversation_with_question, sqlite};
+use crate::sim::SimProcess;
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+/// The `/metrics` page.
+pub fn metrics_page(gateway: &Gateway) -> String {
+    let response = client().get(format!("{}/metrics", gateway.base)).send().unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    response.text().unwrap()
+}
+
+/// The page parsed by a real exposition-format parser.
+fn parse(text: &str) -> prometheus_parse::Scrape {
+    prometheus_parse::Scrape::parse(text.lines().map(|line| Ok(line.to_owned()))).unwrap()
+}
+
+/// `promtool check metrics` on the page: its exit status and what it said.
+fn promtool_check_metrics(text: &str) -> (bool, String) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`; scripts/test installs it)");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), said)
+}
+
+/// The family a sample belongs to (a histogram's `_bucket`/`_sum`/`_count` are its family's).
+fn family(name: &str, histograms: &BTreeSet<String>) -> String {
+    for suffix in ["_bucket", "_sum", "_count"] {
+        if let Some(base) = name.strip_suffix(suffix)
+            && histograms.contains(base)
+        {
+            return base.to_owned();
+        }
+    }
+    name.to_owned()
+}
+
+/// `# TYPE` lines: family → type.
+fn types(text: &str) -> std::collections::BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| {
+            let mut words = rest.split_whitespace();
+            Some((words.next()?.to_owned(), words.next()?.to_owned()))
+        })
+        .collect()
+}
+
+fn histogram_count(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|sample| sample.metric == name)
+        .filter(|sample| {
+            labels
+                .iter()
+                .all(|(key, value)| sample.labels.get(key) == Some(*value))
+        })
+        .map(|sample| match &sample.value {
+            prometheus_parse::Value::Histogram(buckets) => {
+                buckets.iter().map(|bucket| bucket.count).fold(0.0, f64::max)
+            }
+            other => panic!("{name} is not a histogram: {other:?}"),
+        })
+        .sum()
+}
+
+fn counter(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|sample| sample.metric == name)
+        .filter(|sample| {
+            labels
+                .iter()
+                .all(|(key, value)| sample.labels.get(key) == Some(*value))
+        })
+        .map(|sample| match &sample.value {
+            prometheus_parse::Value::Counter(value)
+            | prometheus_parse::Value::Gauge(value)
+            | prometheus_parse::Value::Untyped(value) => *value,
+            other => panic!("{name} is not a counter: {other:?}"),
+        })
+        .sum()
+}
+
+/// One dispatch that commits and one refused with a 503, on a gateway of its own.
+fn gateway_with_traffic(dir: &tempfile::TempDir, sim: &SimProcess) -> Gateway {
+    let gateway = Gateway::start(dir, &sqlite(dir), sim, "");
+    conversation_with_question(&gateway, "c-ok");
+    sim.script("m-ok", json!([{"text": "Sunny in Paris."}]));
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-ok/dispatch",
+        json!({"operation_id": "op-ok", "target": {"provider": "sim", "model": "m-ok", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    conversation_with_question(&gateway, "c-503");
+    sim.script(
+        "m-503",
+        json!([{"text": "never", "faults": {"status": 503, "error_message": "upstream overloaded: try later"}}]),
+    );
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-503/dispatch",
+        json!({"operation_id": "op-503", "target": {"provider": "sim", "model": "m-503", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    gateway
+}
+
+#[test]
+fn every_metric_family_has_help_and_type_and_a_dispatch_fills_the_histograms() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_traffic(&dir, &sim);
+    let text = metrics_page(&gateway);
+    let scrape = parse(&text);
+    let types = types(&text);
+    let histograms: BTreeSet<String> = types
+        .iter()
+        .filter(|(_, kind)| kind.as_str() == "histogram")
+        .map(|(name, _)| name.clone())
+        .collect();
+    // Every family on the page has a HELP and a TYPE line, and no sample is untyped.
+    let mut families = BTreeSet::new();
+    for sample in &scrape.samples {
+        let family = family(&sample.metric, &histograms);
+        assert!(
+            scrape.docs.contains_key(&family),
+            "no # HELP for {family}\n{text}"
+        );
+        assert!(types.contains_key(&family), "no # TYPE for {family}\n{text}");
+        // (prometheus-parse reads a histogram's `_sum` and `_count` as untyped samples of
+        // their own; the family's TYPE above covers them.)
+        assert!(
+            family != sample.metric || !matches!(sample.value, prometheus_parse::Value::Untyped(_)),
+            "{} is untyped",
+            sample.metric
+        );
+        families.insert(family);
+    }
+    // The seed's names are unchanged and present.
+    for name in [
+        "turnstile_validator_rejects_total",
+        "turnstile_tool_result_orphans_total",
+        "turnstile_tool_result_duplicates_total",
+        "turnstile_dispatch_unknown_age_seconds",
+        "turnstile_handle_recoveries_total",
+        "turnstile_late_blocks_total",
+        "turnstile_preview_retractions_total",
+        "turnstile_canonical_cas_conflicts_total",
+        "turnstile_partial_tool_dispatch_total",
+        "turnstile_illegal_sends_total",
+        "turnstile_dispatch_transitions_total",
+    ] {
+        assert!(families.contains(name), "{name} missing\n{text}");
+    }
+    // Histograms, by provider and model, with real buckets.
+    for name in [
+        "turnstile_dispatch_duration_seconds",
+        "turnstile_attempt_duration_seconds",
+        "turnstile_provider_head_latency_seconds",
+        "turnstile_time_to_first_preview_seconds",
+    ] {
+        assert_eq!(
+            types.get(name).map(String::as_str),
+            Some("histogram"),
+            "{name}\n{text}"
+        );
+    }
+    let ok = [("provider", "sim"), ("model", "m-ok")];
+    let failed = [("provider", "sim"), ("model", "m-503")];
+    assert_eq!(
+        histogram_count(
+            &scrape,
+            "turnstile_dispatch_duration_seconds",
+            &[ok[0], ok[1], ("outcome", "committed")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        histogram_count(
+            &scrape,
+            "turnstile_dispatch_duration_seconds",
+            &[failed[0], failed[1], ("outcome", "failed")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        histogram_count(&scrape, "turnstile_time_to_first_preview_seconds", &ok),
+        1.0
+    );
+    assert_eq!(
+        histogram_count(&scrape, "turnstile_time_to_first_preview_seconds", &failed),
+        0.0
+    );
+    assert_eq!(
+        histogram_count(&scrape, "turnstile_provider_head_latency_seconds", &ok),
+        1.0
+    );
+    assert_eq!(
+        histogram_count(&scrape, "turnstile_provider_head_latency_seconds", &failed),
+        1.0
+    );
+    assert_eq!(
+        histogram_count(&scrape, "turnstile_attempt_duration_seconds", &failed),
+        1.0
+    );
+    // Attempts by provider, model, end and status.
+    assert_eq!(
+        counter(
+            &scrape,
+            "turnstile_attempts_total",
+            &[ok[0], ok[1], ("end", "committed"), ("status", "200")]
+        ),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        counter(
+            &scrape,
+            "turnstile_attempts_total",
+            &[failed[0], failed[1], ("status", "503")]
+        ),
+        1.0,
+        "{text}"
+    );
+    // The build.
+    let build = scrape
+        .samples
+        .iter()
+        .find(|sample| sample.metric == "turnstile_build_info")
+        .unwrap_or_else(|| panic!("no turnstile_build_info\n{text}"));
+    assert_eq!(build.labels.get("version"), Some(env!("CARGO_PKG_VERSION")));
+    assert!(
+        build
+            .labels
+            .get("commit")
+            .is_some_and(|commit| !commit.is_empty())
+    );
+    // Prometheus's own linter agrees.
+    let (ok, said) = promtool_check_metrics(&text);
+    assert!(ok, "promtool check metrics: {said}");
+    assert!(
+        said.trim().is_empty(),
+        "promtool check metrics found problems: {said}"
+    );
+}
+
+#[test]
+fn a_failed_attempt_s_status_error_body_and_request_id_are_in_the_dispatch_view() {
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_traffic(&dir, &sim);
+    // Written off the dispatch's path: poll the view, bounded.
+    let view = crate::recovery::wait_for(
+        std::time::Duration::from_secs(10),
+        "the failed attempt's evidence",
+        || {
+            let view = gateway.get("/v1/dispatches/op-503");
+            view["attempts"][0]["evidence"]
+                .as_array()
+                .is_some_and(|rows| !rows.is_empty())
+                .then_some(view)
+        },
+    );
+    assert_eq!(view["state"], "FAILED", "{view}");
+    let evidence = &view["attempts"][0]["evidence"][0];
+    assert_eq!(evidence["status"], 503, "{evidence}");
+    assert_eq!(evidence["generation"], 1);
+    assert_eq!(evidence["request"], "send");
+    assert!(
+        evidence["error_body"]
+            .as_str()
+            .is_some_and(|body| body.contains("upstream overloaded: try later")),
+        "{evidence}"
+    );
+    assert_eq!(evidence["error_body_truncated"], false);
+    assert!(
+        evidence["provider_request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("req_sim_error_")),
+        "{evidence}"
+    );
+    assert!(evidence["bytes_received"].as_u64().unwrap() > 0);
+    assert!(
+        evidence["head_ms"].is_u64() && evidence["duration_ms"].is_u64(),
+        "{evidence}"
+    );
+    // The committed attempt's evidence rode in its commit: status, usage, timings.
+    let view = gateway.get("/v1/dispatches/op-ok");
+    let evidence = &view["attempts"][0]["evidence"];
+    assert_eq!(evidence.as_array().map(Vec::len), Some(1), "{view}");
+    assert_eq!(evidence[0]["status"], 200, "{view}");
+    assert_eq!(evidence[0]["end"], "committed", "{view}");
+    assert_eq!(evidence[0]["error_body"], Value::Null);
+    assert!(evidence[0]["first_byte_ms"].is_u64(), "{view}");
+    // Never a credential.
+    let text = serde_json::to_string(&view).unwrap();
+    assert!(!text.contains("sk-test-SECRET-KEY-123"));
+}
