@@ -216,6 +216,39 @@ impl AttemptLog {
         }
     }
 
+    /// `generation:target/model:status:end` of every connection, oldest first (the dispatch's
+    /// log line).
+    pub fn summary(&self) -> String {
+        let mut out = Vec::with_capacity(self.connections.len());
+        for entry in self.connections.values() {
+            let status = entry
+                .status
+                .map_or_else(|| "-".to_owned(), |status| status.to_string());
+            let end = entry.end.map_or("open", |(end, _)| end);
+            out.push(format!(
+                "{}:{}/{}:{status}:{end}",
+                entry.generation, entry.labels.0, entry.labels.1
+            ));
+        }
+        out.join(" ")
+    }
+
+    /// The targets (`provider/model`) connections went to, in the order first tried.
+    pub fn targets_tried(&self, targets: &[super::driver::TargetContext]) -> String {
+        let mut tried: Vec<usize> = Vec::new();
+        for entry in self.connections.values() {
+            if !tried.contains(&entry.target) {
+                tried.push(entry.target);
+            }
+        }
+        tried
+            .iter()
+            .filter_map(|index| targets.get(*index))
+            .map(|target| target.label())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The evidence of every connection not written yet that ended without a clean 2xx body
     /// (marked written).
     pub fn take_failed(&mut self) -> Vec<(Generation, Value)> {
@@ -261,10 +294,20 @@ impl AttemptLog {
     fn take(&mut self, connections: &[ConnectionId]) -> Vec<(Generation, Value)> {
         let mut out = Vec::with_capacity(connections.len());
         for connection in connections {
-            let Some(entry) = self.connections.get_mut(connection) else {
-                continue;
-            };
-            entry.written = true;
+            if let Some(row) = self.row(*connection) {
+                out.push(row);
+            }
+            if let Some(entry) = self.connections.get_mut(connection) {
+                entry.written = true;
+            }
+        }
+        out
+    }
+
+    /// One connection's evidence as it stands, without marking it written.
+    pub fn row(&self, connection: ConnectionId) -> Option<(Generation, Value)> {
+        {
+            let entry = self.connections.get(&connection)?;
             let (end, duration_ms) = match entry.end {
                 Some((end, ms)) => (Value::from(end), Value::from(ms)),
                 None => (
@@ -275,7 +318,7 @@ impl AttemptLog {
             let error_body = (!entry.error_body.is_empty())
                 .then(|| String::from_utf8_lossy(&entry.error_body).into_owned());
             let retracted = self.retracted.get(&entry.generation);
-            out.push((
+            Some((
                 Generation(entry.generation),
                 json!({
                     "generation": entry.generation,
@@ -296,9 +339,8 @@ impl AttemptLog {
                     "usage": self.usage.get(&entry.generation),
                     "retracted_preview": retracted.map(|(reason, text, cut)| json!({"reason": reason, "text": text, "truncated": cut})),
                 }),
-            ));
+            ))
         }
-        out
     }
 }
 

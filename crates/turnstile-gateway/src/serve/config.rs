@@ -78,6 +78,18 @@ pub enum Simulator {
     Off,
 }
 
+/// How log lines are written: `text` (one human line each, coloured only on a terminal) or
+/// `json` (one JSON object per line, for a log pipeline).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -190,6 +202,9 @@ pub struct Config {
     /// content is user data.
     #[serde(default)]
     pub otlp_capture_content: bool,
+    /// How log lines are written to standard error (`--log-format` overrides it).
+    #[serde(default)]
+    pub log_format: LogFormat,
     /// How many proxy refusals `GET /v1/proxy/refusals` keeps (oldest dropped first).
     #[serde(default = "proxy_refusals_max_default")]
     pub proxy_refusals_max: usize,

@@ -203,6 +203,13 @@ struct Pump {
     log: AttemptLog,
     /// The target of the last response connection opened (the dispatch's metric labels).
     current_target: usize,
+    /// The committed generation's usage as the provider reported it (the dispatch's log line).
+    committed_usage: Option<serde_json::Value>,
+    /// The last error code told to the dispatch's clients (the dispatch's log line).
+    error: Option<String>,
+    /// The dispatch span's trace id ("" with traces off), read at its start: the log line is
+    /// written after the span ended.
+    trace_id: String,
 }
 
 async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
@@ -224,7 +231,11 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         trace,
         log: AttemptLog::new(std::time::Instant::now()),
         current_target: 0,
+        committed_usage: None,
+        error: None,
+        trace_id: String::new(),
     };
+    pump.trace_id = pump.trace.trace_id().unwrap_or_default();
     // The process does not exit before this dispatch ended or was handed over.
     let _running = pump.shared.drain.task();
     let mut handed_over = false;
@@ -274,21 +285,21 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                         }
                     }
                     TransportEvent::End => {
-                        pump.log.ended(connection, "clean");
+                        pump.connection_ended(connection, "clean");
                         pump.provider_outcome(connection, Outcome::End);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Clean);
                     }
                     TransportEvent::Broken(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider connection broke");
-                        pump.log.ended(connection, "broken");
+                        pump.connection_ended(connection, "broken");
                         pump.provider_outcome(connection, Outcome::Broken);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Broken);
                     }
                     TransportEvent::Unreachable(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
-                        pump.log.ended(connection, "unreachable");
+                        pump.connection_ended(connection, "unreachable");
                         pump.provider_outcome(connection, Outcome::Unreachable);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Unreachable);
@@ -323,10 +334,14 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         DispatchState::Abandoned => Some("abandoned"),
         _ => None,
     };
+    let labels = pump.labels();
     if let Some(outcome) = outcome {
-        let labels = pump.labels();
         metrics::dispatch_ended(&labels, outcome, pump.log.accepted().elapsed().as_secs_f64());
+        if let Some(prompt) = pump.ctx.record.manifest["prompt_tokens"].as_u64() {
+            metrics::estimated_tokens(&labels, &pump.tenant(), prompt);
+        }
     }
+    pump.log_end(&drive, handed_over);
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {
         task.abort();
@@ -383,6 +398,16 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     remove_hub(&shared, &operation_id, &pump.ctx.hub).await;
 }
 
+/// The configured tenant whose prefix `operation_id` carries (`name~id`), else `none`.
+pub fn tenant_of(shared: &Shared, operation_id: &str) -> String {
+    operation_id
+        .split_once('~')
+        .map(|(name, _)| name)
+        .filter(|name| shared.tenants.iter().any(|(_, known)| known == name))
+        .unwrap_or("none")
+        .to_owned()
+}
+
 /// Forget this dispatch's hub, unless a newer one (a later driver here) took its place.
 async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
     let mut hubs = shared.hubs.lock().await;
@@ -407,6 +432,63 @@ async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
 }
 
 impl Pump {
+    /// A response connection ended: counted, and its evidence put on its attempt's span.
+    fn connection_ended(&mut self, connection: ConnectionId, end: &'static str) {
+        self.log.ended(connection, end);
+        if let Some((generation, row)) = self.log.row(connection) {
+            self.trace.evidence(generation.0, &row);
+        }
+    }
+
+    /// Usage the provider reported for attempts that committed nothing (billed all the same),
+    /// from their evidence rows; rows of `committed` are counted from the commit instead.
+    fn count_uncommitted_usage(
+        &self,
+        rows: &[(turnstile_core::Generation, serde_json::Value)],
+        committed: Option<u64>,
+    ) {
+        let tenant = self.tenant();
+        for (generation, row) in rows {
+            if Some(generation.0) != committed && row["usage"].is_object() {
+                let labels = metrics::target_labels(
+                    row["provider"].as_str().unwrap_or_default(),
+                    row["model"].as_str().unwrap_or_default(),
+                );
+                metrics::usage(&labels, &tenant, false, &row["usage"]);
+            }
+        }
+    }
+
+    /// One line when the dispatch ends here: who, what, which targets and attempts (with how
+    /// each ended), tokens, duration and the trace id.
+    fn log_end(&self, drive: &Drive, handed_over: bool) {
+        let record = &self.ctx.record;
+        let usage = self.committed_usage.as_ref();
+        let tokens = |field: &str| usage.and_then(|usage| usage[field].as_u64());
+        tracing::info!(
+            target: "turnstile::dispatch",
+            operation_id = %record.operation_id,
+            conversation_id = %record.conversation_id,
+            tenant = %self.tenant(),
+            state = drive.state().as_str(),
+            error = self.error.as_deref().unwrap_or(""),
+            handed_over,
+            targets_tried = %self.log.targets_tried(&self.ctx.targets),
+            attempts = %self.log.summary(),
+            input_tokens = tokens("input_tokens"),
+            output_tokens = tokens("output_tokens"),
+            duration_ms = self.log.accepted().elapsed().as_millis() as u64,
+            trace_id = %self.trace_id,
+            "dispatch ended"
+        );
+    }
+
+    /// The `tenant` label: the configured tenant whose prefix the operation id carries, else
+    /// `none` (no tenants configured).
+    fn tenant(&self) -> String {
+        tenant_of(&self.shared, &self.ctx.record.operation_id)
+    }
+
     /// The dispatch's metric labels: the target of its last response connection.
     fn labels(&self) -> (String, String) {
         let target = &self.ctx.targets[self.current_target.min(self.ctx.targets.len() - 1)];
@@ -426,6 +508,9 @@ impl Pump {
                         }
                         _ => Vec::new(),
                     };
+                    for (generation, row) in &evidence {
+                        self.trace.evidence(generation.0, row);
+                    }
                     let carried = evidence.clone();
                     let performed = turnstile_store::drive::perform_with_evidence(
                         self.shared.ledger.as_ref(),
@@ -456,9 +541,20 @@ impl Pump {
                     }
                     match (&op, &result) {
                         (
-                            turnstile_drive::StoreOp::Commit { generation, .. },
+                            turnstile_drive::StoreOp::Commit {
+                                generation, outcome, ..
+                            },
                             turnstile_drive::StoreResult::Committed { .. },
-                        ) => self.log.committed(generation.0),
+                        ) => {
+                            self.log.committed(generation.0);
+                            let usage = outcome.as_ref().map(|outcome| outcome["usage"].clone());
+                            if let Some(usage) = &usage {
+                                metrics::usage(&self.labels(), &self.tenant(), true, usage);
+                            }
+                            // Usage other generations reported rode in the commit too.
+                            self.count_uncommitted_usage(&evidence, Some(generation.0));
+                            self.committed_usage = usage;
+                        }
                         _ => self.write_evidence(super::attempts::not_committed(evidence)),
                     }
                     self.trace.store(&op, &result);
@@ -487,6 +583,9 @@ impl Pump {
                     self.trace.emit(&event);
                     let labels = self.labels();
                     self.log.event(&event, &labels);
+                    if let DriveEvent::Error { code, .. } = &event {
+                        self.error = Some(code.clone());
+                    }
                     // Typed to the hub; JSON only at the client edges (`hub.rs`).
                     self.ctx.hub.send(event);
                 }
@@ -511,6 +610,7 @@ impl Pump {
         if rows.is_empty() {
             return;
         }
+        self.count_uncommitted_usage(&rows, None);
         let shared = self.shared.clone();
         let operation_id = self.ctx.record.operation_id.clone();
         tokio::spawn(async move {

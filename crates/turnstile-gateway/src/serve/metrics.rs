@@ -133,6 +133,8 @@ pub const PROVIDER_HEAD_LATENCY: &str = "turnstile_provider_head_latency_seconds
 pub const ATTEMPTS: &str = "turnstile_attempts_total";
 /// Tokens the provider reported, by provider, model, tenant and kind.
 pub const TOKENS: &str = "turnstile_tokens_total";
+/// Input tokens we counted ourselves for the request (the manifest's `prompt_tokens`).
+pub const ESTIMATED_TOKENS: &str = "turnstile_estimated_tokens_total";
 /// Always 1; the labels name the build.
 pub const BUILD_INFO: &str = "turnstile_build_info";
 /// Series that took a shared overflow label value because a label had too many values.
@@ -316,6 +318,10 @@ pub const HELP: &[(&str, &str)] = &[
     (
         TOKENS,
         "Tokens the provider reported, by provider, model, tenant and kind.",
+    ),
+    (
+        ESTIMATED_TOKENS,
+        "Input tokens the gateway counted for the request body it sent, by provider, model, tenant and kind.",
     ),
     (BUILD_INFO, "Always 1; the labels name the build."),
     (
@@ -554,8 +560,34 @@ pub fn attempt_ended(labels: &(String, String), end: &'static str, status: Optio
     histogram!(ATTEMPT_DURATION, "provider" => labels.0.clone(), "model" => labels.1.clone()).record(seconds);
 }
 
-/// Tokens of one kind the provider reported (`estimated`: counted by us, not the provider).
-pub fn tokens(labels: &(String, String), tenant: &str, kind: &'static str, count: u64) {
-    counter!(TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => kind)
+/// The `kind` label of [`TOKENS`] for each field of a provider's usage (`Usage` in
+/// `turnstile_core::assemble`).
+pub const TOKEN_KINDS: [(&str, &str); 4] = [
+    ("input_tokens", "input"),
+    ("output_tokens", "output"),
+    ("cache_read_input_tokens", "cached"),
+    ("cache_creation_input_tokens", "cache_write"),
+];
+
+/// A provider's usage report of one attempt: each count by kind; `committed` whether its
+/// answer was committed (an uncommitted attempt is billed all the same).
+pub fn usage(labels: &(String, String), tenant: &str, committed: bool, usage: &serde_json::Value) {
+    for (field, kind) in TOKEN_KINDS {
+        if let Some(count) = usage[field].as_u64() {
+            tokens(labels, tenant, kind, committed, count);
+        }
+    }
+}
+
+/// Input tokens counted by the gateway (an estimate beside the provider's own count).
+pub fn estimated_tokens(labels: &(String, String), tenant: &str, count: u64) {
+    counter!(ESTIMATED_TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => "input")
+        .increment(count);
+}
+
+/// Tokens of one kind the provider reported.
+fn tokens(labels: &(String, String), tenant: &str, kind: &'static str, committed: bool, count: u64) {
+    let committed = if committed { "true" } else { "false" };
+    counter!(TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => kind, "committed" => committed)
         .increment(count);
 }

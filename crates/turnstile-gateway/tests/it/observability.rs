@@ -241,6 +241,33 @@ fn every_metric_family_has_help_and_type_and_a_dispatch_fills_the_histograms() {
         1.0,
         "{text}"
     );
+    // Tokens from the provider's usage, by tenant (`none`: no tenants configured) and kind,
+    // and our own count of the input apart.
+    let tokens = [ok[0], ok[1], ("tenant", "none"), ("committed", "true")];
+    assert!(
+        counter(
+            &scrape,
+            "turnstile_tokens_total",
+            &[tokens[0], tokens[1], tokens[2], tokens[3], ("kind", "output")]
+        ) > 0.0,
+        "{text}"
+    );
+    assert!(
+        counter(
+            &scrape,
+            "turnstile_tokens_total",
+            &[tokens[0], tokens[1], tokens[2], tokens[3], ("kind", "input")]
+        ) > 0.0,
+        "{text}"
+    );
+    assert!(
+        counter(
+            &scrape,
+            "turnstile_estimated_tokens_total",
+            &[ok[0], ok[1], ("kind", "input")]
+        ) > 0.0,
+        "{text}"
+    );
     // The build.
     let build = scrape
         .samples
@@ -314,4 +341,129 @@ fn a_failed_attempt_s_status_error_body_and_request_id_are_in_the_dispatch_view(
     // Never a credential.
     let text = serde_json::to_string(&view).unwrap();
     assert!(!text.contains("sk-test-SECRET-KEY-123"));
+}
+
+/// Every line of a JSON log, parsed (a line that is not a JSON object fails the test).
+fn json_lines(log: &str) -> Vec<Value> {
+    log.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let value: Value =
+                serde_json::from_str(line).unwrap_or_else(|error| panic!("not JSON ({error}): {line}"));
+            assert!(value.is_object(), "{line}");
+            value
+        })
+        .collect()
+}
+
+fn line_with<'a>(lines: &'a [Value], what: &str, matches: impl Fn(&Value) -> bool) -> &'a Value {
+    lines
+        .iter()
+        .find(|line| matches(line))
+        .unwrap_or_else(|| panic!("no line for {what} in\n{lines:#?}"))
+}
+
+fn is_trace_id(value: &Value) -> bool {
+    value.as_str().is_some_and(|id| {
+        id.len() == 32 && id.bytes().all(|byte| byte.is_ascii_hexdigit()) && id != "0".repeat(32)
+    })
+}
+
+/// The JSON log of a run with a FAILED dispatch, one recovered after a `kill -9`, and a
+/// shutdown: one line each, tied to the operation id and the trace id, and nothing else but
+/// JSON (no colour codes) on standard error.
+#[test]
+fn a_json_log_has_one_line_for_a_failed_dispatch_a_recovered_one_and_the_shutdown() {
+    let sim = SimProcess::start();
+    let dir_a = tempfile::tempdir().unwrap();
+    let dir_b = tempfile::tempdir().unwrap();
+    let store = sqlite(&dir_a);
+    // A collector nobody answers: spans (and their trace ids) exist, their export fails.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let collector = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let config = format!("log_format = \"json\"\notlp_endpoint = \"{collector}\"\n");
+    let mut a = Gateway::start(&dir_a, &store, &sim, &config);
+    conversation_with_question(&a, "c-failed");
+    sim.script("m-failed", json!([{"text": "never", "faults": {"status": 503}}]));
+    let (status, body) = a.post(
+        "/v1/conversations/c-failed/dispatch",
+        json!({"operation_id": "op-failed", "target": {"provider": "sim", "model": "m-failed", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(a.get("/v1/dispatches/op-failed")["state"], "FAILED");
+    // A slow stream, killed mid-way; the next process recovers it with a new generation.
+    conversation_with_question(&a, "c-recovered");
+    sim.script(
+        "m-recovered",
+        json!([{"text": "word ".repeat(40), "faults": {"delay_ms": 100}}, {"text": "Recovered: sunny."}]),
+    );
+    let body = json!({"operation_id": "op-recovered", "stream": true,
+                      "target": {"provider": "sim", "model": "m-recovered", "adapter": "openai-chat@2"}});
+    let reader = crate::recovery::dispatch_until_preview(&a, "c-recovered", body);
+    a.kill();
+    drop(reader);
+    let mut b = Gateway::start(&dir_b, &store, &sim, &config);
+    let dispatch = crate::recovery::terminal(&b, "op-recovered");
+    assert_eq!(dispatch["state"], "COMMITTED", "{dispatch}");
+    b.terminate();
+    assert!(
+        b.wait_exit(std::time::Duration::from_secs(30)).is_some(),
+        "b did not stop"
+    );
+
+    let log_a = a.log_text();
+    let log_b = b.log_text();
+    assert!(
+        !log_a.contains('\u{1b}') && !log_b.contains('\u{1b}'),
+        "colour codes in a log file"
+    );
+    let lines_a = json_lines(&log_a);
+    let lines_b = json_lines(&log_b);
+    fn ended(operation: &'static str) -> impl Fn(&Value) -> bool {
+        move |line: &Value| line["message"] == "dispatch ended" && line["operation_id"] == operation
+    }
+    // The FAILED dispatch: one line, with its attempt's status and the trace id.
+    let failed = line_with(&lines_a, "op-failed's end", ended("op-failed"));
+    assert_eq!(failed["state"], "FAILED", "{failed}");
+    assert_eq!(failed["conversation_id"], "c-failed", "{failed}");
+    assert!(is_trace_id(&failed["trace_id"]), "{failed}");
+    assert!(
+        failed["attempts"]
+            .as_str()
+            .is_some_and(|attempts| attempts.contains(":503:")),
+        "{failed}"
+    );
+    assert_eq!(lines_a.iter().filter(|line| ended("op-failed")(line)).count(), 1);
+    // Its HTTP request, by route, with its status.
+    line_with(&lines_a, "the dispatch request", |line| {
+        line["target"] == "turnstile::http"
+            && line["route"] == "/v1/conversations/{id}/dispatch"
+            && line["status"] == 200
+    });
+    line_with(&lines_a, "the dispatch view request", |line| {
+        line["target"] == "turnstile::http" && line["operation_id"] == "op-failed"
+    });
+    // The next process: its start, the take-over and the recovered dispatch's end, same trace.
+    let start = line_with(&lines_b, "the start", |line| line["target"] == "turnstile::start");
+    assert_eq!(start["version"], env!("CARGO_PKG_VERSION"), "{start}");
+    line_with(&lines_b, "the take-over", |line| {
+        line["target"] == "turnstile::recovery" && line["operation_id"] == "op-recovered"
+    });
+    let recovered = line_with(&lines_b, "op-recovered's end", ended("op-recovered"));
+    assert_eq!(recovered["state"], "COMMITTED", "{recovered}");
+    assert!(is_trace_id(&recovered["trace_id"]), "{recovered}");
+    assert!(
+        recovered["output_tokens"]
+            .as_u64()
+            .is_some_and(|tokens| tokens > 0),
+        "{recovered}"
+    );
+    // The shutdown: what was in flight, and that it stopped.
+    line_with(&lines_b, "the shutdown signal", |line| {
+        line["target"] == "turnstile::shutdown" && line["in_flight"].is_string()
+    });
+    line_with(&lines_b, "the stop", |line| {
+        line["target"] == "turnstile::shutdown" && line["message"] == "stopped"
+    });
 }
