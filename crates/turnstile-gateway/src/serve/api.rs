@@ -2537,6 +2537,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     metrics::output_bytes(shared.output_budget.held());
     let (renders, resumed) = shared.render_caches.renders().await;
     metrics::renders(renders, resumed, shared.render_caches.off_worker());
+    metrics::breaker_open(shared.breaker.open_count(super::now()));
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

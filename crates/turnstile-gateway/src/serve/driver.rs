@@ -341,6 +341,11 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
             metrics::estimated_tokens(&labels, &pump.tenant(), prompt);
         }
     }
+    if outcome.is_some()
+        && let Some(code) = &pump.error
+    {
+        metrics::dispatch_error(&labels, code);
+    }
     pump.log_end(&drive, handed_over);
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {

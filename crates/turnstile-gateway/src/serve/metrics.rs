@@ -135,6 +135,12 @@ pub const ATTEMPTS: &str = "turnstile_attempts_total";
 pub const TOKENS: &str = "turnstile_tokens_total";
 /// Input tokens we counted ourselves for the request (the manifest's `prompt_tokens`).
 pub const ESTIMATED_TOKENS: &str = "turnstile_estimated_tokens_total";
+/// Dispatches that ended here with an error told to their clients, by provider, model and
+/// error code (`attempts_exhausted`, `provider_status_503`, …; the codes are the driver's, a
+/// bounded set).
+pub const DISPATCH_ERRORS: &str = "turnstile_dispatch_errors_total";
+/// Failover targets cooling down now (their circuit breaker open; read at each scrape).
+pub const BREAKER_OPEN: &str = "turnstile_breaker_open_targets";
 /// Always 1; the labels name the build.
 pub const BUILD_INFO: &str = "turnstile_build_info";
 /// Series that took a shared overflow label value because a label had too many values.
@@ -323,6 +329,14 @@ pub const HELP: &[(&str, &str)] = &[
         ESTIMATED_TOKENS,
         "Input tokens the gateway counted for the request body it sent, by provider, model, tenant and kind.",
     ),
+    (
+        DISPATCH_ERRORS,
+        "Dispatches that ended here with an error code told to their clients, by provider, model and code.",
+    ),
+    (
+        BREAKER_OPEN,
+        "Failover targets whose circuit breaker is open now.",
+    ),
     (BUILD_INFO, "Always 1; the labels name the build."),
     (
         LABEL_OVERFLOW,
@@ -350,6 +364,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("TURNSTILE_BUILD_COMMIT"))
         .set(1.0);
     counter!(LABEL_OVERFLOW, "label" => "model").absolute(0);
+    gauge!(BREAKER_OPEN).set(0.0);
     for code in ViolationCode::ALL {
         counter!(VALIDATOR_REJECTS, "code" => code.as_str()).absolute(0);
     }
@@ -590,4 +605,15 @@ fn tokens(labels: &(String, String), tenant: &str, kind: &'static str, committed
     let committed = if committed { "true" } else { "false" };
     counter!(TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => kind, "committed" => committed)
         .increment(count);
+}
+
+/// A dispatch ended here with an error code told to its clients.
+pub fn dispatch_error(labels: &(String, String), code: &str) {
+    counter!(DISPATCH_ERRORS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "code" => code.to_owned())
+        .increment(1);
+}
+
+/// Targets cooling down now.
+pub fn breaker_open(targets: usize) {
+    gauge!(BREAKER_OPEN).set(targets as f64);
 }

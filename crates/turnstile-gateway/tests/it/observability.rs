@@ -467,3 +467,180 @@ fn a_json_log_has_one_line_for_a_failed_dispatch_a_recovered_one_and_the_shutdow
         line["target"] == "turnstile::shutdown" && line["message"] == "stopped"
     });
 }
+
+/// A Prometheus server (Debian's `prometheus`), killed on drop.
+struct Prometheus {
+    child: std::process::Child,
+    base: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    /// Scrape `target` (host:port) every second, with `rules` loaded.
+    fn start(target: &str, rules: &std::path::Path) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: [{:?}]\n\
+                 scrape_configs:\n  - job_name: turnstile\n    static_configs: [{{targets: [{target:?}]}}]\n",
+                rules.display().to_string()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap())
+            .spawn()
+            .expect("prometheus (Debian package `prometheus`; scripts/test installs it)");
+        let prometheus = Prometheus {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            _dir: dir,
+        };
+        crate::recovery::wait_for(
+            std::time::Duration::from_secs(30),
+            "prometheus to be ready",
+            || {
+                client()
+                    .get(format!("{}/-/ready", prometheus.base))
+                    .send()
+                    .ok()
+                    .filter(|response| response.status().is_success())
+            },
+        );
+        prometheus
+    }
+
+    /// The value of an instant query's single sample, if it has one.
+    fn scalar(&self, query: &str) -> Option<f64> {
+        let answer: Value = client()
+            .get(
+                reqwest::Url::parse_with_params(&format!("{}/api/v1/query", self.base), [("query", query)])
+                    .unwrap(),
+            )
+            .send()
+            .ok()?
+            .json()
+            .ok()?;
+        assert_eq!(answer["status"], "success", "{query}: {answer}");
+        let result = answer["data"]["result"].as_array()?;
+        assert!(result.len() <= 1, "{query}: {answer}");
+        result.first()?["value"][1].as_str()?.parse().ok()
+    }
+}
+
+fn dispatch_ok(gateway: &Gateway, conversation: &str) {
+    conversation_with_question(gateway, conversation);
+    let (status, body) = gateway.post(
+        &format!("/v1/conversations/{conversation}/dispatch"),
+        json!({"operation_id": format!("op-{conversation}"), "target": {"provider": "sim", "model": "m-ok", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The repository's ready-made views: the alerting rules pass `promtool check rules` and load
+/// into a real Prometheus; every metric the rules and the Grafana dashboard name is one the
+/// gateway exports; and that Prometheus, scraping a running gateway, answers `histogram_quantile` over the
+/// dispatch duration (cumulative, then as a rate over new traffic).
+#[test]
+fn a_real_prometheus_scrapes_the_gateway_and_answers_a_dispatch_duration_quantile() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let rules = root.join("deploy/prometheus/turnstile-alerts.yml");
+    let dashboard = root.join("deploy/grafana/turnstile-dashboard.json");
+    let checked = Command::new("promtool")
+        .arg("check")
+        .arg("rules")
+        .arg(&rules)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "{}",
+        String::from_utf8_lossy(&checked.stdout)
+    );
+    let dashboard_text = std::fs::read_to_string(&dashboard).unwrap();
+    let parsed: Value = serde_json::from_str(&dashboard_text).unwrap();
+    assert!(
+        parsed["panels"]
+            .as_array()
+            .is_some_and(|panels| !panels.is_empty())
+    );
+
+    let sim = SimProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = gateway_with_traffic(&dir, &sim);
+    // Every family the gateway describes (a family appears on the page once it has a series;
+    // the tidy check that every family on the page is described is the first test's).
+    let families: BTreeSet<String> = turnstile_gateway::serve::metrics::HELP
+        .iter()
+        .map(|(name, _)| (*name).to_owned())
+        .collect();
+    let named = std::fs::read_to_string(&rules).unwrap() + &dashboard_text;
+    let mut checked = 0;
+    for word in named.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if !word.starts_with("turnstile_") {
+            continue;
+        }
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| word.strip_suffix(suffix).filter(|base| families.contains(*base)))
+            .unwrap_or(word);
+        assert!(
+            families.contains(family),
+            "{word} is named in deploy/ but not on /metrics"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 20, "only {checked} metric names found in deploy/");
+
+    let target = gateway.base.trim_start_matches("http://").to_owned();
+    let prometheus = Prometheus::start(&target, &rules);
+    let cumulative = "histogram_quantile(0.5, sum by (le) (turnstile_dispatch_duration_seconds_bucket{job=\"turnstile\"}))";
+    let median = crate::recovery::wait_for(std::time::Duration::from_secs(30), "a scraped quantile", || {
+        prometheus.scalar(cumulative).filter(|value| value.is_finite())
+    });
+    assert!(median > 0.0 && median <= 600.0, "{median}");
+    // New traffic after the first scrapes: the usual dashboard query, a rate over a window.
+    for index in 0..3 {
+        dispatch_ok(&gateway, &format!("c-more-{index}"));
+    }
+    let windowed =
+        "histogram_quantile(0.95, sum by (le) (rate(turnstile_dispatch_duration_seconds_bucket[1m])))";
+    let p95 = crate::recovery::wait_for(
+        std::time::Duration::from_secs(30),
+        "a quantile of the rate",
+        || prometheus.scalar(windowed).filter(|value| value.is_finite()),
+    );
+    assert!(p95 > 0.0 && p95 <= 600.0, "{p95}");
+    // The rules loaded and are evaluated (none fires on this healthy gateway but the 503's).
+    let rules_answer: Value = client()
+        .get(format!("{}/api/v1/rules", prometheus.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let loaded = rules_answer["data"]["groups"][0]["rules"]
+        .as_array()
+        .map_or(0, Vec::len);
+    assert_eq!(loaded, 6, "{rules_answer}");
+}
