@@ -141,6 +141,10 @@ pub const ESTIMATED_TOKENS: &str = "turnstile_estimated_tokens_total";
 pub const DISPATCH_ERRORS: &str = "turnstile_dispatch_errors_total";
 /// Failover targets cooling down now (their circuit breaker open; read at each scrape).
 pub const BREAKER_OPEN: &str = "turnstile_breaker_open_targets";
+/// Cost from the configured price table (`[[prices]]`), in millionths of a US dollar, by
+/// provider, model, tenant and whether the attempt committed (an integer counter: `metrics`
+/// counters are integers; the fractions are carried, never dropped).
+pub const COST: &str = "turnstile_cost_microdollars_total";
 /// Always 1; the labels name the build.
 pub const BUILD_INFO: &str = "turnstile_build_info";
 /// Series that took a shared overflow label value because a label had too many values.
@@ -336,6 +340,10 @@ pub const HELP: &[(&str, &str)] = &[
     (
         BREAKER_OPEN,
         "Failover targets whose circuit breaker is open now.",
+    ),
+    (
+        COST,
+        "Cost from the configured price table in millionths of a US dollar, by provider, model, tenant and committed.",
     ),
     (BUILD_INFO, "Always 1; the labels name the build."),
     (
@@ -584,14 +592,52 @@ pub const TOKEN_KINDS: [(&str, &str); 4] = [
     ("cache_creation_input_tokens", "cache_write"),
 ];
 
-/// A provider's usage report of one attempt: each count by kind; `committed` whether its
-/// answer was committed (an uncommitted attempt is billed all the same).
+/// The price table, set once at start (`[[prices]]`), keyed by provider and model.
+static PRICES: OnceLock<std::collections::HashMap<(String, String), super::config::Price>> = OnceLock::new();
+
+/// Install the price table (the first call wins; one process, one configuration).
+pub fn set_prices(prices: &[super::config::Price]) {
+    let table = prices
+        .iter()
+        .map(|price| ((price.provider.clone(), price.model.clone()), price.clone()))
+        .collect();
+    let _ = PRICES.set(table);
+}
+
+/// A provider's usage report of one attempt: each count by kind, and its cost where the model
+/// is priced; `committed` whether its answer was committed (an uncommitted attempt is billed
+/// all the same).
 pub fn usage(labels: &(String, String), tenant: &str, committed: bool, usage: &serde_json::Value) {
+    let price = PRICES.get().and_then(|prices| prices.get(labels));
+    let mut dollars = 0.0;
     for (field, kind) in TOKEN_KINDS {
         if let Some(count) = usage[field].as_u64() {
             tokens(labels, tenant, kind, committed, count);
+            if let Some(price) = price {
+                dollars += count as f64 * price.per_token(kind);
+            }
         }
     }
+    if price.is_some() {
+        cost(labels, tenant, committed, dollars);
+    }
+}
+
+/// Add `dollars` to a cost series: the running sum is kept as a float per series and the
+/// counter set to its whole millionths, so no fraction of a cent is lost across reports.
+fn cost(labels: &(String, String), tenant: &str, committed: bool, dollars: f64) {
+    type Key = (String, String, String, bool);
+    static SUMS: OnceLock<Mutex<std::collections::HashMap<Key, f64>>> = OnceLock::new();
+    let key = (labels.0.clone(), labels.1.clone(), tenant.to_owned(), committed);
+    let mut sums = SUMS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let sum = sums.entry(key).or_insert(0.0);
+    *sum += dollars;
+    let committed = if committed { "true" } else { "false" };
+    counter!(COST, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "committed" => committed)
+        .absolute((*sum * 1_000_000.0) as u64);
 }
 
 /// Input tokens counted by the gateway (an estimate beside the provider's own count).

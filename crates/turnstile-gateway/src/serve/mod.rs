@@ -299,6 +299,7 @@ pub async fn run(flags: Flags) -> Result<(), String> {
     }
     let address = config.check()?;
     let prometheus = metrics::install()?;
+    metrics::set_prices(&config.prices);
     let tracing_on = traces::install(&config)?;
     let ledger: Arc<dyn Ledger> = Arc::from(
         turnstile_store::open_with(

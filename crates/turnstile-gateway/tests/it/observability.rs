@@ -103,7 +103,11 @@ fn counter(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)
 
 /// One dispatch that commits and one refused with a 503, on a gateway of its own.
 fn gateway_with_traffic(dir: &tempfile::TempDir, sim: &SimProcess) -> Gateway {
-    let gateway = Gateway::start(dir, &sqlite(dir), sim, "");
+    // A price for m-ok only: a dollar per input token and two per output token (big, so the
+    // cost in millionths is exact).
+    let prices = "[[prices]]\nprovider = \"sim\"\nmodel = \"m-ok\"\ninput_usd_per_mtok = 1000000.0\n\
+                  output_usd_per_mtok = 2000000.0\n";
+    let gateway = Gateway::start(dir, &sqlite(dir), sim, prices);
     conversation_with_question(&gateway, "c-ok");
     sim.script("m-ok", json!([{"text": "Sunny in Paris."}]));
     let (status, body) = gateway.post(
@@ -267,6 +271,31 @@ fn every_metric_family_has_help_and_type_and_a_dispatch_fills_the_histograms() {
             &[ok[0], ok[1], ("kind", "input")]
         ) > 0.0,
         "{text}"
+    );
+    // Cost from the price table: input × 1 + output × 2 dollars, in millionths.
+    let input = counter(
+        &scrape,
+        "turnstile_tokens_total",
+        &[tokens[0], tokens[1], ("kind", "input"), tokens[3]],
+    );
+    let output = counter(
+        &scrape,
+        "turnstile_tokens_total",
+        &[tokens[0], tokens[1], ("kind", "output"), tokens[3]],
+    );
+    assert_eq!(
+        counter(
+            &scrape,
+            "turnstile_cost_microdollars_total",
+            &[ok[0], ok[1], ("tenant", "none"), ("committed", "true")]
+        ),
+        (input + 2.0 * output) * 1e6,
+        "{text}"
+    );
+    assert_eq!(
+        counter(&scrape, "turnstile_cost_microdollars_total", &failed),
+        0.0,
+        "m-503 has no price"
     );
     // The build.
     let build = scrape
