@@ -15,7 +15,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Turnstile: every request to a model provider legal and complete; every response committed
 /// at most once per conversation revision.
 #[derive(Parser)]
-#[command(name = "turnstile", version, about)]
+#[command(
+    name = "turnstile",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TURNSTILE_BUILD_COMMIT"), ")"),
+    about
+)]
 struct Args {
     #[command(subcommand)]
     command: Command,

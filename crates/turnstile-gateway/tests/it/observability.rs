@@ -310,6 +310,14 @@ fn every_metric_family_has_help_and_type_and_a_dispatch_fills_the_histograms() {
             .get("commit")
             .is_some_and(|commit| !commit.is_empty())
     );
+    // The text log (the default) written to a file carries no colour codes, and has the
+    // dispatch lines.
+    let log = gateway.log_text();
+    assert!(!log.contains('\u{1b}'), "colour codes in a log file:\n{log}");
+    assert!(
+        log.contains("dispatch ended") && log.contains("operation_id=op-503"),
+        "{log}"
+    );
     // Prometheus's own linter agrees.
     let (ok, said) = promtool_check_metrics(&text);
     assert!(ok, "promtool check metrics: {said}");
@@ -370,6 +378,44 @@ fn a_failed_attempt_s_status_error_body_and_request_id_are_in_the_dispatch_view(
     // Never a credential.
     let text = serde_json::to_string(&view).unwrap();
     assert!(!text.contains("sk-test-SECRET-KEY-123"));
+    // A stream cut mid-answer: its generation's evidence keeps the preview it retracted.
+    conversation_with_question(&gateway, "c-cut");
+    let words = "Sunny in Paris and mild in Tokyo, with a light breeze all afternoon. ".repeat(4);
+    sim.script(
+        "m-cut",
+        json!([{"text": words, "faults": {"cut_at_byte": 600}}, {"text": "Sunny."}]),
+    );
+    let (status, body) = gateway.post(
+        "/v1/conversations/c-cut/dispatch",
+        json!({"operation_id": "op-cut", "target": {"provider": "sim", "model": "m-cut", "adapter": "openai-chat@2"}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let view = crate::recovery::wait_for(
+        std::time::Duration::from_secs(10),
+        "the cut attempt's evidence",
+        || {
+            let view = gateway.get("/v1/dispatches/op-cut");
+            view["attempts"][0]["evidence"][0]["retracted_preview"]
+                .is_object()
+                .then_some(view)
+        },
+    );
+    assert_eq!(view["state"], "COMMITTED", "{view}");
+    let cut = &view["attempts"][0]["evidence"][0];
+    assert_eq!(cut["status"], 200, "{cut}");
+    let retracted = &cut["retracted_preview"];
+    assert!(
+        retracted["reason"]
+            .as_str()
+            .is_some_and(|reason| !reason.is_empty()),
+        "{cut}"
+    );
+    assert!(
+        retracted["text"]
+            .as_str()
+            .is_some_and(|text| !text.is_empty() && words.starts_with(text)),
+        "{cut}"
+    );
 }
 
 /// Every line of a JSON log, parsed (a line that is not a JSON object fails the test).
