@@ -4,7 +4,12 @@
 //!
 //! Run: `cargo bench -p turnstile-gateway --bench gateway`
 //! (`TURNSTILE_BENCH_REQUESTS`, `TURNSTILE_BENCH_CONCURRENCY`, `TURNSTILE_BENCH_RATE` override
-//! the defaults 2000, 16 and 200.)
+//! the defaults 2000, 16 and 200; `TURNSTILE_BENCH_SCRAPE_MS`, default 100, is how often the
+//! scraping phase reads `/metrics`.)
+//!
+//! Metric overhead: the fixed-rate gateway phase runs twice more, once with nobody reading
+//! `/metrics` and once with a scraper reading it every `TURNSTILE_BENCH_SCRAPE_MS` (far more
+//! often than Prometheus's usual 15 s), and the scrapes' own time and size are reported.
 //!
 //! A gateway request here is a full dispatch: validate → render → admission → manifest →
 //! prepare (durable) → begin CAS (durable) → send → stream → assemble → canonical commit
@@ -230,7 +235,7 @@ fn main() {
             .build()
             .unwrap();
         let fixed = rate * 5;
-        for phase in ["warm", "sat", "rate"] {
+        for phase in ["warm", "sat", "rate", "quiet", "scraped"] {
             let count = match phase {
                 "warm" => 200,
                 "sat" => requests,
@@ -250,7 +255,36 @@ fn main() {
         let direct_rps = saturate(&client, direct.clone(), "sat", requests, concurrency).await;
         let gateway_rps = saturate(&client, through.clone(), "sat", requests, concurrency).await;
         let direct_latency = fixed_rate(&client, direct, "rate", fixed, rate).await;
-        let gateway_latency = fixed_rate(&client, through, "rate", fixed, rate).await;
+        let gateway_latency = fixed_rate(&client, through.clone(), "rate", fixed, rate).await;
+        let quiet = fixed_rate(&client, through.clone(), "quiet", fixed, rate).await;
+        let scrape_every = Duration::from_millis(env_or("TURNSTILE_BENCH_SCRAPE_MS", 100) as u64);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let scraper = {
+            let (client, gateway, stop) = (client.clone(), gateway.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut scrapes = Vec::new();
+                let mut bytes = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let page = client
+                        .get(format!("{gateway}/metrics"))
+                        .send()
+                        .await
+                        .unwrap()
+                        .bytes()
+                        .await
+                        .unwrap();
+                    scrapes.push(started.elapsed());
+                    bytes = page.len();
+                    tokio::time::sleep(scrape_every).await;
+                }
+                scrapes.sort();
+                (scrapes, bytes)
+            })
+        };
+        let scraped = fixed_rate(&client, through.clone(), "scraped", fixed, rate).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (scrapes, page_bytes) = scraper.await.unwrap();
         println!("saturation ({requests} requests, {concurrency} concurrent):");
         println!("  direct  {direct_rps:>8.0} req/s");
         println!(
@@ -270,6 +304,21 @@ fn main() {
             (percentile(&gateway_latency, 0.99).as_secs_f64()
                 - percentile(&direct_latency, 0.99).as_secs_f64())
                 * 1e3
+        );
+        println!("metric overhead, gateway at {rate} req/s for 5 s:");
+        for (name, latencies) in [("not scraped", &quiet), ("scraped    ", &scraped)] {
+            println!(
+                "  {name} p50 {:>8.2} ms  p99 {:>8.2} ms",
+                percentile(latencies, 0.50).as_secs_f64() * 1e3,
+                percentile(latencies, 0.99).as_secs_f64() * 1e3
+            );
+        }
+        println!(
+            "  {} scrapes every {} ms: p50 {:.2} ms, p99 {:.2} ms, {page_bytes} bytes",
+            scrapes.len(),
+            scrape_every.as_millis(),
+            percentile(&scrapes, 0.50).as_secs_f64() * 1e3,
+            percentile(&scrapes, 0.99).as_secs_f64() * 1e3
         );
     });
 }

@@ -36,6 +36,19 @@ pub async fn perform(
     op: &StoreOp,
     caller_now: Timestamp,
 ) -> StoreResult {
+    perform_with_evidence(ledger, holder, operation_id, op, caller_now, Vec::new()).await
+}
+
+/// [`perform`], with attempt evidence the pump gathered (`Ledger::record_evidence`) appended in
+/// a winning commit's transaction; ignored by every other operation.
+pub async fn perform_with_evidence(
+    ledger: &dyn Ledger,
+    holder: &str,
+    operation_id: &str,
+    op: &StoreOp,
+    caller_now: Timestamp,
+    evidence: Vec<(turnstile_core::Generation, serde_json::Value)>,
+) -> StoreResult {
     let fenced = matches!(
         op,
         StoreOp::Begin { .. }
@@ -189,6 +202,7 @@ pub async fn perform(
                     from: *from,
                     handle: handle.clone(),
                     bind: *bind,
+                    evidence,
                 },
                 now,
             )

@@ -621,6 +621,18 @@ pub trait Ledger: Send + Sync {
         before: Option<i64>,
         limit: u64,
     ) -> Result<listing::QuarantinePage, StoreError>;
+
+    /// Append attempt evidence (what the provider's side of connections showed) in one write;
+    /// the rows are bounded by the caller and by `ops::EVIDENCE_BYTES_MAX` each.
+    async fn record_evidence(
+        &self,
+        operation_id: &str,
+        rows: &[(Generation, Value)],
+        now: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// A dispatch's attempt evidence, oldest first.
+    async fn evidence(&self, operation_id: &str) -> Result<Vec<(Generation, Value)>, StoreError>;
 }
 
 /// Open a store by URL: `sqlite:PATH` or `postgres://…`.

@@ -114,6 +114,13 @@ pub const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0013_history_repairs.sql"),
         postgres: include_str!("../migrations/postgres/0013_history_repairs.sql"),
     },
+    // Issue 51.
+    Migration {
+        version: 14,
+        name: "attempt_evidence",
+        sqlite: include_str!("../migrations/sqlite/0014_attempt_evidence.sql"),
+        postgres: include_str!("../migrations/postgres/0014_attempt_evidence.sql"),
+    },
 ];
 
 /// The newest version this build knows.

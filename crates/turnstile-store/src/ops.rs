@@ -2107,6 +2107,7 @@ pub(crate) async fn commit<T: Tx>(
     )
     .await?;
     insert_tool_calls(tx, &conversation_id, revision, generation, operation_id, &calls).await?;
+    insert_evidence(tx, operation_id, &carried.evidence, now).await?;
     *next = Some(Checked {
         conversation_id,
         revision,
@@ -2749,6 +2750,55 @@ async fn attempt_from_row<T: Tx>(tx: &mut T, row: &Row) -> Result<AttemptRecord,
         target: u32::try_from(row.uint(12)?).unwrap_or(u32::MAX),
     })
 }
+
+/// Append what the provider's side of attempts' connections showed (`attempt_evidence`,
+/// migration 14), each row as given: the caller bounds them ([`EVIDENCE_BYTES_MAX`] each here,
+/// past which a row keeps only its generation and the fact it was cut).
+pub(crate) async fn insert_evidence<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+    rows: &[(Generation, Value)],
+    now: Timestamp,
+) -> Result<(), StoreError> {
+    for (generation, evidence) in rows.iter().take(EVIDENCE_ROWS_MAX) {
+        let mut text = evidence.to_string();
+        if text.len() > EVIDENCE_BYTES_MAX {
+            text = serde_json::json!({"generation": generation.0, "evidence_truncated": true}).to_string();
+        }
+        tx.execute(
+            "INSERT INTO attempt_evidence (operation_id, generation, evidence, at) VALUES ($1, $2, $3, $4)",
+            &[operation_id.into(), generation.0.into(), text.into(), ts(now)],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Evidence rows of one dispatch, oldest first (at most [`EVIDENCE_ROWS_MAX`] × its attempts).
+pub(crate) async fn evidence<T: Tx>(
+    tx: &mut T,
+    operation_id: &str,
+) -> Result<Vec<(Generation, Value)>, StoreError> {
+    let rows = tx
+        .query(
+            "SELECT generation, evidence FROM attempt_evidence WHERE operation_id = $1 ORDER BY id LIMIT 1024",
+            &[operation_id.into()],
+        )
+        .await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let text = row.text(1)?;
+        let value = serde_json::from_str(&text)
+            .map_err(|error| StoreError::Corrupt(format!("attempt evidence of {operation_id}: {error}")))?;
+        out.push((Generation(row.uint(0)?), value));
+    }
+    Ok(out)
+}
+
+/// Largest evidence row stored (JSON bytes): a 64 KiB error body, a 16 KiB preview, the rest.
+pub const EVIDENCE_BYTES_MAX: usize = 160 * 1024;
+/// Evidence rows one write appends at most.
+pub const EVIDENCE_ROWS_MAX: usize = 64;
 
 pub(crate) async fn attempts<T: Tx>(
     tx: &mut T,

@@ -1189,4 +1189,17 @@ impl Ledger for PgLedger {
             &mut tx, id_prefix, before, limit
         ))
     }
+
+    async fn record_evidence(
+        &self,
+        operation_id: &str,
+        rows: &[(Generation, Value)],
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        in_tx!(self, |tx| ops::insert_evidence(&mut tx, operation_id, rows, now))
+    }
+
+    async fn evidence(&self, operation_id: &str) -> Result<Vec<(Generation, Value)>, StoreError> {
+        in_tx!(self, |tx| ops::evidence(&mut tx, operation_id))
+    }
 }

@@ -1955,6 +1955,22 @@ impl Ledger for SqliteLedger {
         let id_prefix = id_prefix.to_owned();
         self.read(|tx| block_on_ready(crate::listing::quarantine_page(tx, &id_prefix, before, limit)))
     }
+
+    async fn record_evidence(
+        &self,
+        operation_id: &str,
+        rows: &[(Generation, Value)],
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (op, rows) = (operation_id.to_owned(), rows.to_vec());
+        self.run(move |tx| block_on_ready(ops::insert_evidence(tx, &op, &rows, now)))
+            .await
+    }
+
+    async fn evidence(&self, operation_id: &str) -> Result<Vec<(Generation, Value)>, StoreError> {
+        let op = operation_id.to_owned();
+        self.read(|tx| block_on_ready(ops::evidence(tx, &op)))
+    }
 }
 
 #[cfg(test)]

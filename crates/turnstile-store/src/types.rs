@@ -430,11 +430,16 @@ pub struct Carried {
     /// a fresh send arrived on the attempt's own connection whatever id it names, and
     /// compatible servers reuse ids (`chatcmpl-1` again after a restart).
     pub bind: bool,
+    /// What the provider's side of the dispatch's connections showed, not written yet
+    /// (`attempt_evidence`): appended in the commit's transaction when it wins, so a dispatch
+    /// that commits costs no extra write for it.
+    pub evidence: Vec<(Generation, serde_json::Value)>,
 }
 
 impl Default for Carried {
     fn default() -> Carried {
         Carried {
+            evidence: Vec::new(),
             from: DispatchState::Streaming,
             handle: None,
             bind: true,

@@ -2060,16 +2060,23 @@ pub async fn get_dispatch(
                             "request_body": String::from_utf8_lossy(&target.request_bytes)}),
         );
     }
+    // What the provider's side of each attempt's connections showed (`attempts.rs`).
+    let evidence = shared.ledger.evidence(&store_id).await.map_err(ApiError::store)?;
     let attempts: Vec<Value> = attempts
         .into_iter()
         .map(|attempt| {
             let target = &targets[(attempt.target as usize).min(targets.len() - 1)];
+            let seen: Vec<&Value> = evidence
+                .iter()
+                .filter(|(generation, _)| *generation == attempt.generation)
+                .map(|(_, row)| row)
+                .collect();
             json!({"generation": attempt.generation.0, "state": attempt.state.as_str(), "handle": attempt.handle,
                    "target": attempt.target, "provider": target["provider"], "model": target["model"],
                    "adapter": target["adapter"], "manifest_digest": target["manifest_digest"],
                    "request_digest": attempt.request_digest,
                    "end_reason": attempt.end_reason, "confirmed_over": attempt.confirmed_over,
-                   "resumes": attempt.resumes, "replays": attempt.replays,
+                   "resumes": attempt.resumes, "replays": attempt.replays, "evidence": seen,
                    "history": attempt.history.iter().map(|(state, at)| json!({"state": state.as_str(), "at": at.0})).collect::<Vec<_>>()})
         })
         .collect();
@@ -2554,6 +2561,7 @@ pub async fn metrics_text(State(shared): State<Arc<Shared>>) -> Response {
     metrics::output_bytes(shared.output_budget.held());
     let (renders, resumed) = shared.render_caches.renders().await;
     metrics::renders(renders, resumed, shared.render_caches.off_worker());
+    metrics::breaker_open(shared.breaker.open_count(super::now()));
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         shared.prometheus.render(),

@@ -87,6 +87,14 @@ impl Breaker {
     }
 
     /// A success of `label`'s target: its failures are forgotten and it is not cooling.
+    /// How many targets are cooling down at `now` (`turnstile_breaker_open_targets`).
+    pub fn open_count(&self, now: Timestamp) -> usize {
+        self.lock()
+            .values()
+            .filter(|entry| entry.open_until.is_some_and(|until| now < until))
+            .count()
+    }
+
     pub fn success(&self, label: &str) {
         self.lock().remove(label);
     }

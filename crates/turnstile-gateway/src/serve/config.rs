@@ -80,6 +80,55 @@ pub enum Simulator {
     Off,
 }
 
+/// How log lines are written: `text` (one human line each, coloured only on a terminal) or
+/// `json` (one JSON object per line, for a log pipeline).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Most `[[prices]]` entries.
+pub const PRICES_MAX: usize = 4096;
+
+/// One model's price, US dollars per million tokens of each kind, as the operator's contract
+/// with the provider says (`[[prices]]`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// Configured provider name.
+    pub provider: String,
+    /// Model name as dispatched.
+    pub model: String,
+    /// Input tokens (not counting cache reads or writes where the provider counts them apart).
+    pub input_usd_per_mtok: f64,
+    /// Output tokens (reasoning tokens included, as providers bill them).
+    pub output_usd_per_mtok: f64,
+    /// Input tokens read from the prompt cache (default: the input price).
+    #[serde(default)]
+    pub cached_usd_per_mtok: Option<f64>,
+    /// Input tokens written to the prompt cache (default: the input price).
+    #[serde(default)]
+    pub cache_write_usd_per_mtok: Option<f64>,
+}
+
+impl Price {
+    /// Dollars per token of `kind` (`input`, `output`, `cached`, `cache_write`).
+    pub fn per_token(&self, kind: &str) -> f64 {
+        let per_mtok = match kind {
+            "output" => self.output_usd_per_mtok,
+            "cached" => self.cached_usd_per_mtok.unwrap_or(self.input_usd_per_mtok),
+            "cache_write" => self.cache_write_usd_per_mtok.unwrap_or(self.input_usd_per_mtok),
+            _ => self.input_usd_per_mtok,
+        };
+        per_mtok / 1_000_000.0
+    }
+}
+
 /// The whole configuration.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -198,6 +247,13 @@ pub struct Config {
     /// content is user data.
     #[serde(default)]
     pub otlp_capture_content: bool,
+    /// How log lines are written to standard error (`--log-format` overrides it).
+    #[serde(default)]
+    pub log_format: LogFormat,
+    /// Per-model prices for `turnstile_cost_microdollars_total` (none built in: a catalogue in
+    /// the binary would go stale).
+    #[serde(default)]
+    pub prices: Vec<Price>,
     /// How many proxy refusals `GET /v1/proxy/refusals` keeps (oldest dropped first).
     #[serde(default = "proxy_refusals_max_default")]
     pub proxy_refusals_max: usize,
@@ -513,6 +569,34 @@ impl Config {
                 "no tenants are configured, so the gateway needs no token and refuses to listen on \
                  {address}: configure [[tenants]] or listen on a loopback address"
             ));
+        }
+        if self.prices.len() > PRICES_MAX {
+            return Err(format!("[[prices]]: at most {PRICES_MAX} entries"));
+        }
+        let mut priced = std::collections::HashSet::new();
+        for price in &self.prices {
+            let amounts = [
+                Some(price.input_usd_per_mtok),
+                Some(price.output_usd_per_mtok),
+                price.cached_usd_per_mtok,
+                price.cache_write_usd_per_mtok,
+            ];
+            if amounts
+                .into_iter()
+                .flatten()
+                .any(|amount| !amount.is_finite() || amount < 0.0)
+            {
+                return Err(format!(
+                    "[[prices]] {}/{}: prices are finite and not negative",
+                    price.provider, price.model
+                ));
+            }
+            if !priced.insert((price.provider.as_str(), price.model.as_str())) {
+                return Err(format!(
+                    "[[prices]] {}/{}: priced twice",
+                    price.provider, price.model
+                ));
+            }
         }
         for (index, tenant) in self.tenants.iter().enumerate() {
             if self.tenants[..index].iter().any(|earlier| earlier.name == tenant.name) {

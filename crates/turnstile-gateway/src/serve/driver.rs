@@ -9,6 +9,7 @@
 //! the store's compare-and-sets; this file only moves data between them and the network. The
 //! simulation (`turnstile-testkit`) pumps the same driver.
 
+use super::attempts::AttemptLog;
 use super::drain::Phase;
 use super::hub::Hub;
 use super::metrics;
@@ -198,6 +199,17 @@ struct Pump {
     provider_of: HashMap<ConnectionId, (usize, bool, Option<u16>)>,
     /// This dispatch's spans (a no-op when traces are off).
     trace: traces::Hook,
+    /// What each provider response connection did: metrics and evidence (`attempts.rs`).
+    log: AttemptLog,
+    /// The target of the last response connection opened (the dispatch's metric labels).
+    current_target: usize,
+    /// The committed generation's usage as the provider reported it (the dispatch's log line).
+    committed_usage: Option<serde_json::Value>,
+    /// The last error code told to the dispatch's clients (the dispatch's log line).
+    error: Option<String>,
+    /// The dispatch span's trace id ("" with traces off), read at its start: the log line is
+    /// written after the span ended.
+    trace_id: String,
 }
 
 async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
@@ -217,7 +229,13 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
         aborted: Vec::new(),
         provider_of: HashMap::new(),
         trace,
+        log: AttemptLog::new(std::time::Instant::now()),
+        current_target: 0,
+        committed_usage: None,
+        error: None,
+        trace_id: String::new(),
     };
+    pump.trace_id = pump.trace.trace_id().unwrap_or_default();
     // The process does not exit before this dispatch ended or was handed over: every caller
     // spawns the driver with `Drain::spawn`, which counts it before its first poll.
     let mut handed_over = false;
@@ -248,11 +266,13 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                 }
                 pump.trace.transport(connection, &event);
                 match event {
-                    TransportEvent::Head { status, retry_after_ms } => {
+                    TransportEvent::Head { status, retry_after_ms, request_id } => {
+                        pump.log.head(connection, status, retry_after_ms, request_id.as_deref());
                         pump.provider_outcome(connection, Outcome::Head(status, retry_after_ms));
                         drive.handle_head(now(), connection, status);
                     }
                     TransportEvent::Chunk(bytes) => {
+                        pump.log.chunk(connection, &bytes);
                         let over = share.take(bytes.len() as u64);
                         metrics::output_bytes(pump.shared.output_budget.held());
                         if over && !shed {
@@ -265,18 +285,21 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
                         }
                     }
                     TransportEvent::End => {
+                        pump.connection_ended(connection, "clean");
                         pump.provider_outcome(connection, Outcome::End);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Clean);
                     }
                     TransportEvent::Broken(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider connection broke");
+                        pump.connection_ended(connection, "broken");
                         pump.provider_outcome(connection, Outcome::Broken);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Broken);
                     }
                     TransportEvent::Unreachable(reason) => {
                         tracing::info!(%operation_id, connection = connection.0, %reason, "provider unreachable");
+                        pump.connection_ended(connection, "unreachable");
                         pump.provider_outcome(connection, Outcome::Unreachable);
                         pump.connections.remove(&connection);
                         drive.handle_end(now(), connection, Ending::Unreachable);
@@ -302,6 +325,28 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     drop(share);
     metrics::output_bytes(pump.shared.output_budget.held());
     pump.trace.finish(drive.state());
+    pump.log.close_all();
+    let left = pump.log.take_all();
+    pump.write_evidence(left);
+    let outcome = match drive.state() {
+        DispatchState::Committed => Some("committed"),
+        DispatchState::Failed => Some("failed"),
+        DispatchState::Abandoned => Some("abandoned"),
+        _ => None,
+    };
+    let labels = pump.labels();
+    if let Some(outcome) = outcome {
+        metrics::dispatch_ended(&labels, outcome, pump.log.accepted().elapsed().as_secs_f64());
+        if let Some(prompt) = pump.ctx.record.manifest["prompt_tokens"].as_u64() {
+            metrics::estimated_tokens(&labels, &pump.tenant(), prompt);
+        }
+    }
+    if outcome.is_some()
+        && let Some(code) = &pump.error
+    {
+        metrics::dispatch_error(&labels, code);
+    }
+    pump.log_end(&drive, handed_over);
     // Nothing of this dispatch is read from the provider any more.
     for (_, task) in pump.connections.drain() {
         task.abort();
@@ -358,6 +403,16 @@ async fn run(shared: Arc<Shared>, ctx: DriveContext, mut drive: Drive) {
     remove_hub(&shared, &operation_id, &pump.ctx.hub).await;
 }
 
+/// The configured tenant whose prefix `operation_id` carries (`name~id`), else `none`.
+pub fn tenant_of(shared: &Shared, operation_id: &str) -> String {
+    operation_id
+        .split_once('~')
+        .map(|(name, _)| name)
+        .filter(|name| shared.tenants.iter().any(|(_, known)| known == name))
+        .unwrap_or("none")
+        .to_owned()
+}
+
 /// Forget this dispatch's hub, unless a newer one (a later driver here) took its place.
 async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
     let mut hubs = shared.hubs.lock().await;
@@ -382,17 +437,93 @@ async fn remove_hub(shared: &Shared, operation_id: &str, hub: &Arc<Hub>) {
 }
 
 impl Pump {
+    /// A response connection ended: counted, and its evidence put on its attempt's span.
+    fn connection_ended(&mut self, connection: ConnectionId, end: &'static str) {
+        self.log.ended(connection, end);
+        if let Some((generation, row)) = self.log.row(connection) {
+            self.trace.evidence(generation.0, &row);
+        }
+    }
+
+    /// Usage the provider reported for attempts that committed nothing (billed all the same),
+    /// from their evidence rows; rows of `committed` are counted from the commit instead.
+    fn count_uncommitted_usage(
+        &self,
+        rows: &[(turnstile_core::Generation, serde_json::Value)],
+        committed: Option<u64>,
+    ) {
+        let tenant = self.tenant();
+        for (generation, row) in rows {
+            if Some(generation.0) != committed && row["usage"].is_object() {
+                let labels = metrics::target_labels(
+                    row["provider"].as_str().unwrap_or_default(),
+                    row["model"].as_str().unwrap_or_default(),
+                );
+                metrics::usage(&labels, &tenant, false, &row["usage"]);
+            }
+        }
+    }
+
+    /// One line when the dispatch ends here: who, what, which targets and attempts (with how
+    /// each ended), tokens, duration and the trace id.
+    fn log_end(&self, drive: &Drive, handed_over: bool) {
+        let record = &self.ctx.record;
+        let usage = self.committed_usage.as_ref();
+        let tokens = |field: &str| usage.and_then(|usage| usage[field].as_u64());
+        tracing::info!(
+            target: "turnstile::dispatch",
+            operation_id = %record.operation_id,
+            conversation_id = %record.conversation_id,
+            tenant = %self.tenant(),
+            state = drive.state().as_str(),
+            error = self.error.as_deref().unwrap_or(""),
+            handed_over,
+            targets_tried = %self.log.targets_tried(&self.ctx.targets),
+            attempts = %self.log.summary(),
+            input_tokens = tokens("input_tokens"),
+            output_tokens = tokens("output_tokens"),
+            duration_ms = self.log.accepted().elapsed().as_millis() as u64,
+            trace_id = %self.trace_id,
+            "dispatch ended"
+        );
+    }
+
+    /// The `tenant` label: the configured tenant whose prefix the operation id carries, else
+    /// `none` (no tenants configured).
+    fn tenant(&self) -> String {
+        tenant_of(&self.shared, &self.ctx.record.operation_id)
+    }
+
+    /// The dispatch's metric labels: the target of its last response connection.
+    fn labels(&self) -> (String, String) {
+        let target = &self.ctx.targets[self.current_target.min(self.ctx.targets.len() - 1)];
+        metrics::target_labels(&target.provider, &target.model)
+    }
+
     /// Perform every action the driver has, in order.
     async fn perform(&mut self, drive: &mut Drive) {
         while let Some(action) = drive.poll_action() {
             match action {
                 Action::Store(op) => {
-                    let performed = turnstile_store::drive::perform(
+                    // The commit carries the evidence gathered so far (written with it when it
+                    // wins, on its own when it does not).
+                    let evidence = match op {
+                        turnstile_drive::StoreOp::Commit { generation, .. } => {
+                            self.log.take_for_commit(generation.0)
+                        }
+                        _ => Vec::new(),
+                    };
+                    for (generation, row) in &evidence {
+                        self.trace.evidence(generation.0, row);
+                    }
+                    let carried = evidence.clone();
+                    let performed = turnstile_store::drive::perform_with_evidence(
                         self.shared.ledger.as_ref(),
                         &self.shared.holder,
                         &self.ctx.record.operation_id,
                         &op,
                         now(),
+                        carried,
                     );
                     // While provider connections hang on the lease, the store is waited for
                     // only until the driver's fence: then the operation's outcome is unknown
@@ -413,6 +544,24 @@ impl Pump {
                     if let turnstile_drive::StoreResult::Failed(error) = &result {
                         tracing::error!(operation_id = %self.ctx.record.operation_id, %error, "ledger operation failed");
                     }
+                    match (&op, &result) {
+                        (
+                            turnstile_drive::StoreOp::Commit {
+                                generation, outcome, ..
+                            },
+                            turnstile_drive::StoreResult::Committed { .. },
+                        ) => {
+                            self.log.committed(generation.0);
+                            let usage = outcome.as_ref().map(|outcome| outcome["usage"].clone());
+                            if let Some(usage) = &usage {
+                                metrics::usage(&self.labels(), &self.tenant(), true, usage);
+                            }
+                            // Usage other generations reported rode in the commit too.
+                            self.count_uncommitted_usage(&evidence, Some(generation.0));
+                            self.committed_usage = usage;
+                        }
+                        _ => self.write_evidence(super::attempts::not_committed(evidence)),
+                    }
                     self.trace.store(&op, &result);
                     drive.handle_store(now(), result);
                 }
@@ -426,9 +575,10 @@ impl Pump {
                     // opens its stream (`hub::Receiver::target_of`).
                     self.ctx.hub.opened(generation, target as usize);
                     let trace_headers = self.trace.open(connection, generation.0, &request);
-                    self.open(drive, connection, target, request, trace_headers);
+                    self.open(drive, connection, target, generation.0, request, trace_headers);
                 }
                 Action::Close { connection } => {
+                    self.log.ended(connection, "closed");
                     if let Some(task) = self.connections.remove(&connection) {
                         task.abort();
                         self.aborted.push(task);
@@ -436,6 +586,11 @@ impl Pump {
                 }
                 Action::Emit(event) => {
                     self.trace.emit(&event);
+                    let labels = self.labels();
+                    self.log.event(&event, &labels);
+                    if let DriveEvent::Error { code, .. } = &event {
+                        self.error = Some(code.clone());
+                    }
                     // Typed to the hub; JSON only at the client edges (`hub.rs`).
                     self.ctx.hub.send(event);
                 }
@@ -449,6 +604,25 @@ impl Pump {
                 }
             }
         }
+        // Connections that failed, once their end (and any retraction) was handled.
+        let failed = self.log.take_failed();
+        self.write_evidence(failed);
+    }
+
+    /// Write attempt evidence on its own, off the dispatch's path (a failure path: one write
+    /// per failed connection; nothing waits for it).
+    fn write_evidence(&self, rows: Vec<(turnstile_core::Generation, serde_json::Value)>) {
+        if rows.is_empty() {
+            return;
+        }
+        self.count_uncommitted_usage(&rows, None);
+        let shared = self.shared.clone();
+        let operation_id = self.ctx.record.operation_id.clone();
+        tokio::spawn(async move {
+            if let Err(error) = shared.ledger.record_evidence(&operation_id, &rows, now()).await {
+                tracing::warn!(%operation_id, %error, "attempt evidence not written");
+            }
+        });
     }
 
     fn open(
@@ -456,6 +630,7 @@ impl Pump {
         drive: &Drive,
         connection: ConnectionId,
         target: u32,
+        generation: u64,
         request: Request,
         trace_headers: Vec<(String, String)>,
     ) {
@@ -463,6 +638,16 @@ impl Pump {
         let to = &self.ctx.targets[index];
         let streams = matches!(request, Request::Send { .. } | Request::Resume { .. });
         self.provider_of.insert(connection, (index, streams, None));
+        if streams {
+            self.current_target = index;
+            let kind = if matches!(request, Request::Send { .. }) {
+                "send"
+            } else {
+                "resume"
+            };
+            self.log
+                .opened(connection, generation, index, (&to.provider, &to.model), kind);
+        }
         let mut outgoing = match request {
             Request::Send { idempotency_key } => transport::send_request(
                 &to.endpoint,

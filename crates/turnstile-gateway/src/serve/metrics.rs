@@ -10,9 +10,19 @@
 //! - a stuck dispatch anywhere shows in `turnstile_dispatch_unknown_age_seconds` on every replica.
 //!   Enforced in `ops.rs::stuck_age_ms` (store clock), `api.rs::metrics_text`. Tests:
 //!   `store/tests/it/conformance.rs::a_live_attempt_past_its_lease_is_seen_as_stuck…`.
+//!
+//! Every family is described (`# HELP`) from [`HELP`], one table, and the tidy test
+//! `every_family_on_the_page_is_described` holds the page to it. Histograms are real Prometheus
+//! histograms (`_bucket`/`_sum`/`_count`, buckets [`SECONDS_BUCKETS`]), not summaries, so they
+//! aggregate across replicas. Label values are bounded: `provider` is a configured name,
+//! `tenant` a configured tenant (or `none`), and at most [`TARGET_LABELS_MAX`] distinct
+//! `provider`/`model` pairs get their own series; the rest share `model="_other"` and are counted
+//! in `turnstile_metric_label_overflow_total` (docs/decisions/0170-metrics-conventions.md).
 
-use metrics::{counter, gauge};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
 use turnstile_core::ViolationCode;
 use turnstile_core::dispatch::DispatchState;
 
@@ -122,6 +132,54 @@ pub const RENDERS: &str = "turnstile_renders_total";
 /// not covered by a kept state); read at each scrape.
 pub const RENDERS_OFF_WORKER: &str = "turnstile_renders_off_worker_total";
 
+/// Dispatch duration from its acceptance (the prepare) to its end here (committed, failed or
+/// abandoned), by provider, model and outcome.
+pub const DISPATCH_DURATION: &str = "turnstile_dispatch_duration_seconds";
+/// From a dispatch's acceptance to its first preview (the first text a client could see).
+pub const TIME_TO_FIRST_PREVIEW: &str = "turnstile_time_to_first_preview_seconds";
+/// One provider response connection (an attempt's send or resume), from its request to its end.
+pub const ATTEMPT_DURATION: &str = "turnstile_attempt_duration_seconds";
+/// From a provider request to its response head.
+pub const PROVIDER_HEAD_LATENCY: &str = "turnstile_provider_head_latency_seconds";
+/// Provider response connections by provider, model, how they ended and HTTP status.
+pub const ATTEMPTS: &str = "turnstile_attempts_total";
+/// Tokens the provider reported, by provider, model, tenant and kind.
+pub const TOKENS: &str = "turnstile_tokens_total";
+/// Input tokens we counted ourselves for the request (the manifest's `prompt_tokens`).
+pub const ESTIMATED_TOKENS: &str = "turnstile_estimated_tokens_total";
+/// Dispatches that ended here with an error told to their clients, by provider, model and
+/// error code (`attempts_exhausted`, `provider_status_503`, …; the codes are the driver's, a
+/// bounded set).
+pub const DISPATCH_ERRORS: &str = "turnstile_dispatch_errors_total";
+/// Failover targets cooling down now (their circuit breaker open; read at each scrape).
+pub const BREAKER_OPEN: &str = "turnstile_breaker_open_targets";
+/// Cost from the configured price table (`[[prices]]`), in millionths of a US dollar, by
+/// provider, model, tenant and whether the attempt committed (an integer counter: `metrics`
+/// counters are integers; the fractions are carried, never dropped).
+pub const COST: &str = "turnstile_cost_microdollars_total";
+/// Always 1; the labels name the build.
+pub const BUILD_INFO: &str = "turnstile_build_info";
+/// Series that took a shared overflow label value because a label had too many values.
+pub const LABEL_OVERFLOW: &str = "turnstile_metric_label_overflow_total";
+
+/// Histogram buckets (seconds) of every `*_seconds` histogram: 5 ms to 10 min, the range
+/// between a cached head and `provider_attempt_timeout_ms`.
+pub const SECONDS_BUCKETS: [f64; 16] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+/// Distinct `provider`/`model` label pairs before further models share `model="_other"`.
+pub const TARGET_LABELS_MAX: usize = 64;
+
+/// The `model` label value past [`TARGET_LABELS_MAX`].
+pub const MODEL_OVERFLOW: &str = "_other";
+
+/// How a provider response connection ended, the `end` label of [`ATTEMPTS`]: `committed`
+/// (its answer was committed), `clean` (its body ended without a commit: an error status's
+/// body, or an answer the driver did not commit), `broken`, `unreachable`, `closed` (closed by
+/// the gateway first: a deadline, a retraction, the dispatch ending).
+pub const ATTEMPT_ENDS: [&str; 5] = ["committed", "clean", "broken", "unreachable", "closed"];
+
 /// Proxy endpoint APIs used as the `api` label.
 pub const PROXY_APIS: [&str; 4] = ["openai-chat", "openai-responses", "anthropic-messages", "gemini"];
 /// Kinds of shadow difference used as the `kind` label.
@@ -141,11 +199,192 @@ const STATES: [DispatchState; 8] = [
     DispatchState::Abandoned,
 ];
 
-/// Install the process-wide recorder and create every required series at zero.
+/// `# HELP` of every family, one row each (a family missing here fails the tidy test).
+pub const HELP: &[(&str, &str)] = &[
+    (
+        VALIDATOR_REJECTS,
+        "Violations found in submitted turns or stored history, by violation code.",
+    ),
+    (TOOL_RESULT_ORPHANS, "Tool results for calls that are not open."),
+    (TOOL_RESULT_DUPLICATES, "Second results for one tool call."),
+    (
+        DISPATCH_UNKNOWN_AGE,
+        "How long the oldest attempt that is not over has been past its lease, by the store's clock.",
+    ),
+    (
+        HANDLE_RECOVERIES,
+        "Recoveries of interrupted attempts, by outcome.",
+    ),
+    (LATE_BLOCKS, "Blocks sent to the quarantine."),
+    (PREVIEW_RETRACTIONS, "Generations whose preview was retracted."),
+    (
+        CANONICAL_CAS_CONFLICTS,
+        "Commits that lost the canonical compare-and-set.",
+    ),
+    (
+        PARTIAL_TOOL_DISPATCH,
+        "Tool calls exposed from an incomplete turn; must stay 0.",
+    ),
+    (
+        ILLEGAL_SENDS,
+        "Sends whose bytes were not the manifest's; must stay 0.",
+    ),
+    (DISPATCH_TRANSITIONS, "Persisted dispatch state transitions."),
+    (
+        FOREIGN_HANDLES,
+        "Provider handles refused because they are bound to another manifest.",
+    ),
+    (
+        PROXY_REQUESTS,
+        "Proxy requests by endpoint API, mode and outcome.",
+    ),
+    (SHADOW_COMPARISONS, "Shadow comparisons by endpoint API."),
+    (SHADOW_DIFFS, "Shadow differences by endpoint API and kind."),
+    (
+        DRIVER_STORE_FAILURES,
+        "Store operations of the dispatch driver that failed.",
+    ),
+    (
+        STORED_HISTORY_CORRUPT,
+        "Dispatches refused because a stored turn no longer matched its digest.",
+    ),
+    (
+        SELF_FENCES,
+        "Drivers that stopped before their attempt's lease could run out, by reason.",
+    ),
+    (
+        PROVIDER_TIMEOUTS,
+        "Provider connections closed past a bound (head, idle, whole attempt).",
+    ),
+    (
+        OUTPUT_SHED,
+        "Dispatches ended because the provider output budget was exhausted.",
+    ),
+    (OUTPUT_BYTES, "Provider output bytes held in memory now."),
+    (
+        CLIENT_STREAM_GAPS,
+        "Gaps told to clients that read past dropped previews.",
+    ),
+    (
+        CLIENT_BACKLOG_SHEDS,
+        "Client backlogs whose previews were dropped for the output budget.",
+    ),
+    (
+        CLIENT_WRITE_TIMEOUTS,
+        "Client connections closed after client_write_timeout_ms without taking a byte.",
+    ),
+    (
+        BODY_READ_TIMEOUTS,
+        "Requests whose body did not arrive within body_read_timeout_ms.",
+    ),
+    (
+        FAILOVERS,
+        "Dispatches that moved from one target to the next, by target and reason.",
+    ),
+    (DRIVER_IGNORED, "Inputs the dispatch driver ignored, by reason."),
+    (
+        PROVIDER_NOTICES,
+        "Provider stream notices that decided nothing, by provider and code.",
+    ),
+    (TOOL_CALL_CLAIMS, "Tool-call claims granted to executors."),
+    (TOOL_CALL_RENEWALS, "Tool-call claim leases extended."),
+    (TOOL_CALL_RELEASES, "Tool-call claims given back."),
+    (TOOL_CALL_EXPIRIES, "Tool-call claims granted on an expired call."),
+    (
+        TOOL_RESULT_STALE,
+        "Tool results refused because their claim was not current.",
+    ),
+    (
+        TOOL_CALL_CLIENT_FORKS,
+        "Proxy client tool calls abandoned by a fork of their client.",
+    ),
+    (
+        STORE_WRITE_OPS,
+        "Store operations of this process that changed a row and were committed.",
+    ),
+    (
+        STORE_READ_OPS,
+        "Store operations of this process that ended without changing a row.",
+    ),
+    (
+        CONVERSATION_READS,
+        "Dispatches of a stored conversation by how its history was read.",
+    ),
+    (RENDERS, "Request body renders by where they started."),
+    (RENDERS_OFF_WORKER, "Renders run off the async worker."),
+    (
+        super::traces::TRACE_QUEUE_SPANS,
+        "Spans waiting for or in export.",
+    ),
+    (super::traces::TRACE_SPANS, "Spans by export outcome."),
+    (
+        DISPATCH_DURATION,
+        "Dispatch duration from acceptance to its end here, by provider, model and outcome.",
+    ),
+    (
+        TIME_TO_FIRST_PREVIEW,
+        "Time from a dispatch's acceptance to its first preview, by provider and model.",
+    ),
+    (
+        ATTEMPT_DURATION,
+        "Provider response connection duration from request to end, by provider and model.",
+    ),
+    (
+        PROVIDER_HEAD_LATENCY,
+        "Time from a provider request to its response head, by provider and model.",
+    ),
+    (
+        ATTEMPTS,
+        "Provider response connections by provider, model, end and HTTP status.",
+    ),
+    (
+        TOKENS,
+        "Tokens the provider reported, by provider, model, tenant and kind.",
+    ),
+    (
+        ESTIMATED_TOKENS,
+        "Input tokens the gateway counted for the request body it sent, by provider, model, tenant and kind.",
+    ),
+    (
+        DISPATCH_ERRORS,
+        "Dispatches that ended here with an error code told to their clients, by provider, model and code.",
+    ),
+    (
+        BREAKER_OPEN,
+        "Failover targets whose circuit breaker is open now.",
+    ),
+    (
+        COST,
+        "Cost from the configured price table in millionths of a US dollar, by provider, model, tenant and committed.",
+    ),
+    (BUILD_INFO, "Always 1; the labels name the build."),
+    (
+        LABEL_OVERFLOW,
+        "Metric series that took a shared overflow label value, by label.",
+    ),
+];
+
+/// Install the process-wide recorder, describe every family and create every required series
+/// at zero.
 pub fn install() -> Result<PrometheusHandle, String> {
     let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+        .map_err(|error| error.to_string())?
         .install_recorder()
         .map_err(|error| error.to_string())?;
+    for (name, help) in HELP {
+        if name.ends_with("_seconds") && *name != DISPATCH_UNKNOWN_AGE {
+            describe_histogram!(*name, Unit::Seconds, *help);
+        } else if name.ends_with("_total") {
+            describe_counter!(*name, *help);
+        } else {
+            describe_gauge!(*name, *help);
+        }
+    }
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("TURNSTILE_COMMIT"))
+        .set(1.0);
+    counter!(LABEL_OVERFLOW, "label" => "model").absolute(0);
+    gauge!(BREAKER_OPEN).set(0.0);
     for code in ViolationCode::ALL {
         counter!(VALIDATOR_REJECTS, "code" => code.as_str()).absolute(0);
     }
@@ -319,4 +558,131 @@ pub fn shadow(api: &'static str, kinds: &[&'static str]) {
     for kind in kinds {
         counter!(SHADOW_DIFFS, "api" => api, "kind" => *kind).increment(1);
     }
+}
+
+/// A target's `provider` and `model` label values: the model itself for the first
+/// [`TARGET_LABELS_MAX`] pairs seen, [`MODEL_OVERFLOW`] after (counted).
+pub fn target_labels(provider: &str, model: &str) -> (String, String) {
+    static SEEN: OnceLock<Mutex<HashSet<(String, String)>>> = OnceLock::new();
+    let key = (provider.to_owned(), model.to_owned());
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if seen.contains(&key) {
+        return key;
+    }
+    if seen.len() < TARGET_LABELS_MAX {
+        seen.insert(key.clone());
+        return key;
+    }
+    counter!(LABEL_OVERFLOW, "label" => "model").increment(1);
+    (key.0, MODEL_OVERFLOW.to_owned())
+}
+
+/// One dispatch ended here (`outcome`: `committed`, `failed`, `abandoned`).
+pub fn dispatch_ended(labels: &(String, String), outcome: &'static str, seconds: f64) {
+    histogram!(DISPATCH_DURATION, "provider" => labels.0.clone(), "model" => labels.1.clone(), "outcome" => outcome)
+        .record(seconds);
+}
+
+/// A dispatch's first preview.
+pub fn first_preview(labels: &(String, String), seconds: f64) {
+    histogram!(TIME_TO_FIRST_PREVIEW, "provider" => labels.0.clone(), "model" => labels.1.clone())
+        .record(seconds);
+}
+
+/// A provider response head arrived.
+pub fn head_latency(labels: &(String, String), seconds: f64) {
+    histogram!(PROVIDER_HEAD_LATENCY, "provider" => labels.0.clone(), "model" => labels.1.clone())
+        .record(seconds);
+}
+
+/// A provider response connection ended (`status`: its head's, or `none`).
+pub fn attempt_ended(labels: &(String, String), end: &'static str, status: Option<u16>, seconds: f64) {
+    let status = status.map_or_else(|| "none".to_owned(), |status| status.to_string());
+    counter!(ATTEMPTS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "end" => end, "status" => status)
+        .increment(1);
+    histogram!(ATTEMPT_DURATION, "provider" => labels.0.clone(), "model" => labels.1.clone()).record(seconds);
+}
+
+/// The `kind` label of [`TOKENS`] for each field of a provider's usage (`Usage` in
+/// `turnstile_core::assemble`).
+pub const TOKEN_KINDS: [(&str, &str); 4] = [
+    ("input_tokens", "input"),
+    ("output_tokens", "output"),
+    ("cache_read_input_tokens", "cached"),
+    ("cache_creation_input_tokens", "cache_write"),
+];
+
+/// The price table, set once at start (`[[prices]]`), keyed by provider and model.
+static PRICES: OnceLock<std::collections::HashMap<(String, String), super::config::Price>> = OnceLock::new();
+
+/// Install the price table (the first call wins; one process, one configuration).
+pub fn set_prices(prices: &[super::config::Price]) {
+    let table = prices
+        .iter()
+        .map(|price| ((price.provider.clone(), price.model.clone()), price.clone()))
+        .collect();
+    let _ = PRICES.set(table);
+}
+
+/// A provider's usage report of one attempt: each count by kind, and its cost where the model
+/// is priced; `committed` whether its answer was committed (an uncommitted attempt is billed
+/// all the same).
+pub fn usage(labels: &(String, String), tenant: &str, committed: bool, usage: &serde_json::Value) {
+    let price = PRICES.get().and_then(|prices| prices.get(labels));
+    let mut dollars = 0.0;
+    for (field, kind) in TOKEN_KINDS {
+        if let Some(count) = usage[field].as_u64() {
+            tokens(labels, tenant, kind, committed, count);
+            if let Some(price) = price {
+                dollars += count as f64 * price.per_token(kind);
+            }
+        }
+    }
+    if price.is_some() {
+        cost(labels, tenant, committed, dollars);
+    }
+}
+
+/// Add `dollars` to a cost series: the running sum is kept as a float per series and the
+/// counter set to its whole millionths, so no fraction of a cent is lost across reports.
+fn cost(labels: &(String, String), tenant: &str, committed: bool, dollars: f64) {
+    type Key = (String, String, String, bool);
+    static SUMS: OnceLock<Mutex<std::collections::HashMap<Key, f64>>> = OnceLock::new();
+    let key = (labels.0.clone(), labels.1.clone(), tenant.to_owned(), committed);
+    let mut sums = SUMS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let sum = sums.entry(key).or_insert(0.0);
+    *sum += dollars;
+    let committed = if committed { "true" } else { "false" };
+    counter!(COST, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "committed" => committed)
+        .absolute((*sum * 1_000_000.0) as u64);
+}
+
+/// Input tokens counted by the gateway (an estimate beside the provider's own count).
+pub fn estimated_tokens(labels: &(String, String), tenant: &str, count: u64) {
+    counter!(ESTIMATED_TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => "input")
+        .increment(count);
+}
+
+/// Tokens of one kind the provider reported.
+fn tokens(labels: &(String, String), tenant: &str, kind: &'static str, committed: bool, count: u64) {
+    let committed = if committed { "true" } else { "false" };
+    counter!(TOKENS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "tenant" => tenant.to_owned(), "kind" => kind, "committed" => committed)
+        .increment(count);
+}
+
+/// A dispatch ended here with an error code told to its clients.
+pub fn dispatch_error(labels: &(String, String), code: &str) {
+    counter!(DISPATCH_ERRORS, "provider" => labels.0.clone(), "model" => labels.1.clone(), "code" => code.to_owned())
+        .increment(1);
+}
+
+/// Targets cooling down now.
+pub fn breaker_open(targets: usize) {
+    gauge!(BREAKER_OPEN).set(targets as f64);
 }

@@ -5,6 +5,7 @@
 //! recovery with a typed event to each client.
 
 pub mod api;
+pub mod attempts;
 pub mod breaker;
 pub mod budget;
 pub mod config;
@@ -321,6 +322,7 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
     }
     let address = config.check().map_err(Failure::config)?;
     let prometheus = metrics::install().map_err(Failure::config)?;
+    metrics::set_prices(&config.prices);
     let tracing_on = traces::install(&config).map_err(Failure::config)?;
     let ledger: Arc<dyn Ledger> = Arc::from(
         start::open_store(
@@ -490,10 +492,22 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
     {
         tracing::warn!(%error, "no warm-up thread; the first render loads the tokenizers");
     }
-    recover(&shared, &shared.holder.clone(), 0)
+    let recovered = recover(&shared, &shared.holder.clone(), 0)
         .await
         .map_err(Failure::store)?;
     tokio::spawn(sweep(shared.clone()));
+    tracing::info!(
+        target: "turnstile::start",
+        version = env!("CARGO_PKG_VERSION"),
+        commit = env!("TURNSTILE_COMMIT"),
+        replica_id = %shared.holder,
+        store = %redact(&config.store),
+        tenants = %config.tenants.iter().map(|tenant| tenant.name.as_str()).collect::<Vec<_>>().join(" "),
+        providers = %config.providers.keys().map(String::as_str).collect::<Vec<_>>().join(" "),
+        routes = config.routes.len(),
+        recovered,
+        "starting"
+    );
 
     let listener = listener::bind(address, config.listen_backlog)
         .map_err(|error| Failure::listen(format!("listen on {address}: {error}")))?;
@@ -507,7 +521,8 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
     );
     let drained = drain_after_signal(shared.clone(), Duration::from_millis(config.drain_timeout_ms));
     let drain = shared.drain.clone();
-    let mut app = api::harden(router(shared));
+    let in_flight = shared.clone();
+    let mut app = api::harden(router(shared)).layer(axum::middleware::from_fn(log_request));
     if let Some(control) = sim_control {
         app = app.merge(control);
     }
@@ -534,19 +549,81 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
         // Export what is queued before the process ends (bounded by the SDK's shutdown time).
         let _ = tokio::task::spawn_blocking(traces::shutdown).await;
     }
+    tracing::info!(
+        target: "turnstile::shutdown",
+        in_flight = %in_flight_ids(&in_flight).await,
+        "stopped"
+    );
     served
+}
+
+/// Operation ids of the dispatches this process still holds a client backlog for (at most
+/// [`IN_FLIGHT_LOGGED_MAX`], then a count of the rest), for the shutdown lines.
+async fn in_flight_ids(shared: &Shared) -> String {
+    let hubs = shared.hubs.lock().await;
+    let mut ids: Vec<&str> = hubs
+        .keys()
+        .map(String::as_str)
+        .take(IN_FLIGHT_LOGGED_MAX)
+        .collect();
+    ids.sort_unstable();
+    let mut line = ids.join(" ");
+    if hubs.len() > IN_FLIGHT_LOGGED_MAX {
+        line.push_str(&format!(" (+{} more)", hubs.len() - IN_FLIGHT_LOGGED_MAX));
+    }
+    line
+}
+
+/// Operation ids a shutdown line names at most.
+const IN_FLIGHT_LOGGED_MAX: usize = 64;
+
+/// One line per HTTP request the router answered: method, route (the matched pattern, never
+/// the ids in the path), status, time to the response head, and the operation id where the
+/// request names one (`/v1/dispatches/{operation_id}`, a proxy answer's
+/// `x-turnstile-operation-id`). Probes and scrapes (`/healthz`, `/livez`, `/readyz`,
+/// `/metrics`) at `debug`, so a scrape every few seconds does not drown the rest.
+async fn log_request(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let started = std::time::Instant::now();
+    let method = request.method().clone();
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
+    let named = (route == "/v1/dispatches/{operation_id}")
+        .then(|| request.uri().path().rsplit('/').next().map(str::to_owned))
+        .flatten();
+    let response = next.run(request).await;
+    let operation_id = response
+        .headers()
+        .get("x-turnstile-operation-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+        .or(named)
+        .unwrap_or_default();
+    let status = response.status().as_u16();
+    let duration_ms = started.elapsed().as_millis() as u64;
+    if matches!(route.as_str(), "/healthz" | "/livez" | "/readyz" | "/metrics") {
+        tracing::debug!(target: "turnstile::http", %method, %route, status, duration_ms, %operation_id, "request");
+    } else {
+        tracing::info!(target: "turnstile::http", %method, %route, status, duration_ms, %operation_id, "request");
+    }
+    response
 }
 
 /// Start-up recovery, before the listener opens: this process's (and any expired) live
 /// attempts become UNKNOWN, and each UNKNOWN dispatch gets a driver that resumes, replays or
 /// waits for the old attempt's lease before a new generation.
-async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> Result<(), String> {
+async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> Result<usize, String> {
     // Live attempts of `holder` (this replica's previous incarnation) and attempts of any
     // holder whose lease expired are presumed dead and become UNKNOWN.
     let recoverable =
         turnstile_store::drive::recoverable(shared.ledger.as_ref(), holder, now(), prepared_idle_ms)
             .await
             .map_err(|error| format!("recovery: {error}"))?;
+    let mut taken = 0;
     for found in recoverable {
         let operation_id = found.record().operation_id.clone();
         let hub = {
@@ -571,6 +648,15 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
         match api::context_for(shared, record, hub.clone()).await {
             Ok(ctx) => match attempt {
                 Some((unknown, spent, target)) => {
+                    taken += 1;
+                    tracing::info!(
+                        target: "turnstile::recovery",
+                        %operation_id,
+                        generation = unknown.generation.0,
+                        target,
+                        by = if holder == SWEEP_HOLDER { "sweep" } else { "start-up" },
+                        "taking over an interrupted dispatch"
+                    );
                     shared.drain.spawn(driver::drive_recovered(
                         shared.clone(),
                         ctx,
@@ -580,18 +666,19 @@ async fn recover(shared: &Arc<Shared>, holder: &str, prepared_idle_ms: u64) -> R
                     ));
                 }
                 None => {
-                    tracing::info!(%operation_id, "driving a PREPARED dispatch nobody drives");
+                    taken += 1;
+                    tracing::info!(target: "turnstile::recovery", %operation_id, "driving a PREPARED dispatch nobody drives");
                     shared.drain.spawn(driver::drive_new(shared.clone(), ctx));
                 }
             },
             Err(error) => {
                 shared.hubs.lock().await.remove(&operation_id);
                 hub.finish();
-                tracing::error!(%operation_id, ?error, "cannot recover");
+                tracing::error!(target: "turnstile::recovery", %operation_id, ?error, "cannot recover");
             }
         }
     }
-    Ok(())
+    Ok(taken)
 }
 
 /// Holder id no live lease uses: a sweep with it only finds expired leases.
@@ -654,7 +741,9 @@ async fn drain_after_signal(shared: Arc<Shared>, drain_timeout: Duration) {
     let drain = &shared.drain;
     drain.enter(drain::Phase::Draining);
     tracing::info!(
+        target: "turnstile::shutdown",
         running = drain.running(),
+        in_flight = %in_flight_ids(&shared).await,
         drain_timeout_ms = drain_timeout.as_millis() as u64,
         "shutdown signal: no new requests; live dispatches run on"
     );
@@ -664,7 +753,9 @@ async fn drain_after_signal(shared: Arc<Shared>, drain_timeout: Duration) {
     }
     drain.enter(drain::Phase::HandingOver);
     tracing::warn!(
+        target: "turnstile::shutdown",
         running = drain.running(),
+        in_flight = %in_flight_ids(&shared).await,
         "drain timeout passed: the dispatches left are handed to recovery"
     );
     if tokio::time::timeout(HAND_OVER_WAIT, drain.idle()).await.is_err() {

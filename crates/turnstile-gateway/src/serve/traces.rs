@@ -404,6 +404,18 @@ pub struct DispatchTrace {
     api: StreamApi,
 }
 
+/// Longest error body or retracted preview put on an attempt span (content capture only).
+pub const EVIDENCE_TEXT_MAX: usize = 4096;
+
+/// `text` cut to at most `max` bytes at a character boundary.
+fn cut_to(text: &str, max: usize) -> String {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
 /// The pump's handle on its dispatch's spans: `None` when traces are off (every method is then
 /// a no-op), so `driver.rs` calls it unconditionally.
 #[derive(Default)]
@@ -556,6 +568,54 @@ impl Hook {
         let mut headers = Vec::new();
         TraceContextPropagator::new().inject_context(&attempt.cx, &mut HeaderWriter(&mut headers));
         headers
+    }
+
+    /// The dispatch span's trace id (hex), for log lines; `None` when traces are off.
+    pub fn trace_id(&self) -> Option<String> {
+        let trace = self.0.as_ref()?;
+        Some(trace.dispatch.span().span_context().trace_id().to_string())
+    }
+
+    /// A connection's evidence (`attempts.rs`) on its attempt's span: request id,
+    /// `retry-after`, bytes and timings always; the provider's error body and the retracted
+    /// preview (which may echo message text) only under content capture, at most
+    /// [`EVIDENCE_TEXT_MAX`] bytes each.
+    pub fn evidence(&mut self, generation: u64, evidence: &Value) {
+        let Some(trace) = &mut self.0 else { return };
+        let capture = trace.capture_content;
+        let Some(attempt) = trace.attempts.get_mut(&generation) else {
+            return;
+        };
+        let span = attempt.cx.span();
+        if let Some(id) = evidence["provider_request_id"].as_str() {
+            span.set_attribute(KeyValue::new("turnstile.provider_request_id", id.to_owned()));
+        }
+        for (field, name) in [
+            ("retry_after_ms", "turnstile.retry_after_ms"),
+            ("bytes_received", "turnstile.bytes_received"),
+            ("head_ms", "turnstile.head_ms"),
+            ("first_byte_ms", "turnstile.first_byte_ms"),
+            ("duration_ms", "turnstile.duration_ms"),
+        ] {
+            if let Some(value) = evidence[field].as_u64() {
+                span.set_attribute(KeyValue::new(name, i64::try_from(value).unwrap_or(i64::MAX)));
+            }
+        }
+        if let Some(body) = evidence["error_body"].as_str() {
+            span.set_attribute(KeyValue::new("turnstile.error_body_bytes", body.len() as i64));
+            if capture {
+                span.set_attribute(KeyValue::new(
+                    "turnstile.error_body",
+                    cut_to(body, EVIDENCE_TEXT_MAX),
+                ));
+            }
+        }
+        if capture && let Some(text) = evidence["retracted_preview"]["text"].as_str() {
+            span.set_attribute(KeyValue::new(
+                "turnstile.retracted_preview",
+                cut_to(text, EVIDENCE_TEXT_MAX),
+            ));
+        }
     }
 
     /// What a provider connection reported (only heads and endings matter here).

@@ -12,6 +12,27 @@ use tokio::sync::mpsc;
 use turnstile_adapters::Api;
 use turnstile_adapters::decode::StreamApi;
 
+/// Longest provider request id kept (a header value past it is cut at a character boundary).
+pub const REQUEST_ID_BYTES_MAX: usize = 256;
+
+/// The headers providers name their request id in: OpenAI (`x-request-id`), Anthropic
+/// (`request-id`, provider-rules.md), Google (`x-goog-request-id`); the first present wins.
+const REQUEST_ID_HEADERS: [&str; 3] = ["x-request-id", "request-id", "x-goog-request-id"];
+
+/// The provider's request id of a response, bounded.
+fn request_id(headers: &reqwest::header::HeaderMap) -> Option<String> {
+    let value = REQUEST_ID_HEADERS
+        .iter()
+        .find_map(|name| headers.get(*name))?
+        .to_str()
+        .ok()?;
+    let mut end = value.len().min(REQUEST_ID_BYTES_MAX);
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(value[..end].to_owned())
+}
+
 /// What one attempt's connection reports, in order.
 #[derive(Debug)]
 pub enum TransportEvent {
@@ -21,6 +42,9 @@ pub enum TransportEvent {
         status: u16,
         /// Its `retry-after`, in milliseconds (delta-seconds only), if any.
         retry_after_ms: Option<u64>,
+        /// The provider's request id header (`x-request-id`, `request-id`,
+        /// `x-goog-request-id`), at most [`REQUEST_ID_BYTES_MAX`] bytes of it.
+        request_id: Option<String>,
     },
     /// Body bytes.
     Chunk(Bytes),
@@ -196,6 +220,7 @@ pub async fn perform(
                 .get(reqwest::header::RETRY_AFTER)
                 .and_then(|value| value.to_str().ok())
                 .and_then(super::breaker::retry_after_ms),
+            request_id: request_id(response.headers()),
         })
         .await
         .is_err()

@@ -274,6 +274,13 @@ fn error_response_saying(api: Api, status: u16, message: Option<&str>) -> Respon
         }
     }
     let mut response = (code, axum::Json(body)).into_response();
+    // A request id header, as OpenAI (`x-request-id`) sends one: the gateway keeps it as the
+    // attempt's evidence.
+    static ERRORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let number = ERRORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    if let Ok(value) = header::HeaderValue::from_str(&format!("req_sim_error_{number}")) {
+        response.headers_mut().insert("x-request-id", value);
+    }
     if status == 429 {
         response
             .headers_mut()

@@ -12,6 +12,7 @@ mod fencing;
 mod foreign;
 mod health;
 mod listener;
+mod observability;
 mod open_world;
 mod proxy;
 mod proxy_sdk;

@@ -24,7 +24,7 @@ pub fn wait_for<T>(limit: Duration, what: &str, mut probe: impl FnMut() -> Optio
     }
 }
 
-fn terminal(gateway: &Gateway, operation: &str) -> Value {
+pub fn terminal(gateway: &Gateway, operation: &str) -> Value {
     wait_for(Duration::from_secs(60), &format!("{operation} to end"), || {
         let dispatch = gateway.get(&format!("/v1/dispatches/{operation}"));
         let state = dispatch["state"].as_str().unwrap_or("").to_owned();
@@ -57,7 +57,7 @@ fn paths(sim: &SimProcess) -> Vec<String> {
 
 /// Start a streamed dispatch and return once the first preview arrived (the reader keeps the
 /// client's connection open).
-fn dispatch_until_preview(
+pub fn dispatch_until_preview(
     gateway: &Gateway,
     conversation: &str,
     body: Value,

@@ -57,6 +57,7 @@ suite!(
     quarantine_is_bounded_per_dispatch,
     a_tool_turn_appended_directly_closes_its_calls_in_the_ledger,
     migrations_apply_once_and_a_newer_schema_is_refused,
+    attempt_evidence_is_appended_alone_or_with_a_winning_commit_and_never_with_a_losing_one,
     an_import_writes_a_whole_legal_history_at_once_or_nothing,
     the_store_clock_is_the_database_s_own,
     a_live_attempt_past_its_lease_is_seen_as_stuck_by_the_store_s_clock,
@@ -905,6 +906,7 @@ async fn a_fresh_dispatch_s_prepare_and_commit_run_only_the_statements_they_need
         from: DispatchState::Dispatching,
         handle: Some("resp_c".to_owned()),
         bind: true,
+        evidence: Vec::new(),
     };
     let before = store.statements();
     let outcome = store
@@ -2536,7 +2538,7 @@ pub async fn migrations_apply_once_and_a_newer_schema_is_refused(backend: Backen
             let versions: i64 = connection
                 .query_row("SELECT COUNT(*) FROM schema_migrations", [], |row| row.get(0))
                 .unwrap();
-            assert_eq!(versions, migrations::latest());
+            assert_eq!(versions, migrations::MIGRATIONS.len() as i64);
             connection
                 .execute(
                     "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, 'future', 0)",
@@ -2559,7 +2561,7 @@ pub async fn migrations_apply_once_and_a_newer_schema_is_refused(backend: Backen
                 .await
                 .unwrap()
                 .get(0);
-            assert_eq!(versions, migrations::latest());
+            assert_eq!(versions, migrations::MIGRATIONS.len() as i64);
             client
                 .execute(
                     &format!("INSERT INTO {table} (version, name, applied_at) VALUES ($1, 'future', 0)"),
@@ -2728,6 +2730,7 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
         from: DispatchState::Dispatching,
         handle: Some(handle.to_owned()),
         bind: true,
+        evidence: Vec::new(),
     };
     let turn = assistant_turn("a", 1);
     assert_eq!(
@@ -2803,6 +2806,7 @@ pub async fn prepare_and_begin_is_one_write_and_the_commit_carries_sent_streamin
                     from: DispatchState::Unknown,
                     handle: None,
                     bind: true,
+                    evidence: Vec::new(),
                 },
                 at(16)
             )
@@ -3468,6 +3472,7 @@ async fn commit_walking_nothing(
         from: DispatchState::Dispatching,
         handle: None,
         bind: true,
+        evidence: Vec::new(),
     };
     let committed = store
         .commit_carrying(
@@ -3860,4 +3865,73 @@ async fn past_its_bound_the_writer_checkpoints_itself() {
         "the WAL still holds {} pages after {writes} writes",
         store.wal_pages()
     );
+}
+
+/// Issue 51: attempt evidence (what the provider's side of a connection showed) is appended by
+/// its own write or in a winning commit's transaction, read back per dispatch oldest first;
+/// a commit that loses writes none of what it carried.
+pub async fn attempt_evidence_is_appended_alone_or_with_a_winning_commit_and_never_with_a_losing_one(
+    backend: Backend,
+    name: &str,
+) {
+    let (_place, store) = open_fresh(backend, name).await;
+    conversation_at_1(&*store, "c").await;
+    let generation = began_at_once(&*store, "op", "c", 1, 10).await;
+    let rival = began_at_once(&*store, "op-rival", "c", 1, 11).await;
+    let failed = json!({"status": 503, "error_body": "overloaded", "provider_request_id": "req_1"});
+    store
+        .record_evidence("op", &[(generation, failed.clone())], at(12))
+        .await
+        .unwrap();
+    let writes = store.write_ops();
+    let won = json!({"status": 200, "end": "committed"});
+    let carried = Carried {
+        from: DispatchState::Dispatching,
+        handle: None,
+        bind: true,
+        evidence: vec![(generation, won.clone())],
+    };
+    let committed = store
+        .commit_carrying(
+            "op",
+            generation,
+            Revision(1),
+            &assistant_turn("a", 1),
+            None,
+            &carried,
+            at(20),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(committed, CommitOutcome::Committed { .. }),
+        "{committed:?}"
+    );
+    assert_eq!(
+        store.write_ops() - writes,
+        1,
+        "the evidence rode in the commit's write"
+    );
+    assert_eq!(
+        store.evidence("op").await.unwrap(),
+        vec![(generation, failed), (generation, won)]
+    );
+    let lost = Carried {
+        evidence: vec![(rival, json!({"status": 200}))],
+        ..carried
+    };
+    let refused = store
+        .commit_carrying(
+            "op-rival",
+            rival,
+            Revision(1),
+            &assistant_turn("b", 1),
+            None,
+            &lost,
+            at(21),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(refused, CommitOutcome::Refused(_)), "{refused:?}");
+    assert_eq!(store.evidence("op-rival").await.unwrap(), Vec::new());
 }

@@ -276,6 +276,7 @@ pub async fn commit_from_dispatching(
         from: DispatchState::Dispatching,
         handle: handle.map(str::to_owned),
         bind: true,
+        evidence: Vec::new(),
     };
     store
         .commit_carrying(
