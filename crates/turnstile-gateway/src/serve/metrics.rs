@@ -206,6 +206,10 @@ pub const HELP: &[(&str, &str)] = &[
         "Violations found in submitted turns or stored history, by violation code.",
     ),
     (TOOL_RESULT_ORPHANS, "Tool results for calls that are not open."),
+    (
+        HISTORY_REPAIRS,
+        "Changes made by applied history repairs, by cause and route (dry runs not counted).",
+    ),
     (TOOL_RESULT_DUPLICATES, "Second results for one tool call."),
     (
         DISPATCH_UNKNOWN_AGE,
