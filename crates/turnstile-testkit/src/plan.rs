@@ -67,6 +67,12 @@ pub enum FaultKind {
     /// timers, store answers and provider bytes wait, its connections stay open, shorter or
     /// longer than a lease.
     ReplicaPause,
+    /// One replica's store stopped answering for a while (a lock, a stuck disk, a failing-over
+    /// primary): its drivers' operations answer late, or `Failed` at the driver's
+    /// `store_wait_deadline`, shorter or longer than a lease (issue 49).
+    StoreStall,
+    /// A stalled write landed in the store after its driver had been told it failed.
+    StoreLateWrite,
 }
 
 impl FaultKind {
@@ -101,6 +107,8 @@ impl FaultKind {
             FaultKind::JsonAnswer => "json_answer",
             FaultKind::StorePartition => "store_partition",
             FaultKind::ReplicaPause => "replica_pause",
+            FaultKind::StoreStall => "store_stall",
+            FaultKind::StoreLateWrite => "store_late_write",
         }
     }
 }

@@ -79,6 +79,8 @@ pub const PROXY_SEEDS: f64 = 0.35;
 const PROXY_SEED_SALT: u64 = 0x7072_6f78_795f_7365;
 /// Virtual time one delivery may take.
 const DELIVERY_MS_MAX: u64 = 40;
+/// Salt of the store stall's own random stream ("stall").
+const STALL_SEED_SALT: u64 = 0x7374_616c_6c00_0000;
 
 /// How a world is set up besides its seed.
 #[derive(Clone, Copy, Debug, Default)]
@@ -137,6 +139,42 @@ pub(crate) struct Pause {
     pub(crate) replica: usize,
     pub(crate) from: u64,
     pub(crate) until: u64,
+}
+
+/// One replica's store stalled during `[from, until)` of the safety phase: every store
+/// operation its drivers issue then is answered when the store unblocks at `until` (applied, or
+/// lost with its connection), unless the driver's `store_wait_deadline` comes first.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StoreStall {
+    pub(crate) replica: usize,
+    pub(crate) from: u64,
+    pub(crate) until: u64,
+}
+
+/// A stalled store operation on its way: at `at` the store applies it (`lands`) or its
+/// connection is lost, whatever became of the driver that issued it.
+struct InFlight {
+    id: u64,
+    op_name: String,
+    replica: usize,
+    holder: String,
+    /// The issuing replica's clock when the operation was issued (the pump's `now()`).
+    issued: Timestamp,
+    op: StoreOp,
+    lands: bool,
+    at: u64,
+}
+
+/// A driver waiting for the answer to a stalled store operation (the gateway pump's
+/// `tokio::time::timeout(wait, performed)`).
+struct StoreWait {
+    op_name: String,
+    replica: usize,
+    in_flight: u64,
+    /// The driver's `store_wait_deadline`, in virtual time: then it is answered `Failed`.
+    deadline: Option<u64>,
+    /// The store's answer, once the operation landed or was lost.
+    answer: Option<StoreResult>,
 }
 
 /// One gateway process sharing the store.
@@ -226,6 +264,17 @@ pub struct World {
     pause_armed: Option<(usize, u64)>,
     /// The pause's own random stream.
     pauses: Rng,
+    /// The seed's store stall, once it started.
+    pub(crate) stall: Option<StoreStall>,
+    /// A stall still to start: its replica and length.
+    stall_armed: Option<(usize, u64)>,
+    /// The stall's own random stream.
+    stalls: Rng,
+    /// Stalled store operations not yet landed or lost.
+    in_flight: Vec<InFlight>,
+    in_flight_next: u64,
+    /// Drivers waiting for a stalled operation's answer.
+    store_waits: Vec<StoreWait>,
     pub(crate) bugs: Bugs,
     trace_on: bool,
     _dir: tempfile::TempDir,
@@ -344,6 +393,12 @@ impl World {
             pause_woken: false,
             pause_armed: None,
             pauses: Rng::new(0),
+            stall: None,
+            stall_armed: None,
+            stalls: Rng::new(0),
+            in_flight: Vec::new(),
+            in_flight_next: 0,
+            store_waits: Vec::new(),
             bugs: options.bugs,
             trace_on: options.trace,
             _dir: dir,
@@ -431,6 +486,19 @@ impl World {
             world.pause_armed = Some((pauses.index(REPLICAS), length));
         }
         world.pauses = pauses;
+        // The store stall, from a stream of its own as well.
+        let mut stalls = Rng::new(seed ^ STALL_SEED_SALT);
+        if stalls.chance(0.3) {
+            // Shorter than 3/10 of a lease (the real answer comes before the fence), or longer
+            // than a lease (the fence comes first: `Failed`, and the write may land later).
+            let length = if stalls.chance(0.4) {
+                1 + stalls.below(LEASE_MS * 3 / 10)
+            } else {
+                LEASE_MS + stalls.below(2 * LEASE_MS)
+            };
+            world.stall_armed = Some((stalls.index(REPLICAS), length));
+        }
+        world.stalls = stalls;
         world.witness = Some(world.open_store()?);
         world.trace(format!(
             "seed {seed}: adapter {} rounds {rounds} plan {:?}",
@@ -921,6 +989,10 @@ impl World {
             if self.maybe_crash(driver.replica) {
                 return;
             }
+            if self.waits_for_store(&driver.op, driver.replica) {
+                // Its pump awaits the stalled operation: nothing else of it runs meanwhile.
+                return;
+            }
         }
     }
 
@@ -1028,31 +1100,51 @@ impl World {
                 reason: None,
             };
         }
+        let now = self.local_now(driver.replica);
+        let holder = self.holder(driver.replica);
+        if let Some(until) = self.stalled_until(driver.replica) {
+            self.stall_store(driver, op, holder, now, until);
+            return;
+        }
+        let result = self.apply_store(driver.replica, &driver.op.clone(), &holder, now, &op, true);
+        driver.drive.handle_store(self.local_now(driver.replica), result);
+    }
+
+    /// Apply one store operation of `op_name`'s driver on `replica` (now, or late after a
+    /// stall). `seen`: its answer reaches the driver (a late write's does not).
+    fn apply_store(
+        &mut self,
+        replica: usize,
+        op_name: &str,
+        holder: &str,
+        now: Timestamp,
+        op: &StoreOp,
+        seen: bool,
+    ) -> StoreResult {
+        self.dirty = true;
         if let StoreOp::AbandonAndRearm {
             generation,
             provider_word: Some(word),
             ..
-        } = &op
+        } = op
             && word == "connection_closed"
         {
-            let key = (driver.op.clone(), generation.0);
-            let incarnation = self.replicas[driver.replica].incarnation;
+            let key = (op_name.to_owned(), generation.0);
+            let incarnation = self.replicas[replica].incarnation;
             let only_opener = self.history.opened_by.get(&key).is_some_and(|openers| {
-                openers.len() == 1 && openers.contains(&(driver.replica, incarnation))
+                openers.len() == 1 && openers.contains(&(replica, incarnation))
             });
             let none_open = !self
                 .conns
                 .values()
                 .chain(self.limbo.iter())
-                .any(|conn| conn.op == driver.op && conn.generation == *generation && !conn.probe);
+                .any(|conn| conn.op == op_name && conn.generation == *generation && !conn.probe);
             if only_opener && none_open {
                 self.history.closed_by_opener.insert(key);
             }
         }
         // Faults on reads as well as writes.
         self.arm_store_fault();
-        let now = self.local_now(driver.replica);
-        let holder = self.holder(driver.replica);
         self.sync_store_clock();
         if self.bugs.replica_clock_fencing {
             // Planted defect: leases judged by the calling replica's own clock.
@@ -1061,11 +1153,11 @@ impl World {
         let result = {
             let ledger = self.ledger();
             self.rt.block_on(turnstile_store::drive::perform(
-                ledger, &holder, &driver.op, &op, now,
+                ledger, holder, op_name, op, now,
             ))
         };
         self.sync_store_clock();
-        match (&op, &result) {
+        match (op, &result) {
             (
                 StoreOp::BindHandle { generation, handle }
                 | StoreOp::Commit {
@@ -1075,10 +1167,15 @@ impl World {
                 },
                 StoreResult::BindRefused,
             ) => {
-                self.history.bind_refusals += if self.bugs.miscount_foreign_handles { 2 } else { 1 };
+                if seen {
+                    self.history.bind_refusals += if self.bugs.miscount_foreign_handles { 2 } else { 1 };
+                } else {
+                    // Counted by the store; no driver saw it.
+                    self.history.bind_ambiguous += 1;
+                }
                 self.trace(format!(
-                    "{} g{} handle {handle} refused (foreign)",
-                    driver.op, generation.0
+                    "{op_name} g{} handle {handle} refused (foreign)",
+                    generation.0
                 ));
             }
             (
@@ -1086,14 +1183,149 @@ impl World {
                 StoreResult::Failed(error),
             ) => {
                 self.history.bind_ambiguous += 1;
-                self.trace(format!("{} bind_handle failed: {error}", driver.op));
+                self.trace(format!("{op_name} bind_handle failed: {error}"));
             }
             (_, StoreResult::Failed(error)) => {
-                self.trace(format!("{} store error: {error}", driver.op));
+                self.trace(format!("{op_name} store error: {error}"));
             }
             _ => {}
         }
+        result
+    }
+
+    /// The end of `replica`'s store stall while its store stalls now (safety phase only).
+    pub(crate) fn stalled_until(&self, replica: usize) -> Option<u64> {
+        self.stall
+            .filter(|stall| {
+                self.phase == Phase::Safety
+                    && stall.replica == replica
+                    && (stall.from..stall.until).contains(&self.now)
+            })
+            .map(|stall| stall.until)
+    }
+
+    /// A store operation issued into a stall: it is on its way until the store unblocks; the
+    /// driver waits for it, as the gateway's pump does, until its `store_wait_deadline`.
+    fn stall_store(&mut self, driver: &SimDriver, op: StoreOp, holder: String, issued: Timestamp, until: u64) {
+        let id = self.in_flight_next;
+        self.in_flight_next += 1;
+        let lands = self.stalls.chance(0.7);
+        let deadline = driver
+            .drive
+            .store_wait_deadline()
+            .map(|at| self.to_virtual(driver.replica, at).max(self.now));
+        self.trace(format!(
+            "{} store stalled on replica {} until {until} (lands: {lands}, deadline {deadline:?}): {op:?}",
+            driver.op, driver.replica
+        ));
+        self.in_flight.push(InFlight {
+            id,
+            op_name: driver.op.clone(),
+            replica: driver.replica,
+            holder,
+            issued,
+            op,
+            lands,
+            at: until,
+        });
+        self.store_waits.push(StoreWait {
+            op_name: driver.op.clone(),
+            replica: driver.replica,
+            in_flight: id,
+            deadline,
+            answer: None,
+        });
+    }
+
+    /// The driver `op_name` on `replica` waits for a stalled store operation.
+    fn waits_for_store(&self, op_name: &str, replica: usize) -> bool {
+        self.store_waits
+            .iter()
+            .any(|wait| wait.op_name == op_name && wait.replica == replica)
+    }
+
+    /// When the next stalled operation lands, or the next waiting driver is answered (a paused
+    /// replica's pump runs when it wakes).
+    fn next_stall_event(&self) -> Option<u64> {
+        let lands = self.in_flight.iter().map(|flight| flight.at);
+        let answers = self.store_waits.iter().filter_map(|wait| {
+            let resumes = self.paused_until(wait.replica).unwrap_or(0);
+            match (&wait.answer, wait.deadline) {
+                (Some(_), _) => Some(self.now.max(resumes)),
+                (None, Some(deadline)) => Some(deadline.max(resumes)),
+                (None, None) => None,
+            }
+        });
+        lands.chain(answers).min()
+    }
+
+    /// The next due stall event: a stalled operation lands (or its connection is lost), or a
+    /// waiting driver gets its answer (the store's, or `Failed` at its deadline).
+    fn stall_event(&mut self) {
+        self.dirty = true;
+        if let Some(index) = self.in_flight.iter().position(|flight| flight.at <= self.now) {
+            let flight = self.in_flight.remove(index);
+            let waiting = self
+                .store_waits
+                .iter()
+                .position(|wait| wait.in_flight == flight.id && wait.answer.is_none());
+            let result = if flight.lands {
+                if waiting.is_none() {
+                    self.report.fault(FaultKind::StoreLateWrite);
+                }
+                self.trace(format!(
+                    "{} stalled store operation lands (driver {}): {:?}",
+                    flight.op_name,
+                    if waiting.is_some() { "waiting" } else { "gone" },
+                    flight.op
+                ));
+                self.apply_store(
+                    flight.replica,
+                    &flight.op_name,
+                    &flight.holder,
+                    flight.issued,
+                    &flight.op,
+                    waiting.is_some(),
+                )
+            } else {
+                self.trace(format!("{} stalled store operation lost", flight.op_name));
+                StoreResult::Failed("the store connection was lost during a stall".into())
+            };
+            if let Some(index) = waiting {
+                self.store_waits[index].answer = Some(result);
+            }
+            return;
+        }
+        let now = self.now;
+        let Some(index) = self.store_waits.iter().position(|wait| {
+            let resumes = self.paused_until(wait.replica).unwrap_or(0);
+            match (&wait.answer, wait.deadline) {
+                (Some(_), _) => resumes <= now,
+                (None, Some(deadline)) => deadline.max(resumes) <= now,
+                (None, None) => false,
+            }
+        }) else {
+            return;
+        };
+        let wait = self.store_waits.remove(index);
+        let result = wait.answer.unwrap_or_else(|| {
+            StoreResult::Failed("the store did not answer before this replica's lease ends".into())
+        });
+        self.trace(format!(
+            "{} on replica {}: stalled store answer {result:?}",
+            wait.op_name, wait.replica
+        ));
+        let Some(index) = self
+            .drivers
+            .iter()
+            .position(|driver| driver.op == wait.op_name && driver.replica == wait.replica)
+        else {
+            return;
+        };
+        let mut driver = self.drivers.swap_remove(index);
         driver.drive.handle_store(self.local_now(driver.replica), result);
+        self.pump(&mut driver);
+        self.drivers.push(driver);
     }
 
     fn open(
@@ -1263,6 +1495,7 @@ impl World {
         self.conns
             .iter()
             .filter(|(_, conn)| !conn.hang && self.paused_until(conn.replica).is_none())
+            .filter(|(_, conn)| !self.waits_for_store(&conn.op, conn.replica))
             .map(|(id, _)| *id)
             .collect()
     }
@@ -1400,6 +1633,8 @@ impl World {
             }
         }
         self.drivers.retain(|driver| driver.replica != replica);
+        // Its pumps died with it; their stalled operations may still land.
+        self.store_waits.retain(|wait| wait.replica != replica);
         self.proxy_events_end(None, replica, true);
         let conns = std::mem::take(&mut self.conns);
         for (id, conn) in conns {
@@ -1531,6 +1766,29 @@ impl World {
             self.report.fault(FaultKind::ReplicaPause);
             self.trace(format!("replica {replica} pauses for {length} ms"));
         }
+        if let Some((replica, length)) = self.stall_armed
+            && self.phase == Phase::Safety
+            && self.conns.values().any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
+            && self.stalls.chance(0.25)
+        {
+            // It starts while the replica reads a provider stream: its renewals and writes then
+            // meet the store wait deadline.
+            self.stall_armed = None;
+            self.stall = Some(StoreStall {
+                replica,
+                from: self.now,
+                until: self.now + length,
+            });
+            self.report.fault(FaultKind::StoreStall);
+            self.trace(format!("the store stalls for replica {replica} for {length} ms"));
+        }
+        let stall_at = self.next_stall_event();
+        if let Some(at) = stall_at
+            && at <= self.now
+        {
+            self.stall_event();
+            return true;
+        }
         if let Some(pause) = self.pause
             && !self.pause_woken
             && (self.now >= pause.until || self.phase != Phase::Safety)
@@ -1543,6 +1801,7 @@ impl World {
                 .conns
                 .iter()
                 .find(|(_, conn)| conn.replica == pause.replica && !conn.hang && conn.connection.is_some())
+                .filter(|(_, conn)| !self.waits_for_store(&conn.op, conn.replica))
                 .map(|(id, _)| *id);
             if let Some(id) = waiting {
                 self.trace(format!("replica {} wakes from its pause: a read first", pause.replica));
@@ -1566,6 +1825,11 @@ impl World {
             .filter(|(_, index)| {
                 !(self.bugs.no_lease_timer && self.drivers[*index].drive.state() == DispatchState::Unknown)
             })
+            // A driver awaiting a stalled store operation is answered by `stall_event`.
+            .filter(|(_, index)| {
+                let driver = &self.drivers[*index];
+                !self.waits_for_store(&driver.op, driver.replica)
+            })
             .min();
         let sweep = self.next_sweep();
         let ids = self.deliverable();
@@ -1585,6 +1849,20 @@ impl World {
             let id = ids[self.rng.index(ids.len())];
             self.now += self.rng.below(DELIVERY_MS_MAX);
             self.deliver(id);
+            return true;
+        }
+        if let Some(at) = stall_at
+            && due.is_none_or(|(due_at, _)| at <= due_at)
+            && sweep.is_none_or(|(sweep_at, _)| at <= sweep_at)
+        {
+            let wakes = self
+                .pause
+                .filter(|pause| !self.pause_woken && self.now < pause.until && at >= pause.until)
+                .map(|pause| pause.until);
+            self.now = wakes.unwrap_or(at).max(self.now);
+            if wakes.is_none() {
+                self.stall_event();
+            }
             return true;
         }
         // Time that runs past the end of a pause stops there first: the woken replica's first
@@ -1653,7 +1931,9 @@ impl World {
             .filter(|replica| !self.dead(*replica))
             .map(|replica| {
                 let resumes = self.paused_until(replica).unwrap_or(0);
-                (self.replicas[replica].sweep_at.max(resumes), replica)
+                // A sweep's store reads wait out a stall of its replica's store.
+                let unstalls = self.stalled_until(replica).unwrap_or(0);
+                (self.replicas[replica].sweep_at.max(resumes).max(unstalls), replica)
             })
             .min()
     }

@@ -84,6 +84,8 @@ fn two_thousand_seeded_fault_schedules_break_no_invariant() {
         "clock_skew",
         "client_retry",
         "executor_crash",
+        "store_stall",
+        "store_late_write",
     ] {
         assert!(
             summary
