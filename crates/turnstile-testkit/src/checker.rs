@@ -213,7 +213,10 @@ impl World {
             self.report.violate(
                 step,
                 Invariant::StaleGenerationRead,
-                format!("{op}: {what} of g{} after g{newer} was sent (now {})", generation.0, self.now),
+                format!(
+                    "{op}: {what} of g{} after g{newer} was sent (now {})",
+                    generation.0, self.now
+                ),
             );
         }
     }

@@ -556,7 +556,9 @@ impl World {
     pub(crate) fn paused_until(&self, replica: usize) -> Option<u64> {
         self.pause
             .filter(|pause| {
-                self.phase == Phase::Safety && pause.replica == replica && (pause.from..pause.until).contains(&self.now)
+                self.phase == Phase::Safety
+                    && pause.replica == replica
+                    && (pause.from..pause.until).contains(&self.now)
             })
             .map(|pause| pause.until)
     }
@@ -1131,9 +1133,11 @@ impl World {
         {
             let key = (op_name.to_owned(), generation.0);
             let incarnation = self.replicas[replica].incarnation;
-            let only_opener = self.history.opened_by.get(&key).is_some_and(|openers| {
-                openers.len() == 1 && openers.contains(&(replica, incarnation))
-            });
+            let only_opener = self
+                .history
+                .opened_by
+                .get(&key)
+                .is_some_and(|openers| openers.len() == 1 && openers.contains(&(replica, incarnation)));
             let none_open = !self
                 .conns
                 .values()
@@ -1152,9 +1156,8 @@ impl World {
         }
         let result = {
             let ledger = self.ledger();
-            self.rt.block_on(turnstile_store::drive::perform(
-                ledger, holder, op_name, op, now,
-            ))
+            self.rt
+                .block_on(turnstile_store::drive::perform(ledger, holder, op_name, op, now))
         };
         self.sync_store_clock();
         match (op, &result) {
@@ -1206,7 +1209,14 @@ impl World {
 
     /// A store operation issued into a stall: it is on its way until the store unblocks; the
     /// driver waits for it, as the gateway's pump does, until its `store_wait_deadline`.
-    fn stall_store(&mut self, driver: &SimDriver, op: StoreOp, holder: String, issued: Timestamp, until: u64) {
+    fn stall_store(
+        &mut self,
+        driver: &SimDriver,
+        op: StoreOp,
+        holder: String,
+        issued: Timestamp,
+        until: u64,
+    ) {
         let id = self.in_flight_next;
         self.in_flight_next += 1;
         let lands = self.stalls.chance(0.7);
@@ -1754,7 +1764,10 @@ impl World {
         self.drivers.retain(|driver| !driver.drive.is_finished());
         if let Some((replica, length)) = self.pause_armed
             && self.phase == Phase::Safety
-            && self.conns.values().any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
+            && self
+                .conns
+                .values()
+                .any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
             && self.pauses.chance(0.25)
         {
             self.pause_armed = None;
@@ -1768,7 +1781,10 @@ impl World {
         }
         if let Some((replica, length)) = self.stall_armed
             && self.phase == Phase::Safety
-            && self.conns.values().any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
+            && self
+                .conns
+                .values()
+                .any(|conn| conn.replica == replica && conn.connection.is_some() && !conn.probe)
             && self.stalls.chance(0.25)
         {
             // It starts while the replica reads a provider stream: its renewals and writes then
@@ -1804,7 +1820,10 @@ impl World {
                 .filter(|(_, conn)| !self.waits_for_store(&conn.op, conn.replica))
                 .map(|(id, _)| *id);
             if let Some(id) = waiting {
-                self.trace(format!("replica {} wakes from its pause: a read first", pause.replica));
+                self.trace(format!(
+                    "replica {} wakes from its pause: a read first",
+                    pause.replica
+                ));
                 self.deliver(id);
                 return true;
             }
@@ -1933,7 +1952,10 @@ impl World {
                 let resumes = self.paused_until(replica).unwrap_or(0);
                 // A sweep's store reads wait out a stall of its replica's store.
                 let unstalls = self.stalled_until(replica).unwrap_or(0);
-                (self.replicas[replica].sweep_at.max(resumes).max(unstalls), replica)
+                (
+                    self.replicas[replica].sweep_at.max(resumes).max(unstalls),
+                    replica,
+                )
             })
             .min()
     }

@@ -1435,7 +1435,11 @@ pub(crate) async fn hub_for(
                 match context_with(shared, record.clone(), hub.clone(), prepared_from, no_fallbacks).await {
                     Ok(ctx) => {
                         match began {
-                            Some(began) => shared.drain.spawn(driver::drive_begun(shared.clone(), ctx, began)),
+                            Some(began) => {
+                                shared
+                                    .drain
+                                    .spawn(driver::drive_begun(shared.clone(), ctx, began))
+                            }
                             None => shared.drain.spawn(driver::drive_new(shared.clone(), ctx)),
                         };
                         Some(hub)

@@ -599,7 +599,10 @@ impl Config {
             }
         }
         for (index, tenant) in self.tenants.iter().enumerate() {
-            if self.tenants[..index].iter().any(|earlier| earlier.name == tenant.name) {
+            if self.tenants[..index]
+                .iter()
+                .any(|earlier| earlier.name == tenant.name)
+            {
                 return Err(format!("tenant {:?} is named twice", tenant.name));
             }
             // A tenant name is a store-id prefix ending in `~`: a `~` (or anything outside a

@@ -385,8 +385,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
             describe_gauge!(*name, *help);
         }
     }
-    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("TURNSTILE_COMMIT"))
-        .set(1.0);
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("TURNSTILE_COMMIT")).set(1.0);
     counter!(LABEL_OVERFLOW, "label" => "model").absolute(0);
     gauge!(BREAKER_OPEN).set(0.0);
     for code in ViolationCode::ALL {

@@ -415,11 +415,17 @@ pub async fn run(flags: Flags) -> Result<(), start::Failure> {
             (None, None) => unreachable!("Config::check refuses a tenant without a token"),
         };
         if token.is_empty() {
-            return Err(Failure::config(format!("tenant {:?}: its token is empty", tenant.name)));
+            return Err(Failure::config(format!(
+                "tenant {:?}: its token is empty",
+                tenant.name
+            )));
         }
         // Two tenants with one token: the first would answer for both (a client of one acting
         // as the other). Refused, whatever put them there (a chart's colliding variables).
-        if let Some((_, first)) = tenants.iter().find(|(known, _): &&(String, String)| *known == token) {
+        if let Some((_, first)) = tenants
+            .iter()
+            .find(|(known, _): &&(String, String)| *known == token)
+        {
             return Err(Failure::config(format!(
                 "tenants {first:?} and {:?} have the same token: each tenant needs its own",
                 tenant.name
@@ -812,10 +818,19 @@ mod tests {
         assert_eq!(forward_clock(&ahead, start_wall, 0), start_wall);
         assert_eq!(forward_clock(&ahead, start_wall + 400, 400), start_wall + 400);
         // Stepped back 1,000 s, 600 ms of monotonic time later: 1,000 ms after the start.
-        assert_eq!(forward_clock(&ahead, start_wall + 1_000 - 1_000_000, 1_000), start_wall + 1_000);
+        assert_eq!(
+            forward_clock(&ahead, start_wall + 1_000 - 1_000_000, 1_000),
+            start_wall + 1_000
+        );
         // Stepped forward 60 s: the reading follows at once, then runs on monotonically.
-        assert_eq!(forward_clock(&ahead, start_wall + 61_100, 1_100), start_wall + 61_100);
-        assert_eq!(forward_clock(&ahead, start_wall + 1_200, 1_200), start_wall + 61_200);
+        assert_eq!(
+            forward_clock(&ahead, start_wall + 61_100, 1_100),
+            start_wall + 61_100
+        );
+        assert_eq!(
+            forward_clock(&ahead, start_wall + 1_200, 1_200),
+            start_wall + 61_200
+        );
     }
     use turnstile_adapters::render::RenderCache;
 
